@@ -1,0 +1,91 @@
+"""from_pretrained / parallelize / save_pretrained, and the AutoModel* drop-ins.
+
+The returned object is the ordinary transformers model (``generate`` and friends work as is);
+only its parameters are local shards and its ``save_pretrained`` gathers them back.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+import transformers
+from accelerate import init_empty_weights
+from torch import nn
+
+from .loading import load_weights
+from .mesh import Mesh, get_mesh
+from .parallelize import ShardPlan, install, shard_plan
+from .plan import resolve_plan
+from .saving import save_sharded
+
+
+@dataclass
+class ParallelState:
+    """What a loaded model remembers so it can be saved back in its source's form."""
+
+    mesh: Mesh
+    shard: ShardPlan
+    source_keys: dict[str, str]  # parameter name -> checkpoint key it was read from
+
+
+def resolve_dtype(dtype, config) -> torch.dtype:
+    if dtype in (None, "auto"):
+        dtype = getattr(config, "dtype", None) or torch.float32
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    return dtype
+
+
+def build_empty(auto_class, config, dtype: torch.dtype) -> nn.Module:
+    """The model with parameters on the meta device (buffers such as RoPE tables stay real)."""
+    with init_empty_weights(include_buffers=False):
+        model = auto_class.from_config(config, dtype=dtype)
+    return model
+
+
+def from_pretrained(auto_class, path: str, *, tp_plan="auto", dtype=None, tp_size: int | None = None, device_map=None, **config_kwargs):
+    if device_map is not None:
+        raise ValueError("tp_plan and device_map cannot be combined: tensor parallelism places every shard on its own rank")
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"{path!r} is not a local checkpoint directory (hf_parallel reads checkpoints from disk)")
+    mesh = get_mesh(tp_size)
+    config = transformers.AutoConfig.from_pretrained(path, **config_kwargs)
+    dtype = resolve_dtype(dtype, config)
+    model = build_empty(auto_class, config, dtype)
+    plan = resolve_plan(model, tp_plan)
+    shard = shard_plan(model, plan, mesh)
+    source_keys = load_weights(model, path, shard, dtype)
+    install(model, shard)
+    model.eval()
+    model._hf_parallel = ParallelState(mesh, shard, source_keys)
+    model.save_pretrained = functools.partial(save_pretrained, model)
+    try:
+        model.generation_config = transformers.GenerationConfig.from_pretrained(path)
+    except OSError:
+        pass
+    return model
+
+
+def save_pretrained(model, save_directory: str, *, max_shard_size="50GB", **_ignored) -> None:
+    """Call on every rank: gathers each tensor to rank 0, which writes the full checkpoint."""
+    save_sharded(model, save_directory, max_shard_size=max_shard_size)
+
+
+class _AutoDropIn:
+    _auto_class = None
+
+    @classmethod
+    def from_pretrained(cls, path, *args, **kwargs):
+        """``transformers.<Auto>.from_pretrained`` with ``tp_plan`` sharding over torchrun's ranks."""
+        return from_pretrained(cls._auto_class, path, *args, **kwargs)
+
+
+class AutoModelForCausalLM(_AutoDropIn):
+    _auto_class = transformers.AutoModelForCausalLM
+
+
+class AutoModel(_AutoDropIn):
+    _auto_class = transformers.AutoModel

@@ -1,0 +1,55 @@
+"""The tensor-parallel process group, created from the torchrun environment.
+
+Deep code never reads the environment: it receives a ``Mesh``. Outside torchrun (no WORLD_SIZE)
+the mesh is a single rank with no process group, and every collective is the identity.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Mesh:
+    group: object | None
+    rank: int
+    world_size: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def barrier(self) -> None:
+        if self.group is not None:
+            dist.barrier(group=self.group)
+
+
+def default_timeout() -> datetime.timedelta:
+    return datetime.timedelta(seconds=float(os.environ.get("HF_PARALLEL_TIMEOUT", "600")))
+
+
+def get_mesh(tp_size: int | None = None, timeout: datetime.timedelta | None = None) -> Mesh:
+    """Join (or create) the default process group; gloo on CPU, nccl on CUDA."""
+    if not dist.is_initialized():
+        if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+            if tp_size not in (None, 1):
+                raise ValueError(f"tp_size={tp_size} was asked for, but this process was not started by torchrun (WORLD_SIZE is unset or 1)")
+            return Mesh(None, 0, 1, torch.device("cpu"))
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend=backend, timeout=timeout or default_timeout())
+    world_size = dist.get_world_size()
+    if tp_size not in (None, world_size):
+        raise ValueError(f"tp_size={tp_size} was asked for, but the process group has world size {world_size}")
+    rank = dist.get_rank()
+    device = torch.device("cpu")
+    if torch.cuda.is_available() and dist.get_backend() == "nccl":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+        torch.cuda.set_device(device)
+    group = dist.group.WORLD if world_size > 1 else None
+    return Mesh(group, rank, world_size, device)

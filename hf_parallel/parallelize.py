@@ -1,0 +1,113 @@
+"""Apply a plan to a model: decide every parameter's layout, then install the hooks.
+
+``shard_plan`` is pure bookkeeping (works on the meta device, reads no weight), so the dry run
+(`hf-parallel plan`) and the loader see exactly the same layouts. ``install`` runs after the
+local weights are in place.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+from torch import nn
+
+from . import attention
+from .heads import HeadSplit, head_split_from_config
+from .layout import Layout, replicated
+from .mesh import Mesh
+from .plan import Plan, Rule, tie_embedding_rules
+from .styles import ShardContext
+
+
+@dataclass
+class ShardedParam:
+    name: str  # first name of the parameter in model.named_parameters()
+    aliases: tuple[str, ...]  # every name the same tensor has (tied weights)
+    layout: Layout
+    rule: Rule | None
+    full_shape: tuple[int, ...]
+
+
+@dataclass
+class ShardPlan:
+    plan: Plan
+    mesh: Mesh
+    heads: HeadSplit | None
+    rules: dict[str, Rule]  # module path -> rule
+    contexts: dict[str, ShardContext]  # module path -> context its style runs with
+    layouts: dict[str, dict[str, Layout]]  # module path -> its parameters' layouts (full shapes)
+    params: dict[str, ShardedParam]  # every name (aliases included) -> entry
+
+    def unique_params(self) -> list[ShardedParam]:
+        seen, out = set(), []
+        for entry in self.params.values():
+            if entry.name not in seen:
+                seen.add(entry.name)
+                out.append(entry)
+        return out
+
+
+def _kv_group(heads: HeadSplit | None, mesh: Mesh):
+    """The subgroup of ranks sharing this rank's (replicated) KV head; every rank must create all."""
+    if heads is None or heads.kv_replicas == 1 or mesh.group is None:
+        return None
+    mine = None
+    for ranks in heads.kv_replica_groups():
+        group = dist.new_group(ranks)
+        if mesh.rank in ranks:
+            mine = group
+    return mine
+
+
+def shard_plan(model: nn.Module, plan: Plan, mesh: Mesh) -> ShardPlan:
+    rules = plan.assign(model)
+    tie_embedding_rules(model, rules)
+    heads = head_split_from_config(model.config, mesh.world_size)
+    kv_group = _kv_group(heads, mesh)
+    modules = dict(model.named_modules())
+    contexts = {}
+    for path in rules:
+        parent = modules[path.rpartition(".")[0]] if "." in path else model
+        in_attention = heads is not None and attention.is_attention(parent)
+        contexts[path] = ShardContext(mesh, heads if in_attention else None, kv_group)
+
+    layouts = {path: rule.style.layouts(modules[path], contexts[path], path) for path, rule in rules.items()}
+    aliases: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(param), []).append(name)
+    params = {}
+    for name, param in model.named_parameters():
+        names = tuple(aliases[id(param)])
+        layout, rule = None, None
+        for alias in names:
+            path, _, attr = alias.rpartition(".")
+            if path not in rules:
+                continue
+            found = layouts[path].get(attr)
+            if found is None:
+                rule = rule or rules[path]
+                continue
+            if layout is not None and found != layout:
+                raise ValueError(f"tied parameters {names} get different layouts from rules {rule.pattern!r} and {rules[path].pattern!r}")
+            layout, rule = found, rules[path]
+        layout = layout or replicated(mesh.world_size)
+        for alias in names:
+            layout.local_shape(tuple(param.shape), 0)  # impossible split: error before any weight is read
+            params[alias] = ShardedParam(names[0], names, layout, rule, tuple(param.shape))
+    return ShardPlan(plan, mesh, heads, rules, contexts, layouts, params)
+
+
+def install(model: nn.Module, shard: ShardPlan) -> None:
+    """Wrap forwards with collectives and give attention modules their local head counts."""
+    modules = dict(model.named_modules())
+    for path, rule in shard.rules.items():
+        rule.style.install(modules[path], shard.contexts[path], path, shard.layouts[path])
+    if shard.heads is None or shard.mesh.world_size == 1:
+        return
+    for path, module in modules.items():
+        if not attention.is_attention(module):
+            continue
+        roles = {child: shard.rules[f"{path}.{child}"].style_name for child, _ in module.named_children() if f"{path}.{child}" in shard.rules}
+        if any(style != "replicated" for style in roles.values()):
+            attention.localize(module, shard.heads, shard.mesh.rank, roles)

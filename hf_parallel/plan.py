@@ -1,0 +1,174 @@
+"""Plans: wildcard rules mapping module paths to parallel styles, and where they come from.
+
+A rule ``layers.*.self_attn.q_proj`` matches a module path of the loaded model either in full
+(``model.layers.0.self_attn.q_proj``) or relative to the base model (after ``model.``), as
+transformers' ``base_model_tp_plan`` is written. ``*`` matches exactly one path component. When
+several rules match a module the most specific wins (fewest wildcards, then most literal
+components), whatever the order of the dict; a tie between different styles is an error.
+
+``tp_plan="auto"`` resolves, in order: a curated file in ``plans/`` (or one registered with
+``register_plan``) for the config's ``model_type``, then transformers' ``base_model_tp_plan`` and
+the model class's ``_tp_plan``.
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+import warnings
+from dataclasses import dataclass, field
+from importlib import resources
+
+from torch import nn
+
+from .styles import ParallelStyle, get_style
+
+_COMPONENT = re.compile(r"^(\*|[A-Za-z0-9_]+)$")
+
+
+@dataclass(frozen=True)
+class Rule:
+    pattern: str
+    style_name: str
+    source: str
+
+    @property
+    def style(self) -> ParallelStyle:
+        return get_style(self.style_name, self.pattern)
+
+    @property
+    def specificity(self) -> tuple[int, int]:
+        parts = self.pattern.split(".")
+        return (-parts.count("*"), len(parts))
+
+    def matches(self, candidates) -> bool:
+        regex = _compile(self.pattern)
+        return any(regex.fullmatch(path) for path in candidates)
+
+
+def _compile(pattern: str) -> re.Pattern:
+    return re.compile(r"\.".join("[^.]+" if part == "*" else re.escape(part) for part in pattern.split(".")))
+
+
+def validate_rule(pattern: str, style_name: str, source: str) -> Rule:
+    if not isinstance(pattern, str) or not all(_COMPONENT.match(part) for part in pattern.split(".")):
+        raise ValueError(
+            f"malformed plan rule {pattern!r} (from {source}): use dot-separated module names, "
+            "with '*' standing for exactly one whole component, e.g. 'layers.*.self_attn.q_proj'"
+        )
+    if not isinstance(style_name, str):
+        raise ValueError(f"plan rule {pattern!r} (from {source}): the style must be a name, got {style_name!r}")
+    get_style(style_name, pattern)  # unknown style: error now, before any weight is read
+    return Rule(pattern, style_name, source)
+
+
+@dataclass
+class Plan:
+    rules: list[Rule]
+    source: str
+    base_prefix: str = ""
+    used: set = field(default_factory=set)
+
+    def rule_for(self, path: str) -> Rule | None:
+        candidates = [path]
+        if self.base_prefix and path.startswith(self.base_prefix + "."):
+            candidates.append(path[len(self.base_prefix) + 1 :])
+        hits = [rule for rule in self.rules if rule.matches(candidates)]
+        if not hits:
+            return None
+        best = max(rule.specificity for rule in hits)
+        top = {rule.style_name: rule for rule in hits if rule.specificity == best}
+        if len(top) > 1:
+            names = ", ".join(f"{r.pattern!r} -> {r.style_name}" for r in top.values())
+            raise ValueError(f"module {path!r} is matched equally well by conflicting plan rules: {names}")
+        rule = next(iter(top.values()))
+        self.used.add(rule.pattern)
+        return rule
+
+    def assign(self, model: nn.Module) -> dict[str, Rule]:
+        """Module path -> rule for every module a rule matches; warns about rules that match none."""
+        assigned = {}
+        for path, _ in model.named_modules():
+            rule = self.rule_for(path) if path else None
+            if rule is not None:
+                assigned[path] = rule
+        for rule in self.rules:
+            if rule.pattern not in self.used:
+                warnings.warn(f"plan rule {rule.pattern!r} ({rule.style_name}, from {rule.source}) matches no module of {type(model).__name__}", stacklevel=3)
+        return assigned
+
+
+# model_type -> (rules, source); filled from plans/*.toml on first use, extended by register_plan
+_REGISTERED: dict[str, tuple[dict[str, str], str]] = {}
+_FILES_LOADED = False
+
+
+def register_plan(model_type: str, rules: dict[str, str], *, source: str = "register_plan") -> None:
+    """Use ``rules`` for ``tp_plan="auto"`` on every model whose config has this model_type."""
+    for pattern, style_name in rules.items():
+        validate_rule(pattern, style_name, source)
+    _curated()  # files first, so a user registration overrides a shipped file
+    _REGISTERED[model_type] = (dict(rules), source)
+
+
+def _curated() -> dict[str, tuple[dict[str, str], str]]:
+    global _FILES_LOADED
+    if not _FILES_LOADED:
+        _FILES_LOADED = True
+        for entry in sorted(resources.files("hf_parallel.plans").iterdir(), key=lambda e: e.name):
+            if entry.name.endswith(".toml"):
+                data = tomllib.loads(entry.read_text())
+                for model_type in data["model_types"]:
+                    _REGISTERED.setdefault(model_type, (data["rules"], f"plans/{entry.name}"))
+    return _REGISTERED
+
+
+def curated_plan_for(model_type: str):
+    return _curated().get(model_type)
+
+
+def resolve_plan(model: nn.Module, tp_plan) -> Plan:
+    """Turn ``tp_plan`` ("auto", a registered model_type name, or a dict) into validated rules."""
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    if isinstance(tp_plan, dict):
+        rules, source = tp_plan, "user tp_plan"
+    elif tp_plan == "auto":
+        model_type = getattr(model.config, "model_type", None)
+        found = curated_plan_for(model_type)
+        if found is not None:
+            rules, source = found
+        else:
+            rules = dict(getattr(model.config, "base_model_tp_plan", None) or {})
+            rules.update(getattr(model, "_tp_plan", None) or {})
+            source = f"transformers {type(model.config).__name__}.base_model_tp_plan"
+            if not rules:
+                raise ValueError(
+                    f"no tensor-parallel plan for model_type {model_type!r}: plans/ has no file for it and transformers "
+                    "ships none; pass tp_plan={...} or register one with hf_parallel.register_plan"
+                )
+    elif isinstance(tp_plan, str) and curated_plan_for(tp_plan) is not None:
+        rules, source = curated_plan_for(tp_plan)
+    else:
+        raise ValueError(f"tp_plan must be 'auto', a registered model_type or a dict of rules, got {tp_plan!r}")
+    return Plan([validate_rule(p, s, source) for p, s in rules.items()], source, prefix)
+
+
+def tie_embedding_rules(model: nn.Module, assigned: dict[str, Rule]) -> None:
+    """Tied input/output embeddings share one tensor, so they must share one vocab split:
+    give the unplanned side the matching style (embedding_rowwise / colwise_gather_output)."""
+    inp, out = model.get_input_embeddings(), model.get_output_embeddings()
+    if inp is None or out is None or inp.weight is not out.weight:
+        return
+    names = {module: path for path, module in model.named_modules()}
+    inp_path, out_path = names[inp], names[out]
+    inp_rule, out_rule = assigned.get(inp_path), assigned.get(out_path)
+    vocab_split = {"colwise", "colwise_gather_output", "embedding_rowwise"}
+    if out_rule and out_rule.style_name in vocab_split and not inp_rule:
+        assigned[inp_path] = Rule(inp_path, "embedding_rowwise", f"tied to {out_path}")
+    elif inp_rule and inp_rule.style_name == "embedding_rowwise" and not out_rule:
+        assigned[out_path] = Rule(out_path, "colwise_gather_output", f"tied to {inp_path}")
+    elif inp_rule and out_rule and (inp_rule.style_name in vocab_split) != (out_rule.style_name in vocab_split):
+        raise ValueError(
+            f"{inp_path} and {out_path} share one tied weight but their rules split it differently: "
+            f"{inp_rule.pattern!r} -> {inp_rule.style_name}, {out_rule.pattern!r} -> {out_rule.style_name}"
+        )

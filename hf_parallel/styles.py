@@ -1,0 +1,312 @@
+"""ParallelStyle: the layouts of a module's parameters and the collectives around its forward.
+
+    Y = XW,  W = [W_1 .. W_p]  (colwise):   Y_r = copy_to(X) W_r          -> local Y_r
+    Y = XW,  W = [W_1; .. W_p] (rowwise):   Y   = reduce_from(X_r W_r) + b
+
+A style never reads weights: ``layouts`` says which slice of each parameter a rank holds, and
+``install`` wraps the module's forward on plain local tensors. Styles are looked up by name in
+``STYLES``; users add their own with ``register_style``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import comm
+from .heads import HeadSplit
+from .layout import Layout, even_sizes, packed, per_rank, replicated, sizes_to_ranges
+from .mesh import Mesh
+
+
+@dataclass(frozen=True)
+class ShardContext:
+    """What a style needs to know beyond the module: ranks, and head alignment if in attention."""
+
+    mesh: Mesh
+    heads: HeadSplit | None = None  # set for modules inside an attention block
+    kv_group: object | None = None  # ranks holding the same (replicated) KV head as this rank
+
+    @property
+    def group(self):
+        return self.mesh.group
+
+
+def is_conv1d(module: nn.Module) -> bool:
+    """transformers' Conv1D (GPT-2 family) stores its weight transposed: [in, out]."""
+    return type(module).__name__ == "Conv1D"
+
+
+def out_dim(module: nn.Module) -> int:
+    return 1 if is_conv1d(module) else 0
+
+
+def in_dim(module: nn.Module) -> int:
+    return 0 if is_conv1d(module) else 1
+
+
+def split_ranges(size: int, ctx: ShardContext, name: str) -> list[tuple[int, int]]:
+    """Per-rank ranges of a dim of ``size`` elements.
+
+    Inside attention the split follows whole heads (q, kv, or per-head fused qkv); elsewhere it
+    is as even as possible."""
+    heads, ws = ctx.heads, ctx.mesh.world_size
+    if heads is None:
+        return sizes_to_ranges(even_sizes(size, ws))
+    hd = heads.head_dim
+    scaled = lambda ranges, unit: [(a * unit, b * unit) for a, b in ranges]  # noqa: E731
+    if size == heads.num_heads * hd:
+        return scaled(heads.q_ranges, hd)
+    if size == heads.num_kv_heads * hd:
+        return scaled(heads.kv_ranges, hd)
+    if size == 3 * heads.num_heads * hd and heads.num_heads == heads.num_kv_heads:
+        return scaled(heads.q_ranges, 3 * hd)  # per-head fused [q_h k_h v_h] (GPT-NeoX)
+    raise ValueError(
+        f"{name}: cannot align a dim of {size} to attention heads "
+        f"(heads={heads.num_heads}, kv_heads={heads.num_kv_heads}, head_dim={hd})"
+    )
+
+
+def packed_layout(dim: int, size: int, ctx: ShardContext, name: str, num_blocks: int = 2) -> Layout:
+    """q|k|v blocks (sizes from the heads) inside attention, else ``num_blocks`` equal blocks."""
+    heads = ctx.heads
+    if heads is not None and size == (heads.num_heads + 2 * heads.num_kv_heads) * heads.head_dim:
+        hd = heads.head_dim
+        q = [(a * hd, b * hd) for a, b in heads.q_ranges]
+        kv = [(a * hd, b * hd) for a, b in heads.kv_ranges]
+        return packed(dim, [heads.num_heads * hd, heads.num_kv_heads * hd, heads.num_kv_heads * hd], [q, kv, kv])
+    if size % num_blocks:
+        raise ValueError(f"{name}: packed dim of {size} does not split into {num_blocks} equal blocks")
+    block = size // num_blocks
+    ranges = sizes_to_ranges(even_sizes(block, ctx.mesh.world_size))
+    return packed(dim, [block] * num_blocks, [ranges] * num_blocks)
+
+
+def _grad_all_reduce(param: nn.Parameter, group) -> None:
+    """Sum this parameter's gradient over ``group`` (each rank saw part of the data)."""
+    if group is not None and not getattr(param, "_hfp_grad_hooked", False):
+        param.register_hook(lambda grad: comm.all_reduce(grad, group))
+        param._hfp_grad_hooked = True
+
+
+def _matmul(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return x @ module.weight if is_conv1d(module) else F.linear(x, module.weight)
+
+
+class ParallelStyle:
+    """Base: replicated parameters, forward unchanged."""
+
+    def layouts(self, module: nn.Module, ctx: ShardContext, name: str) -> dict[str, Layout]:
+        return {}
+
+    def install(self, module: nn.Module, ctx: ShardContext, name: str, layouts: dict[str, Layout]) -> None:
+        """Wrap ``module`` (already holding its local shards, as ``layouts`` describe)."""
+
+    def __repr__(self) -> str:
+        return type(self).__name__
+
+
+class Replicated(ParallelStyle):
+    pass
+
+
+class ReplicatedWithGradAllReduce(ParallelStyle):
+    """Weights replicated, but each rank sees only its heads or tokens: sum the gradients."""
+
+    def install(self, module, ctx, name, layouts):
+        for param in module.parameters(recurse=False):
+            _grad_all_reduce(param, ctx.group)
+
+
+class Colwise(ParallelStyle):
+    """Y_r = copy_to(X) W_r^T + b_r; the output stays sharded on its last dim."""
+
+    gather_output = False
+    packed = False
+
+    def _layout(self, module, ctx, name) -> Layout:
+        dim = out_dim(module)
+        size = module.weight.shape[dim]
+        if self.packed:
+            return packed_layout(dim, size, ctx, name)
+        return per_rank(dim, split_ranges(size, ctx, name))
+
+    def layouts(self, module, ctx, name):
+        weight = self._layout(module, ctx, name)
+        out = {"weight": weight}
+        if getattr(module, "bias", None) is not None:
+            out["bias"] = Layout(0, weight.ranges, weight.kind)
+        return out
+
+    def install(self, module, ctx, name, layouts):
+        group = ctx.group
+        layout = layouts["weight"]
+        sizes = [layout.local_size(r) for r in range(layout.world_size)]
+        if layout.has_replicas:  # each replica of a KV head saw only its share of the query heads
+            for param in module.parameters(recurse=False):
+                _grad_all_reduce(param, ctx.kv_group)
+        module.register_forward_pre_hook(lambda m, args: (comm.copy_to(args[0], group), *args[1:]))
+        if self.gather_output:
+            module.register_forward_hook(lambda m, args, out: comm.gather_from(out, -1, sizes, group))
+
+
+class ColwiseGatherOutput(Colwise):
+    gather_output = True
+
+
+class PackedColwise(Colwise):
+    packed = True
+
+
+class Rowwise(ParallelStyle):
+    """Y = reduce_from(X_r W_r^T) + b; the bias is added once, after the sum."""
+
+    split_input = False
+    packed = False
+
+    def _layout(self, module, ctx, name) -> Layout:
+        dim = in_dim(module)
+        size = module.weight.shape[dim]
+        if self.packed:
+            return packed_layout(dim, size, ctx, name)
+        return per_rank(dim, split_ranges(size, ctx, name))
+
+    def layouts(self, module, ctx, name):
+        return {"weight": self._layout(module, ctx, name)}
+
+    def install(self, module, ctx, name, layouts):
+        group = ctx.group
+        layout = layouts["weight"]
+        sizes = [layout.local_size(r) for r in range(layout.world_size)]
+        split_input = self.split_input
+
+        def forward(x, *args, **kwargs):
+            if split_input:
+                x = comm.scatter_to(x, -1, sizes, group)
+            y = comm.reduce_from(_matmul(module, x), group)
+            return y if module.bias is None else y + module.bias
+
+        module.forward = forward
+
+
+class RowwiseSplitInput(Rowwise):
+    split_input = True
+
+
+class PackedRowwise(Rowwise):
+    packed = True
+
+
+class EmbeddingRowwise(ParallelStyle):
+    """Vocab-parallel lookup: each rank embeds the ids in its vocab range, zeros the rest, all-reduce."""
+
+    def layouts(self, module, ctx, name):
+        return {"weight": per_rank(0, sizes_to_ranges(even_sizes(module.weight.shape[0], ctx.mesh.world_size)))}
+
+    def install(self, module, ctx, name, layouts):
+        group = ctx.group
+        start, stop = layouts["weight"].ranges[ctx.mesh.rank][0]
+
+        def mask_ids(m, args):
+            ids = args[0]
+            outside = (ids < start) | (ids >= stop)
+            m._hfp_outside = outside
+            return ((ids - start).masked_fill(outside, 0), *args[1:])
+
+        def reduce(m, args, out):
+            out = out.masked_fill(m._hfp_outside.unsqueeze(-1), 0)
+            del m._hfp_outside
+            return comm.reduce_from(out, group)
+
+        module.register_forward_pre_hook(mask_ids)
+        module.register_forward_hook(reduce)
+
+
+class EmbeddingColwise(ParallelStyle):
+    """Hidden-dim-parallel lookup: each rank embeds its slice of the hidden dim, then all-gather."""
+
+    def layouts(self, module, ctx, name):
+        return {"weight": per_rank(1, sizes_to_ranges(even_sizes(module.weight.shape[1], ctx.mesh.world_size)))}
+
+    def install(self, module, ctx, name, layouts):
+        layout = layouts["weight"]
+        sizes = [layout.local_size(r) for r in range(layout.world_size)]
+        module.register_forward_hook(lambda m, args, out: comm.gather_from(out, -1, sizes, ctx.group))
+
+
+class SequenceParallel(ParallelStyle):
+    """Run the module on this rank's slice of the sequence (dim 1), gather it back after.
+
+    Parameters are replicated and their gradients summed, since each rank saw only its tokens."""
+
+    def install(self, module, ctx, name, layouts):
+        group, ws = ctx.group, ctx.mesh.world_size
+        state = {}
+
+        def scatter(m, args):
+            x = args[0]
+            state["sizes"] = even_sizes(x.shape[1], ws)
+            return (comm.scatter_to(x, 1, state["sizes"], group), *args[1:])
+
+        module.register_forward_pre_hook(scatter)
+        module.register_forward_hook(lambda m, args, out: comm.gather_from(out, 1, state["sizes"], group))
+        for param in module.parameters(recurse=False):
+            _grad_all_reduce(param, group)
+
+
+class ShardedRMSNorm(ParallelStyle):
+    """RMSNorm over a dim that is sharded like its input (OLMo-2's q_norm over all heads):
+    the mean of squares is summed across ranks, so no all-gather of the activations is needed."""
+
+    def layouts(self, module, ctx, name):
+        return {"weight": per_rank(0, split_ranges(module.weight.shape[0], ctx, name))}
+
+    def install(self, module, ctx, name, layouts):
+        full = max(stop for rank in layouts["weight"].ranges for _, stop in rank)
+        eps = getattr(module, "variance_epsilon", getattr(module, "eps", 1e-6))
+        group = ctx.group
+
+        def forward(hidden_states):
+            dtype = hidden_states.dtype
+            x = hidden_states.to(torch.float32)
+            variance = comm.all_reduce_sum(x.pow(2).sum(-1, keepdim=True), group) / full
+            x = x * torch.rsqrt(variance + eps)
+            return (module.weight * x).to(dtype)
+
+        module.forward = forward
+
+
+STYLES: dict[str, ParallelStyle] = {
+    "replicated": Replicated(),
+    "replicated_with_grad_allreduce": ReplicatedWithGradAllReduce(),
+    "colwise": Colwise(),
+    "colwise_gather_output": ColwiseGatherOutput(),
+    "packed_colwise": PackedColwise(),
+    "rowwise": Rowwise(),
+    "rowwise_split_input": RowwiseSplitInput(),
+    "packed_rowwise": PackedRowwise(),
+    "embedding_rowwise": EmbeddingRowwise(),
+    "embedding_colwise": EmbeddingColwise(),
+    "sequence_parallel": SequenceParallel(),
+    "sharded_rmsnorm": ShardedRMSNorm(),
+}
+
+
+def register_style(name: str, style: ParallelStyle, *, overwrite: bool = False) -> None:
+    """Make ``style`` usable by name in plans."""
+    if not isinstance(style, ParallelStyle):
+        raise TypeError(f"register_style({name!r}): expected a ParallelStyle instance, got {type(style).__name__}")
+    if name in STYLES and not overwrite:
+        raise ValueError(f"style {name!r} is already registered; pass overwrite=True to replace it")
+    STYLES[name] = style
+
+
+def get_style(name: str, rule: str = "") -> ParallelStyle:
+    try:
+        return STYLES[name]
+    except KeyError:
+        where = f" (rule {rule!r})" if rule else ""
+        raise ValueError(f"unknown parallel style {name!r}{where}; registered styles: {', '.join(sorted(STYLES))}") from None
