@@ -43,6 +43,7 @@ def build_empty(auto_class, config, dtype: torch.dtype) -> nn.Module:
     """The model with parameters on the meta device (buffers such as RoPE tables stay real)."""
     with init_empty_weights(include_buffers=False):
         model = auto_class.from_config(config, dtype=dtype)
+    model.tie_weights()  # accelerate's meta init re-creates parameters, which unties them
     return model
 
 

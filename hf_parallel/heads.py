@@ -1,12 +1,15 @@
 """Head-aligned splits of attention, computed once from the config and shared by q/k/v/o.
 
-Three regimes, for H query heads, K key/value heads and tp ranks:
+For H query heads in K key/value groups (g = H/K query heads per group) over tp ranks:
 
-- ``K % tp == 0``: every rank holds K/tp whole KV groups (and their H/K query heads each).
-- ``tp > K`` and ``tp % K == 0``: KV heads are replicated (vLLM's ``num_kv_head_replicas``);
-  rank r holds KV head ``r // (tp/K)`` and its share of that group's query heads.
-- otherwise: uneven whole groups (DeepSpeed's ``K // tp + (r < K % tp)``); a rank may hold
-  none, and then its attention contributes zero (``idle``).
+- ``tp <= K``: whole groups, as evenly as possible (DeepSpeed's ``K // tp + (r < K % tp)``);
+  each rank keeps whole KV heads and all of their query heads.
+- ``tp > K``: every rank holds exactly one KV head, replicated over the ranks that share its
+  group (vLLM's ``num_kv_head_replicas``, generalised to ``tp`` not divisible by K: groups get
+  ``tp // K`` or one more replicas), and the group's query heads are split among those replicas.
+
+No rank is ever left without heads (9 heads / 3 KV groups over 4 ranks gives 2, 1, 3, 3 query
+heads), so every rank runs the unmodified attention code and the same collectives.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ class HeadSplit:
     num_kv_heads: int
     head_dim: int
     q_ranges: tuple[tuple[int, int], ...]  # per rank, in heads
-    kv_ranges: tuple[tuple[int, int], ...]  # per rank, in heads (may overlap when replicated)
+    kv_ranges: tuple[tuple[int, int], ...]  # per rank, in heads (equal ranges: a replicated KV head)
 
     @property
     def world_size(self) -> int:
@@ -36,40 +39,31 @@ class HeadSplit:
         start, stop = self.kv_ranges[rank]
         return stop - start
 
-    def idle(self, rank: int) -> bool:
-        return self.local_q(rank) == 0
-
-    @property
-    def kv_replicas(self) -> int:
-        """How many ranks hold each KV head (1 unless KV heads are replicated)."""
-        replicated = self.world_size > self.num_kv_heads and self.world_size % self.num_kv_heads == 0
-        return self.world_size // self.num_kv_heads if replicated else 1
-
     def kv_replica_groups(self) -> list[list[int]]:
-        """Ranks that hold the same KV head; their KV weight gradients must be summed."""
+        """Ranks holding the same KV head (more than one: their KV weight gradients must be summed)."""
         groups: dict[tuple[int, int], list[int]] = {}
         for rank, kv in enumerate(self.kv_ranges):
             groups.setdefault(kv, []).append(rank)
-        return list(groups.values())
+        return [ranks for ranks in groups.values() if len(ranks) > 1]
 
 
 def split_heads(num_heads: int, num_kv_heads: int, head_dim: int, world_size: int) -> HeadSplit:
     if num_heads % num_kv_heads:
         raise ValueError(f"num_attention_heads={num_heads} is not a multiple of num_key_value_heads={num_kv_heads}")
+    if world_size > num_heads:
+        raise ValueError(
+            f"tp={world_size} exceeds num_attention_heads={num_heads}: every rank needs at least one attention head"
+        )
     group = num_heads // num_kv_heads
-    if world_size > num_kv_heads and world_size % num_kv_heads == 0:
-        replicas = world_size // num_kv_heads
-        q_in_group = even_sizes(group, replicas)
-        kv_ranges, q_ranges = [], []
-        for rank in range(world_size):
-            kv, replica = divmod(rank, replicas)
-            start = kv * group + sum(q_in_group[:replica])
-            kv_ranges.append((kv, kv + 1))
-            q_ranges.append((start, start + q_in_group[replica]))
+    if world_size <= num_kv_heads:
+        kv_ranges = sizes_to_ranges(even_sizes(num_kv_heads, world_size))
+        q_ranges = [(start * group, stop * group) for start, stop in kv_ranges]
         return HeadSplit(num_heads, num_kv_heads, head_dim, tuple(q_ranges), tuple(kv_ranges))
-    kv_sizes = even_sizes(num_kv_heads, world_size)
-    kv_ranges = sizes_to_ranges(kv_sizes)
-    q_ranges = [(start * group, stop * group) for start, stop in kv_ranges]
+    kv_ranges, q_ranges = [], []
+    for kv, replicas in enumerate(even_sizes(world_size, num_kv_heads)):
+        for start, stop in sizes_to_ranges(even_sizes(group, replicas)):
+            kv_ranges.append((kv, kv + 1))
+            q_ranges.append((kv * group + start, kv * group + stop))
     return HeadSplit(num_heads, num_kv_heads, head_dim, tuple(q_ranges), tuple(kv_ranges))
 
 

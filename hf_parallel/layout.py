@@ -38,13 +38,10 @@ class Layout:
     def is_replicated(self) -> bool:
         return self.dim is None
 
-    @property
-    def has_replicas(self) -> bool:
-        """Whether some element is held by more than one rank (replicated KV heads)."""
-        held = [r for rank in self.ranges for r in rank]
-        return self.dim is not None and any(
-            a[0] < b[1] and b[0] < a[1] for i, a in enumerate(held) for b in held[i + 1 :]
-        )
+    def replica_counts(self, rank: int) -> list[int]:
+        """For each of ``rank``'s pieces, how many ranks hold that same piece (replicated KV heads)."""
+        held = [piece for pieces in self.ranges for piece in pieces]
+        return [held.count(piece) for piece in self.ranges[rank]]
 
     def local_size(self, rank: int) -> int:
         return sum(stop - start for start, stop in self.ranges[rank])

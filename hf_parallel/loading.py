@@ -17,6 +17,7 @@ from safetensors import safe_open
 from torch import nn
 from tqdm.auto import tqdm
 
+from .keys import param_names_for_keys
 from .parallelize import ShardPlan
 
 SINGLE_FILE = "model.safetensors"
@@ -62,17 +63,17 @@ def load_weights(model: nn.Module, path: str, shard: ShardPlan, dtype: torch.dty
     Returns parameter name -> checkpoint key, which saving uses to write the source's names."""
     files = checkpoint_files(path)
     rank = shard.mesh.rank
+    key_of = param_names_for_keys(model, files)
     source_keys, missing = {}, []
     for entry in shard.unique_params():
-        key = next((alias for alias in entry.aliases if alias in files), None)
+        key = next((key_of[alias] for alias in entry.aliases if alias in key_of), None)
         if key is None:
             missing.append(entry.name)
         source_keys[entry.name] = key
     if missing:
         raise ValueError(f"{path}: checkpoint is missing {len(missing)} parameter(s) the model needs: {', '.join(missing[:20])}")
-    buffers = {name for name, _ in model.named_buffers() if name in files}
-    used = {key for key in source_keys.values()} | buffers
-    unexpected = sorted(set(files) - used - {a for e in shard.unique_params() for a in e.aliases})
+    buffers = {name: key_of[name] for name, _ in model.named_buffers() if name in key_of}
+    unexpected = sorted(set(files) - set(source_keys.values()) - set(buffers.values()))
     if unexpected:
         warnings.warn(f"{path}: {len(unexpected)} checkpoint key(s) match no parameter and are ignored: {', '.join(unexpected[:20])}", stacklevel=3)
 
@@ -96,8 +97,8 @@ def load_weights(model: nn.Module, path: str, shard: ShardPlan, dtype: torch.dty
             param = nn.Parameter(local, requires_grad=old.requires_grad)
             for alias in entry.aliases:
                 _set_tensor(model, alias, param)
-        for name in buffers:
+        for name, key in buffers.items():
             old = model.get_buffer(name)
-            value = handle(files[name]).get_tensor(name)
+            value = handle(files[key]).get_tensor(key)
             _set_tensor(model, name, value.to(device=shard.mesh.device, dtype=old.dtype if old.is_floating_point() else value.dtype))
     return source_keys

@@ -50,7 +50,7 @@ class ShardPlan:
 
 def _kv_group(heads: HeadSplit | None, mesh: Mesh):
     """The subgroup of ranks sharing this rank's (replicated) KV head; every rank must create all."""
-    if heads is None or heads.kv_replicas == 1 or mesh.group is None:
+    if heads is None or mesh.group is None:
         return None
     mine = None
     for ranks in heads.kv_replica_groups():
@@ -108,6 +108,6 @@ def install(model: nn.Module, shard: ShardPlan) -> None:
     for path, module in modules.items():
         if not attention.is_attention(module):
             continue
-        roles = {child: shard.rules[f"{path}.{child}"].style_name for child, _ in module.named_children() if f"{path}.{child}" in shard.rules}
-        if any(style != "replicated" for style in roles.values()):
-            attention.localize(module, shard.heads, shard.mesh.rank, roles)
+        children = [f"{path}.{child}" for child, _ in module.named_children()]
+        if any(not shard.layouts.get(child, {}).get("weight", replicated(1)).is_replicated for child in children):
+            attention.localize(module, shard.heads, shard.mesh.rank)

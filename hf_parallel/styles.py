@@ -92,6 +92,27 @@ def _grad_all_reduce(param: nn.Parameter, group) -> None:
         param._hfp_grad_hooked = True
 
 
+def _sum_replicated_grads(param: nn.Parameter, layout: Layout, rank: int, group) -> None:
+    """Sum, over the ranks sharing them, the gradient rows of pieces held by several ranks
+    (a replicated KV head: each replica saw only its share of the query heads)."""
+    counts = layout.replica_counts(rank)
+    if group is None or layout.dim is None or max(counts, default=1) == 1:
+        return
+    offsets = [sum(stop - start for start, stop in layout.ranges[rank][:i]) for i in range(len(counts))]
+    shared = [(offset, stop - start) for offset, (start, stop), count in zip(offsets, layout.ranges[rank], counts) if count > 1]
+
+    def hook(grad):
+        grad = grad.clone()
+        summed = comm.all_reduce(torch.cat([grad.narrow(layout.dim, o, n) for o, n in shared], layout.dim), group)
+        done = 0
+        for offset, length in shared:
+            grad.narrow(layout.dim, offset, length).copy_(summed.narrow(layout.dim, done, length))
+            done += length
+        return grad
+
+    param.register_hook(hook)
+
+
 def _matmul(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return x @ module.weight if is_conv1d(module) else F.linear(x, module.weight)
 
@@ -145,9 +166,8 @@ class Colwise(ParallelStyle):
         group = ctx.group
         layout = layouts["weight"]
         sizes = [layout.local_size(r) for r in range(layout.world_size)]
-        if layout.has_replicas:  # each replica of a KV head saw only its share of the query heads
-            for param in module.parameters(recurse=False):
-                _grad_all_reduce(param, ctx.kv_group)
+        for attr, param_layout in layouts.items():
+            _sum_replicated_grads(getattr(module, attr), param_layout, ctx.mesh.rank, ctx.kv_group)
         module.register_forward_pre_hook(lambda m, args: (comm.copy_to(args[0], group), *args[1:]))
         if self.gather_output:
             module.register_forward_hook(lambda m, args, out: comm.gather_from(out, -1, sizes, group))
@@ -265,14 +285,18 @@ class ShardedRMSNorm(ParallelStyle):
         return {"weight": per_rank(0, split_ranges(module.weight.shape[0], ctx, name))}
 
     def install(self, module, ctx, name, layouts):
-        full = max(stop for rank in layouts["weight"].ranges for _, stop in rank)
+        layout = layouts["weight"]
+        full = max(stop for rank in layout.ranges for _, stop in rank)
         eps = getattr(module, "variance_epsilon", getattr(module, "eps", 1e-6))
         group = ctx.group
+        # a replicated (KV) piece must count once in the sum of squares, not once per replica
+        weights = torch.cat([torch.full((stop - start,), 1.0 / count) for (start, stop), count in zip(layout.ranges[ctx.mesh.rank], layout.replica_counts(ctx.mesh.rank))])
+        _sum_replicated_grads(module.weight, layout, ctx.mesh.rank, ctx.kv_group)
 
         def forward(hidden_states):
             dtype = hidden_states.dtype
             x = hidden_states.to(torch.float32)
-            variance = comm.all_reduce_sum(x.pow(2).sum(-1, keepdim=True), group) / full
+            variance = comm.all_reduce_sum((x.pow(2) * weights.to(x.device)).sum(-1, keepdim=True), group) / full
             x = x * torch.rsqrt(variance + eps)
             return (module.weight * x).to(dtype)
 

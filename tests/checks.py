@@ -1,0 +1,28 @@
+"""Assertions shared by tests."""
+
+import os
+
+import torch
+from safetensors import safe_open
+
+
+def read_checkpoint(path: str) -> dict[str, torch.Tensor]:
+    from hf_parallel.loading import checkpoint_files
+
+    out = {}
+    for key, file in checkpoint_files(path).items():
+        with safe_open(file, framework="pt") as f:
+            out[key] = f.get_tensor(key)
+    return out
+
+
+def assert_same_checkpoint(source: str, saved: str) -> None:
+    """Key for key, dtype for dtype, bit for bit."""
+    want, got = read_checkpoint(source), read_checkpoint(saved)
+    assert sorted(got) == sorted(want), f"keys differ: missing {set(want) - set(got)}, extra {set(got) - set(want)}"
+    for key in want:
+        assert got[key].dtype == want[key].dtype, key
+        assert torch.equal(got[key], want[key]), f"{key} differs after save"
+    assert os.path.isfile(os.path.join(saved, "config.json"))
+    leftovers = [n for n in os.listdir(saved) if n.endswith(".tmp")]
+    assert not leftovers, leftovers

@@ -1,0 +1,38 @@
+"""Every tiny architecture at TP=2, 3, 4 against single-process transformers (fp32)."""
+
+import pytest
+from checks import assert_same_checkpoint
+from tiny_models import ARCHS
+
+TOL = 1e-5
+# all-reduces per forward beyond the 2 per decoder layer (o_proj, down_proj) + 1 (vocab-parallel embedding)
+EXTRA_ALL_REDUCES_PER_LAYER = {"olmo2": 2}  # q_norm / k_norm reduce their mean of squares
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_logits_and_grads_match_single_process(tp_results, arch, world_size):
+    ranks, _ = tp_results(world_size)
+    for rank, results in enumerate(ranks):
+        r = results[arch]
+        assert r["logits"] < TOL, f"rank {rank}: logits differ by {r['logits']}"
+        assert not r["missing_grads"], f"rank {rank}: no gradient for {r['missing_grads']}"
+        assert r["grads"] < TOL, f"rank {rank}: gradients differ by {r['grads']}"
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_collectives_per_forward(tp_results, arch, world_size):
+    ranks, _ = tp_results(world_size)
+    for results in ranks:
+        r = results[arch]
+        per_layer = 2 + EXTRA_ALL_REDUCES_PER_LAYER.get(arch, 0)
+        assert r["counts"]["all_reduce"] == per_layer * r["layers"] + 1
+        assert r["counts"]["all_gather"] == 1  # the logits
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_save_is_bitwise_equal_to_source(tp_results, tiny_paths, arch, world_size):
+    _, save_root = tp_results(world_size)
+    assert_same_checkpoint(tiny_paths[arch], f"{save_root}/{arch}")

@@ -1,0 +1,41 @@
+"""Tiny random checkpoints of transformers' own classes, saved as safetensors (fp32)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import transformers
+
+COMMON = dict(vocab_size=101, num_hidden_layers=2, max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+# name -> (config class, overrides). Head counts chosen to hit every head-split regime:
+# uneven whole groups with an idle rank (9/3 at tp=4, 6/2 at tp=3), KV replication (8/2 at tp=4).
+ARCHS = {
+    "llama": ("LlamaConfig", dict(hidden_size=72, intermediate_size=100, num_attention_heads=9, num_key_value_heads=3, head_dim=8, tie_word_embeddings=False)),
+    "llama_tied_kvrep": ("LlamaConfig", dict(hidden_size=64, intermediate_size=96, num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=True)),
+    "mistral": ("MistralConfig", dict(hidden_size=64, intermediate_size=96, num_attention_heads=8, num_key_value_heads=4, head_dim=8, sliding_window=4)),
+    "qwen2": ("Qwen2Config", dict(hidden_size=48, intermediate_size=80, num_attention_heads=6, num_key_value_heads=2, tie_word_embeddings=False)),
+    "qwen3": ("Qwen3Config", dict(hidden_size=64, intermediate_size=96, num_attention_heads=8, num_key_value_heads=4, head_dim=8, tie_word_embeddings=False)),
+    "gemma2": ("Gemma2Config", dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=4, query_pre_attn_scalar=16)),
+    "phi3": ("Phi3Config", dict(hidden_size=48, intermediate_size=80, num_attention_heads=6, num_key_value_heads=3, original_max_position_embeddings=64)),
+    "gpt_neox": ("GPTNeoXConfig", dict(hidden_size=48, intermediate_size=80, num_attention_heads=6, tie_word_embeddings=False)),
+    "olmo2": ("Olmo2Config", dict(hidden_size=48, intermediate_size=80, num_attention_heads=6, num_key_value_heads=3)),
+    "starcoder2": ("Starcoder2Config", dict(hidden_size=48, intermediate_size=80, num_attention_heads=6, num_key_value_heads=2, use_bias=True)),
+}
+
+
+def make_checkpoint(name: str, root: str) -> str:
+    """Save a seeded random model of ``name`` under ``root/name`` (once) and return the path."""
+    path = os.path.join(root, name)
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return path
+    class_name, overrides = ARCHS[name]
+    config = getattr(transformers, class_name)(**{**COMMON, **overrides})
+    torch.manual_seed(sum(map(ord, name)))
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # some families initialise biases / norms to constants: make them distinguishable
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * 0.02)
+    model.save_pretrained(path)
+    return path

@@ -1,0 +1,92 @@
+"""Functions that run inside each rank of a spawned gloo group (see distributed.run_ranks)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import transformers
+
+INPUT_IDS = torch.tensor([[1, 17, 42, 5, 99, 23, 8], [3, 64, 12, 77, 31, 9, 50]])
+
+
+def reference(path: str):
+    """Single-process transformers: logits and gradients of one step."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    out = model(INPUT_IDS, labels=INPUT_IDS)
+    out.loss.backward()
+    grads = {name: p.grad for name, p in model.named_parameters()}
+    return out.logits.detach(), grads
+
+
+def expected_slice(full: torch.Tensor, layout, rank: int) -> torch.Tensor:
+    pieces = [full[index] for index in layout.index(tuple(full.shape), rank)]
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=layout.dim)
+
+
+def compare_tp(rank: int, world_size: int, paths: dict, save_root: str | None) -> dict:
+    """For each checkpoint: TP logits/grads vs single process, collectives per forward, and a save."""
+    import hf_parallel
+    from hf_parallel import comm
+
+    results = {}
+    for name, path in paths.items():
+        ref_logits, ref_grads = reference(path)
+        model = hf_parallel.AutoModelForCausalLM.from_pretrained(path, tp_plan="auto", dtype=torch.float32)
+        comm.COUNTS.clear()
+        with torch.no_grad():
+            model(INPUT_IDS)
+        counts = {op: comm.COUNTS[op] for op in ("all_reduce", "all_gather")}
+        out = model(INPUT_IDS, labels=INPUT_IDS)
+        out.loss.backward()
+        grad_error, missing = 0.0, []
+        state = model._hf_parallel
+        for entry in state.shard.unique_params():
+            grad = model.get_parameter(entry.name).grad
+            if grad is None:
+                missing.append(entry.name)
+                continue
+            want = expected_slice(ref_grads[entry.name], entry.layout, rank)
+            grad_error = max(grad_error, (grad - want).abs().max().item() if grad.numel() else 0.0)
+        results[name] = {
+            "logits": (out.logits.detach() - ref_logits).abs().max().item(),
+            "grads": grad_error,
+            "missing_grads": missing,
+            "counts": counts,
+            "layers": model.config.num_hidden_layers,
+        }
+        if save_root is not None:
+            model.save_pretrained(os.path.join(save_root, name))
+    return results
+
+
+def generate_tokens(rank: int, world_size: int, path: str, max_new_tokens: int, save_dir: str | None) -> dict:
+    import hf_parallel
+
+    model = hf_parallel.AutoModelForCausalLM.from_pretrained(path, tp_plan="auto", dtype=torch.float32)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+    out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)
+    if save_dir is not None:
+        model.save_pretrained(save_dir)
+    local_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    return {"tokens": out[0, ids.shape[1] :].tolist(), "local_bytes": local_bytes}
+
+
+def count_bytes_read(rank: int, world_size: int, path: str) -> dict:
+    """Bytes the loader requested per checkpoint key vs the bytes of this rank's shard."""
+    import hf_parallel
+    from hf_parallel.loading import BYTES_READ
+
+    BYTES_READ.clear()
+    model = hf_parallel.AutoModelForCausalLM.from_pretrained(path, tp_plan="auto", dtype=torch.float32)
+    state = model._hf_parallel
+    rows = {}
+    for entry in state.shard.unique_params():
+        key = state.source_keys[entry.name]
+        param = model.get_parameter(entry.name)
+        full = 1
+        for n in entry.full_shape:
+            full *= n
+        rows[key] = {"read": BYTES_READ[key], "local": param.numel() * param.element_size(), "full": full * param.element_size(), "sharded": not entry.layout.is_replicated}
+    return rows
