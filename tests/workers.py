@@ -7,6 +7,7 @@ import os
 import torch
 import transformers
 
+PROMPT = [{"role": "user", "content": "Explain in detail how a bicycle works."}]
 INPUT_IDS = torch.tensor([[1, 17, 42, 5, 99, 23, 8], [3, 64, 12, 77, 31, 9, 50]])
 
 
@@ -65,7 +66,7 @@ def generate_tokens(rank: int, world_size: int, path: str, max_new_tokens: int, 
 
     model = hf_parallel.AutoModelForCausalLM.from_pretrained(path, tp_plan="auto", dtype=torch.float32)
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+    ids = tokenizer.apply_chat_template(PROMPT, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
     out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)
     if save_dir is not None:
         model.save_pretrained(save_dir)

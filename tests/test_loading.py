@@ -1,0 +1,112 @@
+"""The loader: only a rank's slice is ever read, bad checkpoints fail early, TP=1 needs no torchrun."""
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+import transformers
+from distributed import run_ranks
+from safetensors.torch import load_file, save_file
+
+import hf_parallel
+import workers
+from hf_parallel.loading import BYTES_READ
+from hf_parallel.styles import PackedColwise, out_dim, packed_layout, register_style
+
+
+def test_a_sharded_tensor_is_never_fully_read(tiny_paths, tmp_path):
+    for rank, rows in enumerate(run_ranks(2, workers.count_bytes_read, tiny_paths["llama"], out_dir=str(tmp_path))):
+        sharded = [key for key, row in rows.items() if row["sharded"]]
+        assert len(sharded) >= 15
+        for key, row in rows.items():
+            assert row["read"] == row["local"], f"rank {rank} read {row['read']} bytes of {key}, holds {row['local']}"
+            if row["sharded"]:
+                assert row["read"] < row["full"]
+
+
+def test_world_size_one_runs_in_a_plain_process(tiny_paths, tmp_path):
+    path = tiny_paths["phi3"]
+    ids = torch.tensor([workers.INPUT_IDS[0].tolist()])
+    model = hf_parallel.AutoModelForCausalLM.from_pretrained(path, tp_plan="auto", dtype=torch.float32)
+    want = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)(ids).logits
+    assert torch.allclose(model(ids).logits, want, atol=1e-6, rtol=0)
+    model.save_pretrained(str(tmp_path / "out"))
+    from checks import assert_same_checkpoint
+
+    assert_same_checkpoint(path, str(tmp_path / "out"))
+
+
+def test_sharded_index_and_max_shard_size_round_trip(tiny_paths, tmp_path):
+    path = tiny_paths["llama"]
+    model = hf_parallel.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model.save_pretrained(str(tmp_path / "split"), max_shard_size="100KB")
+    index = json.loads((tmp_path / "split" / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1
+    reloaded = hf_parallel.AutoModelForCausalLM.from_pretrained(str(tmp_path / "split"), dtype=torch.float32)
+    from checks import assert_same_checkpoint
+
+    assert_same_checkpoint(path, str(tmp_path / "split"))
+    ids = workers.INPUT_IDS
+    assert torch.equal(reloaded(ids).logits, model(ids).logits)
+    # saving again as one file removes the now-stale shards and index
+    model.save_pretrained(str(tmp_path / "split"))
+    assert sorted(p for p in os.listdir(tmp_path / "split") if "safetensors" in p) == ["model.safetensors"]
+
+
+def test_missing_keys_are_an_error_naming_them(tiny_paths, tmp_path):
+    src = tiny_paths["llama"]
+    broken = tmp_path / "broken"
+    shutil.copytree(src, broken)
+    tensors = load_file(str(broken / "model.safetensors"))
+    del tensors["model.layers.1.mlp.down_proj.weight"]
+    save_file(tensors, str(broken / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"missing 1 parameter.*model\.layers\.1\.mlp\.down_proj\.weight"):
+        hf_parallel.AutoModelForCausalLM.from_pretrained(str(broken))
+
+
+def test_unexpected_keys_warn_listing_them(tiny_paths, tmp_path):
+    extra = tmp_path / "extra"
+    shutil.copytree(tiny_paths["llama"], extra)
+    tensors = load_file(str(extra / "model.safetensors"))
+    tensors["model.layers.7.surprise.weight"] = torch.zeros(2)
+    save_file(tensors, str(extra / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.warns(UserWarning, match=r"model\.layers\.7\.surprise\.weight"):
+        hf_parallel.AutoModelForCausalLM.from_pretrained(str(extra))
+
+
+def test_shape_mismatch_names_key_and_file(tiny_paths, tmp_path):
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny_paths["llama"], bad)
+    tensors = load_file(str(bad / "model.safetensors"))
+    tensors["model.norm.weight"] = torch.zeros(5)
+    save_file(tensors, str(bad / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"model\.safetensors: tensor 'model\.norm\.weight' has shape \(5,\)"):
+        hf_parallel.AutoModelForCausalLM.from_pretrained(str(bad))
+
+
+def test_bfloat16_cast_on_load(tiny_paths):
+    model = hf_parallel.AutoModelForCausalLM.from_pretrained(tiny_paths["qwen2"], dtype=torch.bfloat16)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert model(workers.INPUT_IDS).logits.shape == (2, 7, 101)
+
+
+def test_device_map_with_tp_plan_is_refused(tiny_paths):
+    with pytest.raises(ValueError, match="device_map"):
+        hf_parallel.AutoModelForCausalLM.from_pretrained(tiny_paths["llama"], device_map="auto")
+
+
+class ThreeBlockColwise(PackedColwise):
+    """A user style: the output dim is three equal packed blocks."""
+
+    def _layout(self, module, ctx, name):
+        return packed_layout(out_dim(module), module.weight.shape[0], ctx, name, num_blocks=3)
+
+
+def test_impossible_split_fails_before_reading_weights(tiny_paths):
+    register_style("three_block_colwise", ThreeBlockColwise(), overwrite=True)
+    BYTES_READ.clear()
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.gate_proj: packed dim of 100 does not split into 3 equal blocks"):
+        hf_parallel.AutoModelForCausalLM.from_pretrained(tiny_paths["llama"], tp_plan={"layers.*.mlp.gate_proj": "three_block_colwise"})
+    assert sum(BYTES_READ.values()) == 0

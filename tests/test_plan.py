@@ -1,0 +1,106 @@
+"""Plan rules: matching, precedence, sources, validation, the registry and the dry run."""
+
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+import transformers
+
+import hf_parallel
+from hf_parallel.api import build_empty
+from hf_parallel.plan import Plan, resolve_plan, validate_rule
+from hf_parallel.styles import STYLES, ParallelStyle
+
+
+
+def test_most_specific_rule_wins_whatever_the_order():
+    a = validate_rule("layers.*.self_attn.q_proj", "colwise", "t")
+    b = validate_rule("layers.0.self_attn.q_proj", "rowwise", "t")
+    for order in ([a, b], [b, a]):
+        plan = Plan(list(order), "t", "model")
+        assert plan.rule_for("model.layers.0.self_attn.q_proj").style_name == "rowwise"
+        assert plan.rule_for("model.layers.1.self_attn.q_proj").style_name == "colwise"
+
+
+def test_full_paths_and_base_relative_paths_both_match():
+    plan = Plan([validate_rule("model.layers.*.mlp.up_proj", "colwise", "t"), validate_rule("lm_head", "colwise_gather_output", "t")], "t", "model")
+    assert plan.rule_for("model.layers.3.mlp.up_proj").pattern == "model.layers.*.mlp.up_proj"
+    assert plan.rule_for("lm_head").style_name == "colwise_gather_output"
+    assert plan.rule_for("model.layers.3.mlp.down_proj") is None
+    assert plan.rule_for("model.layers.3.mlp.up_proj.extra") is None  # '*' is one whole component
+
+
+def test_equally_specific_conflicting_rules_are_an_error():
+    plan = Plan([validate_rule("layers.*.mlp.up_proj", "colwise", "t"), validate_rule("*.0.mlp.up_proj", "rowwise", "t")], "t", "model")
+    with pytest.raises(ValueError, match="conflicting plan rules"):
+        plan.rule_for("model.layers.0.mlp.up_proj")
+
+
+def test_unknown_style_lists_registered_styles():
+    with pytest.raises(ValueError, match=r"unknown parallel style 'colwize' \(rule 'layers\.\*\.q'\); registered styles: .*colwise"):
+        validate_rule("layers.*.q", "colwize", "t")
+
+
+@pytest.mark.parametrize("pattern", ["layers..q", "layers.*.q proj", "layers.[0-9].q", ""])
+def test_malformed_rules_are_rejected(pattern):
+    with pytest.raises(ValueError, match="malformed plan rule"):
+        validate_rule(pattern, "colwise", "t")
+
+
+def meta_model(path):
+    config = transformers.AutoConfig.from_pretrained(path)
+    return build_empty(transformers.AutoModelForCausalLM, config, torch.float32)
+
+
+def test_auto_prefers_curated_file_then_transformers(tiny_paths, tiny_root):
+    assert resolve_plan(meta_model(tiny_paths["phi3"]), "auto").source == "plans/phi3.toml"
+    config = transformers.GraniteConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2)
+    model = build_empty(transformers.AutoModelForCausalLM, config, torch.float32)
+    plan = resolve_plan(model, "auto")
+    assert plan.source == "transformers GraniteConfig.base_model_tp_plan"
+    assert {r.pattern: r.style_name for r in plan.rules}["layers.*.self_attn.q_proj"] == "colwise"
+
+
+def test_rule_matching_nothing_warns_naming_it(tiny_paths):
+    model = meta_model(tiny_paths["llama"])
+    plan = resolve_plan(model, {"layers.*.self_attn.q_proj": "colwise", "layers.*.mlp.nonexistent": "rowwise"})
+    with pytest.warns(UserWarning, match=r"'layers\.\*\.mlp\.nonexistent' .* matches no module"):
+        plan.assign(model)
+
+
+def test_register_style_and_plan(tiny_paths):
+    class Quiet(ParallelStyle):
+        pass
+
+    hf_parallel.register_style("quiet_test_style", Quiet(), overwrite=True)
+    assert isinstance(STYLES["quiet_test_style"], Quiet)
+    with pytest.raises(ValueError, match="already registered"):
+        hf_parallel.register_style("colwise", Quiet())
+    hf_parallel.register_plan("starcoder2", {"layers.*.mlp.c_fc": "colwise", "layers.*.mlp.c_proj": "rowwise"}, source="my plan")
+    try:
+        model = meta_model(tiny_paths["starcoder2"])
+        assert resolve_plan(model, "auto").source == "my plan"
+    finally:
+        from hf_parallel import plan as plan_module
+
+        plan_module._REGISTERED.pop("starcoder2")
+        plan_module._FILES_LOADED = False
+
+
+def test_plans_ship_inside_the_installed_package():
+    from importlib import resources
+
+    names = {entry.name for entry in resources.files("hf_parallel.plans").iterdir()}
+    assert {"llama.toml", "phi3.toml", "qwen3.toml", "olmo2.toml", "gpt_neox.toml", "starcoder2.toml"} <= names
+
+
+def test_plan_dry_run_cli_prints_layouts_per_rank(smollm2):
+    out = subprocess.run([sys.executable, "-m", "hf_parallel", "plan", smollm2, "--tp", "4"], capture_output=True, text=True, check=True).stdout
+    assert "rules from plans/llama.toml" in out
+    assert "q per rank [2, 1, 3, 3], kv per rank [1, 1, 1, 1]" in out
+    line = next(l for l in out.splitlines() if l.startswith("model.layers.0.self_attn.q_proj.weight"))
+    assert "colwise" in line and "sizes=[128,64,192,192]" in line and "128x576 64x576 192x576 192x576" in line
+    embed = next(l for l in out.splitlines() if l.startswith("model.embed_tokens.weight"))
+    assert "(= lm_head.weight)" in embed and "chunks(dim=0, sizes=[12288,12288,12288,12288])" in embed
