@@ -109,5 +109,5 @@ def install(model: nn.Module, shard: ShardPlan) -> None:
         if not attention.is_attention(module):
             continue
         children = [f"{path}.{child}" for child, _ in module.named_children()]
-        if any(not shard.layouts.get(child, {}).get("weight", replicated(1)).is_replicated for child in children):
+        if any(child in shard.rules and shard.rules[child].style.shards_heads for child in children):
             attention.localize(module, shard.heads, shard.mesh.rank)

@@ -111,11 +111,19 @@ def register_plan(model_type: str, rules: dict[str, str], *, source: str = "regi
     _REGISTERED[model_type] = (dict(rules), source)
 
 
+def _plan_files():
+    """plans/ as installed inside the wheel, or beside the package in a source checkout."""
+    try:
+        return resources.files("hf_parallel.plans")
+    except ModuleNotFoundError:
+        return resources.files("hf_parallel").joinpath("..", "plans")
+
+
 def _curated() -> dict[str, tuple[dict[str, str], str]]:
     global _FILES_LOADED
     if not _FILES_LOADED:
         _FILES_LOADED = True
-        for entry in sorted(resources.files("hf_parallel.plans").iterdir(), key=lambda e: e.name):
+        for entry in sorted(_plan_files().iterdir(), key=lambda e: e.name):
             if entry.name.endswith(".toml"):
                 data = tomllib.loads(entry.read_text())
                 for model_type in data["model_types"]:

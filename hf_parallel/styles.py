@@ -120,6 +120,8 @@ def _matmul(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
 class ParallelStyle:
     """Base: replicated parameters, forward unchanged."""
 
+    shards_heads = False  # True: the attention module around it must run on local heads
+
     def layouts(self, module: nn.Module, ctx: ShardContext, name: str) -> dict[str, Layout]:
         return {}
 
@@ -148,9 +150,16 @@ class Colwise(ParallelStyle):
     gather_output = False
     packed = False
 
+    @property
+    def shards_heads(self) -> bool:
+        """Whether the module after this one sees only local heads (no gather of the output)."""
+        return not self.gather_output
+
     def _layout(self, module, ctx, name) -> Layout:
         dim = out_dim(module)
         size = module.weight.shape[dim]
+        if not self.shards_heads:
+            ctx = ShardContext(ctx.mesh)  # the output is gathered: any even split will do
         if self.packed:
             return packed_layout(dim, size, ctx, name)
         return per_rank(dim, split_ranges(size, ctx, name))
@@ -190,6 +199,8 @@ class Rowwise(ParallelStyle):
     def _layout(self, module, ctx, name) -> Layout:
         dim = in_dim(module)
         size = module.weight.shape[dim]
+        if self.split_input:
+            ctx = ShardContext(ctx.mesh)  # splits a replicated input itself: any even split will do
         if self.packed:
             return packed_layout(dim, size, ctx, name)
         return per_rank(dim, split_ranges(size, ctx, name))

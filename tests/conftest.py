@@ -6,7 +6,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))  # spawned ranks import tests' helper modules by name
 
 from distributed import run_ranks  # noqa: E402
-from tiny_models import ARCHS, make_checkpoint  # noqa: E402
+from tiny_models import ARCHS, make_checkpoint, variant_plans  # noqa: E402
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -32,7 +32,9 @@ def tp_results(tiny_paths, tmp_path_factory):
         if world_size not in cache:
             root = str(tmp_path_factory.mktemp(f"tp{world_size}"))
             save_root = os.path.join(root, "saved")
-            ranks = run_ranks(world_size, workers.compare_tp, tiny_paths, save_root, out_dir=os.path.join(root, "results"))
+            cases = {name: (path, "auto") for name, path in tiny_paths.items()}
+            cases.update({name: (tiny_paths[arch], plan) for name, (arch, plan) in variant_plans().items()})
+            ranks = run_ranks(world_size, workers.compare_tp, cases, save_root, out_dir=os.path.join(root, "results"))
             cache[world_size] = (ranks, save_root)
         return cache[world_size]
 

@@ -96,8 +96,9 @@ def test_plans_ship_inside_the_installed_package():
     assert {"llama.toml", "phi3.toml", "qwen3.toml", "olmo2.toml", "gpt_neox.toml", "starcoder2.toml"} <= names
 
 
-def test_plan_dry_run_cli_prints_layouts_per_rank(smollm2):
-    out = subprocess.run([sys.executable, "-m", "hf_parallel", "plan", smollm2, "--tp", "4"], capture_output=True, text=True, check=True).stdout
+def test_plan_dry_run_cli_prints_layouts_per_rank(smollm2, tmp_path):
+    command = [sys.executable, "-m", "hf_parallel", "plan", smollm2, "--tp", "4"]
+    out = subprocess.run(command, capture_output=True, text=True, check=True, cwd=tmp_path).stdout
     assert "rules from plans/llama.toml" in out
     assert "q per rank [2, 1, 3, 3], kv per rank [1, 1, 1, 1]" in out
     line = next(l for l in out.splitlines() if l.startswith("model.layers.0.self_attn.q_proj.weight"))

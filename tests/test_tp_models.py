@@ -2,7 +2,7 @@
 
 import pytest
 from checks import assert_same_checkpoint
-from tiny_models import ARCHS
+from tiny_models import ARCHS, variant_plans
 
 TOL = 1e-5
 # all-reduces per forward beyond the 2 per decoder layer (o_proj, down_proj) + 1 (vocab-parallel embedding)
@@ -10,7 +10,7 @@ EXTRA_ALL_REDUCES_PER_LAYER = {"olmo2": 2}  # q_norm / k_norm reduce their mean 
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
-@pytest.mark.parametrize("arch", sorted(ARCHS))
+@pytest.mark.parametrize("arch", sorted(ARCHS) + sorted(variant_plans()))
 def test_logits_and_grads_match_single_process(tp_results, arch, world_size):
     ranks, _ = tp_results(world_size)
     for rank, results in enumerate(ranks):
@@ -32,7 +32,8 @@ def test_collectives_per_forward(tp_results, arch, world_size):
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
-@pytest.mark.parametrize("arch", sorted(ARCHS))
-def test_save_is_bitwise_equal_to_source(tp_results, tiny_paths, arch, world_size):
+@pytest.mark.parametrize("case", sorted(ARCHS) + sorted(variant_plans()))
+def test_save_is_bitwise_equal_to_source(tp_results, tiny_paths, case, world_size):
     _, save_root = tp_results(world_size)
-    assert_same_checkpoint(tiny_paths[arch], f"{save_root}/{arch}")
+    arch = variant_plans()[case][0] if case in variant_plans() else case
+    assert_same_checkpoint(tiny_paths[arch], f"{save_root}/{case}")

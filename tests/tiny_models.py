@@ -39,3 +39,22 @@ def make_checkpoint(name: str, root: str) -> str:
             param.add_(torch.randn_like(param) * 0.02)
     model.save_pretrained(path)
     return path
+
+
+def variant_plans() -> dict[str, tuple[str, dict]]:
+    """Other plans over the same checkpoints: transformers' own plans (gathered outputs, split
+    inputs) and a sequence-parallel / hidden-parallel-embedding plan."""
+    from hf_parallel.plan import curated_plan_for
+
+    llama_rules, _ = curated_plan_for("llama")
+    return {
+        "phi3_transformers_plan": ("phi3", {**transformers.Phi3Config.base_model_tp_plan, "lm_head": "colwise_gather_output"}),
+        "olmo2_transformers_plan": ("olmo2", {**transformers.Olmo2Config.base_model_tp_plan, "lm_head": "colwise_gather_output"}),
+        "llama_sequence_parallel": ("llama", {
+            **llama_rules,
+            "embed_tokens": "embedding_colwise",
+            "layers.*.input_layernorm": "sequence_parallel",
+            "layers.*.post_attention_layernorm": "sequence_parallel",
+            "norm": "sequence_parallel",
+        }),
+    }

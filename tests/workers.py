@@ -25,15 +25,16 @@ def expected_slice(full: torch.Tensor, layout, rank: int) -> torch.Tensor:
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=layout.dim)
 
 
-def compare_tp(rank: int, world_size: int, paths: dict, save_root: str | None) -> dict:
-    """For each checkpoint: TP logits/grads vs single process, collectives per forward, and a save."""
+def compare_tp(rank: int, world_size: int, cases: dict, save_root: str | None) -> dict:
+    """For each case (checkpoint path, tp_plan): TP logits/grads vs single process, collectives
+    per forward, and a save."""
     import hf_parallel
     from hf_parallel import comm
 
     results = {}
-    for name, path in paths.items():
+    for name, (path, tp_plan) in cases.items():
         ref_logits, ref_grads = reference(path)
-        model = hf_parallel.AutoModelForCausalLM.from_pretrained(path, tp_plan="auto", dtype=torch.float32)
+        model = hf_parallel.AutoModelForCausalLM.from_pretrained(path, tp_plan=tp_plan, dtype=torch.float32)
         comm.COUNTS.clear()
         with torch.no_grad():
             model(INPUT_IDS)
