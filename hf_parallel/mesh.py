@@ -39,7 +39,9 @@ def get_mesh(tp_size: int | None = None, timeout: datetime.timedelta | None = No
     if not dist.is_initialized():
         if int(os.environ.get("WORLD_SIZE", "1")) == 1:
             if tp_size not in (None, 1):
-                raise ValueError(f"tp_size={tp_size} was asked for, but this process was not started by torchrun (WORLD_SIZE is unset or 1)")
+                raise ValueError(
+                    f"tp_size={tp_size} was asked for, but this process was not started by torchrun (WORLD_SIZE is unset or 1)"
+                )
             return Mesh(None, 0, 1, torch.device("cpu"))
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         dist.init_process_group(backend=backend, timeout=timeout or default_timeout())

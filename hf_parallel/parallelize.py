@@ -89,7 +89,9 @@ def shard_plan(model: nn.Module, plan: Plan, mesh: Mesh) -> ShardPlan:
                 rule = rule or rules[path]
                 continue
             if layout is not None and found != layout:
-                raise ValueError(f"tied parameters {names} get different layouts from rules {rule.pattern!r} and {rules[path].pattern!r}")
+                raise ValueError(
+                    f"tied parameters {names} get different layouts from rules {rule.pattern!r} and {rules[path].pattern!r}"
+                )
             layout, rule = found, rules[path]
         layout = layout or replicated(mesh.world_size)
         for alias in names:

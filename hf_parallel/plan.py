@@ -94,7 +94,10 @@ class Plan:
                 assigned[path] = rule
         for rule in self.rules:
             if rule.pattern not in self.used:
-                warnings.warn(f"plan rule {rule.pattern!r} ({rule.style_name}, from {rule.source}) matches no module of {type(model).__name__}", stacklevel=3)
+                warnings.warn(
+                    f"plan rule {rule.pattern!r} ({rule.style_name}, from {rule.source}) matches no module of {type(model).__name__}",
+                    stacklevel=3,
+                )
         return assigned
 
 

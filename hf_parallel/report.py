@@ -22,7 +22,9 @@ def plan_report(path: str, tp: int, tp_plan="auto", dtype=None, auto_class=trans
     lines = [f"plan for {path} ({config.model_type}) at tp={tp}: rules from {shard.plan.source}"]
     if shard.heads is not None:
         h = shard.heads
-        lines.append(f"heads: q per rank {[h.local_q(r) for r in range(tp)]}, kv per rank {[h.local_kv(r) for r in range(tp)]}, head_dim {h.head_dim}")
+        lines.append(
+            f"heads: q per rank {[h.local_q(r) for r in range(tp)]}, kv per rank {[h.local_kv(r) for r in range(tp)]}, head_dim {h.head_dim}"
+        )
     lines.append(f"{'parameter':<48} {'rule':<34} {'style':<24} {'layout':<36} local shape per rank / bytes per rank")
     totals = [0] * tp
     for entry in shard.unique_params():
@@ -33,6 +35,10 @@ def plan_report(path: str, tp: int, tp_plan="auto", dtype=None, auto_class=trans
         name = entry.name + (f" (= {', '.join(entry.aliases[1:])})" if len(entry.aliases) > 1 else "")
         rule_text = f"{rule.pattern} [{rule.source}]" if rule else "-"
         shown = " ".join("x".join(map(str, s)) for s in shapes)
-        lines.append(f"{name:<48} {rule_text:<34} {rule.style_name if rule else 'replicated':<24} {entry.layout.describe():<36} {shown} / {nbytes}")
-    lines.append(f"bytes per rank: {totals} (full model {sum(math.prod(e.full_shape) for e in shard.unique_params()) * itemsize})")
+        lines.append(
+            f"{name:<48} {rule_text:<34} {rule.style_name if rule else 'replicated':<24} {entry.layout.describe():<36} {shown} / {nbytes}"
+        )
+    lines.append(
+        f"bytes per rank: {totals} (full model {sum(math.prod(e.full_shape) for e in shard.unique_params()) * itemsize})"
+    )
     return "\n".join(lines)

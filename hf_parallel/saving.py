@@ -24,9 +24,18 @@ from .mesh import Mesh
 
 # safetensors dtype names (https://github.com/huggingface/safetensors, format spec)
 SAFETENSORS_DTYPES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
 }
 
 
@@ -53,7 +62,11 @@ class SafetensorsWriter:
         header, offset = {}, 0
         for key, (shape, dtype) in specs.items():
             size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-            header[key] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
+            header[key] = {
+                "dtype": SAFETENSORS_DTYPES[dtype],
+                "shape": list(shape),
+                "data_offsets": [offset, offset + size],
+            }
             offset += size
         header["__metadata__"] = {"format": "pt"}
         raw = json.dumps(header, separators=(",", ":")).encode()
@@ -65,7 +78,9 @@ class SafetensorsWriter:
     def write(self, key: str, tensor: torch.Tensor) -> None:
         expected_key, (shape, dtype) = self.pending.pop(0)
         if key != expected_key or tuple(tensor.shape) != tuple(shape) or tensor.dtype != dtype:
-            raise RuntimeError(f"writer expected {expected_key} {shape} {dtype}, got {key} {tuple(tensor.shape)} {tensor.dtype}")
+            raise RuntimeError(
+                f"writer expected {expected_key} {shape} {dtype}, got {key} {tuple(tensor.shape)} {tensor.dtype}"
+            )
         self.file.write(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
 
     def close(self) -> None:
@@ -86,7 +101,12 @@ def plan_files(specs: dict, max_shard_size) -> tuple[dict[str, list[str]], dict 
     )
     if not split.is_sharded:
         return split.filename_to_tensors, None
-    index = {"metadata": {"total_size": sum(math.prod(s) * torch.empty((), dtype=d).element_size() for s, d in specs.values())}, "weight_map": split.tensor_to_filename}
+    index = {
+        "metadata": {
+            "total_size": sum(math.prod(s) * torch.empty((), dtype=d).element_size() for s, d in specs.values())
+        },
+        "weight_map": split.tensor_to_filename,
+    }
     return split.filename_to_tensors, index
 
 

@@ -18,7 +18,7 @@ from torch import nn
 
 from . import comm
 from .heads import HeadSplit
-from .layout import Layout, even_sizes, packed, per_rank, replicated, sizes_to_ranges
+from .layout import Layout, even_sizes, packed, per_rank, sizes_to_ranges
 from .mesh import Mesh
 
 
@@ -99,7 +99,11 @@ def _sum_replicated_grads(param: nn.Parameter, layout: Layout, rank: int, group)
     if group is None or layout.dim is None or max(counts, default=1) == 1:
         return
     offsets = [sum(stop - start for start, stop in layout.ranges[rank][:i]) for i in range(len(counts))]
-    shared = [(offset, stop - start) for offset, (start, stop), count in zip(offsets, layout.ranges[rank], counts) if count > 1]
+    shared = [
+        (offset, stop - start)
+        for offset, (start, stop), count in zip(offsets, layout.ranges[rank], counts)
+        if count > 1
+    ]
 
     def hook(grad):
         grad = grad.clone()
@@ -301,7 +305,12 @@ class ShardedRMSNorm(ParallelStyle):
         eps = getattr(module, "variance_epsilon", getattr(module, "eps", 1e-6))
         group = ctx.group
         # a replicated (KV) piece must count once in the sum of squares, not once per replica
-        weights = torch.cat([torch.full((stop - start,), 1.0 / count) for (start, stop), count in zip(layout.ranges[ctx.mesh.rank], layout.replica_counts(ctx.mesh.rank))])
+        weights = torch.cat(
+            [
+                torch.full((stop - start,), 1.0 / count)
+                for (start, stop), count in zip(layout.ranges[ctx.mesh.rank], layout.replica_counts(ctx.mesh.rank))
+            ]
+        )
         _sum_replicated_grads(module.weight, layout, ctx.mesh.rank, ctx.kv_group)
 
         def forward(hidden_states):
@@ -344,4 +353,6 @@ def get_style(name: str, rule: str = "") -> ParallelStyle:
         return STYLES[name]
     except KeyError:
         where = f" (rule {rule!r})" if rule else ""
-        raise ValueError(f"unknown parallel style {name!r}{where}; registered styles: {', '.join(sorted(STYLES))}") from None
+        raise ValueError(
+            f"unknown parallel style {name!r}{where}; registered styles: {', '.join(sorted(STYLES))}"
+        ) from None

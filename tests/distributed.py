@@ -17,8 +17,13 @@ def free_port() -> int:
 
 def _entry(rank: int, world_size: int, port: int, fn, args, out_dir: str) -> None:
     os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1", HF_PARALLEL_TIMEOUT="300",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        OMP_NUM_THREADS="1",
+        HF_PARALLEL_TIMEOUT="300",
     )
     import torch
 
@@ -31,7 +36,9 @@ def _entry(rank: int, world_size: int, port: int, fn, args, out_dir: str) -> Non
 def run_ranks(world_size: int, fn, *args, out_dir: str) -> list:
     """fn(rank, world_size, *args) on every rank; returns each rank's JSON-able result."""
     os.makedirs(out_dir, exist_ok=True)
-    mp.start_processes(_entry, args=(world_size, free_port(), fn, args, out_dir), nprocs=world_size, join=True, start_method="spawn")
+    mp.start_processes(
+        _entry, args=(world_size, free_port(), fn, args, out_dir), nprocs=world_size, join=True, start_method="spawn"
+    )
     results = []
     for rank in range(world_size):
         with open(os.path.join(out_dir, f"rank{rank}.json")) as f:

@@ -55,35 +55,37 @@ def test_sharded_index_and_max_shard_size_round_trip(tiny_paths, tmp_path):
     assert sorted(p for p in os.listdir(tmp_path / "split") if "safetensors" in p) == ["model.safetensors"]
 
 
+def edited_checkpoint(source: str, target, edit) -> str:
+    """A copy of ``source`` whose tensors went through ``edit(dict)`` before being saved again."""
+    shutil.copytree(source, target)
+    tensors = load_file(str(target / "model.safetensors"))
+    edit(tensors)
+    save_file(tensors, str(target / "model.safetensors"), metadata={"format": "pt"})
+    return str(target)
+
+
 def test_missing_keys_are_an_error_naming_them(tiny_paths, tmp_path):
-    src = tiny_paths["llama"]
-    broken = tmp_path / "broken"
-    shutil.copytree(src, broken)
-    tensors = load_file(str(broken / "model.safetensors"))
-    del tensors["model.layers.1.mlp.down_proj.weight"]
-    save_file(tensors, str(broken / "model.safetensors"), metadata={"format": "pt"})
+    broken = edited_checkpoint(
+        tiny_paths["llama"], tmp_path / "broken", lambda t: t.pop("model.layers.1.mlp.down_proj.weight")
+    )
     with pytest.raises(ValueError, match=r"missing 1 parameter.*model\.layers\.1\.mlp\.down_proj\.weight"):
-        hf_parallel.AutoModelForCausalLM.from_pretrained(str(broken))
+        hf_parallel.AutoModelForCausalLM.from_pretrained(broken)
 
 
 def test_unexpected_keys_warn_listing_them(tiny_paths, tmp_path):
-    extra = tmp_path / "extra"
-    shutil.copytree(tiny_paths["llama"], extra)
-    tensors = load_file(str(extra / "model.safetensors"))
-    tensors["model.layers.7.surprise.weight"] = torch.zeros(2)
-    save_file(tensors, str(extra / "model.safetensors"), metadata={"format": "pt"})
+    extra = edited_checkpoint(
+        tiny_paths["llama"], tmp_path / "extra", lambda t: t.update({"model.layers.7.surprise.weight": torch.zeros(2)})
+    )
     with pytest.warns(UserWarning, match=r"model\.layers\.7\.surprise\.weight"):
-        hf_parallel.AutoModelForCausalLM.from_pretrained(str(extra))
+        hf_parallel.AutoModelForCausalLM.from_pretrained(extra)
 
 
 def test_shape_mismatch_names_key_and_file(tiny_paths, tmp_path):
-    bad = tmp_path / "bad"
-    shutil.copytree(tiny_paths["llama"], bad)
-    tensors = load_file(str(bad / "model.safetensors"))
-    tensors["model.norm.weight"] = torch.zeros(5)
-    save_file(tensors, str(bad / "model.safetensors"), metadata={"format": "pt"})
+    bad = edited_checkpoint(
+        tiny_paths["llama"], tmp_path / "bad", lambda t: t.update({"model.norm.weight": torch.zeros(5)})
+    )
     with pytest.raises(ValueError, match=r"model\.safetensors: tensor 'model\.norm\.weight' has shape \(5,\)"):
-        hf_parallel.AutoModelForCausalLM.from_pretrained(str(bad))
+        hf_parallel.AutoModelForCausalLM.from_pretrained(bad)
 
 
 def test_bfloat16_cast_on_load(tiny_paths):
@@ -107,6 +109,10 @@ class ThreeBlockColwise(PackedColwise):
 def test_impossible_split_fails_before_reading_weights(tiny_paths):
     register_style("three_block_colwise", ThreeBlockColwise(), overwrite=True)
     BYTES_READ.clear()
-    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.gate_proj: packed dim of 100 does not split into 3 equal blocks"):
-        hf_parallel.AutoModelForCausalLM.from_pretrained(tiny_paths["llama"], tp_plan={"layers.*.mlp.gate_proj": "three_block_colwise"})
+    with pytest.raises(
+        ValueError, match=r"model\.layers\.0\.mlp\.gate_proj: packed dim of 100 does not split into 3 equal blocks"
+    ):
+        hf_parallel.AutoModelForCausalLM.from_pretrained(
+            tiny_paths["llama"], tp_plan={"layers.*.mlp.gate_proj": "three_block_colwise"}
+        )
     assert sum(BYTES_READ.values()) == 0

@@ -2,7 +2,6 @@
 
 import subprocess
 import sys
-import warnings
 
 import pytest
 import torch
@@ -12,7 +11,6 @@ import hf_parallel
 from hf_parallel.api import build_empty
 from hf_parallel.plan import Plan, resolve_plan, validate_rule
 from hf_parallel.styles import STYLES, ParallelStyle
-
 
 
 def test_most_specific_rule_wins_whatever_the_order():
@@ -25,7 +23,14 @@ def test_most_specific_rule_wins_whatever_the_order():
 
 
 def test_full_paths_and_base_relative_paths_both_match():
-    plan = Plan([validate_rule("model.layers.*.mlp.up_proj", "colwise", "t"), validate_rule("lm_head", "colwise_gather_output", "t")], "t", "model")
+    plan = Plan(
+        [
+            validate_rule("model.layers.*.mlp.up_proj", "colwise", "t"),
+            validate_rule("lm_head", "colwise_gather_output", "t"),
+        ],
+        "t",
+        "model",
+    )
     assert plan.rule_for("model.layers.3.mlp.up_proj").pattern == "model.layers.*.mlp.up_proj"
     assert plan.rule_for("lm_head").style_name == "colwise_gather_output"
     assert plan.rule_for("model.layers.3.mlp.down_proj") is None
@@ -33,13 +38,19 @@ def test_full_paths_and_base_relative_paths_both_match():
 
 
 def test_equally_specific_conflicting_rules_are_an_error():
-    plan = Plan([validate_rule("layers.*.mlp.up_proj", "colwise", "t"), validate_rule("*.0.mlp.up_proj", "rowwise", "t")], "t", "model")
+    plan = Plan(
+        [validate_rule("layers.*.mlp.up_proj", "colwise", "t"), validate_rule("*.0.mlp.up_proj", "rowwise", "t")],
+        "t",
+        "model",
+    )
     with pytest.raises(ValueError, match="conflicting plan rules"):
         plan.rule_for("model.layers.0.mlp.up_proj")
 
 
 def test_unknown_style_lists_registered_styles():
-    with pytest.raises(ValueError, match=r"unknown parallel style 'colwize' \(rule 'layers\.\*\.q'\); registered styles: .*colwise"):
+    with pytest.raises(
+        ValueError, match=r"unknown parallel style 'colwize' \(rule 'layers\.\*\.q'\); registered styles: .*colwise"
+    ):
         validate_rule("layers.*.q", "colwize", "t")
 
 
@@ -56,7 +67,14 @@ def meta_model(path):
 
 def test_auto_prefers_curated_file_then_transformers(tiny_paths, tiny_root):
     assert resolve_plan(meta_model(tiny_paths["phi3"]), "auto").source == "plans/phi3.toml"
-    config = transformers.GraniteConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2)
+    config = transformers.GraniteConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     model = build_empty(transformers.AutoModelForCausalLM, config, torch.float32)
     plan = resolve_plan(model, "auto")
     assert plan.source == "transformers GraniteConfig.base_model_tp_plan"
@@ -78,7 +96,9 @@ def test_register_style_and_plan(tiny_paths):
     assert isinstance(STYLES["quiet_test_style"], Quiet)
     with pytest.raises(ValueError, match="already registered"):
         hf_parallel.register_style("colwise", Quiet())
-    hf_parallel.register_plan("starcoder2", {"layers.*.mlp.c_fc": "colwise", "layers.*.mlp.c_proj": "rowwise"}, source="my plan")
+    hf_parallel.register_plan(
+        "starcoder2", {"layers.*.mlp.c_fc": "colwise", "layers.*.mlp.c_proj": "rowwise"}, source="my plan"
+    )
     try:
         model = meta_model(tiny_paths["starcoder2"])
         assert resolve_plan(model, "auto").source == "my plan"
@@ -101,7 +121,7 @@ def test_plan_dry_run_cli_prints_layouts_per_rank(smollm2, tmp_path):
     out = subprocess.run(command, capture_output=True, text=True, check=True, cwd=tmp_path).stdout
     assert "rules from plans/llama.toml" in out
     assert "q per rank [2, 1, 3, 3], kv per rank [1, 1, 1, 1]" in out
-    line = next(l for l in out.splitlines() if l.startswith("model.layers.0.self_attn.q_proj.weight"))
+    line = next(row for row in out.splitlines() if row.startswith("model.layers.0.self_attn.q_proj.weight"))
     assert "colwise" in line and "sizes=[128,64,192,192]" in line and "128x576 64x576 192x576 192x576" in line
-    embed = next(l for l in out.splitlines() if l.startswith("model.embed_tokens.weight"))
+    embed = next(row for row in out.splitlines() if row.startswith("model.embed_tokens.weight"))
     assert "(= lm_head.weight)" in embed and "chunks(dim=0, sizes=[12288,12288,12288,12288])" in embed

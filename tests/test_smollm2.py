@@ -17,14 +17,18 @@ NEW_TOKENS = 30
 def reference_tokens(smollm2):
     model = transformers.AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32)
     tokenizer = transformers.AutoTokenizer.from_pretrained(smollm2)
-    ids = tokenizer.apply_chat_template(workers.PROMPT, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+    ids = tokenizer.apply_chat_template(
+        workers.PROMPT, add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )["input_ids"]
     return model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)[0, ids.shape[1] :].tolist()
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_generates_the_same_tokens_as_transformers(smollm2, reference_tokens, world_size, tmp_path):
     save_dir = str(tmp_path / "saved") if world_size == 2 else None
-    ranks = run_ranks(world_size, workers.generate_tokens, smollm2, NEW_TOKENS, save_dir, out_dir=str(tmp_path / "results"))
+    ranks = run_ranks(
+        world_size, workers.generate_tokens, smollm2, NEW_TOKENS, save_dir, out_dir=str(tmp_path / "results")
+    )
     assert len(reference_tokens) == NEW_TOKENS
     for rank, result in enumerate(ranks):
         assert result["tokens"] == reference_tokens, f"rank {rank} generated other tokens"

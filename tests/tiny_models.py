@@ -7,21 +7,93 @@ import os
 import torch
 import transformers
 
-COMMON = dict(vocab_size=101, num_hidden_layers=2, max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+COMMON = dict(
+    vocab_size=101, num_hidden_layers=2, max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2
+)
 
 # name -> (config class, overrides). Head counts chosen to hit every head-split regime:
 # uneven whole groups with an idle rank (9/3 at tp=4, 6/2 at tp=3), KV replication (8/2 at tp=4).
 ARCHS = {
-    "llama": ("LlamaConfig", dict(hidden_size=72, intermediate_size=100, num_attention_heads=9, num_key_value_heads=3, head_dim=8, tie_word_embeddings=False)),
-    "llama_tied_kvrep": ("LlamaConfig", dict(hidden_size=64, intermediate_size=96, num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=True)),
-    "mistral": ("MistralConfig", dict(hidden_size=64, intermediate_size=96, num_attention_heads=8, num_key_value_heads=4, head_dim=8, sliding_window=4)),
-    "qwen2": ("Qwen2Config", dict(hidden_size=48, intermediate_size=80, num_attention_heads=6, num_key_value_heads=2, tie_word_embeddings=False)),
-    "qwen3": ("Qwen3Config", dict(hidden_size=64, intermediate_size=96, num_attention_heads=8, num_key_value_heads=4, head_dim=8, tie_word_embeddings=False)),
-    "gemma2": ("Gemma2Config", dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=4, query_pre_attn_scalar=16)),
-    "phi3": ("Phi3Config", dict(hidden_size=48, intermediate_size=80, num_attention_heads=6, num_key_value_heads=3, original_max_position_embeddings=64)),
-    "gpt_neox": ("GPTNeoXConfig", dict(hidden_size=48, intermediate_size=80, num_attention_heads=6, tie_word_embeddings=False)),
+    "llama": (
+        "LlamaConfig",
+        dict(
+            hidden_size=72,
+            intermediate_size=100,
+            num_attention_heads=9,
+            num_key_value_heads=3,
+            head_dim=8,
+            tie_word_embeddings=False,
+        ),
+    ),
+    "llama_tied_kvrep": (
+        "LlamaConfig",
+        dict(
+            hidden_size=64, intermediate_size=96, num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=True
+        ),
+    ),
+    "mistral": (
+        "MistralConfig",
+        dict(
+            hidden_size=64,
+            intermediate_size=96,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            head_dim=8,
+            sliding_window=4,
+        ),
+    ),
+    "qwen2": (
+        "Qwen2Config",
+        dict(
+            hidden_size=48,
+            intermediate_size=80,
+            num_attention_heads=6,
+            num_key_value_heads=2,
+            tie_word_embeddings=False,
+        ),
+    ),
+    "qwen3": (
+        "Qwen3Config",
+        dict(
+            hidden_size=64,
+            intermediate_size=96,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            head_dim=8,
+            tie_word_embeddings=False,
+        ),
+    ),
+    "gemma2": (
+        "Gemma2Config",
+        dict(
+            hidden_size=64,
+            intermediate_size=96,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            sliding_window=4,
+            query_pre_attn_scalar=16,
+        ),
+    ),
+    "phi3": (
+        "Phi3Config",
+        dict(
+            hidden_size=48,
+            intermediate_size=80,
+            num_attention_heads=6,
+            num_key_value_heads=3,
+            original_max_position_embeddings=64,
+        ),
+    ),
+    "gpt_neox": (
+        "GPTNeoXConfig",
+        dict(hidden_size=48, intermediate_size=80, num_attention_heads=6, tie_word_embeddings=False),
+    ),
     "olmo2": ("Olmo2Config", dict(hidden_size=48, intermediate_size=80, num_attention_heads=6, num_key_value_heads=3)),
-    "starcoder2": ("Starcoder2Config", dict(hidden_size=48, intermediate_size=80, num_attention_heads=6, num_key_value_heads=2, use_bias=True)),
+    "starcoder2": (
+        "Starcoder2Config",
+        dict(hidden_size=48, intermediate_size=80, num_attention_heads=6, num_key_value_heads=2, use_bias=True),
+    ),
 }
 
 
@@ -48,13 +120,22 @@ def variant_plans() -> dict[str, tuple[str, dict]]:
 
     llama_rules, _ = curated_plan_for("llama")
     return {
-        "phi3_transformers_plan": ("phi3", {**transformers.Phi3Config.base_model_tp_plan, "lm_head": "colwise_gather_output"}),
-        "olmo2_transformers_plan": ("olmo2", {**transformers.Olmo2Config.base_model_tp_plan, "lm_head": "colwise_gather_output"}),
-        "llama_sequence_parallel": ("llama", {
-            **llama_rules,
-            "embed_tokens": "embedding_colwise",
-            "layers.*.input_layernorm": "sequence_parallel",
-            "layers.*.post_attention_layernorm": "sequence_parallel",
-            "norm": "sequence_parallel",
-        }),
+        "phi3_transformers_plan": (
+            "phi3",
+            {**transformers.Phi3Config.base_model_tp_plan, "lm_head": "colwise_gather_output"},
+        ),
+        "olmo2_transformers_plan": (
+            "olmo2",
+            {**transformers.Olmo2Config.base_model_tp_plan, "lm_head": "colwise_gather_output"},
+        ),
+        "llama_sequence_parallel": (
+            "llama",
+            {
+                **llama_rules,
+                "embed_tokens": "embedding_colwise",
+                "layers.*.input_layernorm": "sequence_parallel",
+                "layers.*.post_attention_layernorm": "sequence_parallel",
+                "norm": "sequence_parallel",
+            },
+        ),
     }

@@ -67,7 +67,9 @@ def generate_tokens(rank: int, world_size: int, path: str, max_new_tokens: int, 
 
     model = hf_parallel.AutoModelForCausalLM.from_pretrained(path, tp_plan="auto", dtype=torch.float32)
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)
-    ids = tokenizer.apply_chat_template(PROMPT, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+    ids = tokenizer.apply_chat_template(PROMPT, add_generation_prompt=True, return_tensors="pt", return_dict=True)[
+        "input_ids"
+    ]
     out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)
     if save_dir is not None:
         model.save_pretrained(save_dir)
@@ -90,5 +92,10 @@ def count_bytes_read(rank: int, world_size: int, path: str) -> dict:
         full = 1
         for n in entry.full_shape:
             full *= n
-        rows[key] = {"read": BYTES_READ[key], "local": param.numel() * param.element_size(), "full": full * param.element_size(), "sharded": not entry.layout.is_replicated}
+        rows[key] = {
+            "read": BYTES_READ[key],
+            "local": param.numel() * param.element_size(),
+            "full": full * param.element_size(),
+            "sharded": not entry.layout.is_replicated,
+        }
     return rows
