@@ -11,8 +11,8 @@ order they appear in its local tensor. The named constructors below cover the sh
 - ``packed(blocks, sizes)``       k blocks (gate|up, q|k|v); each rank takes its piece of every block
 - ``replicated()``                every rank holds the whole tensor (``dim is None``)
 
-Ranges of different ranks may overlap (KV heads replicated over ranks); ``assemble`` takes each
-element from the first rank that holds it.
+Ranges of different ranks may overlap (KV heads replicated over ranks); the copies are equal, so
+``assemble`` may write each of them.
 """
 
 from __future__ import annotations

@@ -11,90 +11,22 @@ COMMON = dict(
     vocab_size=101, num_hidden_layers=2, max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2
 )
 
-# name -> (config class, overrides). Head counts chosen to hit every head-split regime:
-# uneven whole groups with an idle rank (9/3 at tp=4, 6/2 at tp=3), KV replication (8/2 at tp=4).
+# name -> (config class, overrides). Head counts chosen to hit every head-split regime: uneven whole
+# KV groups (9/3 at tp=2), KV heads replicated unevenly (9/3 at tp=4, 6/2 at tp=3) and evenly (8/2 at tp=4).
+# fmt: off
 ARCHS = {
-    "llama": (
-        "LlamaConfig",
-        dict(
-            hidden_size=72,
-            intermediate_size=100,
-            num_attention_heads=9,
-            num_key_value_heads=3,
-            head_dim=8,
-            tie_word_embeddings=False,
-        ),
-    ),
-    "llama_tied_kvrep": (
-        "LlamaConfig",
-        dict(
-            hidden_size=64, intermediate_size=96, num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=True
-        ),
-    ),
-    "mistral": (
-        "MistralConfig",
-        dict(
-            hidden_size=64,
-            intermediate_size=96,
-            num_attention_heads=8,
-            num_key_value_heads=4,
-            head_dim=8,
-            sliding_window=4,
-        ),
-    ),
-    "qwen2": (
-        "Qwen2Config",
-        dict(
-            hidden_size=48,
-            intermediate_size=80,
-            num_attention_heads=6,
-            num_key_value_heads=2,
-            tie_word_embeddings=False,
-        ),
-    ),
-    "qwen3": (
-        "Qwen3Config",
-        dict(
-            hidden_size=64,
-            intermediate_size=96,
-            num_attention_heads=8,
-            num_key_value_heads=4,
-            head_dim=8,
-            tie_word_embeddings=False,
-        ),
-    ),
-    "gemma2": (
-        "Gemma2Config",
-        dict(
-            hidden_size=64,
-            intermediate_size=96,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=16,
-            sliding_window=4,
-            query_pre_attn_scalar=16,
-        ),
-    ),
-    "phi3": (
-        "Phi3Config",
-        dict(
-            hidden_size=48,
-            intermediate_size=80,
-            num_attention_heads=6,
-            num_key_value_heads=3,
-            original_max_position_embeddings=64,
-        ),
-    ),
-    "gpt_neox": (
-        "GPTNeoXConfig",
-        dict(hidden_size=48, intermediate_size=80, num_attention_heads=6, tie_word_embeddings=False),
-    ),
+    "llama": ("LlamaConfig", dict(hidden_size=72, intermediate_size=100, num_attention_heads=9, num_key_value_heads=3, head_dim=8, tie_word_embeddings=False)),  # noqa: E501
+    "llama_tied_kvrep": ("LlamaConfig", dict(hidden_size=64, intermediate_size=96, num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=True)),  # noqa: E501
+    "mistral": ("MistralConfig", dict(hidden_size=64, intermediate_size=96, num_attention_heads=8, num_key_value_heads=4, head_dim=8, sliding_window=4)),  # noqa: E501
+    "qwen2": ("Qwen2Config", dict(hidden_size=48, intermediate_size=80, num_attention_heads=6, num_key_value_heads=2, tie_word_embeddings=False)),  # noqa: E501
+    "qwen3": ("Qwen3Config", dict(hidden_size=64, intermediate_size=96, num_attention_heads=8, num_key_value_heads=4, head_dim=8, tie_word_embeddings=False)),  # noqa: E501
+    "gemma2": ("Gemma2Config", dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=4, query_pre_attn_scalar=16)),  # noqa: E501
+    "phi3": ("Phi3Config", dict(hidden_size=48, intermediate_size=80, num_attention_heads=6, num_key_value_heads=3, original_max_position_embeddings=64)),  # noqa: E501
+    "gpt_neox": ("GPTNeoXConfig", dict(hidden_size=48, intermediate_size=80, num_attention_heads=6, tie_word_embeddings=False)),  # noqa: E501
     "olmo2": ("Olmo2Config", dict(hidden_size=48, intermediate_size=80, num_attention_heads=6, num_key_value_heads=3)),
-    "starcoder2": (
-        "Starcoder2Config",
-        dict(hidden_size=48, intermediate_size=80, num_attention_heads=6, num_key_value_heads=2, use_bias=True),
-    ),
+    "starcoder2": ("Starcoder2Config", dict(hidden_size=48, intermediate_size=80, num_attention_heads=6, num_key_value_heads=2, use_bias=True)),  # noqa: E501
 }
+# fmt: on
 
 
 def make_checkpoint(name: str, root: str) -> str:
