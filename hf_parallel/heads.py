@@ -47,6 +47,11 @@ class HeadSplit:
         return [ranks for ranks in groups.values() if len(ranks) > 1]
 
 
+def in_units(ranges, unit: int) -> list[tuple[int, int]]:
+    """Head ranges as element ranges, ``unit`` elements per head."""
+    return [(start * unit, stop * unit) for start, stop in ranges]
+
+
 def split_heads(num_heads: int, num_kv_heads: int, head_dim: int, world_size: int) -> HeadSplit:
     if num_heads % num_kv_heads:
         raise ValueError(f"num_attention_heads={num_heads} is not a multiple of num_key_value_heads={num_kv_heads}")

@@ -17,8 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import comm
-from .heads import HeadSplit
-from .layout import Layout, even_sizes, packed, per_rank, sizes_to_ranges
+from .heads import HeadSplit, in_units
+from .layout import Layout, chunks, even_sizes, packed, per_rank, sizes_to_ranges
 from .mesh import Mesh
 
 
@@ -57,13 +57,12 @@ def split_ranges(size: int, ctx: ShardContext, name: str) -> list[tuple[int, int
     if heads is None:
         return sizes_to_ranges(even_sizes(size, ws))
     hd = heads.head_dim
-    scaled = lambda ranges, unit: [(a * unit, b * unit) for a, b in ranges]  # noqa: E731
     if size == heads.num_heads * hd:
-        return scaled(heads.q_ranges, hd)
+        return in_units(heads.q_ranges, hd)
     if size == heads.num_kv_heads * hd:
-        return scaled(heads.kv_ranges, hd)
+        return in_units(heads.kv_ranges, hd)
     if size == 3 * heads.num_heads * hd and heads.num_heads == heads.num_kv_heads:
-        return scaled(heads.q_ranges, 3 * hd)  # per-head fused [q_h k_h v_h] (GPT-NeoX)
+        return in_units(heads.q_ranges, 3 * hd)  # per-head fused [q_h k_h v_h] (GPT-NeoX)
     raise ValueError(
         f"{name}: cannot align a dim of {size} to attention heads "
         f"(heads={heads.num_heads}, kv_heads={heads.num_kv_heads}, head_dim={hd})"
@@ -75,8 +74,7 @@ def packed_layout(dim: int, size: int, ctx: ShardContext, name: str, num_blocks:
     heads = ctx.heads
     if heads is not None and size == (heads.num_heads + 2 * heads.num_kv_heads) * heads.head_dim:
         hd = heads.head_dim
-        q = [(a * hd, b * hd) for a, b in heads.q_ranges]
-        kv = [(a * hd, b * hd) for a, b in heads.kv_ranges]
+        q, kv = in_units(heads.q_ranges, hd), in_units(heads.kv_ranges, hd)
         return packed(dim, [heads.num_heads * hd, heads.num_kv_heads * hd, heads.num_kv_heads * hd], [q, kv, kv])
     if size % num_blocks:
         raise ValueError(f"{name}: packed dim of {size} does not split into {num_blocks} equal blocks")
@@ -239,7 +237,7 @@ class EmbeddingRowwise(ParallelStyle):
     """Vocab-parallel lookup: each rank embeds the ids in its vocab range, zeros the rest, all-reduce."""
 
     def layouts(self, module, ctx, name):
-        return {"weight": per_rank(0, sizes_to_ranges(even_sizes(module.weight.shape[0], ctx.mesh.world_size)))}
+        return {"weight": chunks(0, even_sizes(module.weight.shape[0], ctx.mesh.world_size))}
 
     def install(self, module, ctx, name, layouts):
         group = ctx.group
@@ -264,7 +262,7 @@ class EmbeddingColwise(ParallelStyle):
     """Hidden-dim-parallel lookup: each rank embeds its slice of the hidden dim, then all-gather."""
 
     def layouts(self, module, ctx, name):
-        return {"weight": per_rank(1, sizes_to_ranges(even_sizes(module.weight.shape[1], ctx.mesh.world_size)))}
+        return {"weight": chunks(1, even_sizes(module.weight.shape[1], ctx.mesh.world_size))}
 
     def install(self, module, ctx, name, layouts):
         layout = layouts["weight"]
