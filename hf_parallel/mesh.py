@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .shm import attach, channel_for
+
 
 @dataclass(frozen=True)
 class Mesh:
@@ -54,4 +56,6 @@ def get_mesh(tp_size: int | None = None, timeout: datetime.timedelta | None = No
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
         torch.cuda.set_device(device)
     group = dist.group.WORLD if world_size > 1 else None
+    if group is not None and device.type == "cpu" and channel_for(group) is None:
+        attach(group, rank, world_size, timeout=(timeout or default_timeout()).total_seconds())
     return Mesh(group, rank, world_size, device)

@@ -1,7 +1,7 @@
 """Save a sharded model as a standard checkpoint: gather tensor by tensor, write on rank 0.
 
 Rank 0 streams each tensor into its safetensors file as soon as it is assembled, so its memory
-stays near one full tensor plus its own shard. Files are written under temporary names in the
+stays near its own shard plus one full tensor plus one received shard. Files are written under temporary names in the
 target directory and renamed only once every file is complete: an interrupted save never leaves
 a half-written file with a final name, nor destroys a previous checkpoint's files.
 """
@@ -40,19 +40,22 @@ SAFETENSORS_DTYPES = {
 
 
 def gather_to_main(local: torch.Tensor, layout: Layout, full_shape, mesh: Mesh) -> torch.Tensor | None:
-    """The full tensor on rank 0 (None elsewhere). Shards travel as bytes, padded to the largest."""
+    """The full tensor on rank 0 (None elsewhere). Rank 0 receives one shard at a time and places
+    it, so it holds the full tensor plus one shard, never every shard at once."""
     if layout.is_replicated or mesh.world_size == 1:
         return local if mesh.is_main else None
-    shapes = [layout.local_shape(full_shape, r) for r in range(mesh.world_size)]
-    nbytes = [math.prod(s) * local.element_size() for s in shapes]
-    payload = torch.zeros(max(nbytes), dtype=torch.uint8)
-    payload[: nbytes[mesh.rank]] = local.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-    received = [torch.empty_like(payload) for _ in shapes] if mesh.is_main else None
-    dist.gather(payload, received, dst=0, group=mesh.group)
     if not mesh.is_main:
+        dist.send(local.detach().cpu().contiguous(), dst=0, group=mesh.group)
         return None
-    shards = [buf[:n].view(local.dtype).reshape(s) for buf, n, s in zip(received, nbytes, shapes)]
-    return layout.assemble(shards, full_shape)
+
+    def shards():
+        yield local.detach().cpu()
+        for rank in range(1, mesh.world_size):
+            shard = torch.empty(layout.local_shape(full_shape, rank), dtype=local.dtype)
+            dist.recv(shard, src=rank, group=mesh.group)
+            yield shard
+
+    return layout.assemble(shards(), full_shape)
 
 
 class SafetensorsWriter:
@@ -81,7 +84,7 @@ class SafetensorsWriter:
             raise RuntimeError(
                 f"writer expected {expected_key} {shape} {dtype}, got {key} {tuple(tensor.shape)} {tensor.dtype}"
             )
-        self.file.write(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        self.file.write(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())  # no copy
 
     def close(self) -> None:
         if self.pending:

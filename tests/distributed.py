@@ -31,6 +31,11 @@ def _entry(rank: int, world_size: int, port: int, fn, args, out_dir: str) -> Non
     result = fn(rank, world_size, *args)
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
+    import torch.distributed as dist
+
+    if dist.is_initialized():  # tear down together: a rank exiting mid-teardown aborts gloo
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def run_ranks(world_size: int, fn, *args, out_dir: str) -> list:

@@ -7,11 +7,11 @@ import shutil
 import pytest
 import torch
 import transformers
+import workers
 from distributed import run_ranks
 from safetensors.torch import load_file, save_file
 
 import hf_parallel
-import workers
 from hf_parallel.loading import BYTES_READ
 from hf_parallel.styles import PackedColwise, out_dim, packed_layout, register_style
 
@@ -22,6 +22,7 @@ def test_a_sharded_tensor_is_never_fully_read(tiny_paths, tmp_path):
         assert len(sharded) >= 15
         for key, row in rows.items():
             assert row["read"] == row["local"], f"rank {rank} read {row['read']} bytes of {key}, holds {row['local']}"
+            assert row["contiguous"], f"{key}: a strided view of the file would slow every matmul"
             if row["sharded"]:
                 assert row["read"] < row["full"]
 

@@ -97,5 +97,59 @@ def count_bytes_read(rank: int, world_size: int, path: str) -> dict:
             "local": param.numel() * param.element_size(),
             "full": full * param.element_size(),
             "sharded": not entry.layout.is_replicated,
+            "contiguous": param.is_contiguous(),
         }
     return rows
+
+
+def shm_collectives(rank: int, world_size: int) -> dict:
+    """The shared-memory transport against gloo's own collectives on the same inputs."""
+    import torch.distributed as dist
+
+    from hf_parallel import comm
+    from hf_parallel.mesh import get_mesh
+    from hf_parallel.shm import channel_for
+
+    mesh = get_mesh()
+    channel = channel_for(mesh.group)
+    out = {"shm": channel is not None}
+    gen = torch.Generator().manual_seed(rank)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(3, 5, 7, generator=gen).to(dtype)
+        want = x.clone()
+        dist.all_reduce(want)
+        got = comm.all_reduce(x, mesh.group)
+        out[f"reduce_{dtype}"] = (got.float() - want.float()).abs().max().item()
+        out[f"reduce_{dtype}_values"] = got.float().flatten().tolist()
+    sizes = [r + 1 for r in range(world_size)]  # uneven: rank r holds r+1 columns
+    local = torch.full((2, sizes[rank]), float(rank))
+    gathered = comm.all_gather(local, 1, sizes, mesh.group)
+    out["gather"] = gathered.tolist()
+    seq = channel.seq
+    big = torch.full((3 << 20,), float(rank + 1))  # 12 MB: more than a slot, so gloo carries it
+    out["big_sum"] = comm.all_reduce(big, mesh.group)[:: 1 << 20].tolist()
+    out["big_used_shm"] = channel.seq != seq
+    return out
+
+
+def shm_rank_goes_missing(rank: int, world_size: int, timeout: float) -> dict:
+    """Rank 1 never joins the collective: rank 0 must fail with a clear error within the bound."""
+    import time
+
+    import torch.distributed as dist
+
+    from hf_parallel import comm
+    from hf_parallel.mesh import get_mesh
+
+    dist.init_process_group("gloo")  # gloo keeps its long timeout, for the teardown barrier
+    os.environ["HF_PARALLEL_TIMEOUT"] = str(timeout)
+    mesh = get_mesh()
+    if rank == 1:
+        time.sleep(timeout * 2)  # alive but absent
+        return {}
+    start = time.monotonic()
+    try:
+        comm.all_reduce(torch.ones(4), mesh.group)
+    except TimeoutError as error:
+        return {"error": str(error), "seconds": time.monotonic() - start}
+    return {"error": None}

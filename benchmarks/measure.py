@@ -1,0 +1,59 @@
+"""What the benchmark measures, the same way for every implementation: RSS peaks from the kernel's
+high-water mark, and collectives counted at the dispatcher (both c10d ops and DTensor's functional ones)."""
+
+from __future__ import annotations
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+_WAITS = {"wait_tensor", "_wrap_tensor_autograd"}
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise KeyError(field)
+
+
+def rss_bytes() -> int:
+    return _status_kib("VmRSS") * 1024
+
+
+def reset_peak_rss() -> None:
+    """Linux: writing 5 to clear_refs resets VmHWM to the current RSS."""
+    with open("/proc/self/clear_refs", "w") as refs:
+        refs.write("5")
+
+
+def peak_rss_bytes() -> int:
+    return _status_kib("VmHWM") * 1024
+
+
+def _payload(op: str, args) -> int:
+    """Bytes this rank contributes: the input tensors (for all-gathers, the second argument)."""
+    source = args[1] if op.startswith("allgather") else args[0]
+    tensors = source if isinstance(source, (list, tuple)) else [source]
+    flat = []
+    for t in tensors:
+        flat.extend(t if isinstance(t, (list, tuple)) else [t])
+    return sum(t.numel() * t.element_size() for t in flat if isinstance(t, torch.Tensor))
+
+
+class CountCollectives(TorchDispatchMode):
+    """Counts every collective dispatched inside the context, with the bytes each rank sends."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+        self.bytes = 0
+        self.ops: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func._schema.name.split("::")[-1]
+        if func.namespace in ("c10d", "_c10d_functional") and name not in _WAITS:
+            self.calls += 1
+            self.bytes += _payload(name, args)
+            self.ops[name] = self.ops.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))

@@ -1,0 +1,150 @@
+"""One benchmark run of one implementation, under torchrun (``--impl single`` with one process).
+
+Writes ``<out>/<impl>-rank<r>.json`` (and rank 0's last-position logits as safetensors) for run.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import time
+import traceback
+
+import torch
+import transformers
+from measure import CountCollectives, peak_rss_bytes, reset_peak_rss, rss_bytes
+
+IMPORT_RSS = rss_bytes()  # a bare `import torch, transformers`, before anything of ours
+
+
+def barrier() -> None:
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+
+
+def load(impl: str, path: str, dtype: torch.dtype):
+    if impl == "hf_parallel":
+        import hf_parallel
+
+        return hf_parallel.AutoModelForCausalLM.from_pretrained(path, tp_plan="auto", dtype=dtype)
+    tp = dict(tp_plan="auto") if impl == "transformers" else {}
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **tp)
+
+
+def local_param_bytes(model) -> int:
+    seen, total = set(), 0
+    for param in model.parameters():
+        if id(param) in seen:
+            continue
+        seen.add(id(param))
+        local = param.to_local() if hasattr(param, "to_local") else param
+        total += local.numel() * local.element_size()
+    return total
+
+
+def timed(fn):
+    barrier()
+    start = time.perf_counter()
+    result = fn()
+    return result, time.perf_counter() - start
+
+
+def count_one_decode_step(impl: str, model, token, cache) -> dict:
+    """Collectives of one more (untimed) decode step. transformers' are counted at the dispatcher;
+    hf_parallel's by its own counter, which also sees the shared-memory transport the dispatcher
+    does not (with HF_PARALLEL_SHM=0 both counters agree)."""
+    if impl == "hf_parallel":
+        from hf_parallel.comm import COUNTS
+
+        before = dict(COUNTS)
+        model(token, past_key_values=cache, use_cache=True)
+        delta = {op: COUNTS[op] - before.get(op, 0) for op in COUNTS}
+        ops = {op: n for op, n in delta.items() if not op.endswith(":bytes") and n}
+        sent = sum(n for op, n in delta.items() if op.endswith(":bytes"))
+        return {"collectives_per_token": sum(ops.values()), "bytes_per_token": sent, "collective_ops": ops}
+    with CountCollectives() as counter:
+        model(token, past_key_values=cache, use_cache=True)
+    return {"collectives_per_token": counter.calls, "bytes_per_token": counter.bytes, "collective_ops": counter.ops}
+
+
+@torch.inference_mode()
+def run(args, result: dict) -> None:
+    dtype = getattr(torch, args.dtype)
+    reset_peak_rss()
+    model, result["load_s"] = timed(lambda: load(args.impl, args.model, dtype))
+    result["load_peak_rss"] = peak_rss_bytes()
+    result["rss_after_load"] = rss_bytes()
+    result["shard_bytes"] = local_param_bytes(model)
+    result["largest_tensor_bytes"] = max(p.numel() * p.element_size() for p in model.parameters())
+
+    vocab = model.config.get_text_config().vocab_size
+    prompt = torch.randint(3, vocab, (1, args.prompt_len), generator=torch.Generator().manual_seed(0))
+    prefill_times = []
+    for _ in range(args.repeats):
+        out, seconds = timed(lambda: model(prompt, use_cache=True))
+        prefill_times.append(seconds)
+    result["prefill_s"] = statistics.median(prefill_times)
+    result["rss_after_prefill"] = rss_bytes()  # weights resident now, however lazily they were loaded
+    logits = out.logits[0, -1].float().contiguous()
+
+    cache, token, tokens, decode_times = out.past_key_values, out.logits[:, -1:].argmax(-1), [], []
+    barrier()
+    for _ in range(args.decode_tokens):
+        start = time.perf_counter()
+        out = model(token, past_key_values=cache, use_cache=True)
+        token = out.logits[:, -1:].argmax(-1)
+        decode_times.append(time.perf_counter() - start)
+        tokens.append(int(token))
+    result["decode_s_per_token"] = sum(decode_times) / len(decode_times)
+    result["tokens"] = tokens
+    result["rss_after_decode"] = rss_bytes()
+    result.update(count_one_decode_step(args.impl, model, token, cache))
+    if result["rank"] == 0:
+        from safetensors.torch import save_file
+
+        save_file({"logits": logits}, os.path.join(args.out, f"{args.impl}-logits.safetensors"))
+
+    save_dir = os.path.join(args.out, f"{args.impl}-saved")
+    del out, cache
+    result["rss_before_save"] = rss_bytes()
+    reset_peak_rss()
+    _, result["save_s"] = timed(lambda: model.save_pretrained(save_dir))
+    barrier()
+    result["save_peak_rss"] = peak_rss_bytes()
+    result["saved_bytes"] = sum(
+        os.path.getsize(os.path.join(save_dir, f)) for f in os.listdir(save_dir) if f.endswith(".safetensors")
+    )
+    barrier()
+    if result["rank"] == 0:
+        shutil.rmtree(save_dir, ignore_errors=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--impl", choices=["single", "hf_parallel", "transformers"], required=True)
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--prompt-len", type=int, default=512)
+    parser.add_argument("--decode-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    rank = int(os.environ.get("RANK", 0))
+    result = dict(impl=args.impl, rank=rank, world_size=int(os.environ.get("WORLD_SIZE", 1)), import_rss=IMPORT_RSS)
+    result["threads"] = torch.get_num_threads()
+    try:
+        run(args, result)
+    except Exception as error:  # the table reports what failed instead of dropping the row
+        result["error"] = f"{type(error).__name__}: {error}".splitlines()[0][:300]
+        traceback.print_exc()
+    with open(os.path.join(args.out, f"{args.impl}-rank{rank}.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    sys.exit(1 if "error" in result else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,33 @@
+"""Collectives: the shared-memory transport agrees with gloo, falls back to it, and times out clearly."""
+
+import pytest
+import workers
+from distributed import run_ranks
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_shared_memory_collectives_match_gloo(world_size, tmp_path):
+    ranks = run_ranks(world_size, workers.shm_collectives, out_dir=str(tmp_path))
+    for out in ranks:
+        assert out["shm"], "CPU ranks on one host should use the shared-memory transport"
+        assert out["reduce_torch.float32"] < 1e-6
+        assert out["reduce_torch.bfloat16"] < 0.05  # gloo sums in bf16; shm accumulates in fp32
+        assert out["gather"] == [sum(([float(r)] * (r + 1) for r in range(world_size)), [])] * 2
+        assert out["big_sum"] == [float(sum(range(1, world_size + 1)))] * 3
+        assert not out["big_used_shm"]
+        for key in ("reduce_torch.float32_values", "reduce_torch.bfloat16_values"):
+            assert out[key] == ranks[0][key], "every rank must hold bitwise the same sum"
+
+
+def test_a_missing_rank_times_out_with_a_clear_error(tmp_path):
+    rank0, _ = run_ranks(2, workers.shm_rank_goes_missing, 2.0, out_dir=str(tmp_path))
+    assert rank0["error"] is not None and "rank(s) [1]" in rank0["error"] and "HF_PARALLEL_TIMEOUT" in rank0["error"]
+    assert rank0["seconds"] < 10
+
+
+def test_gloo_transport_gives_the_same_model_results(tiny_paths, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_PARALLEL_SHM", "0")  # inherited by the spawned ranks
+    cases = {"llama": (tiny_paths["llama"], "auto")}
+    for out in run_ranks(2, workers.compare_tp, cases, None, out_dir=str(tmp_path)):
+        assert out["llama"]["logits"] < 1e-5 and out["llama"]["grads"] < 1e-5
+        assert out["llama"]["counts"] == {"all_reduce": 2 * out["llama"]["layers"] + 1, "all_gather": 1}
