@@ -99,11 +99,16 @@ def fmt(value, scale) -> str:
     return "-" if value is None else f"{value / scale:,.1f}" if scale != 1 else f"{value:,.2f}"
 
 
+def failed(row: dict, key: str) -> str:
+    """The error once, in the first row of the table; 'failed' below it."""
+    return "failed: " + row["error"][:70] if key == next(iter(METRICS)) else "failed"
+
+
 def table(name: str, rows: dict[str, dict]) -> str:
     names = list(rows)
     lines = [f"\n## {name}\n", "| metric | " + " | ".join(names) + " | ratios |", "|---" * (len(names) + 2) + "|"]
     for key, (label, scale, unit) in METRICS.items():
-        cells = [rows[n]["error"][:60] if "error" in rows[n] else fmt(rows[n].get(key), scale) for n in names]
+        cells = [failed(rows[n], key) if "error" in rows[n] else fmt(rows[n].get(key), scale) for n in names]
         lines.append(
             f"| {label}{f' ({unit})' if unit else ''} | " + " | ".join(cells) + f" | {ratio_text(rows, key)} |"
         )

@@ -5,10 +5,9 @@ import os
 import pytest
 import torch
 import transformers
+import workers
 from checks import assert_same_checkpoint
 from distributed import run_ranks
-
-import workers
 
 NEW_TOKENS = 30
 

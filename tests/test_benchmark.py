@@ -1,0 +1,27 @@
+"""The benchmark runs end to end on a tiny checkpoint: both implementations side by side, counted
+collectives, agreement with the single process. (It asserts no timings: those belong to benchmarks/.)"""
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_benchmark_runs_side_by_side(tiny_paths, tmp_path):
+    out = tmp_path / "bench"
+    command = [sys.executable, os.path.join(ROOT, "benchmarks", "run.py"), "--models", tiny_paths["llama_tied_kvrep"]]
+    command += ["--out", str(out), "--dtype", "float32", "--prompt-len", "16", "--decode-tokens", "3", "--repeats", "1"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    rows = json.loads((out / "results.json").read_text())["results"][tiny_paths["llama_tied_kvrep"]]
+    ours, theirs = rows["hf_parallel tp2"], rows["transformers tp2"]
+    assert "error" not in ours and "error" not in theirs, (ours.get("error"), theirs.get("error"))
+    layers = ours["num_layers"]
+    assert ours["collectives_per_token"] == 2 * layers + 2  # per layer 2, embedding 1, logits 1
+    assert theirs["collectives_per_token"] == 2 * layers + 2
+    for row in (ours, theirs):
+        assert row["max_abs_logit_diff"] < 1e-5 and row["tokens_agreeing"] == 3
+        assert row["shard_bytes"] < rows["single"]["shard_bytes"]
+    assert (out / "results.png").stat().st_size > 0 and "| load time" in (out / "results.md").read_text()
