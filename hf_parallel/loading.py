@@ -21,7 +21,7 @@ from collections import Counter
 from contextlib import ExitStack
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 from tqdm.auto import tqdm
 
@@ -34,18 +34,63 @@ INDEX_FILE = "model.safetensors.index.json"
 BYTES_READ: Counter = Counter()  # checkpoint key -> bytes requested by this process
 
 
-def checkpoint_files(path: str) -> dict[str, str]:
-    """Checkpoint key -> absolute file path, from the index or the single safetensors file."""
-    index = os.path.join(path, INDEX_FILE)
-    if os.path.isfile(index):
+class CheckpointError(ValueError):
+    """A checkpoint on disk is malformed; the message names the file (and key) at fault."""
+
+
+def file_keys(file: str) -> list[str]:
+    """The tensor names in one safetensors file, whose header safetensors validates (JSON, offsets
+    inside the file, no overlaps)."""
+    try:
+        with safe_open(file, framework="pt") as f:
+            return list(f.keys())
+    except (SafetensorError, OSError) as error:
+        raise CheckpointError(f"{file}: not a valid safetensors file: {error}") from None
+
+
+def _index_files(path: str, index: str) -> dict[str, str]:
+    try:
         with open(index) as f:
             weight_map = json.load(f)["weight_map"]
-        return {key: os.path.join(path, name) for key, name in weight_map.items()}
-    single = os.path.join(path, SINGLE_FILE)
-    if os.path.isfile(single):
-        with safe_open(single, framework="pt") as f:
-            return {key: single for key in f.keys()}
-    raise FileNotFoundError(f"{path}: no {SINGLE_FILE} or {INDEX_FILE} (hf_parallel loads safetensors checkpoints)")
+        if not isinstance(weight_map, dict):
+            raise TypeError("weight_map is not an object")
+    except (ValueError, KeyError, TypeError) as error:
+        raise CheckpointError(f"{index}: not a safetensors index ({type(error).__name__}: {error})") from None
+    root = os.path.realpath(path)
+    files = {}
+    for key, name in weight_map.items():
+        file = os.path.realpath(os.path.join(root, name)) if isinstance(name, str) else None
+        if file is None or os.path.isabs(name) or os.path.dirname(file) != root:
+            raise CheckpointError(f"{index}: {key!r} points to {name!r}, outside the checkpoint directory; refused")
+        if not os.path.isfile(file):
+            raise CheckpointError(f"{index}: {key!r} is in {name!r}, which does not exist")
+        files[key] = file
+    return files
+
+
+def checkpoint_files(path: str) -> dict[str, str]:
+    """Checkpoint key -> absolute file path, from the index or the single safetensors file.
+
+    Every file's header is checked up front: each key must live in exactly one file, the one the
+    index names, so a corrupt or inconsistent checkpoint fails before any weight is read."""
+    index = os.path.join(path, INDEX_FILE)
+    if os.path.isfile(index):
+        files = _index_files(path, index)
+    elif os.path.isfile(os.path.join(path, SINGLE_FILE)):
+        single = os.path.join(path, SINGLE_FILE)
+        return dict.fromkeys(file_keys(single), single)
+    else:
+        raise FileNotFoundError(f"{path}: no {SINGLE_FILE} or {INDEX_FILE} (hf_parallel loads safetensors checkpoints)")
+    found: dict[str, str] = {}
+    for file in sorted(set(files.values())):
+        for key in file_keys(file):
+            if key in found:
+                raise CheckpointError(f"{path}: tensor {key!r} is in both {found[key]} and {file}")
+            found[key] = file
+    for key, file in files.items():
+        if found.get(key) != file:
+            raise CheckpointError(f"{index}: {key!r} is said to be in {file}, but that file does not hold it")
+    return files
 
 
 class ShardReader:
