@@ -75,12 +75,10 @@ def summarize(ranks: list[dict], out: str, reference: dict | None) -> dict:
         return {"error": errors[0], "ranks": ranks}
     main = next(r for r in ranks if r["rank"] == 0)
     row = {key: main.get(key) for key in METRICS}
-    row["load_s"] = max(r["load_s"] for r in ranks)
-    row["load_peak_rss"] = max(r["load_peak_rss"] for r in ranks)
-    row["rss_after_prefill"] = max(r["rss_after_prefill"] for r in ranks)
-    for key in ("import_rss", "shard_bytes", "largest_tensor_bytes", "tokens", "collective_ops", "world_size"):
+    for key in ("load_s", "load_peak_rss", "rss_after_prefill", "shard_bytes"):  # the worst rank
+        row[key] = max(r[key] for r in ranks)
+    for key in ("import_rss", "largest_tensor_bytes", "tokens", "collective_ops", "world_size"):
         row[key] = main[key]
-    row["shard_bytes"] = max(r["shard_bytes"] for r in ranks)
     row["ranks"] = ranks
     logits = load_file(os.path.join(out, f"{main['impl']}-logits.safetensors"))["logits"]
     if reference is not None:

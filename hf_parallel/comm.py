@@ -36,12 +36,18 @@ def _world(group) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
 
+def _shm(group, x: torch.Tensor):
+    """The shared-memory channel to carry ``x`` over ``group``, or None for the group's backend."""
+    channel = channel_for(group)
+    return channel if channel is not None and channel.fits(x.numel() * x.element_size()) else None
+
+
 def all_reduce(x: torch.Tensor, group) -> torch.Tensor:
     if _world(group) == 1:
         return x
     _count("all_reduce", x)
-    channel = channel_for(group)
-    if channel is not None and channel.fits(x.numel() * x.element_size()):
+    channel = _shm(group, x)
+    if channel is not None:
         return channel.all_reduce(x)
     x = x.contiguous().clone()
     dist.all_reduce(x, group=group)
@@ -61,9 +67,9 @@ def all_gather(x: torch.Tensor, dim: int, sizes, group) -> torch.Tensor:
         padded = torch.cat([x, x.new_zeros(pad_shape)], dim)
     padded = padded.contiguous()
     _count("all_gather", padded)
-    channel = channel_for(group)
-    if channel is not None and channel.fits(padded.numel() * padded.element_size()):
-        parts = channel.all_gather(padded)
+    channel = _shm(group, padded)
+    if channel is not None:
+        parts = channel.all_gather(padded)  # views into shared memory, consumed by the cat below
     else:
         parts = [torch.empty_like(padded) for _ in sizes]
         dist.all_gather(parts, padded, group=group)

@@ -85,8 +85,9 @@ class ShmChannel:
         return out.view(x.shape)
 
     def all_gather(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """Views of every rank's ``x`` in shared memory: consume them before the next collective."""
         parts = self.exchange(x.contiguous().reshape(-1).view(torch.uint8))
-        return [part.view(x.dtype).view(x.shape).clone() for part in parts]
+        return [part.view(x.dtype).view(x.shape) for part in parts]
 
 
 def _host_id() -> str:
