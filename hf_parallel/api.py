@@ -48,8 +48,17 @@ def build_empty(auto_class, config, dtype: torch.dtype) -> nn.Module:
 
 
 def from_pretrained(
-    auto_class, path: str, *, tp_plan="auto", dtype=None, tp_size: int | None = None, device_map=None, **config_kwargs
+    auto_class,
+    path: str,
+    *,
+    tp_plan="auto",
+    dtype=None,
+    tp_size: int | None = None,
+    device_map=None,
+    allow_pickle: bool = False,
+    **config_kwargs,
 ):
+    """``allow_pickle``: accept a ``pytorch_model.bin`` checkpoint (loaded with ``weights_only=True``)."""
     if device_map is not None:
         raise ValueError(
             "tp_plan and device_map cannot be combined: tensor parallelism places every shard on its own rank"
@@ -64,7 +73,7 @@ def from_pretrained(
     model = build_empty(auto_class, config, dtype)
     plan = resolve_plan(model, tp_plan)
     shard = shard_plan(model, plan, mesh)
-    source_keys = load_weights(model, path, shard, dtype)
+    source_keys = load_weights(model, path, shard, dtype, allow_pickle)
     install(model, shard)
     model.eval()
     model._hf_parallel = ParallelState(mesh, shard, source_keys)

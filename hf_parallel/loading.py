@@ -10,10 +10,15 @@ copy, and the pages become resident only when used. Anything else (column splits
 weights, packed blocks, a dtype change) is copied into memory the model owns, through a
 short-lived handle whose mapping closes at once: a view would stay non-contiguous for every matmul
 and pin every page of the full tensor in the rank's RSS.
+
+Pickled ``pytorch_model.bin`` checkpoints can run code when unpickled, so they are refused unless
+the caller passes ``allow_pickle=True``; even then they go through ``torch.load(weights_only=True)``
+(memory-mapped, so a rank still only touches the pages of its own slices) and are always copied.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import warnings
@@ -21,6 +26,7 @@ from collections import Counter
 from contextlib import ExitStack
 
 import torch
+import torch.distributed as dist
 from safetensors import SafetensorError, safe_open
 from torch import nn
 from tqdm.auto import tqdm
@@ -31,6 +37,8 @@ from .parallelize import ShardPlan
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+PICKLE_FILE = "pytorch_model.bin"
+PICKLE_INDEX_FILE = "pytorch_model.bin.index.json"
 BYTES_READ: Counter = Counter()  # checkpoint key -> bytes requested by this process
 
 
@@ -39,13 +47,58 @@ class CheckpointError(ValueError):
 
 
 def file_keys(file: str) -> list[str]:
-    """The tensor names in one safetensors file, whose header safetensors validates (JSON, offsets
-    inside the file, no overlaps)."""
+    """The tensor names in one checkpoint file. safetensors validates its header (JSON, offsets
+    inside the file, no overlaps); a pickle must unpickle under ``weights_only`` to a dict of tensors."""
+    if file.endswith(".bin"):
+        return list(PickleFile(file).tensors)
     try:
         with safe_open(file, framework="pt") as f:
             return list(f.keys())
     except (SafetensorError, OSError) as error:
         raise CheckpointError(f"{file}: not a valid safetensors file: {error}") from None
+
+
+class PickleFile:
+    """A ``pytorch_model.bin`` opened like a safetensors handle (``get_slice``), via
+    ``torch.load(weights_only=True)``; memory-mapped when the file is in the zip format."""
+
+    def __init__(self, file: str):
+        try:
+            try:
+                tensors = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+            except RuntimeError as error:
+                if "mmap" not in str(error):
+                    raise
+                tensors = torch.load(file, map_location="cpu", weights_only=True)  # legacy format: no mmap
+        except Exception as error:  # torch.load raises many types on hostile bytes; all mean "refused"
+            raise CheckpointError(
+                f"{file}: torch.load(weights_only=True) refused it: {type(error).__name__}: {error}"
+            ) from None
+        if not isinstance(tensors, dict) or not all(isinstance(t, torch.Tensor) for t in tensors.values()):
+            raise CheckpointError(f"{file}: not a state dict (a dict of tensor names to tensors)")
+        self.tensors = tensors
+
+    def get_slice(self, key: str) -> "_TensorSlice":
+        return _TensorSlice(self.tensors[key])
+
+
+class _TensorSlice:
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+
+    def get_shape(self):
+        return list(self.tensor.shape)
+
+    def get_dtype(self) -> torch.dtype:
+        return self.tensor.dtype
+
+    def __getitem__(self, index):
+        return self.tensor[index]
+
+
+def _is_floating(dtype) -> bool:
+    """For a torch dtype or a safetensors dtype code ("F32", "BF16", "F8_E4M3", "I64", "BOOL")."""
+    return dtype.is_floating_point if isinstance(dtype, torch.dtype) else dtype.startswith(("F", "BF"))
 
 
 def _index_files(path: str, index: str) -> dict[str, str]:
@@ -55,11 +108,12 @@ def _index_files(path: str, index: str) -> dict[str, str]:
         if not isinstance(weight_map, dict):
             raise TypeError("weight_map is not an object")
     except (ValueError, KeyError, TypeError) as error:
-        raise CheckpointError(f"{index}: not a safetensors index ({type(error).__name__}: {error})") from None
+        raise CheckpointError(f"{index}: not a checkpoint index ({type(error).__name__}: {error})") from None
     root = os.path.realpath(path)
     files = {}
     for key, name in weight_map.items():
-        file = os.path.realpath(os.path.join(root, name)) if isinstance(name, str) else None
+        valid = isinstance(name, str) and "\0" not in name
+        file = os.path.realpath(os.path.join(root, name)) if valid else None
         if file is None or os.path.isabs(name) or os.path.dirname(file) != root:
             raise CheckpointError(f"{index}: {key!r} points to {name!r}, outside the checkpoint directory; refused")
         if not os.path.isfile(file):
@@ -68,19 +122,27 @@ def _index_files(path: str, index: str) -> dict[str, str]:
     return files
 
 
-def checkpoint_files(path: str) -> dict[str, str]:
-    """Checkpoint key -> absolute file path, from the index or the single safetensors file.
+def checkpoint_files(path: str, allow_pickle: bool = False) -> dict[str, str]:
+    """Checkpoint key -> absolute file path, from the index or the single checkpoint file.
 
     Every file's header is checked up front: each key must live in exactly one file, the one the
-    index names, so a corrupt or inconsistent checkpoint fails before any weight is read."""
-    index = os.path.join(path, INDEX_FILE)
-    if os.path.isfile(index):
-        files = _index_files(path, index)
-    elif os.path.isfile(os.path.join(path, SINGLE_FILE)):
-        single = os.path.join(path, SINGLE_FILE)
-        return dict.fromkeys(file_keys(single), single)
+    index names, so a corrupt or inconsistent checkpoint fails before any weight is read.
+    safetensors is preferred; pickles are used only with ``allow_pickle`` (and refused by name without)."""
+    for index_name, single_name in ((INDEX_FILE, SINGLE_FILE), (PICKLE_INDEX_FILE, PICKLE_FILE)):
+        index, single = os.path.join(path, index_name), os.path.join(path, single_name)
+        if os.path.isfile(index) or os.path.isfile(single):
+            break
     else:
-        raise FileNotFoundError(f"{path}: no {SINGLE_FILE} or {INDEX_FILE} (hf_parallel loads safetensors checkpoints)")
+        raise FileNotFoundError(f"{path}: no {SINGLE_FILE} or {INDEX_FILE} (nor a {PICKLE_FILE})")
+    if single_name == PICKLE_FILE and not allow_pickle:
+        raise CheckpointError(
+            f"{path}: only a pickle checkpoint ({os.path.basename(index if os.path.isfile(index) else single)}) is "
+            "there, and unpickling can run arbitrary code. Pass allow_pickle=True to load it anyway (with "
+            "torch.load(weights_only=True)), or convert it to safetensors"
+        )
+    if not os.path.isfile(index):
+        return dict.fromkeys(file_keys(single), single)
+    files = _index_files(path, index)
     found: dict[str, str] = {}
     for file in sorted(set(files.values())):
         for key in file_keys(file):
@@ -91,6 +153,36 @@ def checkpoint_files(path: str) -> dict[str, str]:
         if found.get(key) != file:
             raise CheckpointError(f"{index}: {key!r} is said to be in {file}, but that file does not hold it")
     return files
+
+
+def _header_digest(file: str) -> str:
+    """What every rank must agree on about one file: its size and its header (names, dtypes, shapes,
+    offsets) hashed; the first MiB of a pickle or config. Cheap: tensor data is not read."""
+    digest = hashlib.sha256(str(os.path.getsize(file)).encode())
+    with open(file, "rb") as f:
+        if file.endswith(".safetensors"):  # already validated: the length prefix is sane
+            digest.update(f.read(int.from_bytes(f.read(8), "little")))
+        else:
+            digest.update(f.read(1 << 20))
+    return digest.hexdigest()
+
+
+def check_same_checkpoint(path: str, files: dict[str, str], mesh) -> None:
+    """Every rank must read the same checkpoint; one that sees other files (a stale copy on a
+    node, another path) would silently assemble a model from two. Compares hashed headers."""
+    if mesh.group is None:
+        return
+    config = os.path.join(path, "config.json")
+    mine = {os.path.basename(f): _header_digest(f) for f in sorted(set(files.values()) | {config}) if os.path.isfile(f)}
+    everyone = [None] * mesh.world_size
+    dist.all_gather_object(everyone, mine, group=mesh.group)
+    for rank, theirs in enumerate(everyone[1:], start=1):
+        differ = sorted(name for name in set(theirs) | set(everyone[0]) if theirs.get(name) != everyone[0].get(name))
+        if differ:
+            raise CheckpointError(
+                f"{path}: rank {rank} sees a different checkpoint than rank 0 (files whose header or size differ, "
+                f"or that only one of them has: {', '.join(differ)}); every rank must load the same files"
+            )
 
 
 class ShardReader:
@@ -109,19 +201,33 @@ class ShardReader:
 
     def _shared(self, file: str):
         if file not in self._handles:
-            self._handles[file] = self._stack.enter_context(safe_open(file, framework="pt"))
+            is_pickle = file.endswith(".bin")
+            opened = PickleFile(file) if is_pickle else self._stack.enter_context(safe_open(file, framework="pt"))
+            self._handles[file] = opened
         return self._handles[file]
 
-    def read(self, file: str, key: str, layout, dtype=None, expect: tuple[str, tuple] | None = None) -> torch.Tensor:
-        """This rank's shard of ``key``: its layout's slices, concatenated along the split dim.
-        ``expect`` is (parameter name, full shape) to check the checkpoint against."""
+    def check(self, file: str, key: str, name: str, shape: tuple, dtype: torch.dtype) -> None:
+        """The checkpoint's header agrees with the model's parameter ``name`` (reads no data)."""
         tensor_slice = self._shared(file).get_slice(key)
-        full_shape = tuple(tensor_slice.get_shape())
-        if expect is not None and full_shape != tuple(expect[1]):
-            raise ValueError(
-                f"{file}: tensor {key!r} has shape {full_shape}, but the model's {expect[0]} expects {expect[1]}"
+        found = tuple(tensor_slice.get_shape())
+        if found != tuple(shape):
+            raise CheckpointError(
+                f"{file}: tensor {key!r} has shape {found}, but the model's {name} expects {tuple(shape)}"
             )
+        if _is_floating(tensor_slice.get_dtype()) != dtype.is_floating_point:
+            raise CheckpointError(
+                f"{file}: tensor {key!r} is {tensor_slice.get_dtype()}, but the model's {name} is {dtype}; "
+                "refusing to cast between integer and floating point"
+            )
+
+    def read(self, file: str, key: str, layout, dtype=None) -> torch.Tensor:
+        """This rank's shard of ``key``: its layout's slices, concatenated along the split dim."""
+        handle = self._shared(file)
+        tensor_slice = handle.get_slice(key)
+        full_shape = tuple(tensor_slice.get_shape())
         index = layout.index(full_shape, self.rank)
+        if isinstance(handle, PickleFile):  # always copied: a view would keep the whole pickle mapped
+            return self._assemble(key, layout, full_shape, [tensor_slice[i] for i in index], dtype)
         if len(index) == 1 and self.device.type == "cpu":
             view = tensor_slice[index[0]]
             if view.is_contiguous() and dtype in (None, view.dtype):
@@ -129,17 +235,20 @@ class ShardReader:
                 return view
         with safe_open(file, framework="pt") as handle:  # its own mapping: released on return
             tensor_slice = handle.get_slice(key)
-            pieces = [tensor_slice[i] for i in index]
-            BYTES_READ[key] += sum(p.numel() * p.element_size() for p in pieces)
-            shape = layout.local_shape(full_shape, self.rank)
-            out = torch.empty(shape, dtype=dtype or pieces[0].dtype, device=self.device)
-            if len(pieces) == 1:
-                return out.copy_(pieces[0])
-            offset = 0
-            for piece in pieces:
-                out.narrow(layout.dim, offset, piece.shape[layout.dim]).copy_(piece)
-                offset += piece.shape[layout.dim]
-            return out
+            return self._assemble(key, layout, full_shape, [tensor_slice[i] for i in index], dtype)
+
+    def _assemble(self, key: str, layout, full_shape, pieces, dtype) -> torch.Tensor:
+        """Copy the pieces into one owned tensor on this rank's device."""
+        BYTES_READ[key] += sum(p.numel() * p.element_size() for p in pieces)
+        shape = layout.local_shape(full_shape, self.rank)
+        out = torch.empty(shape, dtype=dtype or pieces[0].dtype, device=self.device)
+        if len(pieces) == 1:
+            return out.copy_(pieces[0])
+        offset = 0
+        for piece in pieces:
+            out.narrow(layout.dim, offset, piece.shape[layout.dim]).copy_(piece)
+            offset += piece.shape[layout.dim]
+        return out
 
 
 def _set_tensor(model: nn.Module, name: str, value: torch.Tensor) -> None:
@@ -151,11 +260,14 @@ def _set_tensor(model: nn.Module, name: str, value: torch.Tensor) -> None:
         module._buffers[attr] = value
 
 
-def load_weights(model: nn.Module, path: str, shard: ShardPlan, dtype: torch.dtype) -> dict[str, str]:
+def load_weights(
+    model: nn.Module, path: str, shard: ShardPlan, dtype: torch.dtype, allow_pickle: bool = False
+) -> dict[str, str]:
     """Fill every parameter (and persistent buffer found in the checkpoint) with its local shard.
 
     Returns parameter name -> checkpoint key, which saving uses to write the source's names."""
-    files = checkpoint_files(path)
+    files = checkpoint_files(path, allow_pickle)
+    check_same_checkpoint(path, files, shard.mesh)
     rank = shard.mesh.rank
     key_of = param_names_for_keys(model, files)
     source_keys, missing = {}, []
@@ -165,7 +277,7 @@ def load_weights(model: nn.Module, path: str, shard: ShardPlan, dtype: torch.dty
             missing.append(entry.name)
         source_keys[entry.name] = key
     if missing:
-        raise ValueError(
+        raise CheckpointError(
             f"{path}: checkpoint is missing {len(missing)} parameter(s) the model needs: {', '.join(missing[:20])}"
         )
     buffers = {name: key_of[name] for name, _ in model.named_buffers() if name in key_of}
@@ -177,9 +289,12 @@ def load_weights(model: nn.Module, path: str, shard: ShardPlan, dtype: torch.dty
         )
 
     with ShardReader(rank, shard.mesh.device) as reader:
+        for entry in shard.unique_params():  # every header against the model before any data is read
+            key = source_keys[entry.name]
+            reader.check(files[key], key, entry.name, entry.full_shape, model.get_parameter(entry.name).dtype)
         for entry in tqdm(shard.unique_params(), desc="Loading shards", disable=rank != 0, leave=False):
             key = source_keys[entry.name]
-            local = reader.read(files[key], key, entry.layout, dtype, expect=(entry.name, entry.full_shape))
+            local = reader.read(files[key], key, entry.layout, dtype)
             old = model.get_parameter(entry.name)
             param = nn.Parameter(local, requires_grad=old.requires_grad)
             for alias in entry.aliases:

@@ -96,5 +96,5 @@ def test_duplicate_key_across_shards(sharded, tmp_path):
 def test_index_that_is_not_json(sharded, tmp_path):
     target = copy_of(sharded, tmp_path)
     (target / INDEX_FILE).write_text("{ weight_map: ")
-    with pytest.raises(CheckpointError, match=r"model\.safetensors\.index\.json: not a safetensors index"):
+    with pytest.raises(CheckpointError, match=r"model\.safetensors\.index\.json: not a checkpoint index"):
         load(target)

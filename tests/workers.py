@@ -153,3 +153,14 @@ def shm_rank_goes_missing(rank: int, world_size: int, timeout: float) -> dict:
     except TimeoutError as error:
         return {"error": str(error), "seconds": time.monotonic() - start}
     return {"error": None}
+
+
+def load_expecting_error(rank: int, world_size: int, paths: list, kwargs: dict) -> dict:
+    """Rank r loads ``paths[r]``; returns the error it got (or None)."""
+    import hf_parallel
+
+    try:
+        hf_parallel.AutoModelForCausalLM.from_pretrained(paths[rank], tp_plan="auto", **kwargs)
+    except Exception as error:  # noqa: BLE001 - the test asserts the type by name
+        return {"type": type(error).__name__, "message": str(error)}
+    return {"type": None, "message": None}
