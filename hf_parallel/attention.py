@@ -1,14 +1,16 @@
 """Make transformers' attention modules run unchanged on their local heads.
 
-Model code reshapes with ``-1`` heads, but reads ``num_key_value_groups`` (repeat_kv) and, in
-some families, head counts from ``self.config`` (Phi-3). Each sharded attention module gets
-those attributes and a private shallow copy of the config with its local head counts; the
-model's own config is never changed, so ``save_pretrained`` writes the original.
+Model code reshapes with ``-1`` heads, but reads ``num_key_value_groups`` (repeat_kv), widths
+such as GPT-2's ``split_size`` and, in some families, head counts from ``self.config`` (Phi-3).
+Each sharded attention module gets those attributes and a private shallow copy of the config with
+its local head counts; the model's own config is never changed, so ``save_pretrained`` writes the
+original. ALiBi biases (BLOOM, Falcon-RW) arrive built for all heads and are cut to the local ones.
 """
 
 from __future__ import annotations
 
 import copy
+import inspect
 
 from torch import nn
 
@@ -23,17 +25,33 @@ HEAD_ATTRIBUTES = {
 }
 
 
+# attributes holding the width of all query heads (heads x head_dim), used to split or merge heads
+WIDTH_ATTRIBUTES = ("split_size", "embed_dim", "all_head_size", "hidden_size")
+
+
 def is_attention(module: nn.Module) -> bool:
     return type(module).__name__.endswith("Attention")
+
+
+def inside_attention(path: str, modules: dict[str, nn.Module]) -> bool:
+    """Whether some ancestor of ``path`` is an attention module (BERT's output projection sits in
+    ``attention.output``, beside the self-attention, not inside it)."""
+    parts = path.split(".")
+    return any(is_attention(modules.get(".".join(parts[:i]))) for i in range(1, len(parts)))
 
 
 def localize(module: nn.Module, heads: HeadSplit, rank: int) -> None:
     """Set ``module``'s head counts to the ones this rank holds."""
     q, kv = heads.local_q(rank), heads.local_kv(rank)
     values = {"q": q, "kv": kv, "groups": q // kv}
+    for attr in WIDTH_ATTRIBUTES:
+        if getattr(module, attr, None) == heads.num_heads * heads.head_dim:
+            setattr(module, attr, q * heads.head_dim)
     for attr, which in HEAD_ATTRIBUTES.items():
         if isinstance(getattr(module, attr, None), int):
             setattr(module, attr, values[which])
+    if "alibi" in inspect.signature(module.forward).parameters:
+        _slice_alibi(module, heads, rank)
     config = getattr(module, "config", None)
     if config is not None:
         local = copy.copy(config)
@@ -41,3 +59,27 @@ def localize(module: nn.Module, heads: HeadSplit, rank: int) -> None:
             if hasattr(local, attr):
                 setattr(local, attr, values[which])
         module.config = local
+
+
+def _slice_alibi(module: nn.Module, heads: HeadSplit, rank: int) -> None:
+    """The model builds ALiBi biases for all heads (BLOOM: ``alibi`` [batch * heads, 1, keys];
+    Falcon: folded into a [batch, heads, queries, keys] ``attention_mask``); keep this rank's heads."""
+    start, stop = heads.q_ranges[rank]
+    signature = inspect.signature(module.forward)
+
+    def local(tensor):
+        if tensor is None or tensor.dim() not in (3, 4):
+            return tensor
+        if tensor.dim() == 4:
+            return tensor[:, start:stop] if tensor.shape[1] == heads.num_heads else tensor
+        full = tensor.reshape(-1, heads.num_heads, *tensor.shape[1:])
+        return full[:, start:stop].reshape(-1, *tensor.shape[1:])
+
+    def hook(m, args, kwargs):
+        bound = signature.bind_partial(*args, **kwargs)
+        for name in ("alibi", "attention_mask"):
+            if name in bound.arguments:
+                bound.arguments[name] = local(bound.arguments[name])
+        return bound.args, bound.kwargs
+
+    module.register_forward_pre_hook(hook, with_kwargs=True)

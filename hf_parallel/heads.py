@@ -78,7 +78,9 @@ def head_split_from_config(config, world_size: int) -> HeadSplit | None:
     num_heads = getattr(text, "num_attention_heads", None) or getattr(text, "n_head", None)
     if not num_heads:
         return None
-    num_kv = getattr(text, "num_key_value_heads", None) or num_heads
+    num_kv = getattr(text, "num_key_value_heads", None) or getattr(text, "num_kv_heads", None) or num_heads
+    if getattr(text, "multi_query", False) and not getattr(text, "new_decoder_architecture", False):
+        num_kv = 1  # Falcon-7B / GPT-BigCode multi-query attention
     hidden = getattr(text, "hidden_size", None) or getattr(text, "n_embd", None)
     head_dim = getattr(text, "head_dim", None) or hidden // num_heads
     return split_heads(num_heads, num_kv, head_dim, world_size)

@@ -70,8 +70,7 @@ def shard_plan(model: nn.Module, plan: Plan, mesh: Mesh) -> ShardPlan:
     modules = dict(model.named_modules())
     contexts = {}
     for path in rules:
-        parent = modules[path.rpartition(".")[0]] if "." in path else model
-        in_attention = heads is not None and attention.is_attention(parent)
+        in_attention = heads is not None and attention.inside_attention(path, modules)
         contexts[path] = ShardContext(mesh, heads if in_attention else None, kv_group)
 
     layouts = {path: rule.style.layouts(modules[path], contexts[path], path) for path, rule in rules.items()}

@@ -8,7 +8,8 @@ components), whatever the order of the dict; a tie between different styles is a
 
 ``tp_plan="auto"`` resolves, in order: a curated file in ``plans/`` (or one registered with
 ``register_plan``) for the config's ``model_type``, then transformers' ``base_model_tp_plan`` and
-the model class's ``_tp_plan``.
+the model class's ``_tp_plan``, then a plan discovered from the module tree (``discover.py``);
+``tp_plan="discover"`` asks for discovery directly.
 """
 
 from __future__ import annotations
@@ -42,11 +43,11 @@ class Rule:
         return (-parts.count("*"), len(parts))
 
     def matches(self, candidates) -> bool:
-        regex = _compile(self.pattern)
+        regex = compile_pattern(self.pattern)
         return any(regex.fullmatch(path) for path in candidates)
 
 
-def _compile(pattern: str) -> re.Pattern:
+def compile_pattern(pattern: str) -> re.Pattern:
     return re.compile(r"\.".join("[^.]+" if part == "*" else re.escape(part) for part in pattern.split(".")))
 
 
@@ -68,6 +69,7 @@ class Plan:
     source: str
     base_prefix: str = ""
     used: set = field(default_factory=set)
+    notes: list[str] = field(default_factory=list)  # modules deliberately left replicated, and why
 
     def rule_for(self, path: str) -> Rule | None:
         candidates = [path]
@@ -139,29 +141,36 @@ def curated_plan_for(model_type: str):
 
 
 def resolve_plan(model: nn.Module, tp_plan) -> Plan:
-    """Turn ``tp_plan`` ("auto", a registered model_type name, or a dict) into validated rules."""
+    """Turn ``tp_plan`` ("auto", "discover", a registered model_type name, or a dict) into validated rules."""
     prefix = getattr(model, "base_model_prefix", "") or ""
+    model_type = getattr(model.config, "model_type", None)
+    notes = []
     if isinstance(tp_plan, dict):
         rules, source = tp_plan, "user tp_plan"
-    elif tp_plan == "auto":
-        model_type = getattr(model.config, "model_type", None)
-        found = curated_plan_for(model_type)
-        if found is not None:
-            rules, source = found
-        else:
-            rules = dict(getattr(model.config, "base_model_tp_plan", None) or {})
-            rules.update(getattr(model, "_tp_plan", None) or {})
-            source = f"transformers {type(model.config).__name__}.base_model_tp_plan"
-            if not rules:
-                raise ValueError(
-                    f"no tensor-parallel plan for model_type {model_type!r}: plans/ has no file for it and transformers "
-                    "ships none; pass tp_plan={...} or register one with hf_parallel.register_plan"
-                )
+    elif tp_plan == "auto" and curated_plan_for(model_type) is not None:
+        rules, source = curated_plan_for(model_type)
+    elif tp_plan == "auto" and (getattr(model.config, "base_model_tp_plan", None) or getattr(model, "_tp_plan", None)):
+        rules = dict(getattr(model.config, "base_model_tp_plan", None) or {})
+        rules.update(getattr(model, "_tp_plan", None) or {})
+        source = f"transformers {type(model.config).__name__}.base_model_tp_plan"
+    elif tp_plan in ("auto", "discover"):
+        from .discover import discover_plan
+
+        found = discover_plan(model)
+        rules, notes, source = found.rules, found.notes, f"discovered from the {type(model).__name__} module tree"
+        if not rules:
+            raise ValueError(
+                f"no tensor-parallel plan for model_type {model_type!r}: plans/ has no file for it, transformers ships "
+                f"none, and discovery found nothing to split ({'; '.join(notes) or 'no repeated layers'}); pass "
+                "tp_plan={...} or register one with hf_parallel.register_plan"
+            )
     elif isinstance(tp_plan, str) and curated_plan_for(tp_plan) is not None:
         rules, source = curated_plan_for(tp_plan)
     else:
-        raise ValueError(f"tp_plan must be 'auto', a registered model_type or a dict of rules, got {tp_plan!r}")
-    return Plan([validate_rule(p, s, source) for p, s in rules.items()], source, prefix)
+        raise ValueError(
+            f"tp_plan must be 'auto', 'discover', a registered model_type or a dict of rules, got {tp_plan!r}"
+        )
+    return Plan([validate_rule(p, s, source) for p, s in rules.items()], source, prefix, notes=notes)
 
 
 def tie_embedding_rules(model: nn.Module, assigned: dict[str, Rule]) -> None:

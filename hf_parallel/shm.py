@@ -76,13 +76,13 @@ class ShmChannel:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum in rank order on every rank, so all ranks get bitwise the same result."""
         parts = self.exchange(x.contiguous().reshape(-1).view(torch.uint8))
-        parts = [part.view(x.dtype) for part in parts]
+        parts = [part.view(x.dtype).view(x.shape) for part in parts]
         if x.dtype in (torch.bfloat16, torch.float16):
-            return torch.stack(parts).sum(0, dtype=torch.float32).to(x.dtype).view(x.shape)
-        out = parts[0].clone()
+            return torch.stack(parts).sum(0, dtype=torch.float32).to(x.dtype)
+        out = parts[0].clone()  # a tensor of its own, not a view: callers may add to it in place
         for part in parts[1:]:
             out += part
-        return out.view(x.shape)
+        return out
 
     def all_gather(self, x: torch.Tensor) -> list[torch.Tensor]:
         """Views of every rank's ``x`` in shared memory: consume them before the next collective."""

@@ -83,6 +83,25 @@ def packed_layout(dim: int, size: int, ctx: ShardContext, name: str, num_blocks:
     return packed(dim, [block] * num_blocks, [ranges] * num_blocks)
 
 
+def grouped_qkv_layout(dim: int, size: int, ctx: ShardContext, name: str) -> Layout:
+    """A fused projection laid out per KV group as [q heads of the group, k, v] (Falcon, and with
+    one head per group BLOOM / GPT-NeoX's per-head [q_h k_h v_h]). Each rank takes its query heads
+    of each of its groups plus that group's k and v; the local tensor keeps the same grouped form."""
+    heads = ctx.heads
+    if heads is None or size != (heads.num_heads + 2 * heads.num_kv_heads) * heads.head_dim:
+        raise ValueError(f"{name}: a dim of {size} is not a grouped q/k/v projection of the attention heads")
+    group, hd = heads.num_heads // heads.num_kv_heads, heads.head_dim
+    ranges = []
+    for (q_start, q_stop), (kv_start, kv_stop) in zip(heads.q_ranges, heads.kv_ranges):
+        if (q_start, q_stop) == (kv_start * group, kv_stop * group):  # whole groups: one contiguous run
+            pieces = [(kv_start * (group + 2), kv_stop * (group + 2))]
+        else:  # one KV group shared with other ranks: some of its query heads, then its k and v
+            base = kv_start * (group + 2) - kv_start * group
+            pieces = [(base + q_start, base + q_stop), (base + (kv_start + 1) * group, base + (kv_start + 1) * group + 2)]
+        ranges.append(tuple((start * hd, stop * hd) for start, stop in pieces))
+    return Layout(dim, tuple(ranges), "grouped")
+
+
 def _grad_all_reduce(param: nn.Parameter, group) -> None:
     """Sum this parameter's gradient over ``group`` (each rank saw part of the data)."""
     if group is not None and not getattr(param, "_hfp_grad_hooked", False):
@@ -151,6 +170,7 @@ class Colwise(ParallelStyle):
 
     gather_output = False
     packed = False
+    grouped = False
 
     @property
     def shards_heads(self) -> bool:
@@ -164,6 +184,8 @@ class Colwise(ParallelStyle):
             ctx = ShardContext(ctx.mesh)  # the output is gathered: any even split will do
         if self.packed:
             return packed_layout(dim, size, ctx, name)
+        if self.grouped:
+            return grouped_qkv_layout(dim, size, ctx, name)
         return per_rank(dim, split_ranges(size, ctx, name))
 
     def layouts(self, module, ctx, name):
@@ -179,6 +201,8 @@ class Colwise(ParallelStyle):
         sizes = [layout.local_size(r) for r in range(layout.world_size)]
         for attr, param_layout in layouts.items():
             _sum_replicated_grads(getattr(module, attr), param_layout, ctx.mesh.rank, ctx.kv_group)
+        if is_conv1d(module):
+            module.nf = sizes[ctx.mesh.rank]  # Conv1D reshapes its output to nf features
         module.register_forward_pre_hook(lambda m, args: (comm.copy_to(args[0], group), *args[1:]))
         if self.gather_output:
             module.register_forward_hook(lambda m, args, out: comm.gather_from(out, -1, sizes, group))
@@ -190,6 +214,10 @@ class ColwiseGatherOutput(Colwise):
 
 class PackedColwise(Colwise):
     packed = True
+
+
+class GroupedQKVColwise(Colwise):
+    grouped = True
 
 
 class Rowwise(ParallelStyle):
@@ -327,6 +355,7 @@ STYLES: dict[str, ParallelStyle] = {
     "colwise": Colwise(),
     "colwise_gather_output": ColwiseGatherOutput(),
     "packed_colwise": PackedColwise(),
+    "grouped_qkv_colwise": GroupedQKVColwise(),
     "rowwise": Rowwise(),
     "rowwise_split_input": RowwiseSplitInput(),
     "packed_rowwise": PackedRowwise(),

@@ -25,7 +25,17 @@ ARCHS = {
     "gpt_neox": ("GPTNeoXConfig", dict(hidden_size=48, intermediate_size=80, num_attention_heads=6, tie_word_embeddings=False)),  # noqa: E501
     "olmo2": ("Olmo2Config", dict(hidden_size=48, intermediate_size=80, num_attention_heads=6, num_key_value_heads=3)),
     "starcoder2": ("Starcoder2Config", dict(hidden_size=48, intermediate_size=80, num_attention_heads=6, num_key_value_heads=2, use_bias=True)),  # noqa: E501
+    # families transformers ships no TP plan for (curated plans/ files; discovery in variant_plans)
+    "gpt2": ("GPT2Config", dict(n_embd=48, n_head=6, n_inner=80)),
+    "opt": ("OPTConfig", dict(hidden_size=48, num_attention_heads=6, ffn_dim=80, word_embed_proj_dim=48)),
+    "falcon_new": ("FalconConfig", dict(hidden_size=64, num_attention_heads=8, num_kv_heads=2, new_decoder_architecture=True)),  # noqa: E501
+    "falcon_multi_query": ("FalconConfig", dict(hidden_size=48, num_attention_heads=6, multi_query=True, new_decoder_architecture=False, parallel_attn=True)),  # noqa: E501
+    "falcon_alibi": ("FalconConfig", dict(hidden_size=48, num_attention_heads=6, multi_query=False, new_decoder_architecture=False, parallel_attn=False, alibi=True, bias=True)),  # noqa: E501
+    "bloom": ("BloomConfig", dict(hidden_size=48, n_head=6)),
+    "gptj": ("GPTJConfig", dict(n_embd=48, n_head=6, rotary_dim=4, n_inner=80, tie_word_embeddings=False)),
+    "stablelm": ("StableLmConfig", dict(hidden_size=48, intermediate_size=80, num_attention_heads=6, num_key_value_heads=2, use_qkv_bias=True)),  # noqa: E501
 }
+DISCOVERED = ["gpt2", "opt", "falcon_new", "falcon_multi_query", "falcon_alibi", "bloom", "gptj", "stablelm"]
 # fmt: on
 
 
@@ -52,6 +62,7 @@ def variant_plans() -> dict[str, tuple[str, dict]]:
 
     llama_rules, _ = curated_plan_for("llama")
     return {
+        **{f"{name}_discovered": (name, "discover") for name in DISCOVERED},
         "phi3_transformers_plan": (
             "phi3",
             {**transformers.Phi3Config.base_model_tp_plan, "lm_head": "colwise_gather_output"},
