@@ -42,6 +42,12 @@ def inside_attention(path: str, modules: dict[str, nn.Module]) -> bool:
 
 def localize(module: nn.Module, heads: HeadSplit, rank: int) -> None:
     """Set ``module``'s head counts to the ones this rank holds."""
+    for name, child in module.named_modules():
+        if isinstance(child, nn.ModuleList) and len(child) in (heads.num_heads, heads.num_kv_heads):
+            raise ValueError(
+                f"{type(module).__name__}.{name} holds one module per head ({len(child)}), which the model would "
+                "index by local head number; keep this attention replicated (no rule for its projections)"
+            )
     q, kv = heads.local_q(rank), heads.local_kv(rank)
     values = {"q": q, "kv": kv, "groups": q // kv}
     for attr in WIDTH_ATTRIBUTES:

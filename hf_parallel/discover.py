@@ -110,6 +110,8 @@ def classify_attention(region: nn.Module, hidden: int, heads, qkv_style: str | N
         raise Unclassified(f"expected q, k, v and one output projection, found {sorted(rules)}")
     out_parent, in_parents = _parent(outputs[0].path), {_parent(p.path) for p in inputs}
     for path, module in others:
+        if any(part.isdigit() for part in path.split(".")):
+            raise Unclassified(f"{path} is one of a list of per-head modules, which local heads would misindex")
         if _param_sizes(module) <= {(heads.head_dim,)}:
             rules[path] = "replicated_with_grad_allreduce"  # per-head norm: each rank sees its heads only
         elif _parent(path) != out_parent or out_parent in in_parents:

@@ -99,34 +99,8 @@ def shard_plan(model: nn.Module, plan: Plan, mesh: Mesh) -> ShardPlan:
             layout.local_shape(tuple(param.shape), 0)  # impossible split: error before any weight is read
             params[alias] = ShardedParam(names[0], names, layout, rule, tuple(param.shape))
     shard = ShardPlan(plan, mesh, heads, rules, contexts, layouts, params)
-    warn_unsharded_matrices(shard, {name: p.element_size() for name, p in model.named_parameters()})
+    warn_unsharded_matrices(model, shard)
     return shard
-
-
-class UnshardedWarning(UserWarning):
-    """The plan keeps a matrix whole on every rank that looks like it should be split."""
-
-
-def warn_unsharded_matrices(shard: ShardPlan, itemsize: dict[str, int]) -> None:
-    """Warn, with sizes, about replicated matrices at least as large as the smallest matrix the plan
-    does split: usually a rule that is missing or misspelt, costing that memory on every rank."""
-    if shard.mesh.world_size == 1:
-        return
-    entries = [e for e in shard.unique_params() if len(e.full_shape) >= 2]
-    split = [math.prod(e.full_shape) for e in entries if not e.layout.is_replicated]
-    floor = min(split, default=0)
-    whole = [e for e in entries if e.layout.is_replicated and math.prod(e.full_shape) >= floor]
-    if not whole:
-        return
-    sizes = {e.name: math.prod(e.full_shape) * itemsize[e.name] for e in whole}
-    listed = ", ".join(f"{e.name} {'x'.join(map(str, e.full_shape))} ({sizes[e.name] / 2**20:.2f} MiB)" for e in whole)
-    warnings.warn(
-        f"the plan ({shard.plan.source}) leaves {len(whole)} matrix(es) unsharded, each held whole on all "
-        f"{shard.mesh.world_size} ranks ({sum(sizes.values()) / 2**20:.2f} MiB per rank): {listed}. "
-        "Add a rule for them if they should be split",
-        UnshardedWarning,
-        stacklevel=4,
-    )
 
 
 def install(model: nn.Module, shard: ShardPlan) -> None:
@@ -142,3 +116,39 @@ def install(model: nn.Module, shard: ShardPlan) -> None:
         children = [f"{path}.{child}" for child, _ in module.named_children()]
         if any(child in shard.rules and shard.rules[child].style.shards_heads for child in children):
             attention.localize(module, shard.heads, shard.mesh.rank)
+
+
+class UnshardedWarning(UserWarning):
+    """The plan keeps a matrix whole on every rank that looks like it should be split."""
+
+
+def warn_unsharded_matrices(model: nn.Module, shard: ShardPlan) -> None:
+    """Warn, with sizes, about replicated matrices at least twice as large as the smallest matrix
+    the plan does split: usually a rule that is missing or misspelt, costing that memory on every
+    rank. Position / token-type embeddings (not the vocabulary) are replicated by design."""
+    if shard.mesh.world_size == 1:
+        return
+    vocab = model.get_input_embeddings()
+    by_design = {
+        f"{path}.weight" for path, m in model.named_modules() if isinstance(m, nn.Embedding) and m is not vocab
+    }
+    entries = [e for e in shard.unique_params() if len(e.full_shape) >= 2]
+    split = [math.prod(e.full_shape) for e in entries if not e.layout.is_replicated]
+    floor = 2 * min(split, default=0)
+    whole = [
+        e
+        for e in entries
+        if e.layout.is_replicated and math.prod(e.full_shape) >= floor and not by_design & set(e.aliases)
+    ]
+    if not whole:
+        return
+    itemsize = {name: p.element_size() for name, p in model.named_parameters()}
+    sizes = {e.name: math.prod(e.full_shape) * itemsize[e.name] for e in whole}
+    listed = ", ".join(f"{e.name} {'x'.join(map(str, e.full_shape))} ({sizes[e.name] / 2**20:.2f} MiB)" for e in whole)
+    warnings.warn(
+        f"the plan ({shard.plan.source}) leaves {len(whole)} matrix(es) unsharded, each held whole on all "
+        f"{shard.mesh.world_size} ranks ({sum(sizes.values()) / 2**20:.2f} MiB per rank): {listed}. "
+        "Add a rule for them if they should be split",
+        UnshardedWarning,
+        stacklevel=4,
+    )

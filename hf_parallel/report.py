@@ -38,6 +38,7 @@ def plan_report(path: str, tp: int, tp_plan="auto", dtype=None, auto_class=trans
         lines.append(
             f"{name:<48} {rule_text:<34} {rule.style_name if rule else 'replicated':<24} {entry.layout.describe():<36} {shown} / {nbytes}"
         )
+    lines += [f"left replicated by discovery: {note}" for note in shard.plan.notes]
     lines.append(
         f"bytes per rank: {totals} (full model {sum(math.prod(e.full_shape) for e in shard.unique_params()) * itemsize})"
     )

@@ -97,7 +97,10 @@ def grouped_qkv_layout(dim: int, size: int, ctx: ShardContext, name: str) -> Lay
             pieces = [(kv_start * (group + 2), kv_stop * (group + 2))]
         else:  # one KV group shared with other ranks: some of its query heads, then its k and v
             base = kv_start * (group + 2) - kv_start * group
-            pieces = [(base + q_start, base + q_stop), (base + (kv_start + 1) * group, base + (kv_start + 1) * group + 2)]
+            pieces = [
+                (base + q_start, base + q_stop),
+                (base + (kv_start + 1) * group, base + (kv_start + 1) * group + 2),
+            ]
         ranges.append(tuple((start * hd, stop * hd) for start, stop in pieces))
     return Layout(dim, tuple(ranges), "grouped")
 

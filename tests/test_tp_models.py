@@ -2,7 +2,7 @@
 
 import pytest
 from checks import assert_same_checkpoint
-from tiny_models import ARCHS, variant_plans
+from tiny_models import ARCHS, DISCOVERED, variant_plans
 
 TOL = 1e-5
 # all-reduces per forward beyond the 2 per decoder layer (o_proj, down_proj) + 1 (vocab-parallel embedding)
@@ -37,3 +37,11 @@ def test_save_is_bitwise_equal_to_source(tp_results, tiny_paths, case, world_siz
     _, save_root = tp_results(world_size)
     arch = variant_plans()[case][0] if case in variant_plans() else case
     assert_same_checkpoint(tiny_paths[arch], f"{save_root}/{case}")
+
+
+@pytest.mark.parametrize("arch", DISCOVERED)
+def test_plan_sources_curated_file_and_discovery(tp_results, arch):
+    """The same checkpoints ran once with plans/ (what "auto" picks) and once with discovery."""
+    ranks, _ = tp_results(2)
+    assert ranks[0][arch]["plan_source"] == f"plans/{arch.split('_')[0]}.toml"
+    assert ranks[0][f"{arch}_discovered"]["plan_source"].startswith("discovered from the")

@@ -35,6 +35,9 @@ ARCHS = {
     "gptj": ("GPTJConfig", dict(n_embd=48, n_head=6, rotary_dim=4, n_inner=80, tie_word_embeddings=False)),
     "stablelm": ("StableLmConfig", dict(hidden_size=48, intermediate_size=80, num_attention_heads=6, num_key_value_heads=2, use_qkv_bias=True)),  # noqa: E501
 }
+ENCODERS = {  # AutoModel checkpoints (last hidden state compared instead of logits)
+    "bert": ("BertConfig", dict(hidden_size=48, num_attention_heads=6, intermediate_size=80, max_position_embeddings=64)),  # noqa: E501
+}
 DISCOVERED = ["gpt2", "opt", "falcon_new", "falcon_multi_query", "falcon_alibi", "bloom", "gptj", "stablelm"]
 # fmt: on
 
@@ -44,10 +47,11 @@ def make_checkpoint(name: str, root: str) -> str:
     path = os.path.join(root, name)
     if os.path.isfile(os.path.join(path, "config.json")):
         return path
-    class_name, overrides = ARCHS[name]
+    class_name, overrides = ARCHS[name] if name in ARCHS else ENCODERS[name]
     config = getattr(transformers, class_name)(**{**COMMON, **overrides})
     torch.manual_seed(sum(map(ord, name)))
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    auto = transformers.AutoModelForCausalLM if name in ARCHS else transformers.AutoModel
+    model = auto.from_config(config, dtype=torch.float32)
     with torch.no_grad():  # some families initialise biases / norms to constants: make them distinguishable
         for param in model.parameters():
             param.add_(torch.randn_like(param) * 0.02)

@@ -11,13 +11,25 @@ PROMPT = [{"role": "user", "content": "Explain in detail how a bicycle works."}]
 INPUT_IDS = torch.tensor([[1, 17, 42, 5, 99, 23, 8], [3, 64, 12, 77, 31, 9, 50]])
 
 
-def reference(path: str):
-    """Single-process transformers: logits and gradients of one step."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+def _output_and_loss(model, encoder: bool):
+    """Causal LMs: logits and the LM loss. Encoders: the last hidden state and a loss on it."""
+    if encoder:
+        out = model(INPUT_IDS)
+        pooled = getattr(out, "pooler_output", None)
+        loss = out.last_hidden_state.square().mean() + (0 if pooled is None else pooled.square().mean())
+        return out.last_hidden_state, loss
     out = model(INPUT_IDS, labels=INPUT_IDS)
-    out.loss.backward()
+    return out.logits, out.loss
+
+
+def reference(path: str, encoder: bool = False):
+    """Single-process transformers: output and gradients of one step."""
+    auto = transformers.AutoModel if encoder else transformers.AutoModelForCausalLM
+    model = auto.from_pretrained(path, dtype=torch.float32)
+    output, loss = _output_and_loss(model, encoder)
+    loss.backward()
     grads = {name: p.grad for name, p in model.named_parameters()}
-    return out.logits.detach(), grads
+    return output.detach(), grads
 
 
 def expected_slice(full: torch.Tensor, layout, rank: int) -> torch.Tensor:
@@ -25,22 +37,23 @@ def expected_slice(full: torch.Tensor, layout, rank: int) -> torch.Tensor:
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=layout.dim)
 
 
-def compare_tp(rank: int, world_size: int, cases: dict, save_root: str | None) -> dict:
-    """For each case (checkpoint path, tp_plan): TP logits/grads vs single process, collectives
-    per forward, and a save."""
+def compare_tp(rank: int, world_size: int, cases: dict, save_root: str | None, encoder: bool = False) -> dict:
+    """For each case (checkpoint path, tp_plan): TP output/grads vs single process, collectives
+    per forward, and a save. ``encoder``: AutoModel and its last hidden state instead of logits."""
     import hf_parallel
     from hf_parallel import comm
 
+    auto = hf_parallel.AutoModel if encoder else hf_parallel.AutoModelForCausalLM
     results = {}
     for name, (path, tp_plan) in cases.items():
-        ref_logits, ref_grads = reference(path)
-        model = hf_parallel.AutoModelForCausalLM.from_pretrained(path, tp_plan=tp_plan, dtype=torch.float32)
+        ref_output, ref_grads = reference(path, encoder)
+        model = auto.from_pretrained(path, tp_plan=tp_plan, dtype=torch.float32)
         comm.COUNTS.clear()
         with torch.no_grad():
             model(INPUT_IDS)
         counts = {op: comm.COUNTS[op] for op in ("all_reduce", "all_gather")}
-        out = model(INPUT_IDS, labels=INPUT_IDS)
-        out.loss.backward()
+        output, loss = _output_and_loss(model, encoder)
+        loss.backward()
         grad_error, missing = 0.0, []
         state = model._hf_parallel
         for entry in state.shard.unique_params():
@@ -51,11 +64,12 @@ def compare_tp(rank: int, world_size: int, cases: dict, save_root: str | None) -
             want = expected_slice(ref_grads[entry.name], entry.layout, rank)
             grad_error = max(grad_error, (grad - want).abs().max().item() if grad.numel() else 0.0)
         results[name] = {
-            "logits": (out.logits.detach() - ref_logits).abs().max().item(),
+            "logits": (output.detach() - ref_output).abs().max().item(),
             "grads": grad_error,
             "missing_grads": missing,
             "counts": counts,
             "layers": model.config.num_hidden_layers,
+            "plan_source": state.shard.plan.source,
         }
         if save_root is not None:
             model.save_pretrained(os.path.join(save_root, name))
