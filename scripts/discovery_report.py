@@ -1,0 +1,126 @@
+"""Plan discovery over every causal-LM architecture transformers can build from a tiny config.
+
+For each model_type in transformers' causal-LM mapping: shrink its default config, build and save a
+random model, then run it at TP=2 with ``tp_plan="discover"`` against one process (logits and
+gradients, fp32). Writes docs/discovery_report.md. Outcomes:
+
+- pass: logits and gradients within 1e-5, nothing left replicated;
+- pass, replicated: within 1e-5, with modules discovery could not classify left whole (notes);
+- error: loading or running raised (a clear error, not a wrong result);
+- WRONG: ran but differs from single-process. Must never happen.
+- not buildable: transformers cannot build/save the shrunken config (not counted).
+
+    python scripts/discovery_report.py [--only gpt2 opt ...] [--out docs/discovery_report.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import traceback
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+
+SIZES = {
+    "hidden_size": 64, "n_embd": 64, "d_model": 64, "num_hidden_layers": 2, "n_layer": 2, "num_layers": 2,
+    "num_attention_heads": 4, "n_head": 4, "num_key_value_heads": 2, "intermediate_size": 128, "ffn_dim": 128,
+    "n_inner": 128, "vocab_size": 128, "max_position_embeddings": 128, "n_positions": 128, "head_dim": 16,
+}  # fmt: skip
+TOKENS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
+
+
+def build(model_type: str, root: str) -> str:
+    import torch
+    import transformers
+
+    config = transformers.AutoConfig.for_model(model_type)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for target in {id(config): config, id(text): text}.values():
+        for name, value in {**SIZES, **TOKENS}.items():
+            if name in target.to_dict() or hasattr(type(target), name):
+                setattr(target, name, value)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * 0.02)
+    path = os.path.join(root, model_type)
+    model.save_pretrained(path)
+    return path
+
+
+def sweep_case(rank: int, world_size: int, path: str) -> dict:
+    """One architecture on one rank: compare, or report the error."""
+    import warnings
+
+    import workers
+
+    from hf_parallel.api import build_empty
+    from hf_parallel.discover import discover_plan
+
+    warnings.simplefilter("ignore")
+    try:
+        import transformers
+
+        empty = build_empty(transformers.AutoModelForCausalLM, transformers.AutoConfig.from_pretrained(path), None)
+        notes = discover_plan(empty).notes
+        result = workers.compare_tp(rank, world_size, {"case": (path, "discover")}, None)["case"]
+        return {**result, "notes": notes, "error": None}
+    except Exception as error:  # noqa: BLE001 - reported, not raised
+        return {"error": f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"}
+
+
+def main() -> None:
+    import transformers
+    from distributed import run_ranks
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", nargs="*")
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "docs", "discovery_report.md"))
+    args = parser.parse_args()
+    rows, counts = [], {"pass": 0, "pass, replicated": 0, "error": 0, "WRONG": 0, "not buildable": 0}
+    with tempfile.TemporaryDirectory() as root:
+        for model_type in args.only or sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES):
+            try:
+                path = build(model_type, root)
+            except Exception as error:  # noqa: BLE001
+                counts["not buildable"] += 1
+                rows.append((model_type, "not buildable", f"{type(error).__name__}: {str(error)[:120]}"))
+                continue
+            try:
+                out = run_ranks(2, sweep_case, path, out_dir=os.path.join(root, model_type + "-ranks"))[0]
+            except Exception:  # noqa: BLE001 - a rank died
+                out = {"error": "a rank died: " + traceback.format_exc().splitlines()[-1][:160]}
+            if out["error"]:
+                outcome, detail = "error", out["error"]
+            elif max(out["logits"], out["grads"]) >= 1e-5 or out["missing_grads"]:
+                outcome, detail = "WRONG", f"logits {out['logits']:.2e}, grads {out['grads']:.2e}"
+            elif out["notes"]:
+                outcome, detail = "pass, replicated", "; ".join(out["notes"])
+            else:
+                outcome, detail = "pass", f"logits {out['logits']:.1e}, grads {out['grads']:.1e}"
+            counts[outcome] += 1
+            rows.append((model_type, outcome, detail))
+            print(f"{model_type:<28} {outcome:<18} {detail[:100]}", flush=True)
+    lines = [
+        "# Plan discovery over transformers' causal-LM architectures",
+        "",
+        f"`python scripts/discovery_report.py` with transformers {transformers.__version__}: every causal-LM "
+        "model_type built from a shrunken default config (2 layers, hidden 64, 4 heads / 2 KV heads), run at "
+        'TP=2 with `tp_plan="discover"` against one process (fp32, logits and gradients within 1e-5).',
+        "",
+        " | ".join(f"{k}: **{v}**" for k, v in counts.items()),
+        "",
+        "| model_type | outcome | detail |",
+        "|---|---|---|",
+    ] + [f"| {m} | {o} | {d.replace('|', '/')} |" for m, o, d in rows]
+    with open(args.out, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print(counts)
+
+
+if __name__ == "__main__":
+    main()
