@@ -112,7 +112,7 @@ def classify_attention(region: nn.Module, hidden: int, heads, qkv_style: str | N
     for path, module in others:
         if any(part.isdigit() for part in path.split(".")):
             raise Unclassified(f"{path} is one of a list of per-head modules, which local heads would misindex")
-        if _param_sizes(module) <= {(heads.head_dim,)}:
+        if _param_sizes(module) <= {(heads.head_dim,)} and heads.head_dim > 1:
             rules[path] = "replicated_with_grad_allreduce"  # per-head norm: each rank sees its heads only
         elif _parent(path) != out_parent or out_parent in in_parents:
             raise Unclassified(f"{path} ({type(module).__name__}) may act on the split heads")
@@ -135,8 +135,11 @@ def classify_mlp(linears: list[Projection], others, hidden: int) -> dict[str, st
             raise Unclassified(f"{p.path} ({p.fan_in} -> {p.fan_out}) is not a recognised up/gate/down projection")
         rules[p.path] = "colwise"
     for path, module in others:
-        if any(size[-1] == inner and inner != hidden for size in _param_sizes(module)):
-            raise Unclassified(f"{path} ({type(module).__name__}) acts on the split intermediate activations")
+        scalars = all(p.numel() == 1 for p in module.parameters(recurse=False))
+        if scalars and _parent(path) == _parent(downs[0].path):
+            rules[path] = "replicated_with_grad_allreduce"  # a learned activation (xIELU): each rank sees part
+        elif not scalars and _param_sizes(module) != {(hidden,)}:
+            raise Unclassified(f"{path} ({type(module).__name__}) may act on the split intermediate activations")
     return rules
 
 

@@ -51,25 +51,38 @@ def build(model_type: str, root: str) -> str:
     return path
 
 
-def sweep_case(rank: int, world_size: int, path: str) -> dict:
-    """One architecture on one rank: compare, or report the error."""
+def sweep_cases(rank: int, world_size: int, paths: dict) -> dict:
+    """A batch of architectures on one rank (one spawn per batch): compare each, or report its error."""
     import warnings
 
+    os.environ["HF_PARALLEL_TIMEOUT"] = "60"  # a desynchronised architecture fails fast instead of hanging
+    import transformers
     import workers
 
     from hf_parallel.api import build_empty
     from hf_parallel.discover import discover_plan
 
     warnings.simplefilter("ignore")
-    try:
-        import transformers
+    results = {}
+    for model_type, path in paths.items():
+        try:
+            config = transformers.AutoConfig.from_pretrained(path)
+            notes = discover_plan(build_empty(transformers.AutoModelForCausalLM, config, None)).notes
+            result = workers.compare_tp(rank, world_size, {"case": (path, "discover")}, None)["case"]
+            results[model_type] = {**result, "notes": notes, "error": None}
+        except Exception as error:  # noqa: BLE001 - reported, not raised
+            results[model_type] = {"error": f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"}
+    return results
 
-        empty = build_empty(transformers.AutoModelForCausalLM, transformers.AutoConfig.from_pretrained(path), None)
-        notes = discover_plan(empty).notes
-        result = workers.compare_tp(rank, world_size, {"case": (path, "discover")}, None)["case"]
-        return {**result, "notes": notes, "error": None}
-    except Exception as error:  # noqa: BLE001 - reported, not raised
-        return {"error": f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"}
+
+def outcome_of(out: dict) -> tuple[str, str]:
+    if out["error"]:
+        return "error", out["error"]
+    if max(out["logits"], out["grads"]) >= 1e-5 or out["missing_grads"]:
+        return "WRONG", f"logits {out['logits']:.2e}, grads {out['grads']:.2e}, no grad: {out['missing_grads']}"
+    if out["notes"]:
+        return "pass, replicated", "; ".join(out["notes"])
+    return "pass", f"logits {out['logits']:.1e}, grads {out['grads']:.1e}"
 
 
 def main() -> None:
@@ -79,32 +92,32 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", nargs="*")
+    parser.add_argument("--batch", type=int, default=24, help="architectures per spawned process group")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "docs", "discovery_report.md"))
     args = parser.parse_args()
     rows, counts = [], {"pass": 0, "pass, replicated": 0, "error": 0, "WRONG": 0, "not buildable": 0}
     with tempfile.TemporaryDirectory() as root:
+        built = {}
         for model_type in args.only or sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES):
             try:
-                path = build(model_type, root)
+                built[model_type] = build(model_type, root)
             except Exception as error:  # noqa: BLE001
                 counts["not buildable"] += 1
                 rows.append((model_type, "not buildable", f"{type(error).__name__}: {str(error)[:120]}"))
-                continue
+        names = sorted(built)
+        for start in range(0, len(names), args.batch):
+            batch = {name: built[name] for name in names[start : start + args.batch]}
             try:
-                out = run_ranks(2, sweep_case, path, out_dir=os.path.join(root, model_type + "-ranks"))[0]
-            except Exception:  # noqa: BLE001 - a rank died
-                out = {"error": "a rank died: " + traceback.format_exc().splitlines()[-1][:160]}
-            if out["error"]:
-                outcome, detail = "error", out["error"]
-            elif max(out["logits"], out["grads"]) >= 1e-5 or out["missing_grads"]:
-                outcome, detail = "WRONG", f"logits {out['logits']:.2e}, grads {out['grads']:.2e}"
-            elif out["notes"]:
-                outcome, detail = "pass, replicated", "; ".join(out["notes"])
-            else:
-                outcome, detail = "pass", f"logits {out['logits']:.1e}, grads {out['grads']:.1e}"
-            counts[outcome] += 1
-            rows.append((model_type, outcome, detail))
-            print(f"{model_type:<28} {outcome:<18} {detail[:100]}", flush=True)
+                outs = run_ranks(2, sweep_cases, batch, out_dir=os.path.join(root, f"ranks{start}"))[0]
+            except Exception:  # noqa: BLE001 - a rank died: the whole batch is reported as errors
+                died = "a rank died: " + traceback.format_exc().splitlines()[-1][:160]
+                outs = dict.fromkeys(batch, {"error": died})
+            for model_type, out in outs.items():
+                outcome, detail = outcome_of(out)
+                counts[outcome] += 1
+                rows.append((model_type, outcome, detail))
+                print(f"{model_type:<28} {outcome:<18} {detail[:100]}", flush=True)
+    rows.sort()
     lines = [
         "# Plan discovery over transformers' causal-LM architectures",
         "",
