@@ -105,6 +105,13 @@ def grouped_qkv_layout(dim: int, size: int, ctx: ShardContext, name: str) -> Lay
     return Layout(dim, tuple(ranges), "grouped")
 
 
+def _dim_layout(dim: int, size: int, ctx: ShardContext, name: str, fused_layout) -> Layout:
+    """The split of a linear's sharded dim: by the style's fused layout, else head-aligned / even."""
+    if fused_layout is not None:
+        return fused_layout(dim, size, ctx, name)
+    return per_rank(dim, split_ranges(size, ctx, name))
+
+
 def _grad_all_reduce(param: nn.Parameter, group) -> None:
     """Sum this parameter's gradient over ``group`` (each rank saw part of the data)."""
     if group is not None and not getattr(param, "_hfp_grad_hooked", False):
@@ -172,8 +179,7 @@ class Colwise(ParallelStyle):
     """Y_r = copy_to(X) W_r^T + b_r; the output stays sharded on its last dim."""
 
     gather_output = False
-    packed = False
-    grouped = False
+    fused_layout = None  # packed_layout / grouped_qkv_layout for a dim made of blocks; None: plain split
 
     @property
     def shards_heads(self) -> bool:
@@ -185,11 +191,7 @@ class Colwise(ParallelStyle):
         size = module.weight.shape[dim]
         if not self.shards_heads:
             ctx = ShardContext(ctx.mesh)  # the output is gathered: any even split will do
-        if self.packed:
-            return packed_layout(dim, size, ctx, name)
-        if self.grouped:
-            return grouped_qkv_layout(dim, size, ctx, name)
-        return per_rank(dim, split_ranges(size, ctx, name))
+        return _dim_layout(dim, size, ctx, name, self.fused_layout)
 
     def layouts(self, module, ctx, name):
         weight = self._layout(module, ctx, name)
@@ -216,27 +218,25 @@ class ColwiseGatherOutput(Colwise):
 
 
 class PackedColwise(Colwise):
-    packed = True
+    fused_layout = staticmethod(packed_layout)
 
 
 class GroupedQKVColwise(Colwise):
-    grouped = True
+    fused_layout = staticmethod(grouped_qkv_layout)
 
 
 class Rowwise(ParallelStyle):
     """Y = reduce_from(X_r W_r^T) + b; the bias is added once, after the sum."""
 
     split_input = False
-    packed = False
+    fused_layout = None
 
     def _layout(self, module, ctx, name) -> Layout:
         dim = in_dim(module)
         size = module.weight.shape[dim]
         if self.split_input:
             ctx = ShardContext(ctx.mesh)  # splits a replicated input itself: any even split will do
-        if self.packed:
-            return packed_layout(dim, size, ctx, name)
-        return per_rank(dim, split_ranges(size, ctx, name))
+        return _dim_layout(dim, size, ctx, name, self.fused_layout)
 
     def layouts(self, module, ctx, name):
         return {"weight": self._layout(module, ctx, name)}
@@ -261,7 +261,7 @@ class RowwiseSplitInput(Rowwise):
 
 
 class PackedRowwise(Rowwise):
-    packed = True
+    fused_layout = staticmethod(packed_layout)
 
 
 class EmbeddingRowwise(ParallelStyle):
