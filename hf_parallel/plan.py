@@ -144,15 +144,15 @@ def resolve_plan(model: nn.Module, tp_plan) -> Plan:
     """Turn ``tp_plan`` ("auto", "discover", a registered model_type name, or a dict) into validated rules."""
     prefix = getattr(model, "base_model_prefix", "") or ""
     model_type = getattr(model.config, "model_type", None)
+    curated = curated_plan_for(model_type)
+    shipped = {**(getattr(model.config, "base_model_tp_plan", None) or {}), **(getattr(model, "_tp_plan", None) or {})}
     notes = []
     if isinstance(tp_plan, dict):
         rules, source = tp_plan, "user tp_plan"
-    elif tp_plan == "auto" and curated_plan_for(model_type) is not None:
-        rules, source = curated_plan_for(model_type)
-    elif tp_plan == "auto" and (getattr(model.config, "base_model_tp_plan", None) or getattr(model, "_tp_plan", None)):
-        rules = dict(getattr(model.config, "base_model_tp_plan", None) or {})
-        rules.update(getattr(model, "_tp_plan", None) or {})
-        source = f"transformers {type(model.config).__name__}.base_model_tp_plan"
+    elif tp_plan == "auto" and curated is not None:
+        rules, source = curated
+    elif tp_plan == "auto" and shipped:
+        rules, source = shipped, f"transformers {type(model.config).__name__}.base_model_tp_plan"
     elif tp_plan in ("auto", "discover"):
         from .discover import discover_plan
 
