@@ -40,14 +40,18 @@ def inside_attention(path: str, modules: dict[str, nn.Module]) -> bool:
     return any(is_attention(modules.get(".".join(parts[:i]))) for i in range(1, len(parts)))
 
 
-def localize(module: nn.Module, heads: HeadSplit, rank: int) -> None:
-    """Set ``module``'s head counts to the ones this rank holds."""
+def check_localizable(module: nn.Module, heads: HeadSplit) -> None:
+    """Refuse attention that keeps one module per head: its code would index them by local head number."""
     for name, child in module.named_modules():
         if isinstance(child, nn.ModuleList) and len(child) in (heads.num_heads, heads.num_kv_heads):
             raise ValueError(
                 f"{type(module).__name__}.{name} holds one module per head ({len(child)}), which the model would "
                 "index by local head number; keep this attention replicated (no rule for its projections)"
             )
+
+
+def localize(module: nn.Module, heads: HeadSplit, rank: int) -> None:
+    """Set ``module``'s head counts to the ones this rank holds."""
     q, kv = heads.local_q(rank), heads.local_kv(rank)
     values = {"q": q, "kv": kv, "groups": q // kv}
     for attr in WIDTH_ATTRIBUTES:
@@ -56,8 +60,9 @@ def localize(module: nn.Module, heads: HeadSplit, rank: int) -> None:
     for attr, which in HEAD_ATTRIBUTES.items():
         if isinstance(getattr(module, attr, None), int):
             setattr(module, attr, values[which])
-    if "alibi" in inspect.signature(module.forward).parameters:
-        _slice_alibi(module, heads, rank)
+    signature = inspect.signature(module.forward)
+    if "alibi" in signature.parameters:
+        _slice_alibi(module, signature, heads, rank)
     config = getattr(module, "config", None)
     if config is not None:
         local = copy.copy(config)
@@ -67,11 +72,10 @@ def localize(module: nn.Module, heads: HeadSplit, rank: int) -> None:
         module.config = local
 
 
-def _slice_alibi(module: nn.Module, heads: HeadSplit, rank: int) -> None:
+def _slice_alibi(module: nn.Module, signature: inspect.Signature, heads: HeadSplit, rank: int) -> None:
     """The model builds ALiBi biases for all heads (BLOOM: ``alibi`` [batch * heads, 1, keys];
     Falcon: folded into a [batch, heads, queries, keys] ``attention_mask``); keep this rank's heads."""
     start, stop = heads.q_ranges[rank]
-    signature = inspect.signature(module.forward)
 
     def local(tensor):
         if tensor is None or tensor.dim() not in (3, 4):

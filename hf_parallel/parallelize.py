@@ -73,6 +73,8 @@ def shard_plan(model: nn.Module, plan: Plan, mesh: Mesh) -> ShardPlan:
         in_attention = heads is not None and attention.inside_attention(path, modules)
         contexts[path] = ShardContext(mesh, heads if in_attention else None, kv_group)
 
+    for module in _attention_on_local_heads(modules, rules, heads, mesh):
+        attention.check_localizable(module, heads)  # before any weight is read
     layouts = {path: rule.style.layouts(modules[path], contexts[path], path) for path, rule in rules.items()}
     aliases: dict[int, list[str]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
@@ -108,14 +110,20 @@ def install(model: nn.Module, shard: ShardPlan) -> None:
     modules = dict(model.named_modules())
     for path, rule in shard.rules.items():
         rule.style.install(modules[path], shard.contexts[path], path, shard.layouts[path])
-    if shard.heads is None or shard.mesh.world_size == 1:
+    for module in _attention_on_local_heads(modules, shard.rules, shard.heads, shard.mesh):
+        attention.localize(module, shard.heads, shard.mesh.rank)
+
+
+def _attention_on_local_heads(modules: dict[str, nn.Module], rules: dict[str, Rule], heads, mesh: Mesh):
+    """Attention modules whose own projections split heads: they must run on this rank's heads."""
+    if heads is None or mesh.world_size == 1:
         return
     for path, module in modules.items():
         if not attention.is_attention(module):
             continue
         children = [f"{path}.{child}" for child, _ in module.named_children()]
-        if any(child in shard.rules and shard.rules[child].style.shards_heads for child in children):
-            attention.localize(module, shard.heads, shard.mesh.rank)
+        if any(child in rules and rules[child].style.shards_heads for child in children):
+            yield module
 
 
 class UnshardedWarning(UserWarning):

@@ -142,3 +142,21 @@ def test_ranks_seeing_different_checkpoints_is_an_error(tiny_paths, tmp_path):
 def test_tp_larger_than_the_head_count_names_the_numbers(tiny_paths):
     with pytest.raises(ValueError, match=r"tp=5 exceeds num_attention_heads=4: every rank needs at least one"):
         dry_shard(tiny_paths["gemma2"], "auto", 5)
+
+
+def test_per_head_modules_in_a_split_attention_are_refused_at_plan_time(tmp_path):
+    """StableLM's qk_layernorm keeps one LayerNorm per head, indexed by head number."""
+    transformers.StableLmConfig(
+        hidden_size=48, intermediate_size=80, num_attention_heads=6, num_key_value_heads=2, num_hidden_layers=2,
+        vocab_size=101, qk_layernorm=True,
+    ).save_pretrained(tmp_path)  # fmt: skip
+    with pytest.raises(ValueError, match=r"StableLmAttention\.q_layernorm\.norms holds one module per head \(6\)"):
+        dry_shard(str(tmp_path), "auto", 2)
+    assert "q_layernorm.norms.0 is one of a list of per-head modules" in " ".join(
+        resolve_plan(
+            build_empty(
+                transformers.AutoModelForCausalLM, transformers.AutoConfig.from_pretrained(tmp_path), torch.float32
+            ),
+            "discover",
+        ).notes
+    )
