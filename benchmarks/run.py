@@ -79,6 +79,9 @@ def summarize(ranks: list[dict], out: str, reference: dict | None) -> dict:
         row[key] = max(r[key] for r in ranks)
     for key in ("import_rss", "largest_tensor_bytes", "tokens", "collective_ops", "world_size"):
         row[key] = main[key]
+    for key in ("distributed_save_s", "distributed_save_peak_rss", "cp_s", "consolidate_s", "consolidate_bytes",
+                "consolidate_rss_above_import"):  # fmt: skip
+        row[key] = main.get(key)
     row["ranks"] = ranks
     logits = load_file(os.path.join(out, f"{main['impl']}-logits.safetensors"))["logits"]
     if reference is not None:
@@ -189,6 +192,25 @@ def targets(rows: dict[str, dict], tp: int) -> list[tuple[str, bool | None, str]
     return checks
 
 
+def distributed_checkpoint_lines(rows: dict[str, dict], tp: int) -> list[str]:
+    """The per-rank save against the gathered one, and consolidation against ``cp`` of the same bytes."""
+    ours = rows.get(f"hf_parallel tp{tp}", {})
+    if "error" in ours or not ours.get("consolidate_s"):
+        return []
+    throughput = ours["cp_s"] / ours["consolidate_s"]
+    return [
+        f"\ndistributed checkpoint at tp={tp}:",
+        f"  save_pretrained(distributed=True): {ours['distributed_save_s']:.2f}s vs {ours['save_s']:.2f}s gathered "
+        f"(ratio {ours['distributed_save_s'] / ours['save_s']:.2f}); "
+        f"rank-0 peak RSS {ours['distributed_save_peak_rss'] / MiB:.0f} MiB",
+        f"  [{'met ' if throughput >= 0.5 else 'MISS'}] consolidate throughput >= 0.5 x cp: "
+        f"{ours['consolidate_bytes'] / ours['consolidate_s'] / 1e6:.0f} MB/s vs cp "
+        f"{ours['consolidate_bytes'] / ours['cp_s'] / 1e6:.0f} MB/s (ratio {throughput:.2f})",
+        f"  consolidate peak RSS above its imports: {ours['consolidate_rss_above_import'] / MiB:.0f} MiB "
+        f"(largest tensor {ours['largest_tensor_bytes'] * tp / MiB:.0f} MiB at most)",
+    ]
+
+
 def chart(results: dict, path: str) -> None:
     import matplotlib
 
@@ -248,6 +270,7 @@ def main() -> None:
             for label, met, numbers in targets(rows, tp):
                 mark = "n/a " if met is None else "met " if met else "MISS"
                 report.append(f"  [{mark}] {label}: {numbers}")
+            report.extend(distributed_checkpoint_lines(rows, tp))
     text = "\n".join(report)
     print(text)
     os.makedirs(args.out, exist_ok=True)

@@ -121,6 +121,48 @@ def run(args, result: dict) -> None:
     barrier()
     if result["rank"] == 0:
         shutil.rmtree(save_dir, ignore_errors=True)
+    if args.impl == "hf_parallel":
+        measure_distributed_save(model, args.out, result)
+
+
+CONSOLIDATE = """import json, sys
+from measure import peak_rss_bytes, reset_peak_rss, rss_bytes
+import hf_parallel
+before = rss_bytes()
+reset_peak_rss()
+done = hf_parallel.consolidate(sys.argv[1], sys.argv[2], progress=False)
+print(json.dumps({**done, "import_rss": before, "peak_rss": peak_rss_bytes()}))
+"""
+
+
+def measure_distributed_save(model, out: str, result: dict) -> None:
+    """Per-rank save (time, each rank's peak RSS), then on rank 0: consolidation in a fresh process
+    (time, peak RSS above its imports) against a plain ``cp`` of the same rank files."""
+    import subprocess
+
+    save_dir = os.path.join(out, "hf_parallel-distributed")
+    reset_peak_rss()
+    _, result["distributed_save_s"] = timed(lambda: model.save_pretrained(save_dir, distributed=True))
+    barrier()
+    result["distributed_save_peak_rss"] = peak_rss_bytes()
+    if result["rank"] == 0:
+        full, copy = os.path.join(out, "hf_parallel-consolidated"), os.path.join(out, "cp-copy")
+        run = subprocess.run(
+            [sys.executable, "-c", CONSOLIDATE, save_dir, full], capture_output=True, text=True, check=True
+        )
+        done = json.loads(run.stdout.strip().splitlines()[-1])
+        os.makedirs(copy, exist_ok=True)
+        files = [os.path.join(save_dir, f) for f in os.listdir(save_dir) if f.endswith(".safetensors")]
+        start = time.perf_counter()
+        subprocess.run(["cp", *files, copy], check=True)
+        result["cp_s"] = time.perf_counter() - start
+        result["consolidate_s"], result["consolidate_bytes"] = done["seconds"], done["bytes"]
+        result["consolidate_rss_above_import"] = done["peak_rss"] - done["import_rss"]
+        for path in (full, copy):
+            shutil.rmtree(path, ignore_errors=True)
+    barrier()
+    if result["rank"] == 0:
+        shutil.rmtree(save_dir, ignore_errors=True)
 
 
 def main() -> None:

@@ -1,6 +1,7 @@
 """hf_parallel: tensor-parallel from_pretrained / generate / save_pretrained for transformers models."""
 
 from .api import AutoModel, AutoModelForCausalLM, from_pretrained, save_pretrained
+from .consolidate import consolidate
 from .layout import Layout
 from .plan import register_plan
 from .styles import STYLES, ParallelStyle, register_style
@@ -11,6 +12,7 @@ __all__ = [
     "Layout",
     "ParallelStyle",
     "STYLES",
+    "consolidate",
     "from_pretrained",
     "register_plan",
     "register_style",

@@ -15,6 +15,7 @@ import transformers
 from accelerate import init_empty_weights
 from torch import nn
 
+from .distributed_save import save_distributed
 from .loading import load_weights
 from .mesh import Mesh, get_mesh
 from .parallelize import ShardPlan, install, shard_plan
@@ -85,9 +86,16 @@ def from_pretrained(
     return model
 
 
-def save_pretrained(model, save_directory: str, *, max_shard_size="50GB", **_ignored) -> None:
-    """Call on every rank: gathers each tensor to rank 0, which writes the full checkpoint."""
-    save_sharded(model, save_directory, max_shard_size=max_shard_size)
+def save_pretrained(
+    model, save_directory: str, *, max_shard_size="50GB", distributed: bool = False, **_ignored
+) -> None:
+    """Call on every rank. By default each tensor is gathered to rank 0, which writes a standard
+    checkpoint. ``distributed=True``: every rank writes its own shards in parallel plus a manifest
+    (the fast path; ``hf-parallel consolidate`` turns it into a standard checkpoint)."""
+    if distributed:
+        save_distributed(model, save_directory)
+    else:
+        save_sharded(model, save_directory, max_shard_size=max_shard_size)
 
 
 class _AutoDropIn:

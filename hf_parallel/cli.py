@@ -1,4 +1,4 @@
-"""hf-parallel generate | plan  (run ``generate`` under torchrun; ``plan`` needs no processes)."""
+"""hf-parallel generate | plan | consolidate  (run ``generate`` under torchrun; the others need no processes)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ def cmd_generate(args) -> None:
 
     from .api import AutoModelForCausalLM
     from .default_model import default_checkpoint
+    from .mesh import shutdown
 
     path = args.model or default_checkpoint()
     start = time.perf_counter()
@@ -50,12 +51,21 @@ def cmd_generate(args) -> None:
                 f"[{new} tokens in {seconds:.2f}s: {new / seconds:.1f} tokens/s; load {load_seconds:.2f}s; tp={model._hf_parallel.mesh.world_size}]",
                 flush=True,
             )
+    shutdown()
 
 
 def cmd_plan(args) -> None:
     from .report import plan_report
 
     print(plan_report(args.path, args.tp, tp_plan=args.tp_plan))
+
+
+def cmd_consolidate(args) -> None:
+    from .consolidate import consolidate
+
+    done = consolidate(args.dir, args.out, max_shard_size=args.max_shard_size)
+    seconds = max(done["seconds"], 1e-9)
+    print(f"{args.out}: {done['bytes'] / 1e6:.1f} MB in {seconds:.2f}s ({done['bytes'] / seconds / 1e6:.1f} MB/s)")
 
 
 def main(argv=None) -> None:
@@ -77,6 +87,13 @@ def main(argv=None) -> None:
     plan.add_argument("--tp", type=int, required=True)
     plan.add_argument("--tp-plan", default="auto")
     plan.set_defaults(func=cmd_plan)
+    merge = sub.add_parser(
+        "consolidate", help="a distributed save (save_pretrained(distributed=True)) to a standard checkpoint"
+    )
+    merge.add_argument("dir")
+    merge.add_argument("out")
+    merge.add_argument("--max-shard-size", default="5GB")
+    merge.set_defaults(func=cmd_consolidate)
     args = parser.parse_args(argv)
     args.func(args)
 

@@ -93,6 +93,18 @@ class Layout:
                 f"layout reaches index {end} along dim {self.dim}, but the tensor has shape {tuple(full_shape)}"
             )
 
+    def to_json(self) -> dict:
+        return {
+            "dim": self.dim,
+            "ranges": [[list(piece) for piece in pieces] for pieces in self.ranges],
+            "kind": self.kind,
+        }
+
+    @classmethod
+    def from_json(cls, data: dict) -> "Layout":
+        ranges = tuple(tuple((int(start), int(stop)) for start, stop in pieces) for pieces in data["ranges"])
+        return cls(None if data["dim"] is None else int(data["dim"]), ranges, str(data["kind"]))
+
     def describe(self) -> str:
         if self.dim is None:
             return "replicated"

@@ -31,8 +31,10 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 from tqdm.auto import tqdm
 
+from .errors import CheckpointError
 from .keys import param_names_for_keys
 from .layout import replicated
+from .manifest import MANIFEST_FILE, DistributedCheckpoint
 from .parallelize import ShardPlan
 
 SINGLE_FILE = "model.safetensors"
@@ -40,10 +42,6 @@ INDEX_FILE = "model.safetensors.index.json"
 PICKLE_FILE = "pytorch_model.bin"
 PICKLE_INDEX_FILE = "pytorch_model.bin.index.json"
 BYTES_READ: Counter = Counter()  # checkpoint key -> bytes requested by this process
-
-
-class CheckpointError(ValueError):
-    """A checkpoint on disk is malformed; the message names the file (and key) at fault."""
 
 
 def file_keys(file: str) -> list[str]:
@@ -127,7 +125,11 @@ def checkpoint_files(path: str, allow_pickle: bool = False) -> dict[str, str]:
 
     Every file's header is checked up front: each key must live in exactly one file, the one the
     index names, so a corrupt or inconsistent checkpoint fails before any weight is read.
-    safetensors is preferred; pickles are used only with ``allow_pickle`` (and refused by name without)."""
+    safetensors is preferred; pickles are used only with ``allow_pickle`` (and refused by name without).
+    A distributed save's manifest (its rank files checked on opening) maps every key to itself."""
+    manifest = os.path.join(path, MANIFEST_FILE)
+    if os.path.isfile(manifest):
+        return dict.fromkeys(DistributedCheckpoint(manifest).keys(), manifest)
     for index_name, single_name in ((INDEX_FILE, SINGLE_FILE), (PICKLE_INDEX_FILE, PICKLE_FILE)):
         index, single = os.path.join(path, index_name), os.path.join(path, single_name)
         if os.path.isfile(index) or os.path.isfile(single):
@@ -201,8 +203,12 @@ class ShardReader:
 
     def _shared(self, file: str):
         if file not in self._handles:
-            is_pickle = file.endswith(".bin")
-            opened = PickleFile(file) if is_pickle else self._stack.enter_context(safe_open(file, framework="pt"))
+            if file.endswith(".bin"):
+                opened = PickleFile(file)
+            elif file.endswith(MANIFEST_FILE):
+                opened = DistributedCheckpoint(file)
+            else:
+                opened = self._stack.enter_context(safe_open(file, framework="pt"))
             self._handles[file] = opened
         return self._handles[file]
 
@@ -228,6 +234,18 @@ class ShardReader:
         index = layout.index(full_shape, self.rank)
         if isinstance(handle, PickleFile):  # always copied: a view would keep the whole pickle mapped
             return self._assemble(key, layout, full_shape, [tensor_slice[i] for i in index], dtype)
+        if isinstance(handle, DistributedCheckpoint):  # a view of the rank's own file, or pieces read and placed
+            own = tensor_slice.saved_as(layout, self.rank)  # saved at this world size: the rank's own file
+            pieces = [own] if own is not None else [tensor_slice[i] for i in index]
+            if (
+                len(pieces) == 1
+                and pieces[0].is_contiguous()
+                and dtype in (None, pieces[0].dtype)
+                and self.device.type == "cpu"
+            ):
+                BYTES_READ[key] += pieces[0].numel() * pieces[0].element_size()
+                return pieces[0]
+            return self._assemble(key, layout, full_shape, pieces, dtype)
         if len(index) == 1 and self.device.type == "cpu":
             view = tensor_slice[index[0]]
             if view.is_contiguous() and dtype in (None, view.dtype):

@@ -32,6 +32,14 @@ class Mesh:
             dist.barrier(group=self.group)
 
 
+def shutdown() -> None:
+    """Leave the process group together, before interpreter exit: gloo aborts the process when its
+    threads are torn down during finalization or while a peer is still mid-collective."""
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def default_timeout() -> datetime.timedelta:
     return datetime.timedelta(seconds=float(os.environ.get("HF_PARALLEL_TIMEOUT", "600")))
 

@@ -10,9 +10,8 @@ checkpoint's files.
 from __future__ import annotations
 
 import json
-import math
 import os
-import tempfile
+from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
@@ -22,22 +21,8 @@ from tqdm.auto import tqdm
 from .layout import Layout
 from .loading import INDEX_FILE
 from .mesh import Mesh
-
-# safetensors dtype names (https://github.com/huggingface/safetensors, format spec)
-SAFETENSORS_DTYPES = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-    torch.float8_e4m3fn: "F8_E4M3",
-    torch.float8_e5m2: "F8_E5M2",
-}
+from .staging import Staging, remove_stale
+from .writer import SafetensorsWriter, nbytes
 
 
 def gather_to_main(local: torch.Tensor, layout: Layout, full_shape, mesh: Mesh) -> torch.Tensor | None:
@@ -59,67 +44,45 @@ def gather_to_main(local: torch.Tensor, layout: Layout, full_shape, mesh: Mesh) 
     return layout.assemble(shards(), full_shape)
 
 
-class SafetensorsWriter:
-    """Writes one safetensors file tensor by tensor, in the order the header was declared."""
-
-    def __init__(self, path: str, specs: dict[str, tuple[tuple[int, ...], torch.dtype]]):
-        header, offset = {}, 0
-        for key, (shape, dtype) in specs.items():
-            size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-            header[key] = {
-                "dtype": SAFETENSORS_DTYPES[dtype],
-                "shape": list(shape),
-                "data_offsets": [offset, offset + size],
-            }
-            offset += size
-        header["__metadata__"] = {"format": "pt"}
-        raw = json.dumps(header, separators=(",", ":")).encode()
-        raw += b" " * (-len(raw) % 8)
-        self.pending = list(specs.items())
-        self.file = open(path, "wb")
-        self.file.write(len(raw).to_bytes(8, "little") + raw)
-
-    def write(self, key: str, tensor: torch.Tensor) -> None:
-        expected_key, (shape, dtype) = self.pending.pop(0)
-        if key != expected_key or tuple(tensor.shape) != tuple(shape) or tensor.dtype != dtype:
-            raise RuntimeError(
-                f"writer expected {expected_key} {shape} {dtype}, got {key} {tuple(tensor.shape)} {tensor.dtype}"
-            )
-        self.file.write(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())  # no copy
-
-    def close(self) -> None:
-        if self.pending:
-            raise RuntimeError(f"safetensors file closed with {len(self.pending)} tensor(s) unwritten")
-        self.file.flush()
-        os.fsync(self.file.fileno())
-        self.file.close()
-
-
 def plan_files(specs: dict, max_shard_size) -> tuple[dict[str, list[str]], dict | None]:
     """File name -> keys, and the index (None for a single file), as transformers names them."""
     split = split_state_dict_into_shards_factory(
         specs,
-        get_storage_size=lambda spec: math.prod(spec[0]) * torch.empty((), dtype=spec[1]).element_size(),
+        get_storage_size=lambda spec: nbytes(*spec),
         filename_pattern="model{suffix}.safetensors",
         max_shard_size=max_shard_size,
     )
     if not split.is_sharded:
         return split.filename_to_tensors, None
     index = {
-        "metadata": {
-            "total_size": sum(math.prod(s) * torch.empty((), dtype=d).element_size() for s, d in specs.values())
-        },
+        "metadata": {"total_size": sum(nbytes(*spec) for spec in specs.values())},
         "weight_map": split.tensor_to_filename,
     }
     return split.filename_to_tensors, index
 
 
-def _remove_stale(out_dir: str, written: set[str]) -> None:
-    """Drop weight files of an earlier save that the new one does not overwrite (as transformers does)."""
-    for name in os.listdir(out_dir):
-        is_weights = name.startswith("model") and name.endswith(".safetensors") or name == INDEX_FILE
-        if is_weights and name not in written:
-            os.remove(os.path.join(out_dir, name))
+def write_standard(staging: Staging, specs: dict, tensors, max_shard_size, progress=None) -> None:
+    """Stage a standard checkpoint (files split at ``max_shard_size``, index when sharded) from
+    ``tensors(keys)``, which yields each key's full tensor in order (None on ranks that don't write)."""
+    files, index = plan_files(specs, max_shard_size)
+    for file_name, keys in files.items():
+        writer = SafetensorsWriter(staging.new_file(file_name), {key: specs[key] for key in keys}) if staging else None
+        for key, full in zip(keys, tensors(keys)):
+            if writer is not None:
+                writer.write(key, full)
+            if progress is not None:
+                progress.update(nbytes(*specs[key]))
+        if writer is not None:
+            writer.close()
+    if staging and index is not None:
+        with open(staging.new_file(INDEX_FILE), "w") as f:
+            json.dump(index, f, indent=2, sort_keys=True)
+
+
+def save_config(model, out_dir: str) -> None:
+    model.config.save_pretrained(out_dir)
+    if getattr(model, "generation_config", None) is not None and model.can_generate():
+        model.generation_config.save_pretrained(out_dir)
 
 
 def save_sharded(model, out_dir: str, max_shard_size="50GB") -> None:
@@ -128,40 +91,20 @@ def save_sharded(model, out_dir: str, max_shard_size="50GB") -> None:
     mesh = state.mesh
     entries = {state.source_keys[e.name]: e for e in state.shard.unique_params()}
     specs = {key: (e.full_shape, model.get_parameter(e.name).dtype) for key, e in entries.items()}
-    files, index = plan_files(specs, max_shard_size)
-    if mesh.is_main:
-        os.makedirs(out_dir, exist_ok=True)
-    staged = []
-    progress = tqdm(total=len(specs), desc="Saving", disable=not mesh.is_main, leave=False)
-    for file_name, keys in files.items():
-        writer = None
-        if mesh.is_main:
-            fd, tmp = tempfile.mkstemp(prefix=f".{file_name}.", suffix=".tmp", dir=out_dir)
-            os.close(fd)
-            staged.append((tmp, os.path.join(out_dir, file_name)))
-            writer = SafetensorsWriter(tmp, {key: specs[key] for key in keys})
+
+    def gathered(keys):
         for key in keys:
             entry = entries[key]
-            full = gather_to_main(model.get_parameter(entry.name), entry.layout, entry.full_shape, mesh)
-            if writer is not None:
-                writer.write(key, full)
-            progress.update()
-        if writer is not None:
-            writer.close()
-    progress.close()
+            yield gather_to_main(model.get_parameter(entry.name), entry.layout, entry.full_shape, mesh)
+
     if mesh.is_main:
-        if index is not None:
-            fd, tmp = tempfile.mkstemp(prefix=f".{INDEX_FILE}.", suffix=".tmp", dir=out_dir)
-            with os.fdopen(fd, "w") as f:
-                json.dump(index, f, indent=2, sort_keys=True)
-            staged.append((tmp, os.path.join(out_dir, INDEX_FILE)))
-        umask = os.umask(0)
-        os.umask(umask)
-        for tmp, final in staged:
-            os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600; give what a plain open() would
-            os.replace(tmp, final)
-        _remove_stale(out_dir, {os.path.basename(final) for _, final in staged})
-        model.config.save_pretrained(out_dir)
-        if getattr(model, "generation_config", None) is not None and model.can_generate():
-            model.generation_config.save_pretrained(out_dir)
+        os.makedirs(out_dir, exist_ok=True)
+    progress = tqdm(total=sum(nbytes(*spec) for spec in specs.values()), desc="Saving", unit="B", unit_scale=True,
+                    disable=not mesh.is_main, leave=False)  # fmt: skip
+    with Staging(out_dir) if mesh.is_main else nullcontext() as staging:
+        write_standard(staging, specs, gathered, max_shard_size, progress)
+        if staging:
+            remove_stale(out_dir, set(staging.commit()))
+            save_config(model, out_dir)
+    progress.close()
     mesh.barrier()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import sys
 
 import torch.multiprocessing as mp
 
@@ -36,6 +37,11 @@ def _entry(rank: int, world_size: int, port: int, fn, args, out_dir: str) -> Non
     if dist.is_initialized():  # tear down together: a rank exiting mid-teardown aborts gloo
         dist.barrier()
         dist.destroy_process_group()
+    # Skip interpreter finalization: gloo threads that still hold tensors can abort there
+    # ("terminate called without an active exception", pytorch#190489) after the work is done.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_ranks(world_size: int, fn, *args, out_dir: str) -> list:

@@ -25,3 +25,5 @@ def test_benchmark_runs_side_by_side(tiny_paths, tmp_path):
         assert row["max_abs_logit_diff"] < 1e-5 and row["tokens_agreeing"] == 3
         assert row["shard_bytes"] < rows["single"]["shard_bytes"]
     assert (out / "results.png").stat().st_size > 0 and "| load time" in (out / "results.md").read_text()
+    assert ours["consolidate_bytes"] == rows["single"]["shard_bytes"] and ours["cp_s"] > 0
+    assert "consolidate throughput >= 0.5 x cp" in (out / "results.md").read_text()

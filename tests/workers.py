@@ -37,16 +37,20 @@ def expected_slice(full: torch.Tensor, layout, rank: int) -> torch.Tensor:
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=layout.dim)
 
 
-def compare_tp(rank: int, world_size: int, cases: dict, save_root: str | None, encoder: bool = False) -> dict:
-    """For each case (checkpoint path, tp_plan): TP output/grads vs single process, collectives
-    per forward, and a save. ``encoder``: AutoModel and its last hidden state instead of logits."""
+def compare_tp(
+    rank: int, world_size: int, cases: dict, save_root: str | None, encoder: bool = False, distributed: bool = False
+) -> dict:
+    """For each case (checkpoint path, tp_plan[, reference path]): TP output/grads vs single process
+    (of the reference path, when the checkpoint is one transformers cannot read), collectives per
+    forward, and a save (``distributed``: per-rank files). ``encoder``: AutoModel and its last hidden
+    state instead of logits."""
     import hf_parallel
     from hf_parallel import comm
 
     auto = hf_parallel.AutoModel if encoder else hf_parallel.AutoModelForCausalLM
     results = {}
-    for name, (path, tp_plan) in cases.items():
-        ref_output, ref_grads = reference(path, encoder)
+    for name, (path, tp_plan, *reference_path) in cases.items():
+        ref_output, ref_grads = reference(reference_path[0] if reference_path else path, encoder)
         model = auto.from_pretrained(path, tp_plan=tp_plan, dtype=torch.float32)
         comm.COUNTS.clear()
         with torch.no_grad():
@@ -68,12 +72,15 @@ def compare_tp(rank: int, world_size: int, cases: dict, save_root: str | None, e
             "logits": (output.detach() - ref_output).abs().max().item(),
             "grads": grad_error,
             "missing_grads": missing,
+            "grad_scale": max(
+                (g.abs().max().item() for g in ref_grads.values() if g is not None and g.numel()), default=0.0
+            ),
             "counts": counts,
             "layers": model.config.num_hidden_layers,
             "plan_source": state.shard.plan.source,
         }
         if save_root is not None:
-            model.save_pretrained(os.path.join(save_root, name))
+            model.save_pretrained(os.path.join(save_root, name), distributed=distributed)
     return results
 
 
@@ -90,6 +97,18 @@ def generate_tokens(rank: int, world_size: int, path: str, max_new_tokens: int, 
         model.save_pretrained(save_dir)
     local_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     return {"tokens": out[0, ids.shape[1] :].tolist(), "local_bytes": local_bytes}
+
+
+def _mapped_safetensors() -> list[tuple[int, int]]:
+    """Address ranges where this process has a .safetensors file memory-mapped."""
+    ranges = []
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            parts = line.split()
+            if len(parts) >= 6 and parts[5].endswith(".safetensors"):
+                lo, hi = (int(x, 16) for x in parts[0].split("-"))
+                ranges.append((lo, hi))
+    return ranges
 
 
 def count_bytes_read(rank: int, world_size: int, path: str) -> dict:
@@ -113,6 +132,7 @@ def count_bytes_read(rank: int, world_size: int, path: str) -> dict:
             "full": full * param.element_size(),
             "sharded": not entry.layout.is_replicated,
             "contiguous": param.is_contiguous(),
+            "file_view": any(lo <= param.data_ptr() < hi for lo, hi in _mapped_safetensors()),
         }
     return rows
 
@@ -179,3 +199,33 @@ def load_expecting_error(rank: int, world_size: int, paths: list, kwargs: dict) 
     except Exception as error:  # noqa: BLE001 - the test asserts the type by name
         return {"type": type(error).__name__, "message": str(error)}
     return {"type": None, "message": None}
+
+
+def save_as_loaded(rank: int, world_size: int, path: str, out: str, distributed: bool) -> dict:
+    """Load in the checkpoint's own dtype and save: the round trip must be bit-exact."""
+    import hf_parallel
+
+    model = hf_parallel.AutoModelForCausalLM.from_pretrained(path, tp_plan="auto")
+    model.save_pretrained(out, distributed=distributed)
+    return {"local_bytes": sum(p.numel() * p.element_size() for p in model.parameters())}
+
+
+def save_killed_midway(rank: int, world_size: int, path: str, out: str) -> dict:
+    """A distributed save in which rank 1 is SIGKILLed after writing its first tensor."""
+    import signal
+
+    import hf_parallel
+    from hf_parallel import writer
+
+    model = hf_parallel.AutoModelForCausalLM.from_pretrained(path, tp_plan="auto")
+    if rank == 1:
+        write = writer.SafetensorsWriter.write
+
+        def write_then_die(self, key, tensor):
+            write(self, key, tensor)
+            self.file.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        writer.SafetensorsWriter.write = write_then_die
+    model.save_pretrained(out, distributed=True)
+    return {}

@@ -1,0 +1,48 @@
+"""``hf-parallel consolidate DIR OUT``: a distributed save back to a standard checkpoint, in one
+process with no process group, tensor by tensor (memory: about one full tensor at a time).
+
+Keys are the checkpoint keys the model was loaded from, so the output has the source's names and
+packed forms; files are split at ``max_shard_size`` with an index, as transformers writes them.
+Everything else in DIR (config, generation config, tokenizer files) is copied. Writes are staged
+and renamed at the end, like every save.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+
+from tqdm.auto import tqdm
+
+from .manifest import MANIFEST_FILE, DistributedCheckpoint
+from .saving import write_standard
+from .staging import TEMP_SUFFIX, Staging, is_weight_file, remove_stale
+from .writer import nbytes
+
+
+def consolidate(src: str, out: str, max_shard_size="50GB", progress: bool = True) -> dict:
+    """Write the standard checkpoint; returns ``{"bytes": …, "seconds": …}`` of tensor data."""
+    manifest = os.path.join(src, MANIFEST_FILE)
+    if not os.path.isfile(manifest):
+        raise FileNotFoundError(
+            f"{src}: no {MANIFEST_FILE}; not a distributed checkpoint (save_pretrained(distributed=True))"
+        )
+    checkpoint = DistributedCheckpoint(manifest)  # checks every rank file before anything is written
+    specs = {key: (shape, dtype) for key, (shape, dtype, _, _) in checkpoint.tensors.items()}
+    total = sum(nbytes(*spec) for spec in specs.values())
+    start = time.perf_counter()
+    os.makedirs(out, exist_ok=True)
+    bar = tqdm(total=total, desc="Consolidating", unit="B", unit_scale=True, disable=not progress, leave=False)
+    with Staging(out) as staging:
+        write_standard(
+            staging, specs, lambda keys: (checkpoint.get_slice(key)[()] for key in keys), max_shard_size, bar
+        )
+        if os.path.realpath(src) != os.path.realpath(out):
+            for name in sorted(os.listdir(src)):
+                path = os.path.join(src, name)
+                if os.path.isfile(path) and not is_weight_file(name) and not name.endswith(TEMP_SUFFIX):
+                    shutil.copyfile(path, staging.new_file(name))
+        remove_stale(out, set(staging.commit()))
+    bar.close()
+    return {"bytes": total, "seconds": time.perf_counter() - start}

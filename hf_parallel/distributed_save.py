@@ -1,0 +1,71 @@
+"""``save_pretrained(out, distributed=True)``: every rank writes its own shards, in parallel, with no
+gather; ``hf-parallel consolidate`` or ``from_pretrained`` (any world size) reads them back.
+
+Commit order, so that an interrupted save never damages the checkpoint already at ``out``:
+1. each rank stages its file under a temporary name; all ranks confirm (a dead rank fails the rest);
+2. each rank renames its file to a final name that includes this save's id (no older file is hit);
+3. rank 0 renames the manifest into place: the commit point; then removes the older save's files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+
+import torch.distributed as dist
+
+from .manifest import FORMAT, MANIFEST_FILE, VERSION, manifest_entry, rank_file_name
+from .saving import save_config
+from .staging import Staging, remove_stale
+from .writer import SAFETENSORS_DTYPES, SafetensorsWriter
+
+
+def _save_id(mesh) -> str:
+    ids = [uuid.uuid4().hex[:12]]
+    if mesh.group is not None:
+        dist.broadcast_object_list(ids, src=dist.get_global_rank(mesh.group, 0), group=mesh.group)
+    return ids[0]
+
+
+def save_distributed(model, out_dir: str) -> None:
+    """Each rank writes its local tensors (replicated ones only on rank 0) plus rank 0's manifest."""
+    state = model._hf_parallel
+    mesh = state.mesh
+    entries = {state.source_keys[e.name]: e for e in state.shard.unique_params()}
+    save_id = _save_id(mesh)
+    names = [rank_file_name(rank, mesh.world_size, save_id) for rank in range(mesh.world_size)]
+    mine = {
+        key: model.get_parameter(e.name).detach()
+        for key, e in entries.items()
+        if mesh.is_main or not e.layout.is_replicated
+    }
+    os.makedirs(out_dir, exist_ok=True)
+    with Staging(out_dir) as staging:
+        writer = SafetensorsWriter(
+            staging.new_file(names[mesh.rank]), {k: (tuple(t.shape), t.dtype) for k, t in mine.items()}
+        )
+        for key, tensor in mine.items():
+            writer.write(key, tensor)
+        writer.close()
+        mesh.barrier()  # every rank's file is complete; a rank that died makes this raise on the others
+        staging.commit()
+    mesh.barrier()
+    if mesh.is_main:
+        manifest = {
+            "format": FORMAT,
+            "version": VERSION,
+            "world_size": mesh.world_size,
+            "save_id": save_id,
+            "files": names,
+            "tensors": {
+                key: manifest_entry(e.full_shape, SAFETENSORS_DTYPES[model.get_parameter(e.name).dtype], e.layout)
+                for key, e in entries.items()
+            },
+        }
+        with Staging(out_dir) as staging:
+            with open(staging.new_file(MANIFEST_FILE), "w") as f:
+                json.dump(manifest, f, indent=1)
+            remove_stale(out_dir, set(staging.commit()) | set(names))
+        save_config(model, out_dir)
+    mesh.barrier()

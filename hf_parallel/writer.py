@@ -1,0 +1,72 @@
+"""A safetensors file written tensor by tensor, so a saver holds one tensor at a time, not the model.
+
+The header (names, dtypes, shapes, offsets) is declared up front, as the format requires; each
+tensor's bytes are then appended straight from its storage, without a copy.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import torch
+
+# safetensors dtype names (https://github.com/huggingface/safetensors, format spec)
+SAFETENSORS_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+}
+
+
+SAFETENSORS_TO_TORCH = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
+
+
+def nbytes(shape, dtype: torch.dtype) -> int:
+    return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+
+
+class SafetensorsWriter:
+    """Writes one safetensors file tensor by tensor, in the order the header was declared."""
+
+    def __init__(self, path: str, specs: dict[str, tuple[tuple[int, ...], torch.dtype]]):
+        header, offset = {}, 0
+        for key, (shape, dtype) in specs.items():
+            size = nbytes(shape, dtype)
+            header[key] = {
+                "dtype": SAFETENSORS_DTYPES[dtype],
+                "shape": list(shape),
+                "data_offsets": [offset, offset + size],
+            }
+            offset += size
+        header["__metadata__"] = {"format": "pt"}
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)
+        self.pending = list(specs.items())
+        self.file = open(path, "wb")
+        self.file.write(len(raw).to_bytes(8, "little") + raw)
+
+    def write(self, key: str, tensor: torch.Tensor) -> None:
+        expected_key, (shape, dtype) = self.pending.pop(0)
+        if key != expected_key or tuple(tensor.shape) != tuple(shape) or tensor.dtype != dtype:
+            raise RuntimeError(
+                f"writer expected {expected_key} {shape} {dtype}, got {key} {tuple(tensor.shape)} {tensor.dtype}"
+            )
+        self.file.write(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())  # no copy
+
+    def close(self) -> None:
+        if self.pending:
+            raise RuntimeError(f"safetensors file closed with {len(self.pending)} tensor(s) unwritten")
+        self.file.flush()
+        os.fsync(self.file.fileno())
+        self.file.close()
