@@ -18,6 +18,7 @@ from tqdm.auto import tqdm
 from .manifest import MANIFEST_FILE, DistributedCheckpoint
 from .saving import write_standard
 from .staging import TEMP_SUFFIX, Staging, is_weight_file, remove_stale
+from .tiles import as_slices
 from .writer import nbytes
 
 
@@ -29,15 +30,31 @@ def consolidate(src: str, out: str, max_shard_size="50GB", progress: bool = True
             f"{src}: no {MANIFEST_FILE}; not a distributed checkpoint (save_pretrained(distributed=True))"
         )
     checkpoint = DistributedCheckpoint(manifest)  # checks every rank file before anything is written
-    specs = {key: (shape, dtype) for key, (shape, dtype, _, _) in checkpoint.tensors.items()}
+    targets = {}  # output key -> (tensor in the checkpoint, box of it or None)
+    for name, (shape, _, _, _) in checkpoint.tensors.items():
+        fused = checkpoint.fused.get(name)
+        targets.update(((key, (name, box)) for key, box in fused.boxes(shape)) if fused else [(name, (name, None))])
+    specs = {
+        key: (
+            checkpoint.tensors[name][0] if box is None else tuple(b - a for a, b in box[1:]),
+            checkpoint.tensors[name][1],
+        )
+        for key, (name, box) in targets.items()
+    }
+
+    def tensors(keys):
+        for key in keys:
+            name, box = targets[key]
+            yield (
+                checkpoint.get_slice(name)[()] if box is None else checkpoint.get_slice(name)[as_slices(box)].squeeze(0)
+            )
+
     total = sum(nbytes(*spec) for spec in specs.values())
     start = time.perf_counter()
     os.makedirs(out, exist_ok=True)
     bar = tqdm(total=total, desc="Consolidating", unit="B", unit_scale=True, disable=not progress, leave=False)
     with Staging(out) as staging:
-        write_standard(
-            staging, specs, lambda keys: (checkpoint.get_slice(key)[()] for key in keys), max_shard_size, bar
-        )
+        write_standard(staging, specs, tensors, max_shard_size, bar)
         if os.path.realpath(src) != os.path.realpath(out):
             for name in sorted(os.listdir(src)):
                 path = os.path.join(src, name)

@@ -15,6 +15,7 @@ import uuid
 
 import torch.distributed as dist
 
+from .keys import FusedSource
 from .manifest import FORMAT, MANIFEST_FILE, VERSION, manifest_entry, rank_file_name
 from .saving import save_config
 from .staging import Staging, remove_stale
@@ -28,11 +29,21 @@ def _save_id(mesh) -> str:
     return ids[0]
 
 
+def _manifest_key(source, name: str) -> str:
+    """A tensor is stored under its checkpoint key; a fused expert parameter under its own name."""
+    return name if isinstance(source, FusedSource) else source
+
+
+def _fused(state, entry) -> FusedSource | None:
+    source = state.source_keys[entry.name]
+    return source if isinstance(source, FusedSource) else None
+
+
 def save_distributed(model, out_dir: str) -> None:
     """Each rank writes its local tensors (replicated ones only on rank 0) plus rank 0's manifest."""
     state = model._hf_parallel
     mesh = state.mesh
-    entries = {state.source_keys[e.name]: e for e in state.shard.unique_params()}
+    entries = {_manifest_key(state.source_keys[e.name], e.name): e for e in state.shard.unique_params()}
     save_id = _save_id(mesh)
     names = [rank_file_name(rank, mesh.world_size, save_id) for rank in range(mesh.world_size)]
     mine = {
@@ -59,7 +70,9 @@ def save_distributed(model, out_dir: str) -> None:
             "save_id": save_id,
             "files": names,
             "tensors": {
-                key: manifest_entry(e.full_shape, SAFETENSORS_DTYPES[model.get_parameter(e.name).dtype], e.layout)
+                key: manifest_entry(
+                    e.full_shape, SAFETENSORS_DTYPES[model.get_parameter(e.name).dtype], e.layout, _fused(state, e)
+                )
                 for key, e in entries.items()
             },
         }

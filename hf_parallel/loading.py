@@ -32,10 +32,12 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from .errors import CheckpointError
-from .keys import param_names_for_keys
+from .keys import FusedSource, checkpoint_sources
 from .layout import replicated
 from .manifest import MANIFEST_FILE, DistributedCheckpoint
 from .parallelize import ShardPlan
+from .tiles import Tile, TiledTensor, as_slices
+from .writer import SAFETENSORS_TO_TORCH
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -212,9 +214,9 @@ class ShardReader:
             self._handles[file] = opened
         return self._handles[file]
 
-    def check(self, file: str, key: str, name: str, shape: tuple, dtype: torch.dtype) -> None:
+    def check(self, file: str, key: str, name: str, shape: tuple, dtype: torch.dtype, tensor_slice=None) -> None:
         """The checkpoint's header agrees with the model's parameter ``name`` (reads no data)."""
-        tensor_slice = self._shared(file).get_slice(key)
+        tensor_slice = tensor_slice if tensor_slice is not None else self._shared(file).get_slice(key)
         found = tuple(tensor_slice.get_shape())
         if found != tuple(shape):
             raise CheckpointError(
@@ -234,18 +236,8 @@ class ShardReader:
         index = layout.index(full_shape, self.rank)
         if isinstance(handle, PickleFile):  # always copied: a view would keep the whole pickle mapped
             return self._assemble(key, layout, full_shape, [tensor_slice[i] for i in index], dtype)
-        if isinstance(handle, DistributedCheckpoint):  # a view of the rank's own file, or pieces read and placed
-            own = tensor_slice.saved_as(layout, self.rank)  # saved at this world size: the rank's own file
-            pieces = [own] if own is not None else [tensor_slice[i] for i in index]
-            if (
-                len(pieces) == 1
-                and pieces[0].is_contiguous()
-                and dtype in (None, pieces[0].dtype)
-                and self.device.type == "cpu"
-            ):
-                BYTES_READ[key] += pieces[0].numel() * pieces[0].element_size()
-                return pieces[0]
-            return self._assemble(key, layout, full_shape, pieces, dtype)
+        if isinstance(handle, DistributedCheckpoint):  # saved at this world size: the rank's own file
+            return self.read_tiled(tensor_slice, key, layout, dtype, own=tensor_slice.saved_as(layout, self.rank))
         if len(index) == 1 and self.device.type == "cpu":
             view = tensor_slice[index[0]]
             if view.is_contiguous() and dtype in (None, view.dtype):
@@ -254,6 +246,38 @@ class ShardReader:
         with safe_open(file, framework="pt") as handle:  # its own mapping: released on return
             tensor_slice = handle.get_slice(key)
             return self._assemble(key, layout, full_shape, [tensor_slice[i] for i in index], dtype)
+
+    def read_tiled(self, tiled: TiledTensor, key: str, layout, dtype=None, own=None) -> torch.Tensor:
+        """This rank's shard of a tensor stored as tiles: a single contiguous piece as is (a view of
+        its file), else the pieces copied into one owned tensor."""
+        full_shape = tuple(tiled.get_shape())
+        pieces = [own] if own is not None else [tiled[i] for i in layout.index(full_shape, self.rank)]
+        one = pieces[0]
+        if len(pieces) == 1 and one.is_contiguous() and dtype in (None, one.dtype) and self.device.type == "cpu":
+            BYTES_READ[key] += one.numel() * one.element_size()
+            return one
+        return self._assemble(key, layout, full_shape, pieces, dtype)
+
+    def fused(self, files: dict[str, str], name: str, source: FusedSource, full_shape) -> TiledTensor:
+        """The fused expert parameter ``name`` as tiles of its per-expert keys, each checked."""
+        tiles, dtype = [], None
+        for key, box in source.boxes(full_shape):
+            tensor_slice = self._shared(files[key]).get_slice(key)
+            found, want = tuple(tensor_slice.get_shape()), tuple(stop - start for start, stop in box[1:])
+            code = tensor_slice.get_dtype()
+            found_dtype = code if isinstance(code, torch.dtype) else SAFETENSORS_TO_TORCH[code]
+            if found != want or found_dtype != (dtype or found_dtype):
+                raise CheckpointError(
+                    f"{files[key]}: expert tensor {key!r} is {found_dtype} {found}, but {name} needs "
+                    f"{dtype or found_dtype} {want} per expert block"
+                )
+            dtype = found_dtype
+
+            def read(sub, tensor_slice=tensor_slice):
+                return tensor_slice[as_slices(sub[1:])].unsqueeze(0)
+
+            tiles.append(Tile(box, read))
+        return TiledTensor(name, full_shape, dtype, tiles)
 
     def _assemble(self, key: str, layout, full_shape, pieces, dtype) -> torch.Tensor:
         """Copy the pieces into one owned tensor on this rank's device."""
@@ -280,39 +304,55 @@ def _set_tensor(model: nn.Module, name: str, value: torch.Tensor) -> None:
 
 def load_weights(
     model: nn.Module, path: str, shard: ShardPlan, dtype: torch.dtype, allow_pickle: bool = False
-) -> dict[str, str]:
+) -> dict[str, str | FusedSource]:
     """Fill every parameter (and persistent buffer found in the checkpoint) with its local shard.
 
-    Returns parameter name -> checkpoint key, which saving uses to write the source's names."""
+    Returns parameter name -> checkpoint key (or the per-expert keys of a fused expert parameter),
+    which saving uses to write the source's names and form."""
     files = checkpoint_files(path, allow_pickle)
     check_same_checkpoint(path, files, shard.mesh)
     rank = shard.mesh.rank
-    key_of = param_names_for_keys(model, files)
-    source_keys, missing = {}, []
+    key_of, fused_of = checkpoint_sources(model, files)
+    sources, missing = {}, []
     for entry in shard.unique_params():
-        key = next((key_of[alias] for alias in entry.aliases if alias in key_of), None)
-        if key is None:
+        found = [key_of.get(alias) or fused_of.get(alias) for alias in entry.aliases]
+        sources[entry.name] = next((source for source in found if source is not None), None)
+        if sources[entry.name] is None:
             missing.append(entry.name)
-        source_keys[entry.name] = key
     if missing:
         raise CheckpointError(
             f"{path}: checkpoint is missing {len(missing)} parameter(s) the model needs: {', '.join(missing[:20])}"
         )
     buffers = {name: key_of[name] for name, _ in model.named_buffers() if name in key_of}
-    unexpected = sorted(set(files) - set(source_keys.values()) - set(buffers.values()))
+    used = {key for source in sources.values() for key in _keys_of(source)} | set(buffers.values())
+    unexpected = sorted(set(files) - used)
     if unexpected:
         warnings.warn(
             f"{path}: {len(unexpected)} checkpoint key(s) match no parameter and are ignored: {', '.join(unexpected[:20])}",
             stacklevel=3,
         )
 
+    manifest = next(iter(set(files.values()))) if files else ""
+    if manifest.endswith(MANIFEST_FILE):  # a distributed save records the per-expert form it came from
+        fused_from = DistributedCheckpoint(manifest).fused
+        saved_as = {name: fused_from.get(source, source) for name, source in sources.items()}
+    else:
+        saved_as = sources
     with ShardReader(rank, shard.mesh.device) as reader:
+        tiled = {}
         for entry in shard.unique_params():  # every header against the model before any data is read
-            key = source_keys[entry.name]
-            reader.check(files[key], key, entry.name, entry.full_shape, model.get_parameter(entry.name).dtype)
+            source, param_dtype = sources[entry.name], model.get_parameter(entry.name).dtype
+            if isinstance(source, FusedSource):
+                tiled[entry.name] = reader.fused(files, entry.name, source, entry.full_shape)
+                reader.check(path, entry.name, entry.name, entry.full_shape, param_dtype, tiled[entry.name])
+            else:
+                reader.check(files[source], source, entry.name, entry.full_shape, param_dtype)
         for entry in tqdm(shard.unique_params(), desc="Loading shards", disable=rank != 0, leave=False):
-            key = source_keys[entry.name]
-            local = reader.read(files[key], key, entry.layout, dtype)
+            source = sources[entry.name]
+            if entry.name in tiled:
+                local = reader.read_tiled(tiled[entry.name], entry.name, entry.layout, dtype)
+            else:
+                local = reader.read(files[source], source, entry.layout, dtype)
             old = model.get_parameter(entry.name)
             param = nn.Parameter(local, requires_grad=old.requires_grad)
             for alias in entry.aliases:
@@ -321,4 +361,8 @@ def load_weights(
             old = model.get_buffer(name)
             keep_dtype = old.dtype if old.is_floating_point() else None
             _set_tensor(model, name, reader.read(files[key], key, replicated(1), keep_dtype))
-    return source_keys
+    return saved_as
+
+
+def _keys_of(source: str | FusedSource) -> list[str]:
+    return [key for keys in source.keys for key in keys] if isinstance(source, FusedSource) else [source]

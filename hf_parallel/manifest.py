@@ -22,7 +22,9 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from .errors import CheckpointError
+from .keys import FusedSource
 from .layout import Layout
+from .tiles import Tile, TiledTensor, as_slices
 from .writer import SAFETENSORS_TO_TORCH
 
 MANIFEST_FILE = "hf_parallel_manifest.json"
@@ -34,9 +36,13 @@ def rank_file_name(rank: int, world_size: int, save_id: str) -> str:
     return f"model-rank-{rank:05d}-of-{world_size:05d}-{save_id}.safetensors"
 
 
-def manifest_entry(shape, dtype_name: str, layout: Layout) -> dict:
+def manifest_entry(shape, dtype_name: str, layout: Layout, fused: FusedSource | None = None) -> dict:
+    """``fused``: the per-expert keys the parameter was loaded from, which consolidation writes back."""
     ranks = [0] if layout.is_replicated else list(range(layout.world_size))
-    return {"shape": list(shape), "dtype": dtype_name, "ranks": ranks, "layout": layout.to_json()}
+    entry = {"shape": list(shape), "dtype": dtype_name, "ranks": ranks, "layout": layout.to_json()}
+    if fused is not None:
+        entry["fused_from"] = {"keys": [list(keys) for keys in fused.keys], "concat_dim": fused.concat_dim}
+    return entry
 
 
 class DistributedCheckpoint:
@@ -55,6 +61,13 @@ class DistributedCheckpoint:
                 raise ValueError(f"format {manifest.get('format')!r} version {manifest.get('version')!r}")
             names = [str(name) for name in manifest["files"]]
             self.tensors = {str(key): self._parse(entry, len(names)) for key, entry in manifest["tensors"].items()}
+            self.fused = {
+                str(key): FusedSource(
+                    tuple(tuple(map(str, k)) for k in e["fused_from"]["keys"]), e["fused_from"]["concat_dim"]
+                )
+                for key, e in manifest["tensors"].items()
+                if "fused_from" in e
+            }
         except (ValueError, KeyError, TypeError, IndexError) as error:
             raise CheckpointError(
                 f"{manifest_path}: not an hf_parallel {FORMAT} v{VERSION} manifest ({type(error).__name__}: {error})"
@@ -115,67 +128,39 @@ class DistributedCheckpoint:
         return DistributedSlice(self, key)
 
 
-class DistributedSlice:
-    """One full tensor of a distributed checkpoint; indexing reads only the saved pieces it overlaps."""
+class DistributedSlice(TiledTensor):
+    """One full tensor of a distributed checkpoint: a tile per distinct saved piece."""
 
     def __init__(self, checkpoint: DistributedCheckpoint, key: str):
+        shape, dtype, self.layout, self.ranks = checkpoint.tensors[key]
         self.checkpoint, self.key = checkpoint, key
-        self.shape, self.dtype, self.layout, self.ranks = checkpoint.tensors[key]
+        super().__init__(f"{checkpoint.path}: {key!r}", shape, dtype, list(self._tiles(shape)))
 
-    def get_shape(self) -> list[int]:
-        return list(self.shape)
+    def _tiles(self, shape):
+        dim, seen = self.layout.dim, set()
+        if dim is None:
+            yield Tile(tuple((0, n) for n in shape), self._reader(0, None, 0))
+            return
+        for rank in self.ranks:
+            offset = 0
+            for start, stop in self.layout.ranges[rank]:
+                if (start, stop) not in seen:  # a replicated piece (KV head) is read from one rank
+                    seen.add((start, stop))
+                    box = tuple((start, stop) if d == dim else (0, n) for d, n in enumerate(shape))
+                    yield Tile(box, self._reader(rank, dim, offset))
+                offset += stop - start
 
-    def get_dtype(self) -> torch.dtype:
-        return self.dtype
+    def _reader(self, rank: int, dim: int | None, offset: int):
+        """Reads a box of the tile from the rank's local tensor, whose ``dim`` starts at ``offset``."""
+
+        def read(box):
+            local = tuple((a + offset, b + offset) if d == dim else (a, b) for d, (a, b) in enumerate(box))
+            return self.checkpoint.handles[rank].get_slice(self.key)[as_slices(local)]
+
+        return read
 
     def saved_as(self, layout: Layout, rank: int) -> torch.Tensor | None:
         """``rank``'s own saved tensor (a view of its file), when it was saved with this very layout."""
         if layout == self.layout and rank in self.ranks and not layout.is_replicated:
             return self.checkpoint.handles[rank].get_slice(self.key)[:]
         return None
-
-    def _pieces(self):
-        """(rank, start, stop, offset in the rank's local tensor) along the saved dim, each range once."""
-        seen = set()
-        for rank in self.ranks:
-            offset = 0
-            for start, stop in self.layout.ranges[rank]:
-                if (start, stop) not in seen:
-                    seen.add((start, stop))
-                    yield rank, start, stop, offset
-                offset += stop - start
-
-    def __getitem__(self, index) -> torch.Tensor:
-        """``index``: a tuple of step-1 slices (missing trailing dims mean whole)."""
-        index = index if isinstance(index, tuple) else (index,)
-        box = [s.indices(n)[:2] for s, n in zip(index + (slice(None),) * (len(self.shape) - len(index)), self.shape)]
-        dim = self.layout.dim
-        if dim is None:
-            return self._read(0, box)
-        want_start, want_stop = box[dim]
-        overlapping = [p for p in self._pieces() if p[1] < want_stop and want_start < p[2]]
-        whole = next((p for p in overlapping if p[1] <= want_start and want_stop <= p[2]), None)
-        if whole is not None:  # one rank's file holds all of it (same world size): a view, no copy
-            return self._read(whole[0], self._local(box, dim, whole))
-        out = torch.empty([stop - start for start, stop in box], dtype=self.dtype)
-        covered = torch.zeros(want_stop - want_start, dtype=torch.bool)
-        for piece in overlapping:
-            start, stop = max(piece[1], want_start), min(piece[2], want_stop)
-            part = [*box[:dim], (start, stop), *box[dim + 1 :]]
-            out.narrow(dim, start - want_start, stop - start).copy_(self._read(piece[0], self._local(part, dim, piece)))
-            covered[start - want_start : stop - want_start] = True
-        if not bool(covered.all()):
-            raise CheckpointError(
-                f"{self.checkpoint.path}: the saved pieces of {self.key!r} do not cover [{want_start}, {want_stop}) "
-                f"of dim {dim}"
-            )
-        return out
-
-    @staticmethod
-    def _local(box, dim: int, piece) -> list:
-        """``box`` (full-tensor coordinates) in the coordinates of the rank's local tensor."""
-        _, start, _, offset = piece
-        return [*box[:dim], (box[dim][0] - start + offset, box[dim][1] - start + offset), *box[dim + 1 :]]
-
-    def _read(self, rank: int, box) -> torch.Tensor:
-        return self.checkpoint.handles[rank].get_slice(self.key)[tuple(slice(a, b) for a, b in box)]

@@ -75,7 +75,14 @@ def shard_plan(model: nn.Module, plan: Plan, mesh: Mesh) -> ShardPlan:
 
     for module in _attention_on_local_heads(modules, rules, heads, mesh):
         attention.check_localizable(module, heads)  # before any weight is read
-    layouts = {path: rule.style.layouts(modules[path], contexts[path], path) for path, rule in rules.items()}
+    layouts = {
+        path: rule.style.layouts(modules[path], contexts[path], path) for path, rule in rules.items() if path in modules
+    }
+    for path, rule in rules.items():  # parameter rules: one parameter of the module that holds it
+        if path not in modules:
+            parent, _, attr = path.rpartition(".")
+            param = modules[parent].get_parameter(attr)
+            layouts.setdefault(parent, {})[attr] = rule.style.param_layout(param, contexts[path], path)
     aliases: dict[int, list[str]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(param), []).append(name)
@@ -85,17 +92,18 @@ def shard_plan(model: nn.Module, plan: Plan, mesh: Mesh) -> ShardPlan:
         layout, rule = None, None
         for alias in names:
             path, _, attr = alias.rpartition(".")
-            if path not in rules:
+            own = rules.get(alias) or rules.get(path)
+            if own is None:
                 continue
-            found = layouts[path].get(attr)
+            found = layouts.get(path, {}).get(attr)
             if found is None:
-                rule = rule or rules[path]
+                rule = rule or own
                 continue
             if layout is not None and found != layout:
                 raise ValueError(
-                    f"tied parameters {names} get different layouts from rules {rule.pattern!r} and {rules[path].pattern!r}"
+                    f"tied parameters {names} get different layouts from rules {rule.pattern!r} and {own.pattern!r}"
                 )
-            layout, rule = found, rules[path]
+            layout, rule = found, own
         layout = layout or replicated(mesh.world_size)
         for alias in names:
             layout.local_shape(tuple(param.shape), 0)  # impossible split: error before any weight is read
@@ -109,7 +117,8 @@ def install(model: nn.Module, shard: ShardPlan) -> None:
     """Wrap forwards with collectives and give attention modules their local head counts."""
     modules = dict(model.named_modules())
     for path, rule in shard.rules.items():
-        rule.style.install(modules[path], shard.contexts[path], path, shard.layouts[path])
+        if path in modules:  # parameter rules only set a layout; their module's style runs it
+            rule.style.install(modules[path], shard.contexts[path], path, shard.layouts.get(path, {}))
     for module in _attention_on_local_heads(modules, shard.rules, shard.heads, shard.mesh):
         attention.localize(module, shard.heads, shard.mesh.rank)
 

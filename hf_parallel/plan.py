@@ -84,16 +84,21 @@ class Plan:
             names = ", ".join(f"{r.pattern!r} -> {r.style_name}" for r in top.values())
             raise ValueError(f"module {path!r} is matched equally well by conflicting plan rules: {names}")
         rule = next(iter(top.values()))
-        self.used.add(rule.pattern)
+        self.used.update(hit.pattern for hit in hits if hit.style_name == rule.style_name)  # agreeing spellings
         return rule
 
     def assign(self, model: nn.Module) -> dict[str, Rule]:
-        """Module path -> rule for every module a rule matches; warns about rules that match none."""
+        """Module (or parameter) path -> rule for everything a rule matches; warns about rules that
+        match nothing. Parameter rules (``experts.gate_up_proj``) split one 3-D parameter of a module."""
         assigned = {}
-        for path, _ in model.named_modules():
+        for path, module in model.named_modules():
             rule = self.rule_for(path) if path else None
             if rule is not None:
                 assigned[path] = rule
+            for name, _ in module.named_parameters(recurse=False):  # a rule may name one parameter
+                rule = self.rule_for(f"{path}.{name}" if path else name)
+                if rule is not None:
+                    assigned[f"{path}.{name}" if path else name] = rule
         for rule in self.rules:
             if rule.pattern not in self.used:
                 warnings.warn(

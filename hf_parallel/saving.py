@@ -18,10 +18,12 @@ import torch.distributed as dist
 from huggingface_hub import split_state_dict_into_shards_factory
 from tqdm.auto import tqdm
 
+from .keys import FusedSource
 from .layout import Layout
 from .loading import INDEX_FILE
 from .mesh import Mesh
 from .staging import Staging, remove_stale
+from .tiles import as_slices
 from .writer import SafetensorsWriter, nbytes
 
 
@@ -85,17 +87,45 @@ def save_config(model, out_dir: str) -> None:
         model.generation_config.save_pretrained(out_dir)
 
 
+def checkpoint_tensors(model) -> dict[str, tuple]:
+    """Checkpoint key -> (sharded parameter, box of it or None), in the source's form: a fused
+    expert parameter loaded from per-expert keys is written back as those keys."""
+    state = model._hf_parallel
+    out = {}
+    for entry in state.shard.unique_params():
+        source = state.source_keys[entry.name]
+        if isinstance(source, FusedSource):
+            out.update((key, (entry, box)) for key, box in source.boxes(entry.full_shape))
+        else:
+            out[source] = (entry, None)
+    return out
+
+
+def piece_of(full: torch.Tensor, box) -> torch.Tensor:
+    """One expert's tensor (leading expert dim dropped) of a fused full tensor; the tensor if no box."""
+    return full if box is None else full[as_slices(box)].squeeze(0)
+
+
 def save_sharded(model, out_dir: str, max_shard_size="50GB") -> None:
     """Gather every parameter under its checkpoint name and write a standard HF checkpoint."""
-    state = model._hf_parallel
-    mesh = state.mesh
-    entries = {state.source_keys[e.name]: e for e in state.shard.unique_params()}
-    specs = {key: (e.full_shape, model.get_parameter(e.name).dtype) for key, e in entries.items()}
+    mesh = model._hf_parallel.mesh
+    targets = checkpoint_tensors(model)
+    specs = {
+        key: (
+            entry.full_shape if box is None else tuple(b - a for a, b in box[1:]),
+            model.get_parameter(entry.name).dtype,
+        )
+        for key, (entry, box) in targets.items()
+    }
 
     def gathered(keys):
+        last, full = None, None  # a fused parameter's keys come together: gather it once
         for key in keys:
-            entry = entries[key]
-            yield gather_to_main(model.get_parameter(entry.name), entry.layout, entry.full_shape, mesh)
+            entry, box = targets[key]
+            if entry is not last:
+                last, full = entry, None
+                full = gather_to_main(model.get_parameter(entry.name), entry.layout, entry.full_shape, mesh)
+            yield None if full is None else piece_of(full, box)
 
     if mesh.is_main:
         os.makedirs(out_dir, exist_ok=True)

@@ -29,10 +29,22 @@ class ShardContext:
     mesh: Mesh
     heads: HeadSplit | None = None  # set for modules inside an attention block
     kv_group: object | None = None  # ranks holding the same (replicated) KV head as this rank
+    unit: int = 1  # split in multiples of this many elements, where the size allows
+
+    def even_ranges(self, size: int) -> list[tuple[int, int]]:
+        """As even as possible, in whole units (when there are enough of them for every rank)."""
+        unit = self.unit if size % self.unit == 0 and size // self.unit >= self.mesh.world_size else 1
+        return sizes_to_ranges(even_sizes(size // unit, self.mesh.world_size), unit)
 
     @property
     def group(self):
         return self.mesh.group
+
+
+# torch's grouped_mm (transformers' default experts kernel) needs row strides of a multiple of 16
+# bytes: stacked expert weights are split in multiples of 8 elements (Mixtral's 14336 over 3 ranks
+# would otherwise leave 4778-element rows)
+GROUPED_MM_UNIT = 8
 
 
 def is_conv1d(module: nn.Module) -> bool:
@@ -53,9 +65,9 @@ def split_ranges(size: int, ctx: ShardContext, name: str) -> list[tuple[int, int
 
     Inside attention the split follows whole heads (q, kv, or per-head fused qkv); elsewhere it
     is as even as possible."""
-    heads, ws = ctx.heads, ctx.mesh.world_size
+    heads = ctx.heads
     if heads is None:
-        return sizes_to_ranges(even_sizes(size, ws))
+        return ctx.even_ranges(size)
     hd = heads.head_dim
     if size == heads.num_heads * hd:
         return in_units(heads.q_ranges, hd)
@@ -79,8 +91,7 @@ def packed_layout(dim: int, size: int, ctx: ShardContext, name: str, num_blocks:
     if size % num_blocks:
         raise ValueError(f"{name}: packed dim of {size} does not split into {num_blocks} equal blocks")
     block = size // num_blocks
-    ranges = sizes_to_ranges(even_sizes(block, ctx.mesh.world_size))
-    return packed(dim, [block] * num_blocks, [ranges] * num_blocks)
+    return packed(dim, [block] * num_blocks, [ctx.even_ranges(block)] * num_blocks)
 
 
 def grouped_qkv_layout(dim: int, size: int, ctx: ShardContext, name: str) -> Layout:
@@ -159,6 +170,10 @@ class ParallelStyle:
     def install(self, module: nn.Module, ctx: ShardContext, name: str, layouts: dict[str, Layout]) -> None:
         """Wrap ``module`` (already holding its local shards, as ``layouts`` describe)."""
 
+    def param_layout(self, param: nn.Parameter, ctx: ShardContext, name: str) -> Layout:
+        """The layout of one parameter named by a rule of its own (fused 3-D expert weights)."""
+        raise ValueError(f"plan rule for {name}: style {self} applies to modules, not to a single parameter")
+
     def __repr__(self) -> str:
         return type(self).__name__
 
@@ -199,6 +214,11 @@ class Colwise(ParallelStyle):
         if getattr(module, "bias", None) is not None:
             out["bias"] = Layout(0, weight.ranges, weight.kind)
         return out
+
+    def param_layout(self, param, ctx, name):
+        """[..., out, in] weights (stacked experts [E, out, in]): split ``out``."""
+        ctx = ShardContext(ctx.mesh, unit=GROUPED_MM_UNIT)
+        return _dim_layout(param.dim() - 2, param.shape[-2], ctx, name, self.fused_layout)
 
     def install(self, module, ctx, name, layouts):
         group = ctx.group
@@ -241,6 +261,11 @@ class Rowwise(ParallelStyle):
     def layouts(self, module, ctx, name):
         return {"weight": self._layout(module, ctx, name)}
 
+    def param_layout(self, param, ctx, name):
+        """[..., out, in] weights (stacked experts [E, out, in]): split ``in``."""
+        ctx = ShardContext(ctx.mesh, unit=GROUPED_MM_UNIT)
+        return _dim_layout(param.dim() - 1, param.shape[-1], ctx, name, self.fused_layout)
+
     def install(self, module, ctx, name, layouts):
         group = ctx.group
         layout = layouts["weight"]
@@ -264,6 +289,30 @@ class PackedRowwise(Rowwise):
     fused_layout = staticmethod(packed_layout)
 
 
+class MoETPExperts(ParallelStyle):
+    """Every expert split inside (its gate_up by columns, its down by rows, per parameter rules):
+    each rank computes every routed token's partial expert output; one all-reduce sums them.
+
+    The hidden states and routing weights enter through copy_to, whose backward sums their
+    gradients: each rank's share of the output depends on them through its own slice only."""
+
+    def install(self, module, ctx, name, layouts):
+        group = ctx.group
+        if "gate_up_proj" in layouts and hasattr(module, "intermediate_dim"):
+            module.intermediate_dim = layouts["gate_up_proj"].local_size(ctx.mesh.rank) // 2
+
+        def enter(m, args, kwargs):
+            hidden, *rest = args
+            if len(rest) >= 2:
+                rest[1] = comm.copy_to(rest[1], group)
+            if "top_k_weights" in kwargs:
+                kwargs = {**kwargs, "top_k_weights": comm.copy_to(kwargs["top_k_weights"], group)}
+            return (comm.copy_to(hidden, group), *rest), kwargs
+
+        module.register_forward_pre_hook(enter, with_kwargs=True)
+        module.register_forward_hook(lambda m, args, out: comm.reduce_from(out, group))
+
+
 class EmbeddingRowwise(ParallelStyle):
     """Vocab-parallel lookup: each rank embeds the ids in its vocab range, zeros the rest, all-reduce."""
 
@@ -273,6 +322,8 @@ class EmbeddingRowwise(ParallelStyle):
     def install(self, module, ctx, name, layouts):
         group = ctx.group
         start, stop = layouts["weight"].ranges[ctx.mesh.rank][0]
+        if getattr(module, "padding_idx", None) is not None:  # its row gets no gradient: keep it global
+            module.padding_idx = module.padding_idx - start if start <= module.padding_idx < stop else None
 
         def mask_ids(m, args):
             ids = args[0]
@@ -287,6 +338,9 @@ class EmbeddingRowwise(ParallelStyle):
 
         module.register_forward_pre_hook(mask_ids)
         module.register_forward_hook(reduce)
+        for param_name, param in module.named_parameters():  # e.g. a norm inside the embedding module:
+            if param_name != "weight":  # it saw only this rank's tokens (the others are zeroed after it)
+                _grad_all_reduce(param, group)
 
 
 class EmbeddingColwise(ParallelStyle):
@@ -362,6 +416,7 @@ STYLES: dict[str, ParallelStyle] = {
     "rowwise": Rowwise(),
     "rowwise_split_input": RowwiseSplitInput(),
     "packed_rowwise": PackedRowwise(),
+    "moe_tp_experts": MoETPExperts(),
     "embedding_rowwise": EmbeddingRowwise(),
     "embedding_colwise": EmbeddingColwise(),
     "sequence_parallel": SequenceParallel(),

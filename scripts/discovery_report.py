@@ -120,6 +120,25 @@ def sweep_cases(rank: int, world_size: int, paths: dict) -> dict:
     return results
 
 
+def worst_rank(ranks: list[dict]) -> dict:
+    """Per architecture, the largest differences (and any error) over the ranks: each checks its own shard."""
+    merged = {}
+    for model_type, first in ranks[0].items():
+        outs = [rank[model_type] for rank in ranks]
+        error = next((o["error"] for o in outs if o.get("error")), None)
+        merged[model_type] = (
+            dict(first, error=error)
+            if error or first.get("unrunnable")
+            else {
+                **first,
+                "logits": max(o["logits"] for o in outs),
+                "grads": max(o["grads"] for o in outs),
+                "missing_grads": sorted({n for o in outs for n in o["missing_grads"]}),
+            }
+        )
+    return merged
+
+
 def outcome_of(out: dict) -> tuple[str, str]:
     if out.get("unrunnable"):
         return "not buildable", "one process of plain transformers fails on it: " + out["unrunnable"]
@@ -156,7 +175,7 @@ def main() -> None:
         for start in range(0, len(names), args.batch):
             batch = {name: built[name] for name in names[start : start + args.batch]}
             try:
-                outs = run_ranks(2, sweep_cases, batch, out_dir=os.path.join(root, f"ranks{start}"))[0]
+                outs = worst_rank(run_ranks(2, sweep_cases, batch, out_dir=os.path.join(root, f"ranks{start}")))
             except Exception:  # noqa: BLE001 - a rank died: the whole batch is reported as errors
                 died = "a rank died: " + traceback.format_exc().splitlines()[-1][:160]
                 outs = dict.fromkeys(batch, {"error": died})

@@ -1,7 +1,12 @@
 """Every tiny architecture at TP=2, 3, 4 against single-process transformers (fp32)."""
 
+import os
+import sys
+
 import pytest
+import workers
 from checks import assert_same_checkpoint
+from distributed import run_ranks
 from tiny_models import ARCHS, DISCOVERED, variant_plans
 
 TOL = 1e-5
@@ -45,3 +50,14 @@ def test_plan_sources_curated_file_and_discovery(tp_results, arch):
     ranks, _ = tp_results(2)
     assert ranks[0][arch]["plan_source"] == f"plans/{arch.split('_')[0]}.toml"
     assert ranks[0][f"{arch}_discovered"]["plan_source"].startswith("discovered from the")
+
+
+def test_norm_inside_the_vocab_parallel_embedding_gets_summed_gradients(tmp_path):
+    """Inkling's embed_tokens holds a norm applied before the vocab-parallel reduce: each rank's
+    norm sees only its own tokens, so its gradient must be summed (the sweep caught a 5e-4 error)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+    from discovery_report import build
+
+    path = build("inkling_text", str(tmp_path))
+    for out in run_ranks(2, workers.compare_tp, {"inkling": (path, "discover")}, None, out_dir=str(tmp_path / "r")):
+        assert out["inkling"]["logits"] < 1e-5 and out["inkling"]["grads"] < 1e-5, out["inkling"]

@@ -35,6 +35,12 @@ ARCHS = {
     "gptj": ("GPTJConfig", dict(n_embd=48, n_head=6, rotary_dim=4, n_inner=80, tie_word_embeddings=False)),
     "stablelm": ("StableLmConfig", dict(hidden_size=48, intermediate_size=80, num_attention_heads=6, num_key_value_heads=2, use_qkv_bias=True)),  # noqa: E501
 }
+MOE = {  # per-expert keys on disk, fused 3-D experts in memory
+    "qwen3_moe": ("Qwen3MoeConfig", dict(hidden_size=48, intermediate_size=80, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, num_attention_heads=6, num_key_value_heads=2, head_dim=8, tie_word_embeddings=False)),  # noqa: E501
+    "qwen2_moe": ("Qwen2MoeConfig", dict(hidden_size=48, intermediate_size=80, moe_intermediate_size=32, shared_expert_intermediate_size=40, num_experts=4, num_experts_per_tok=2, num_attention_heads=6, num_key_value_heads=2)),  # noqa: E501
+    "mixtral": ("MixtralConfig", dict(hidden_size=48, intermediate_size=40, num_local_experts=4, num_experts_per_tok=2, num_attention_heads=6, num_key_value_heads=2)),  # noqa: E501
+    "olmoe": ("OlmoeConfig", dict(hidden_size=48, intermediate_size=40, num_experts=4, num_experts_per_tok=2, num_attention_heads=6, num_key_value_heads=6)),  # noqa: E501
+}
 ENCODERS = {  # AutoModel checkpoints (last hidden state compared instead of logits)
     "bert": ("BertConfig", dict(hidden_size=48, num_attention_heads=6, intermediate_size=80, max_position_embeddings=64)),  # noqa: E501
 }
@@ -47,10 +53,10 @@ def make_checkpoint(name: str, root: str) -> str:
     path = os.path.join(root, name)
     if os.path.isfile(os.path.join(path, "config.json")):
         return path
-    class_name, overrides = ARCHS[name] if name in ARCHS else ENCODERS[name]
+    class_name, overrides = {**ARCHS, **MOE, **ENCODERS}[name]
     config = getattr(transformers, class_name)(**{**COMMON, **overrides})
     torch.manual_seed(sum(map(ord, name)))
-    auto = transformers.AutoModelForCausalLM if name in ARCHS else transformers.AutoModel
+    auto = transformers.AutoModel if name in ENCODERS else transformers.AutoModelForCausalLM
     model = auto.from_config(config, dtype=torch.float32)
     with torch.no_grad():  # some families initialise biases / norms to constants: make them distinguishable
         for param in model.parameters():

@@ -8,7 +8,9 @@ import torch
 import transformers
 
 PROMPT = [{"role": "user", "content": "Explain in detail how a bicycle works."}]
-INPUT_IDS = torch.tensor([[1, 17, 42, 5, 99, 23, 8], [3, 64, 12, 77, 31, 9, 50]])
+# holds the first vocab row of every rank at TP=2, 3, 4 (vocab 101: 51; 34, 68; 26, 51, 76), where a
+# padding_idx left unshifted would silently drop the gradient
+INPUT_IDS = torch.tensor([[1, 51, 42, 34, 99, 68, 8], [3, 64, 26, 76, 31, 9, 50]])
 
 
 def _output_and_loss(model, encoder: bool):

@@ -1,0 +1,71 @@
+"""A full tensor that exists on disk only as tiles (per-rank files of a distributed save, per-expert
+keys of a fused MoE parameter), read like a safetensors slice: any box of it, touching only the
+tiles it overlaps, and only their overlapping part.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from .errors import CheckpointError
+
+Box = tuple[tuple[int, int], ...]  # (start, stop) per dim
+
+
+@dataclass(frozen=True)
+class Tile:
+    box: Box  # where the tile sits in the full tensor
+    read: Callable[[Box], torch.Tensor]  # a sub-box, in the tile's own coordinates (same number of dims)
+
+
+def intersect(a: Box, b: Box) -> Box | None:
+    out = tuple((max(a0, b0), min(a1, b1)) for (a0, a1), (b0, b1) in zip(a, b))
+    return out if all(start < stop for start, stop in out) else None
+
+
+class TiledTensor:
+    """``tiles`` must not overlap (drop identical replicas before) and must cover ``shape``."""
+
+    def __init__(self, name: str, shape, dtype: torch.dtype, tiles: list[Tile]):
+        self.name, self.shape, self.dtype, self.tiles = name, tuple(shape), dtype, tiles
+
+    def get_shape(self) -> list[int]:
+        return list(self.shape)
+
+    def get_dtype(self) -> torch.dtype:
+        return self.dtype
+
+    def __getitem__(self, index) -> torch.Tensor:
+        """``index``: step-1 slices (missing trailing dims mean whole). One tile holding the whole
+        box gives its read as is (a view of the file when the reader allows); else tiles are placed."""
+        index = index if isinstance(index, tuple) else (index,)
+        index = index + (slice(None),) * (len(self.shape) - len(index))
+        box = tuple(s.indices(n)[:2] for s, n in zip(index, self.shape))
+        parts = [(tile, intersect(tile.box, box)) for tile in self.tiles]
+        parts = [(tile, part) for tile, part in parts if part is not None]
+        for tile, part in parts:
+            if part == box:
+                return tile.read(_relative(box, tile.box))
+        out = torch.empty([stop - start for start, stop in box], dtype=self.dtype)
+        for tile, part in parts:
+            target = out[tuple(slice(p0 - b0, p1 - b0) for (p0, p1), (b0, _) in zip(part, box))]
+            target.copy_(tile.read(_relative(part, tile.box)))
+        if sum(_volume(part) for _, part in parts) != _volume(box):
+            raise CheckpointError(f"{self.name}: its saved pieces do not tile the box {box} exactly")
+        return out
+
+
+def _relative(box: Box, origin: Box) -> Box:
+    return tuple((start - o, stop - o) for (start, stop), (o, _) in zip(box, origin))
+
+
+def _volume(box: Box) -> int:
+    return math.prod(stop - start for start, stop in box)
+
+
+def as_slices(box: Box) -> tuple[slice, ...]:
+    return tuple(slice(start, stop) for start, stop in box)

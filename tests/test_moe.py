@@ -1,0 +1,82 @@
+"""Mixture-of-experts with expert tensor parallelism: per-expert checkpoint keys (Qwen's
+gate_proj/up_proj/down_proj, Mixtral's w1/w3/w2) read into transformers' fused 3-D experts, each rank
+reading only its slice of every expert; saved back to the per-expert keys, bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import workers
+from checks import assert_same_checkpoint
+from distributed import run_ranks
+from tiny_models import MOE, make_checkpoint
+
+import hf_parallel
+from hf_parallel.loading import checkpoint_files
+from hf_parallel.report import plan_report
+
+
+@pytest.fixture(scope="module")
+def moe_paths(tiny_root):
+    return {name: make_checkpoint(name, tiny_root) for name in MOE}
+
+
+@pytest.fixture(scope="module")
+def moe_results(moe_paths, tmp_path_factory):
+    cache = {}
+
+    def get(world_size):
+        if world_size not in cache:
+            root = tmp_path_factory.mktemp(f"moe{world_size}")
+            cases = {name: (path, "auto") for name, path in moe_paths.items()}
+            ranks = run_ranks(world_size, workers.compare_tp, cases, str(root / "saved"), out_dir=str(root / "r"))
+            dist = run_ranks(
+                world_size, workers.compare_tp, cases, str(root / "dist"), False, True, out_dir=str(root / "d")
+            )
+            cache[world_size] = (ranks, dist, root)
+        return cache[world_size]
+
+    return get
+
+
+def test_checkpoints_hold_per_expert_keys(moe_paths):
+    """What transformers writes, and what hub MoE checkpoints hold: one tensor per expert."""
+    for name, path in moe_paths.items():
+        keys = list(checkpoint_files(path))
+        expert_key = "w1" if name == "mixtral" else "gate_proj"
+        assert any(f"experts.3.{expert_key}.weight" in key for key in keys), name
+        assert not any(key.endswith("experts.gate_up_proj") for key in keys), name
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_expert_tp_matches_single_process_and_saves_per_expert_keys(moe_results, moe_paths, world_size):
+    ranks, dist, root = moe_results(world_size)
+    for name, path in moe_paths.items():
+        for rank, out in enumerate(ranks):
+            r = out[name]
+            assert r["logits"] < 1e-5 and r["grads"] < 1e-5, (name, rank, r)
+            assert not r["missing_grads"], (name, rank, r["missing_grads"])
+            shared = 1 if name == "qwen2_moe" else 0  # the shared expert's rowwise down projection
+            assert r["counts"]["all_reduce"] == (2 + shared) * r["layers"] + 1, (name, r["counts"])
+        assert_same_checkpoint(path, str(root / "saved" / name))
+        consolidated = str(root / "consolidated" / name)
+        hf_parallel.consolidate(str(root / "dist" / name), consolidated, progress=False)
+        assert_same_checkpoint(path, consolidated)
+
+
+def test_plan_report_shows_each_expert_parameter(moe_paths):
+    report = plan_report(moe_paths["qwen3_moe"], 2)
+    line = next(line for line in report.splitlines() if line.startswith("model.layers.0.mlp.experts.gate_up_proj"))
+    assert "packed_colwise" in line and "packed(dim=1, sizes=[32,32])" in line and "4x32x48 4x32x48" in line
+    line = next(line for line in report.splitlines() if line.startswith("model.layers.0.mlp.experts.down_proj"))
+    assert "rowwise" in line and "chunks(dim=2, sizes=[16,16])" in line and "4x48x16 4x48x16" in line
+
+
+def test_saved_at_4_loads_at_2_and_saves_per_expert_keys_again(moe_results, moe_paths, tmp_path):
+    """The manifest remembers the per-expert form, so a model loaded from a distributed save writes it."""
+    _, _, root4 = moe_results(4)
+    cases = {name: (str(root4 / "dist" / name), "auto", path) for name, path in moe_paths.items()}
+    for out in run_ranks(2, workers.compare_tp, cases, str(tmp_path / "saved"), out_dir=str(tmp_path / "r")):
+        for name in moe_paths:
+            assert out[name]["logits"] < 1e-5 and out[name]["grads"] < 1e-5, (name, out[name])
+    for name, path in moe_paths.items():
+        assert_same_checkpoint(path, str(tmp_path / "saved" / name))
