@@ -19,7 +19,7 @@ from .distributed_save import save_distributed
 from .loading import load_weights
 from .mesh import Mesh, get_mesh
 from .parallelize import ShardPlan, install, shard_plan
-from .plan import resolve_plan
+from .plan import resolve_plan, with_expert_parallel
 from .saving import save_sharded
 
 
@@ -53,13 +53,16 @@ def from_pretrained(
     path: str,
     *,
     tp_plan="auto",
+    ep_plan=None,
     dtype=None,
     tp_size: int | None = None,
     device_map=None,
     allow_pickle: bool = False,
     **config_kwargs,
 ):
-    """``allow_pickle``: accept a ``pytorch_model.bin`` checkpoint (loaded with ``weights_only=True``)."""
+    """``ep_plan="auto"``: experts spread whole over the ranks (attention and dense layers still
+    follow ``tp_plan``; ``tp_plan=None`` keeps them replicated). ``allow_pickle``: accept a
+    ``pytorch_model.bin`` checkpoint (loaded with ``weights_only=True``)."""
     if device_map is not None:
         raise ValueError(
             "tp_plan and device_map cannot be combined: tensor parallelism places every shard on its own rank"
@@ -72,7 +75,11 @@ def from_pretrained(
     config = transformers.AutoConfig.from_pretrained(path, **config_kwargs)
     dtype = resolve_dtype(dtype, config)
     model = build_empty(auto_class, config, dtype)
-    plan = resolve_plan(model, tp_plan)
+    plan = resolve_plan(model, tp_plan or "auto")
+    if ep_plan is not None:
+        if ep_plan != "auto":
+            raise ValueError(f"ep_plan must be 'auto' (experts spread over the ranks) or None, got {ep_plan!r}")
+        plan = with_expert_parallel(plan, keep_tensor_parallel=tp_plan is not None)
     shard = shard_plan(model, plan, mesh)
     source_keys = load_weights(model, path, shard, dtype, allow_pickle)
     install(model, shard)

@@ -178,6 +178,25 @@ def resolve_plan(model: nn.Module, tp_plan) -> Plan:
     return Plan([validate_rule(p, s, source) for p, s in rules.items()], source, prefix, notes=notes)
 
 
+def with_expert_parallel(plan: Plan, keep_tensor_parallel: bool) -> Plan:
+    """``ep_plan="auto"``: experts spread whole over the ranks instead of split inside each one.
+    Every ``moe_tp_experts`` rule becomes ``moe_ep_experts`` and the parameter rules under it
+    ``grouped_gemm``; the other rules stay (attention and dense layers tensor-parallel) or, without
+    a tensor-parallel plan, are dropped (replicated)."""
+    experts = [rule.pattern for rule in plan.rules if rule.style_name == "moe_tp_experts"]
+    if not experts:
+        raise ValueError(f"ep_plan: the plan ({plan.source}) has no moe_tp_experts rule, so no experts to spread")
+    rules = []
+    for rule in plan.rules:
+        if rule.style_name == "moe_tp_experts":
+            rules.append(Rule(rule.pattern, "moe_ep_experts", rule.source + ", expert parallel"))
+        elif any(rule.pattern.startswith(pattern + ".") for pattern in experts):
+            rules.append(Rule(rule.pattern, "grouped_gemm", rule.source + ", expert parallel"))
+        elif keep_tensor_parallel:
+            rules.append(rule)
+    return Plan(rules, plan.source + " + expert parallel", plan.base_prefix, notes=plan.notes)
+
+
 def tie_embedding_rules(model: nn.Module, assigned: dict[str, Rule]) -> None:
     """Tied input/output embeddings share one tensor, so they must share one vocab split:
     give the unplanned side the matching style (embedding_rowwise / colwise_gather_output)."""

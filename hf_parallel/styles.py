@@ -289,6 +289,9 @@ class PackedRowwise(Rowwise):
     fused_layout = staticmethod(packed_layout)
 
 
+EXPERT_ARGS = ("hidden_states", "top_k_index", "top_k_weights")  # transformers' experts forward
+
+
 class MoETPExperts(ParallelStyle):
     """Every expert split inside (its gate_up by columns, its down by rows, per parameter rules):
     each rank computes every routed token's partial expert output; one all-reduce sums them.
@@ -296,21 +299,51 @@ class MoETPExperts(ParallelStyle):
     The hidden states and routing weights enter through copy_to, whose backward sums their
     gradients: each rank's share of the output depends on them through its own slice only."""
 
-    def install(self, module, ctx, name, layouts):
-        group = ctx.group
+    def localize(self, module, ctx, layouts):
+        """Set the module's sizes to the local ones; returns a remapping of expert ids, or None."""
         if "gate_up_proj" in layouts and hasattr(module, "intermediate_dim"):
             module.intermediate_dim = layouts["gate_up_proj"].local_size(ctx.mesh.rank) // 2
+        return None
+
+    def install(self, module, ctx, name, layouts):
+        group, remap = ctx.group, self.localize(module, ctx, layouts)
 
         def enter(m, args, kwargs):
-            hidden, *rest = args
-            if len(rest) >= 2:
-                rest[1] = comm.copy_to(rest[1], group)
-            if "top_k_weights" in kwargs:
-                kwargs = {**kwargs, "top_k_weights": comm.copy_to(kwargs["top_k_weights"], group)}
-            return (comm.copy_to(hidden, group), *rest), kwargs
+            bound = dict(zip(EXPERT_ARGS, args), **kwargs)
+            if remap is not None:
+                bound["top_k_index"] = remap(bound["top_k_index"])
+            bound["hidden_states"] = comm.copy_to(bound["hidden_states"], group)
+            bound["top_k_weights"] = comm.copy_to(bound["top_k_weights"], group)
+            return (), bound
 
         module.register_forward_pre_hook(enter, with_kwargs=True)
         module.register_forward_hook(lambda m, args, out: comm.reduce_from(out, group))
+
+
+class GroupedGemm(ParallelStyle):
+    """A stacked expert parameter [E, ...] under expert parallelism: each rank holds whole experts."""
+
+    def param_layout(self, param, ctx, name):
+        return chunks(0, even_sizes(param.shape[0], ctx.mesh.world_size))
+
+
+class MoEEPExperts(MoETPExperts):
+    """Expert parallelism: each rank holds E/ws whole experts (``grouped_gemm`` parameter rules).
+    The router stays replicated; its expert ids are remapped here to local ones, and ids of other
+    ranks' experts become transformers' EP sentinel (``num_experts``), which both its eager loop and
+    its grouped_mm kernel skip, so those tokens add zero. Collectives as for ``moe_tp_experts``."""
+
+    def localize(self, module, ctx, layouts):
+        layout = next(layout for layout in layouts.values() if layout.dim == 0)
+        ((start, stop),) = layout.ranges[ctx.mesh.rank]
+        local = stop - start
+        module.num_experts, module._is_expert_parallel = local, True
+
+        def remap(index):
+            index = index - start
+            return index.masked_fill((index < 0) | (index >= local), local)
+
+        return remap
 
 
 class EmbeddingRowwise(ParallelStyle):
@@ -417,6 +450,8 @@ STYLES: dict[str, ParallelStyle] = {
     "rowwise_split_input": RowwiseSplitInput(),
     "packed_rowwise": PackedRowwise(),
     "moe_tp_experts": MoETPExperts(),
+    "moe_ep_experts": MoEEPExperts(),
+    "grouped_gemm": GroupedGemm(),
     "embedding_rowwise": EmbeddingRowwise(),
     "embedding_colwise": EmbeddingColwise(),
     "sequence_parallel": SequenceParallel(),

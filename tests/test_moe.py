@@ -80,3 +80,18 @@ def test_saved_at_4_loads_at_2_and_saves_per_expert_keys_again(moe_results, moe_
             assert out[name]["logits"] < 1e-5 and out[name]["grads"] < 1e-5, (name, out[name])
     for name, path in moe_paths.items():
         assert_same_checkpoint(path, str(tmp_path / "saved" / name))
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("tp_plan", ["auto", None], ids=["ep_with_tp", "ep_alone"])
+def test_expert_parallel_matches_single_process(moe_paths, tmp_path, world_size, tp_plan):
+    """ep_plan="auto": E/ws whole experts per rank (4 experts: 2+2 at EP=2, 1 each at EP=4)."""
+    cases = {name: (path, tp_plan) for name, path in moe_paths.items()}
+    ranks = run_ranks(world_size, workers.compare_ep, cases, str(tmp_path / "saved"), out_dir=str(tmp_path / "r"))
+    for rank, out in enumerate(ranks):
+        for name in moe_paths:
+            r = out[name]
+            assert r["logits"] < 1e-5 and r["grads"] < 1e-5, (name, rank, r)
+            assert set(r["experts"].values()) == {4 // world_size}, (name, r["experts"])
+    for name, path in moe_paths.items():
+        assert_same_checkpoint(path, str(tmp_path / "saved" / name))

@@ -231,3 +231,32 @@ def save_killed_midway(rank: int, world_size: int, path: str, out: str) -> dict:
         writer.SafetensorsWriter.write = write_then_die
     model.save_pretrained(out, distributed=True)
     return {}
+
+
+def compare_ep(rank: int, world_size: int, cases: dict, save_root: str) -> dict:
+    """compare_tp for expert parallelism (``ep_plan="auto"``, with or without tensor parallelism):
+    outputs and gradients vs one process, experts held per rank, and a save."""
+    import hf_parallel
+
+    results = {}
+    for name, (path, tp_plan) in cases.items():
+        ref_output, ref_grads = reference(path)
+        model = hf_parallel.AutoModelForCausalLM.from_pretrained(
+            path, tp_plan=tp_plan, ep_plan="auto", dtype=torch.float32
+        )
+        output, loss = _output_and_loss(model, False)
+        loss.backward()
+        state, errors, experts = model._hf_parallel, [0.0], {}
+        for entry in state.shard.unique_params():
+            grad = model.get_parameter(entry.name).grad
+            if grad is not None:
+                errors.append((grad - expected_slice(ref_grads[entry.name], entry.layout, rank)).abs().max().item())
+            if entry.name.endswith("experts.gate_up_proj"):
+                experts[entry.name] = model.get_parameter(entry.name).shape[0]
+        results[name] = {
+            "logits": (output.detach() - ref_output).abs().max().item(),
+            "grads": max(errors),
+            "experts": experts,
+        }
+        model.save_pretrained(os.path.join(save_root, name))
+    return results
