@@ -182,7 +182,7 @@ def main() -> None:
             for model_type, out in outs.items():
                 outcome, detail = outcome_of(out)
                 counts[outcome] += 1
-                rows.append((model_type, outcome, detail))
+                rows.append((model_type, outcome, detail.replace(root, "<tmp>")))
                 print(f"{model_type:<28} {outcome:<18} {detail[:100]}", flush=True)
     rows.sort()
     lines = [
