@@ -45,9 +45,10 @@ def consolidate(src: str, out: str, max_shard_size="50GB", progress: bool = True
     def tensors(keys):
         for key in keys:
             name, box = targets[key]
-            yield (
-                checkpoint.get_slice(name)[()] if box is None else checkpoint.get_slice(name)[as_slices(box)].squeeze(0)
-            )
+            tensor = checkpoint.get_slice(name)[as_slices(box) if box else ()]
+            yield tensor if box is None else tensor.squeeze(0)
+            del tensor
+            checkpoint.release()  # written: unmap what was read, so memory stays near one tensor
 
     total = sum(nbytes(*spec) for spec in specs.values())
     start = time.perf_counter()

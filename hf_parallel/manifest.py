@@ -75,10 +75,21 @@ class DistributedCheckpoint:
         if any(os.path.basename(name) != name or name in ("", ".", "..") for name in names):
             raise CheckpointError(f"{manifest_path}: file names must be plain names inside the directory: {names}")
         self.files = [os.path.join(root, name) for name in names]
-        self.handles = [self._open(file) for file in self.files]
+        self._handles: dict[int, object] = {}
         for key, (shape, dtype, layout, ranks) in self.tensors.items():
             for rank in ranks:
                 self._check_piece(key, shape, dtype, layout, rank)
+
+    def handle(self, rank: int):
+        """Rank ``rank``'s file, opened (memory-mapped) on first use."""
+        if rank not in self._handles:
+            self._handles[rank] = self._open(self.files[rank])
+        return self._handles[rank]
+
+    def release(self) -> None:
+        """Drop the mappings: pages read so far stop counting in this process's memory once no
+        tensor read from them is alive (consolidation streams the whole checkpoint through)."""
+        self._handles.clear()
 
     @staticmethod
     def _parse(entry: dict, world_size: int):
@@ -106,7 +117,7 @@ class DistributedCheckpoint:
             raise CheckpointError(f"{file}: not a valid safetensors file: {error}") from None
 
     def _check_piece(self, key, shape, dtype, layout, rank) -> None:
-        file, handle = self.files[rank], self.handles[rank]
+        file, handle = self.files[rank], self.handle(rank)
         if key not in handle.keys():
             raise CheckpointError(f"{file}: the manifest says it holds {key!r}, but it does not")
         found = handle.get_slice(key)
@@ -155,12 +166,12 @@ class DistributedSlice(TiledTensor):
 
         def read(box):
             local = tuple((a + offset, b + offset) if d == dim else (a, b) for d, (a, b) in enumerate(box))
-            return self.checkpoint.handles[rank].get_slice(self.key)[as_slices(local)]
+            return self.checkpoint.handle(rank).get_slice(self.key)[as_slices(local)]
 
         return read
 
     def saved_as(self, layout: Layout, rank: int) -> torch.Tensor | None:
         """``rank``'s own saved tensor (a view of its file), when it was saved with this very layout."""
         if layout == self.layout and rank in self.ranks and not layout.is_replicated:
-            return self.checkpoint.handles[rank].get_slice(self.key)[:]
+            return self.checkpoint.handle(rank).get_slice(self.key)[:]
         return None
