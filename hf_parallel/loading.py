@@ -332,8 +332,8 @@ def load_weights(
             stacklevel=3,
         )
 
-    manifest = next(iter(set(files.values()))) if files else ""
-    if manifest.endswith(MANIFEST_FILE):  # a distributed save records the per-expert form it came from
+    manifest = os.path.join(path, MANIFEST_FILE)
+    if os.path.isfile(manifest):  # a distributed save records the per-expert form it came from
         fused_from = DistributedCheckpoint(manifest).fused
         saved_as = {name: fused_from.get(source, source) for name, source in sources.items()}
     else:
