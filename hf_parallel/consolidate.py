@@ -15,10 +15,10 @@ import time
 
 from tqdm.auto import tqdm
 
+from .keys import expert_shape
 from .manifest import MANIFEST_FILE, DistributedCheckpoint
-from .saving import write_standard
+from .saving import piece_of, write_standard
 from .staging import TEMP_SUFFIX, Staging, is_weight_file, remove_stale
-from .tiles import as_slices
 from .writer import nbytes
 
 
@@ -36,7 +36,7 @@ def consolidate(src: str, out: str, max_shard_size="50GB", progress: bool = True
         targets.update(((key, (name, box)) for key, box in fused.boxes(shape)) if fused else [(name, (name, None))])
     specs = {
         key: (
-            checkpoint.tensors[name][0] if box is None else tuple(b - a for a, b in box[1:]),
+            checkpoint.tensors[name][0] if box is None else expert_shape(box),
             checkpoint.tensors[name][1],
         )
         for key, (name, box) in targets.items()
@@ -45,8 +45,8 @@ def consolidate(src: str, out: str, max_shard_size="50GB", progress: bool = True
     def tensors(keys):
         for key in keys:
             name, box = targets[key]
-            tensor = checkpoint.get_slice(name)[as_slices(box) if box else ()]
-            yield tensor if box is None else tensor.squeeze(0)
+            tensor = checkpoint.get_slice(name)[()] if box is None else piece_of(checkpoint.get_slice(name), box)
+            yield tensor
             del tensor
             checkpoint.release()  # written: unmap what was read, so memory stays near one tensor
 

@@ -38,6 +38,11 @@ class FusedSource:
         return out
 
 
+def expert_shape(box) -> tuple[int, ...]:
+    """The shape of the per-expert checkpoint tensor that sits at ``box`` of the fused one."""
+    return tuple(stop - start for start, stop in box[1:])
+
+
 def _meta_names(model: nn.Module) -> set[str]:
     names = {name for name, _ in model.named_parameters(remove_duplicate=False)}
     return names | {name for name, _ in model.named_buffers()}

@@ -32,7 +32,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from .errors import CheckpointError
-from .keys import FusedSource, checkpoint_sources
+from .keys import FusedSource, checkpoint_sources, expert_shape
 from .layout import replicated
 from .manifest import MANIFEST_FILE, DistributedCheckpoint
 from .parallelize import ShardPlan
@@ -238,11 +238,8 @@ class ShardReader:
             return self._assemble(key, layout, full_shape, [tensor_slice[i] for i in index], dtype)
         if isinstance(handle, DistributedCheckpoint):  # saved at this world size: the rank's own file
             return self.read_tiled(tensor_slice, key, layout, dtype, own=tensor_slice.saved_as(layout, self.rank))
-        if len(index) == 1 and self.device.type == "cpu":
-            view = tensor_slice[index[0]]
-            if view.is_contiguous() and dtype in (None, view.dtype):
-                BYTES_READ[key] += view.numel() * view.element_size()
-                return view
+        if len(index) == 1 and self.device.type == "cpu" and self._as_is(key, view := tensor_slice[index[0]], dtype):
+            return view
         with safe_open(file, framework="pt") as handle:  # its own mapping: released on return
             tensor_slice = handle.get_slice(key)
             return self._assemble(key, layout, full_shape, [tensor_slice[i] for i in index], dtype)
@@ -252,18 +249,24 @@ class ShardReader:
         its file), else the pieces copied into one owned tensor."""
         full_shape = tuple(tiled.get_shape())
         pieces = [own] if own is not None else [tiled[i] for i in layout.index(full_shape, self.rank)]
-        one = pieces[0]
-        if len(pieces) == 1 and one.is_contiguous() and dtype in (None, one.dtype) and self.device.type == "cpu":
-            BYTES_READ[key] += one.numel() * one.element_size()
-            return one
+        if len(pieces) == 1 and self._as_is(key, pieces[0], dtype):
+            return pieces[0]
         return self._assemble(key, layout, full_shape, pieces, dtype)
+
+    def _as_is(self, key: str, piece: torch.Tensor, dtype) -> bool:
+        """Whether ``piece`` can be the parameter itself (no copy): contiguous, in the wanted dtype, on
+        CPU. If so it counts as read."""
+        usable = self.device.type == "cpu" and piece.is_contiguous() and dtype in (None, piece.dtype)
+        if usable:
+            BYTES_READ[key] += piece.numel() * piece.element_size()
+        return usable
 
     def fused(self, files: dict[str, str], name: str, source: FusedSource, full_shape) -> TiledTensor:
         """The fused expert parameter ``name`` as tiles of its per-expert keys, each checked."""
         tiles, dtype = [], None
         for key, box in source.boxes(full_shape):
             tensor_slice = self._shared(files[key]).get_slice(key)
-            found, want = tuple(tensor_slice.get_shape()), tuple(stop - start for start, stop in box[1:])
+            found, want = tuple(tensor_slice.get_shape()), expert_shape(box)
             code = tensor_slice.get_dtype()
             found_dtype = code if isinstance(code, torch.dtype) else SAFETENSORS_TO_TORCH[code]
             if found != want or found_dtype != (dtype or found_dtype):
@@ -332,13 +335,11 @@ def load_weights(
             stacklevel=3,
         )
 
-    manifest = os.path.join(path, MANIFEST_FILE)
-    if os.path.isfile(manifest):  # a distributed save records the per-expert form it came from
-        fused_from = DistributedCheckpoint(manifest).fused
-        saved_as = {name: fused_from.get(source, source) for name, source in sources.items()}
-    else:
-        saved_as = sources
     with ShardReader(rank, shard.mesh.device) as reader:
+        saved_as, manifest = sources, os.path.join(path, MANIFEST_FILE)
+        if os.path.isfile(manifest):  # a distributed save records the per-expert form it came from
+            fused_from = reader._shared(manifest).fused
+            saved_as = {name: fused_from.get(source, source) for name, source in sources.items()}
         tiled = {}
         for entry in shard.unique_params():  # every header against the model before any data is read
             source, param_dtype = sources[entry.name], model.get_parameter(entry.name).dtype

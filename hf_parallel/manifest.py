@@ -25,7 +25,7 @@ from .errors import CheckpointError
 from .keys import FusedSource
 from .layout import Layout
 from .tiles import Tile, TiledTensor, as_slices
-from .writer import SAFETENSORS_TO_TORCH
+from .writer import SAFETENSORS_DTYPES, SAFETENSORS_TO_TORCH
 
 MANIFEST_FILE = "hf_parallel_manifest.json"
 FORMAT, VERSION = "hf_parallel.distributed", 1
@@ -122,15 +122,11 @@ class DistributedCheckpoint:
             raise CheckpointError(f"{file}: the manifest says it holds {key!r}, but it does not")
         found = handle.get_slice(key)
         want = layout.local_shape(shape, rank)
-        if tuple(found.get_shape()) != want or found.get_dtype() != self._dtype_name(dtype):
+        if tuple(found.get_shape()) != want or found.get_dtype() != SAFETENSORS_DTYPES[dtype]:
             raise CheckpointError(
                 f"{file}: {key!r} is {found.get_dtype()} {tuple(found.get_shape())}, but the manifest says "
-                f"rank {rank} holds {self._dtype_name(dtype)} {want}"
+                f"rank {rank} holds {SAFETENSORS_DTYPES[dtype]} {want}"
             )
-
-    @staticmethod
-    def _dtype_name(dtype: torch.dtype) -> str:
-        return next(name for name, d in SAFETENSORS_TO_TORCH.items() if d == dtype)
 
     def keys(self) -> list[str]:
         return list(self.tensors)

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from huggingface_hub import split_state_dict_into_shards_factory
 from tqdm.auto import tqdm
 
-from .keys import FusedSource
+from .keys import FusedSource, expert_shape
 from .layout import Layout
 from .loading import INDEX_FILE
 from .mesh import Mesh
@@ -101,7 +101,7 @@ def checkpoint_tensors(model) -> dict[str, tuple]:
     return out
 
 
-def piece_of(full: torch.Tensor, box) -> torch.Tensor:
+def piece_of(full, box):
     """One expert's tensor (leading expert dim dropped) of a fused full tensor; the tensor if no box."""
     return full if box is None else full[as_slices(box)].squeeze(0)
 
@@ -112,7 +112,7 @@ def save_sharded(model, out_dir: str, max_shard_size="50GB") -> None:
     targets = checkpoint_tensors(model)
     specs = {
         key: (
-            entry.full_shape if box is None else tuple(b - a for a, b in box[1:]),
+            entry.full_shape if box is None else expert_shape(box),
             model.get_parameter(entry.name).dtype,
         )
         for key, (entry, box) in targets.items()
