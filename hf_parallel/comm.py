@@ -22,6 +22,7 @@ from collections import Counter
 import torch
 import torch.distributed as dist
 
+from .errors import collective
 from .shm import channel_for
 
 COUNTS: Counter = Counter()  # op name -> calls;  op name + ":bytes" -> payload bytes
@@ -50,7 +51,8 @@ def all_reduce(x: torch.Tensor, group) -> torch.Tensor:
     if channel is not None:
         return channel.all_reduce(x)
     x = x.contiguous().clone()
-    dist.all_reduce(x, group=group)
+    with collective(f"all-reduce of {tuple(x.shape)}"):
+        dist.all_reduce(x, group=group)
     return x
 
 
@@ -72,7 +74,8 @@ def all_gather(x: torch.Tensor, dim: int, sizes, group) -> torch.Tensor:
         parts = channel.all_gather(padded)  # views into shared memory, consumed by the cat below
     else:
         parts = [torch.empty_like(padded) for _ in sizes]
-        dist.all_gather(parts, padded, group=group)
+        with collective(f"all-gather of {tuple(padded.shape)}"):
+            dist.all_gather(parts, padded, group=group)
     return torch.cat([part.narrow(dim, 0, size) for part, size in zip(parts, sizes)], dim)
 
 

@@ -15,6 +15,7 @@ import uuid
 
 import torch.distributed as dist
 
+from .errors import collective
 from .keys import FusedSource
 from .manifest import FORMAT, MANIFEST_FILE, VERSION, manifest_entry, rank_file_name
 from .saving import save_config
@@ -25,7 +26,8 @@ from .writer import SAFETENSORS_DTYPES, SafetensorsWriter
 def _save_id(mesh) -> str:
     ids = [uuid.uuid4().hex[:12]]
     if mesh.group is not None:
-        dist.broadcast_object_list(ids, src=dist.get_global_rank(mesh.group, 0), group=mesh.group)
+        with collective(f"agreeing on a save id (rank {mesh.rank})"):
+            dist.broadcast_object_list(ids, src=dist.get_global_rank(mesh.group, 0), group=mesh.group)
     return ids[0]
 
 

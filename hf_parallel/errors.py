@@ -1,5 +1,34 @@
-"""Errors hf_parallel raises about what is on disk."""
+"""Errors hf_parallel raises: about what is on disk, and about ranks that stop answering."""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
 
 
 class CheckpointError(ValueError):
     """A checkpoint on disk is malformed; the message names the file (and key) at fault."""
+
+
+class RankFailure(TimeoutError):
+    """A collective did not complete: a peer rank died, hangs, or issued a different collective.
+    From this rank's side each is a collective that did not finish in time, hence TimeoutError."""
+
+
+def timeout_seconds() -> float:
+    """The bound on any one collective (``HF_PARALLEL_TIMEOUT``, default 600 s)."""
+    return float(os.environ.get("HF_PARALLEL_TIMEOUT", "600"))
+
+
+@contextmanager
+def collective(what: str):
+    """Turn the backend's error for a failed collective (gloo: "Timed out waiting 3000ms for recv",
+    "Connection reset by peer") into a RankFailure that says what this rank was doing and why."""
+    try:
+        yield
+    except RuntimeError as error:
+        backend = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise RankFailure(
+            f"hf_parallel: {what} failed: another rank died, hangs past HF_PARALLEL_TIMEOUT="
+            f"{timeout_seconds():g}s, or issued a different collective (backend: {backend})"
+        ) from error

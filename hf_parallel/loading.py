@@ -31,7 +31,7 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 from tqdm.auto import tqdm
 
-from .errors import CheckpointError
+from .errors import CheckpointError, collective
 from .keys import FusedSource, checkpoint_sources, expert_shape
 from .layout import replicated
 from .manifest import MANIFEST_FILE, DistributedCheckpoint
@@ -179,7 +179,8 @@ def check_same_checkpoint(path: str, files: dict[str, str], mesh) -> None:
     config = os.path.join(path, "config.json")
     mine = {os.path.basename(f): _header_digest(f) for f in sorted(set(files.values()) | {config}) if os.path.isfile(f)}
     everyone = [None] * mesh.world_size
-    dist.all_gather_object(everyone, mine, group=mesh.group)
+    with collective(f"{path}: comparing checkpoint headers across ranks (rank {mesh.rank})"):
+        dist.all_gather_object(everyone, mine, group=mesh.group)
     for rank, theirs in enumerate(everyone[1:], start=1):
         differ = sorted(name for name in set(theirs) | set(everyone[0]) if theirs.get(name) != everyone[0].get(name))
         if differ:

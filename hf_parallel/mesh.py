@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .errors import collective, timeout_seconds
 from .shm import attach, channel_for
 
 
@@ -29,7 +30,8 @@ class Mesh:
 
     def barrier(self) -> None:
         if self.group is not None:
-            dist.barrier(group=self.group)
+            with collective(f"barrier on rank {self.rank}"):
+                dist.barrier(group=self.group)
 
 
 def shutdown() -> None:
@@ -41,7 +43,7 @@ def shutdown() -> None:
 
 
 def default_timeout() -> datetime.timedelta:
-    return datetime.timedelta(seconds=float(os.environ.get("HF_PARALLEL_TIMEOUT", "600")))
+    return datetime.timedelta(seconds=timeout_seconds())
 
 
 def get_mesh(tp_size: int | None = None, timeout: datetime.timedelta | None = None) -> Mesh:
@@ -54,7 +56,8 @@ def get_mesh(tp_size: int | None = None, timeout: datetime.timedelta | None = No
                 )
             return Mesh(None, 0, 1, torch.device("cpu"))
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend=backend, timeout=timeout or default_timeout())
+        with collective(f"joining the process group (rank {os.environ.get('RANK')} of {os.environ['WORLD_SIZE']})"):
+            dist.init_process_group(backend=backend, timeout=timeout or default_timeout())
     world_size = dist.get_world_size()
     if tp_size not in (None, world_size):
         raise ValueError(f"tp_size={tp_size} was asked for, but the process group has world size {world_size}")
@@ -65,5 +68,6 @@ def get_mesh(tp_size: int | None = None, timeout: datetime.timedelta | None = No
         torch.cuda.set_device(device)
     group = dist.group.WORLD if world_size > 1 else None
     if group is not None and device.type == "cpu" and channel_for(group) is None:
-        attach(group, rank, world_size, timeout=(timeout or default_timeout()).total_seconds())
+        with collective(f"setting up shared-memory collectives on rank {rank}"):
+            attach(group, rank, world_size, timeout=(timeout or default_timeout()).total_seconds())
     return Mesh(group, rank, world_size, device)

@@ -65,9 +65,11 @@ def _kv_group(heads: HeadSplit | None, mesh: Mesh):
 def shard_plan(model: nn.Module, plan: Plan, mesh: Mesh) -> ShardPlan:
     rules = plan.assign(model)
     tie_embedding_rules(model, rules)
-    heads = head_split_from_config(model.config, mesh.world_size)
-    kv_group = _kv_group(heads, mesh)
     modules = dict(model.named_modules())
+    # heads matter only when attention is split: expert parallelism alone may use more ranks than heads
+    splits_attention = any(attention.inside_attention(path, modules) for path in rules)
+    heads = head_split_from_config(model.config, mesh.world_size) if splits_attention else None
+    kv_group = _kv_group(heads, mesh)
     contexts = {}
     for path in rules:
         in_attention = heads is not None and attention.inside_attention(path, modules)
@@ -105,12 +107,31 @@ def shard_plan(model: nn.Module, plan: Plan, mesh: Mesh) -> ShardPlan:
                 )
             layout, rule = found, own
         layout = layout or replicated(mesh.world_size)
+        _check_split(names[0], tuple(param.shape), layout, rule)
         for alias in names:
-            layout.local_shape(tuple(param.shape), 0)  # impossible split: error before any weight is read
             params[alias] = ShardedParam(names[0], names, layout, rule, tuple(param.shape))
     shard = ShardPlan(plan, mesh, heads, rules, contexts, layouts, params)
     warn_unsharded_matrices(model, shard)
     return shard
+
+
+def _check_split(name: str, shape: tuple, layout: Layout, rule) -> None:
+    """An impossible split (past the tensor, or leaving a rank with none of it: more ranks than
+    experts or vocab rows) is an error naming the parameter and numbers, before any weight is read."""
+    if layout.is_replicated:
+        return
+    by = f"rule {rule.pattern!r} ({rule.style_name})" if rule is not None else "its layout"
+    try:
+        layout.local_shape(shape, 0)
+    except ValueError as error:
+        raise ValueError(f"{name} {shape}: {by}: {error}") from None
+    empty = [rank for rank in range(len(layout.ranges)) if layout.local_size(rank) == 0]
+    if empty:
+        raise ValueError(
+            f"{name} {shape}: {by} splits dim {layout.dim} (size {shape[layout.dim]}) over {len(layout.ranges)} "
+            f"ranks, leaving rank(s) {empty} with none of it; use at most {shape[layout.dim]} ranks "
+            "or a plan that keeps it whole"
+        )
 
 
 def install(model: nn.Module, shard: ShardPlan) -> None:

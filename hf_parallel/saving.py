@@ -18,6 +18,7 @@ import torch.distributed as dist
 from huggingface_hub import split_state_dict_into_shards_factory
 from tqdm.auto import tqdm
 
+from .errors import collective
 from .keys import FusedSource, expert_shape
 from .layout import Layout
 from .loading import INDEX_FILE
@@ -27,20 +28,22 @@ from .tiles import as_slices
 from .writer import SafetensorsWriter, nbytes
 
 
-def gather_to_main(local: torch.Tensor, layout: Layout, full_shape, mesh: Mesh) -> torch.Tensor | None:
+def gather_to_main(local: torch.Tensor, layout: Layout, full_shape, mesh: Mesh, name: str) -> torch.Tensor | None:
     """The full tensor on rank 0 (None elsewhere). Rank 0 receives one shard at a time and places
     it, so it holds the full tensor plus one shard, never every shard at once."""
     if layout.is_replicated or mesh.world_size == 1:
         return local if mesh.is_main else None
     if not mesh.is_main:
-        dist.send(local.detach().cpu().contiguous(), dst=0, group=mesh.group)
+        with collective(f"sending {name} from rank {mesh.rank} to rank 0"):
+            dist.send(local.detach().cpu().contiguous(), dst=0, group=mesh.group)
         return None
 
     def shards():
         yield local.detach().cpu()
         for rank in range(1, mesh.world_size):
             shard = torch.empty(layout.local_shape(full_shape, rank), dtype=local.dtype)
-            dist.recv(shard, src=rank, group=mesh.group)
+            with collective(f"receiving {name} from rank {rank} on rank 0"):
+                dist.recv(shard, src=rank, group=mesh.group)
             yield shard
 
     return layout.assemble(shards(), full_shape)
@@ -124,7 +127,7 @@ def save_sharded(model, out_dir: str, max_shard_size="50GB") -> None:
             entry, box = targets[key]
             if entry is not last:
                 last, full = entry, None
-                full = gather_to_main(model.get_parameter(entry.name), entry.layout, entry.full_shape, mesh)
+                full = gather_to_main(model.get_parameter(entry.name), entry.layout, entry.full_shape, mesh, entry.name)
             yield None if full is None else piece_of(full, box)
 
     if mesh.is_main:

@@ -24,6 +24,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from .errors import RankFailure
+
 FLAG_STRIDE = 8  # int64s per flag: one 64-byte cache line each
 SLOT_BYTES = int(os.environ.get("HF_PARALLEL_SHM_SLOT_MB", "8")) << 20
 _CHANNELS: dict = {}  # process group -> ShmChannel
@@ -58,7 +60,7 @@ class ShmChannel:
                     deadline = time.monotonic() + self.timeout
                 elif time.monotonic() > deadline:
                     late = [r for r in range(self.world_size) if self.flags[r] < seq]
-                    raise TimeoutError(
+                    raise RankFailure(
                         f"hf_parallel: rank(s) {late} did not reach collective #{seq} within {self.timeout:.0f}s "
                         "(a rank died, hangs, or ranks issued different collectives); set HF_PARALLEL_TIMEOUT to change"
                     )

@@ -1,6 +1,7 @@
 """Bad input beyond malformed files: pickles, dtype disagreements, plans that leave matrices whole,
 a world size other than the one asked for, and ranks that see different checkpoints."""
 
+import json
 import os
 import shutil
 import warnings
@@ -11,13 +12,14 @@ import transformers
 import workers
 from distributed import run_ranks
 from safetensors.torch import load_file, save_file
+from tiny_models import make_checkpoint
 
 import hf_parallel
 from hf_parallel.api import build_empty
 from hf_parallel.loading import CheckpointError
 from hf_parallel.mesh import Mesh
 from hf_parallel.parallelize import UnshardedWarning, shard_plan
-from hf_parallel.plan import resolve_plan
+from hf_parallel.plan import resolve_plan, with_expert_parallel
 
 
 def pickle_checkpoint(source, target, files=1):
@@ -92,9 +94,12 @@ def test_integer_tensor_for_a_float_parameter_is_refused(tiny_paths, tmp_path):
         hf_parallel.AutoModelForCausalLM.from_pretrained(str(target))
 
 
-def dry_shard(path, plan, world_size):
+def dry_shard(path, plan, world_size, expert_parallel=False):
     model = build_empty(transformers.AutoModelForCausalLM, transformers.AutoConfig.from_pretrained(path), torch.float32)
-    return shard_plan(model, resolve_plan(model, plan), Mesh(None, 0, world_size, torch.device("cpu")))
+    plan = resolve_plan(model, plan)
+    if expert_parallel:
+        plan = with_expert_parallel(plan, keep_tensor_parallel=False)
+    return shard_plan(model, plan, Mesh(None, 0, world_size, torch.device("cpu")))
 
 
 def test_plan_leaving_large_matrices_unsharded_warns_with_their_size(tiny_paths):
@@ -142,6 +147,43 @@ def test_ranks_seeing_different_checkpoints_is_an_error(tiny_paths, tmp_path):
 def test_tp_larger_than_the_head_count_names_the_numbers(tiny_paths):
     with pytest.raises(ValueError, match=r"tp=5 exceeds num_attention_heads=4: every rank needs at least one"):
         dry_shard(tiny_paths["gemma2"], "auto", 5)
+
+
+def test_more_ranks_than_experts_or_vocab_rows_names_the_parameter_and_numbers(tiny_paths, tiny_root):
+    moe = make_checkpoint("qwen3_moe", tiny_root)  # 4 experts, 6 heads
+    with pytest.raises(
+        ValueError,
+        match=r"experts\.gate_up_proj \(4, 64, 48\): rule .*\(grouped_gemm\) splits dim 0 "
+        r"\(size 4\) over 5 ranks, leaving rank\(s\) \[4\] with none of it; use at most 4 ranks",
+    ):
+        dry_shard(moe, "auto", 5, expert_parallel=True)
+    dry_shard(moe, "auto", 3, expert_parallel=True)  # uneven (2, 1, 1) experts is fine
+    vocab_only = {"embed_tokens": "embedding_rowwise"}  # llama: vocab 101; attention replicated, so
+    with pytest.raises(
+        ValueError,
+        match=r"embed_tokens\.weight \(101, 72\): rule 'embed_tokens' \(embedding_rowwise\) "
+        r"splits dim 0 \(size 101\) over 128 ranks, leaving rank\(s\) \[101, .*127\]",
+    ):  # 9 heads don't matter
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dry_shard(tiny_paths["llama"], vocab_only, 128)
+
+
+def test_expert_parallelism_alone_may_use_more_ranks_than_attention_heads(tiny_root):
+    """Attention stays replicated without tp_plan: 8 expert ranks for a 6-head model are fine."""
+    path = make_checkpoint("qwen3_moe", tiny_root)
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    wide = os.path.join(tiny_root, "qwen3_moe_8_experts")
+    os.makedirs(wide, exist_ok=True)
+    with open(os.path.join(wide, "config.json"), "w") as f:
+        json.dump({**config, "num_local_experts": 8}, f)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        shard = dry_shard(wide, "auto", 8, expert_parallel=True)
+    assert shard.heads is None
+    experts = shard.params["model.layers.0.mlp.experts.gate_up_proj"].layout
+    assert [experts.local_size(rank) for rank in range(8)] == [1] * 8
 
 
 def test_per_head_modules_in_a_split_attention_are_refused_at_plan_time(tmp_path):

@@ -1,5 +1,7 @@
 """Collectives: the shared-memory transport agrees with gloo, falls back to it, and times out clearly."""
 
+import os
+
 import pytest
 import workers
 from distributed import run_ranks
@@ -31,3 +33,27 @@ def test_gloo_transport_gives_the_same_model_results(tiny_paths, tmp_path, monke
     for out in run_ranks(2, workers.compare_tp, cases, None, out_dir=str(tmp_path)):
         assert out["llama"]["logits"] < 1e-5 and out["llama"]["grads"] < 1e-5
         assert out["llama"]["counts"] == {"all_reduce": 2 * out["llama"]["layers"] + 1, "all_gather": 1}
+
+
+@pytest.mark.parametrize(
+    "phase, how, shm, names",
+    [
+        ("load", "hangs", "1", "comparing checkpoint headers across ranks"),
+        ("save", "dies", "1", "receiving model.embed_tokens.weight from rank 1 on rank 0"),
+        ("forward", "hangs", "0", "all-reduce of (2, 7, "),
+    ],
+)
+def test_a_rank_that_dies_or_hangs_fails_the_others_clearly_and_in_bounded_time(
+    tiny_paths, tmp_path, monkeypatch, phase, how, shm, names
+):
+    """Over gloo (loading, saving, and the forward without shared memory) as over shared memory:
+    the surviving rank gets a RankFailure naming what it was doing, within HF_PARALLEL_TIMEOUT."""
+    monkeypatch.setenv("HF_PARALLEL_SHM", shm)
+    timeout = 3.0
+    rank0, _ = run_ranks(
+        2, workers.peer_fails_during, phase, how, tiny_paths["llama"], str(tmp_path), timeout, out_dir=str(tmp_path)
+    )
+    assert rank0["type"] == "RankFailure" and rank0["is_timeout"], rank0
+    assert names in rank0["message"] and "HF_PARALLEL_TIMEOUT=3s" in rank0["message"], rank0["message"]
+    assert rank0["seconds"] < timeout + 5
+    assert not os.path.exists(tmp_path / "saved" / "model.safetensors")  # a failed save writes nothing final

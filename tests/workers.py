@@ -175,7 +175,7 @@ def shm_rank_goes_missing(rank: int, world_size: int, timeout: float) -> dict:
 
     import torch.distributed as dist
 
-    from hf_parallel import comm
+    from hf_parallel import RankFailure, comm
     from hf_parallel.mesh import get_mesh
 
     dist.init_process_group("gloo")  # gloo keeps its long timeout, for the teardown barrier
@@ -187,9 +187,46 @@ def shm_rank_goes_missing(rank: int, world_size: int, timeout: float) -> dict:
     start = time.monotonic()
     try:
         comm.all_reduce(torch.ones(4), mesh.group)
-    except TimeoutError as error:
+    except RankFailure as error:
         return {"error": str(error), "seconds": time.monotonic() - start}
     return {"error": None}
+
+
+def peer_fails_during(rank: int, world_size: int, phase: str, how: str, path: str, out: str, timeout: float) -> dict:
+    """Rank 1 hangs (alive, absent) or dies (process exit) where rank 0 runs ``phase``; rank 0
+    reports the error it got and how long it took to get it."""
+    import json
+    import time
+
+    import torch.distributed as dist
+
+    import hf_parallel
+    from hf_parallel.mesh import get_mesh
+
+    os.environ["HF_PARALLEL_TIMEOUT"] = str(timeout)
+    get_mesh()
+    model = None if phase == "load" else hf_parallel.AutoModelForCausalLM.from_pretrained(path, tp_plan="auto")
+    if rank == 1:
+        if how == "dies":
+            with open(os.path.join(out, "rank1.json"), "w") as f:
+                json.dump({}, f)
+            os._exit(0)
+        time.sleep(timeout + 3)
+        dist.destroy_process_group()
+        return {}
+    start = time.monotonic()
+    try:
+        if phase == "load":
+            hf_parallel.AutoModelForCausalLM.from_pretrained(path, tp_plan="auto")
+        elif phase == "save":
+            model.save_pretrained(os.path.join(out, "saved"))
+        else:
+            model(INPUT_IDS)
+        result = {"type": None}
+    except Exception as error:  # noqa: BLE001 - the test asserts the type by name
+        result = {"type": type(error).__name__, "message": str(error), "is_timeout": isinstance(error, TimeoutError)}
+    dist.destroy_process_group()  # the group is broken: no teardown barrier
+    return {**result, "seconds": time.monotonic() - start}
 
 
 def load_expecting_error(rank: int, world_size: int, paths: list, kwargs: dict) -> dict:
