@@ -87,6 +87,10 @@ def _param_sizes(module: nn.Module) -> set[tuple[int, ...]]:
     return {tuple(p.shape) for p in module.parameters(recurse=False)}
 
 
+def _holds_matrices(module: nn.Module) -> bool:
+    return any(p.dim() >= 2 for p in module.parameters(recurse=False))
+
+
 def classify_attention(region: nn.Module, hidden: int, heads, qkv_style: str | None) -> dict[str, str]:
     """Styles for the projections and norms of one attention module (paths relative to it)."""
     q_width, kv_width = heads.num_heads * heads.head_dim, heads.num_kv_heads * heads.head_dim
@@ -108,6 +112,12 @@ def classify_attention(region: nn.Module, hidden: int, heads, qkv_style: str | N
             raise Unclassified(f"{p.path} ({p.fan_in} -> {p.fan_out}) is not a recognised q/k/v or output projection")
     if len(inputs) != 3 or len(outputs) != 1:
         raise Unclassified(f"expected q, k, v and one output projection, found {sorted(rules)}")
+    for name, param in region.named_parameters(recurse=False):
+        if tuple(param.shape) != (heads.num_heads,):
+            raise Unclassified(
+                f"{name} {tuple(param.shape)} is a parameter of the attention that may act on the split heads"
+            )
+        rules[name] = "colwise"  # one value per query head (attention sinks): split with the heads
     out_parent, in_parents = _parent(outputs[0].path), {_parent(p.path) for p in inputs}
     for path, module in others:
         if any(part.isdigit() for part in path.split(".")):
@@ -122,6 +132,10 @@ def classify_attention(region: nn.Module, hidden: int, heads, qkv_style: str | N
 def classify_mlp(linears: list[Projection], others, hidden: int) -> dict[str, str]:
     """Up/gate colwise and down rowwise, for what of a block is not attention."""
     if not linears:
+        if any(
+            _holds_matrices(module) for _, module in others
+        ):  # stacked experts and their router: a curated or transformers plan splits those
+            raise Unclassified("matrices that are not linear layers (stacked experts: a curated or transformers plan)")
         return {}
     downs = [p for p in linears if _named(p.path, DOWN_NAMES) and p.fan_out == hidden]
     if len(downs) != 1:
@@ -175,7 +189,8 @@ def classify_block(block: nn.Module, hidden: int, heads, qkv_style) -> tuple[dic
     try:
         rules.update(classify_mlp(linears, others, hidden))
     except Unclassified as why:
-        notes.append(f"{', '.join(p.path for p in linears)}: replicated, {why}")
+        label = ", ".join(p.path for p in linears) or ", ".join(path for path, m in others if _holds_matrices(m))
+        notes.append(f"{label}: replicated, {why}")
     return rules, notes
 
 

@@ -83,8 +83,7 @@ def shard_plan(model: nn.Module, plan: Plan, mesh: Mesh) -> ShardPlan:
     for path, rule in rules.items():  # parameter rules: one parameter of the module that holds it
         if path not in modules:
             parent, _, attr = path.rpartition(".")
-            param = modules[parent].get_parameter(attr)
-            layouts.setdefault(parent, {})[attr] = rule.style.param_layout(param, contexts[path], path)
+            layouts.setdefault(parent, {})[attr] = rule.style.param_layout(modules[parent], attr, contexts[path], path)
     aliases: dict[int, list[str]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(param), []).append(name)

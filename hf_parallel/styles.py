@@ -71,6 +71,8 @@ def split_ranges(size: int, ctx: ShardContext, name: str) -> list[tuple[int, int
     hd = heads.head_dim
     if size == heads.num_heads * hd:
         return in_units(heads.q_ranges, hd)
+    if size == heads.num_heads:  # one value per query head (GPT-OSS attention sinks)
+        return list(heads.q_ranges)
     if size == heads.num_kv_heads * hd:
         return in_units(heads.kv_ranges, hd)
     if size == 3 * heads.num_heads * hd and heads.num_heads == heads.num_kv_heads:
@@ -92,6 +94,21 @@ def packed_layout(dim: int, size: int, ctx: ShardContext, name: str, num_blocks:
         raise ValueError(f"{name}: packed dim of {size} does not split into {num_blocks} equal blocks")
     block = size // num_blocks
     return packed(dim, [block] * num_blocks, [ctx.even_ranges(block)] * num_blocks)
+
+
+def interleaved_layout(dim: int, size: int, ctx: ShardContext, name: str) -> Layout:
+    """[g0 u0 g1 u1 ...] (GPT-OSS's experts take gate = x[..., ::2], up = x[..., 1::2]): each rank
+    holds a contiguous run of whole (gate, up) pairs, so the local tensor interleaves the same way."""
+    if size % 2:
+        raise ValueError(f"{name}: an interleaved gate/up dim of {size} is odd")
+    pairs = ctx.even_ranges(size // 2)  # as the down projection splits the intermediate dim
+    return per_rank(dim, [(2 * start, 2 * stop) for start, stop in pairs])
+
+
+def stacked_dims(experts: nn.Module) -> tuple[int, int]:
+    """(out, in) dims of a stacked expert weight: [E, out, in], or [E, in, out] for transformers'
+    transposed experts (GPT-OSS)."""
+    return (2, 1) if getattr(experts, "is_transposed", False) else (1, 2)
 
 
 def grouped_qkv_layout(dim: int, size: int, ctx: ShardContext, name: str) -> Layout:
@@ -170,8 +187,9 @@ class ParallelStyle:
     def install(self, module: nn.Module, ctx: ShardContext, name: str, layouts: dict[str, Layout]) -> None:
         """Wrap ``module`` (already holding its local shards, as ``layouts`` describe)."""
 
-    def param_layout(self, param: nn.Parameter, ctx: ShardContext, name: str) -> Layout:
-        """The layout of one parameter named by a rule of its own (fused 3-D expert weights)."""
+    def param_layout(self, owner: nn.Module, attr: str, ctx: ShardContext, name: str) -> Layout:
+        """The layout of ``owner.attr``, a parameter named by a rule of its own (stacked expert
+        weights and biases, attention sinks)."""
         raise ValueError(f"plan rule for {name}: style {self} applies to modules, not to a single parameter")
 
     def __repr__(self) -> str:
@@ -215,10 +233,17 @@ class Colwise(ParallelStyle):
             out["bias"] = Layout(0, weight.ranges, weight.kind)
         return out
 
-    def param_layout(self, param, ctx, name):
-        """[..., out, in] weights (stacked experts [E, out, in]): split ``out``."""
-        ctx = ShardContext(ctx.mesh, unit=GROUPED_MM_UNIT)
-        return _dim_layout(param.dim() - 2, param.shape[-2], ctx, name, self.fused_layout)
+    def param_layout(self, owner, attr, ctx, name):
+        """Split the output dim: of a per-head vector (sinks, head-aligned), of stacked expert
+        biases [E, out] and of stacked expert weights (``stacked_dims``)."""
+        param = owner.get_parameter(attr)
+        if param.dim() == 1:
+            return _dim_layout(0, param.shape[0], ctx, name, self.fused_layout)
+        dim = 1 if param.dim() == 2 else stacked_dims(owner)[0]
+        fused = self.fused_layout
+        if fused is packed_layout and not getattr(owner, "is_concatenated", True):
+            fused = interleaved_layout
+        return _dim_layout(dim, param.shape[dim], ShardContext(ctx.mesh, unit=GROUPED_MM_UNIT), name, fused)
 
     def install(self, module, ctx, name, layouts):
         group = ctx.group
@@ -261,10 +286,16 @@ class Rowwise(ParallelStyle):
     def layouts(self, module, ctx, name):
         return {"weight": self._layout(module, ctx, name)}
 
-    def param_layout(self, param, ctx, name):
-        """[..., out, in] weights (stacked experts [E, out, in]): split ``in``."""
-        ctx = ShardContext(ctx.mesh, unit=GROUPED_MM_UNIT)
-        return _dim_layout(param.dim() - 1, param.shape[-1], ctx, name, self.fused_layout)
+    def param_layout(self, owner, attr, ctx, name):
+        """Split the input dim of stacked expert weights (``stacked_dims``); their output bias stays
+        whole, and the experts style adds it once."""
+        param = owner.get_parameter(attr)
+        if param.dim() != 3:
+            raise ValueError(
+                f"{name}: rowwise splits the input dim of stacked [E, out, in] weights, not {tuple(param.shape)}"
+            )
+        dim = stacked_dims(owner)[1]
+        return _dim_layout(dim, param.shape[dim], ShardContext(ctx.mesh, unit=GROUPED_MM_UNIT), name, self.fused_layout)
 
     def install(self, module, ctx, name, layouts):
         group = ctx.group
@@ -289,7 +320,37 @@ class PackedRowwise(Rowwise):
     fused_layout = staticmethod(packed_layout)
 
 
-EXPERT_ARGS = ("hidden_states", "top_k_index", "top_k_weights")  # transformers' experts forward
+# transformers' experts forward takes (hidden states, expert ids, routing weights); GPT-OSS names them
+# (hidden_states, router_indices, routing_weights)
+EXPERT_ARG_ROLES = {"hidden_states": 0, "top_k_index": 1, "router_indices": 1, "top_k_weights": 2, "routing_weights": 2}
+
+
+def _rewrite_expert_args(args: tuple, kwargs: dict, rewrite) -> tuple[tuple, dict]:
+    """Apply ``rewrite(role, value)`` to each experts-forward argument, passed by position or name."""
+    args = tuple(rewrite(role, value) for role, value in enumerate(args))
+    kwargs = {key: rewrite(EXPERT_ARG_ROLES[key], v) if key in EXPERT_ARG_ROLES else v for key, v in kwargs.items()}
+    return args, kwargs
+
+
+def _add_once(module: nn.Module, attrs: list[str], rank: int, group) -> None:
+    """Whole parameters added inside a split computation (GPT-OSS's down_proj_bias, inside each
+    expert before the sum over ranks) count on rank 0 only: elsewhere the forward sees them times
+    zero. Their gradient (all of it on rank 0) is summed, so every replica gets the same one."""
+    for attr in attrs:
+        _grad_all_reduce(module.get_parameter(attr), group)
+    if rank == 0 or not attrs:
+        return
+    forward = module.forward
+
+    def forward_with_zeros(*args, **kwargs):
+        params = {attr: module._parameters[attr] for attr in attrs}
+        module._parameters.update({attr: param * 0 for attr, param in params.items()})
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            module._parameters.update(params)
+
+    module.forward = forward_with_zeros
 
 
 class MoETPExperts(ParallelStyle):
@@ -308,23 +369,28 @@ class MoETPExperts(ParallelStyle):
     def install(self, module, ctx, name, layouts):
         group, remap = ctx.group, self.localize(module, ctx, layouts)
 
-        def enter(m, args, kwargs):
-            bound = dict(zip(EXPERT_ARGS, args), **kwargs)
-            if remap is not None:
-                bound["top_k_index"] = remap(bound["top_k_index"])
-            bound["hidden_states"] = comm.copy_to(bound["hidden_states"], group)
-            bound["top_k_weights"] = comm.copy_to(bound["top_k_weights"], group)
-            return (), bound
+        def rewrite(role, value):
+            if role == 1:
+                return value if remap is None else remap(value)
+            return comm.copy_to(value, group)
 
-        module.register_forward_pre_hook(enter, with_kwargs=True)
+        module.register_forward_pre_hook(
+            lambda m, args, kwargs: _rewrite_expert_args(args, kwargs, rewrite), with_kwargs=True
+        )
         module.register_forward_hook(lambda m, args, out: comm.reduce_from(out, group))
+        whole = [
+            attr
+            for attr, _ in module.named_parameters(recurse=False)
+            if attr not in layouts or layouts[attr].is_replicated
+        ]
+        _add_once(module, whole, ctx.mesh.rank, group)
 
 
 class GroupedGemm(ParallelStyle):
     """A stacked expert parameter [E, ...] under expert parallelism: each rank holds whole experts."""
 
-    def param_layout(self, param, ctx, name):
-        return chunks(0, even_sizes(param.shape[0], ctx.mesh.world_size))
+    def param_layout(self, owner, attr, ctx, name):
+        return chunks(0, even_sizes(owner.get_parameter(attr).shape[0], ctx.mesh.world_size))
 
 
 class MoEEPExperts(MoETPExperts):
@@ -332,6 +398,13 @@ class MoEEPExperts(MoETPExperts):
     The router stays replicated; its expert ids are remapped here to local ones, and ids of other
     ranks' experts become transformers' EP sentinel (``num_experts``), which both its eager loop and
     its grouped_mm kernel skip, so those tokens add zero. Collectives as for ``moe_tp_experts``."""
+
+    def layouts(self, module, ctx, name):
+        """Every stacked parameter (biases too, whether or not a rule names them) by whole experts."""
+        return {
+            attr: GroupedGemm().param_layout(module, attr, ctx, f"{name}.{attr}")
+            for attr, _ in module.named_parameters(recurse=False)
+        }
 
     def localize(self, module, ctx, layouts):
         layout = next(layout for layout in layouts.values() if layout.dim == 0)

@@ -1,6 +1,7 @@
 """Mixture-of-experts with expert tensor parallelism: per-expert checkpoint keys (Qwen's
 gate_proj/up_proj/down_proj, Mixtral's w1/w3/w2) read into transformers' fused 3-D experts, each rank
-reading only its slice of every expert; saved back to the per-expert keys, bit for bit."""
+reading only its slice of every expert; saved back to the per-expert keys, bit for bit. GPT-OSS:
+transposed experts with interleaved gate/up, expert biases and per-head attention sinks."""
 
 from __future__ import annotations
 
@@ -39,9 +40,13 @@ def moe_results(moe_paths, tmp_path_factory):
 
 
 def test_checkpoints_hold_per_expert_keys(moe_paths):
-    """What transformers writes, and what hub MoE checkpoints hold: one tensor per expert."""
+    """What transformers writes, and what hub MoE checkpoints hold: one tensor per expert (GPT-OSS
+    alone keeps its experts stacked: [E, in, out], gate and up interleaved, with biases)."""
     for name, path in moe_paths.items():
         keys = list(checkpoint_files(path))
+        if name == "gpt_oss":
+            assert "model.layers.0.mlp.experts.gate_up_proj" in keys and not any(".experts.3." in k for k in keys)
+            continue
         expert_key = "w1" if name == "mixtral" else "gate_proj"
         assert any(f"experts.3.{expert_key}.weight" in key for key in keys), name
         assert not any(key.endswith("experts.gate_up_proj") for key in keys), name
@@ -69,6 +74,19 @@ def test_plan_report_shows_each_expert_parameter(moe_paths):
     assert "packed_colwise" in line and "packed(dim=1, sizes=[32,32])" in line and "4x32x48 4x32x48" in line
     line = next(line for line in report.splitlines() if line.startswith("model.layers.0.mlp.experts.down_proj"))
     assert "rowwise" in line and "chunks(dim=2, sizes=[16,16])" in line and "4x48x16 4x48x16" in line
+    # GPT-OSS at 3: [E, in, out] experts split on their last dim in whole (gate, up) pairs, in the same
+    # multiples of 8 intermediate columns as the down projection; sinks follow the query heads (6 -> 2,1,3)
+    report = plan_report(moe_paths["gpt_oss"], 3).splitlines()
+    expected = {
+        "model.layers.0.mlp.experts.gate_up_proj ": ("packed_colwise", "chunks(dim=2, sizes=[32,16,16])"),
+        "model.layers.0.mlp.experts.gate_up_proj_bias ": ("packed_colwise", "chunks(dim=1, sizes=[32,16,16])"),
+        "model.layers.0.mlp.experts.down_proj ": ("rowwise", "chunks(dim=1, sizes=[16,8,8])"),
+        "model.layers.0.mlp.experts.down_proj_bias ": ("moe_tp_experts", "replicated"),
+        "model.layers.0.self_attn.sinks ": ("colwise", "chunks(dim=0, sizes=[2,1,3])"),
+    }
+    for start, words in expected.items():
+        line = next(line for line in report if line.startswith(start))
+        assert all(word in line for word in words), line
 
 
 def test_saved_at_4_loads_at_2_and_saves_per_expert_keys_again(moe_results, moe_paths, tmp_path):

@@ -39,6 +39,7 @@ MOE = {  # per-expert keys on disk, fused 3-D experts in memory
     "qwen3_moe": ("Qwen3MoeConfig", dict(hidden_size=48, intermediate_size=80, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, num_attention_heads=6, num_key_value_heads=2, head_dim=8, tie_word_embeddings=False)),  # noqa: E501
     "qwen2_moe": ("Qwen2MoeConfig", dict(hidden_size=48, intermediate_size=80, moe_intermediate_size=32, shared_expert_intermediate_size=40, num_experts=4, num_experts_per_tok=2, num_attention_heads=6, num_key_value_heads=2)),  # noqa: E501
     "mixtral": ("MixtralConfig", dict(hidden_size=48, intermediate_size=40, num_local_experts=4, num_experts_per_tok=2, num_attention_heads=6, num_key_value_heads=2)),  # noqa: E501
+    "gpt_oss": ("GptOssConfig", dict(hidden_size=48, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, num_attention_heads=6, num_key_value_heads=2, head_dim=8, sliding_window=4, tie_word_embeddings=False, rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=32.0, original_max_position_embeddings=2, beta_fast=32.0, beta_slow=1.0, truncate=False))),  # noqa: E501
     "olmoe": ("OlmoeConfig", dict(hidden_size=48, intermediate_size=40, num_experts=4, num_experts_per_tok=2, num_attention_heads=6, num_key_value_heads=6)),  # noqa: E501
 }
 ENCODERS = {  # AutoModel checkpoints (last hidden state compared instead of logits)
