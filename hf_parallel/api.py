@@ -29,7 +29,7 @@ class ParallelState:
 
     mesh: Mesh
     shard: ShardPlan
-    source_keys: dict[str, str]  # parameter name -> checkpoint key it was read from
+    source_keys: dict[str, str]  # parameter (or persistent buffer) name -> checkpoint key it was read from
 
 
 def resolve_dtype(dtype, config) -> torch.dtype:

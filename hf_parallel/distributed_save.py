@@ -18,7 +18,7 @@ import torch.distributed as dist
 from .errors import collective
 from .keys import FusedSource
 from .manifest import FORMAT, MANIFEST_FILE, VERSION, manifest_entry, rank_file_name
-from .saving import save_config
+from .saving import save_config, saved_entries, tensor_of
 from .staging import Staging, remove_stale
 from .writer import SAFETENSORS_DTYPES, SafetensorsWriter
 
@@ -45,11 +45,11 @@ def save_distributed(model, out_dir: str) -> None:
     """Each rank writes its local tensors (replicated ones only on rank 0) plus rank 0's manifest."""
     state = model._hf_parallel
     mesh = state.mesh
-    entries = {_manifest_key(state.source_keys[e.name], e.name): e for e in state.shard.unique_params()}
+    entries = {_manifest_key(state.source_keys[e.name], e.name): e for e in saved_entries(model)}
     save_id = _save_id(mesh)
     names = [rank_file_name(rank, mesh.world_size, save_id) for rank in range(mesh.world_size)]
     mine = {
-        key: model.get_parameter(e.name).detach()
+        key: tensor_of(model, e.name).detach()
         for key, e in entries.items()
         if mesh.is_main or not e.layout.is_replicated
     }
@@ -73,7 +73,7 @@ def save_distributed(model, out_dir: str) -> None:
             "files": names,
             "tensors": {
                 key: manifest_entry(
-                    e.full_shape, SAFETENSORS_DTYPES[model.get_parameter(e.name).dtype], e.layout, _fused(state, e)
+                    e.full_shape, SAFETENSORS_DTYPES[tensor_of(model, e.name).dtype], e.layout, _fused(state, e)
                 )
                 for key, e in entries.items()
             },

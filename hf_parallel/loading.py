@@ -312,7 +312,7 @@ def load_weights(
     """Fill every parameter (and persistent buffer found in the checkpoint) with its local shard.
 
     Returns parameter name -> checkpoint key (or the per-expert keys of a fused expert parameter),
-    which saving uses to write the source's names and form."""
+    and buffer name -> key for the buffers read, which saving uses to write the source's names and form."""
     files = checkpoint_files(path, allow_pickle)
     check_same_checkpoint(path, files, shard.mesh)
     rank = shard.mesh.rank
@@ -363,7 +363,7 @@ def load_weights(
             old = model.get_buffer(name)
             keep_dtype = old.dtype if old.is_floating_point() else None
             _set_tensor(model, name, reader.read(files[key], key, replicated(1), keep_dtype))
-    return saved_as
+    return {**saved_as, **buffers}
 
 
 def _keys_of(source: str | FusedSource) -> list[str]:

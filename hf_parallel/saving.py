@@ -20,9 +20,10 @@ from tqdm.auto import tqdm
 
 from .errors import collective
 from .keys import FusedSource, expert_shape
-from .layout import Layout
+from .layout import Layout, replicated
 from .loading import INDEX_FILE
 from .mesh import Mesh
+from .parallelize import ShardedParam
 from .staging import Staging, remove_stale
 from .tiles import as_slices
 from .writer import SafetensorsWriter, nbytes
@@ -90,12 +91,29 @@ def save_config(model, out_dir: str) -> None:
         model.generation_config.save_pretrained(out_dir)
 
 
+def saved_entries(model) -> list[ShardedParam]:
+    """Every parameter once, then the persistent buffers the checkpoint held (DeepSeek-V3's router
+    ``e_score_correction_bias``): written back as read, whole, by rank 0."""
+    state = model._hf_parallel
+    buffers = [name for name in state.source_keys if name not in state.shard.params]
+    return state.shard.unique_params() + [
+        ShardedParam(name, (name,), replicated(state.mesh.world_size), None, tuple(model.get_buffer(name).shape))
+        for name in buffers
+    ]
+
+
+def tensor_of(model, name: str) -> torch.Tensor:
+    """The parameter or buffer called ``name``."""
+    module, _, attr = name.rpartition(".")
+    return getattr(model.get_submodule(module), attr)
+
+
 def checkpoint_tensors(model) -> dict[str, tuple]:
     """Checkpoint key -> (sharded parameter, box of it or None), in the source's form: a fused
     expert parameter loaded from per-expert keys is written back as those keys."""
     state = model._hf_parallel
     out = {}
-    for entry in state.shard.unique_params():
+    for entry in saved_entries(model):
         source = state.source_keys[entry.name]
         if isinstance(source, FusedSource):
             out.update((key, (entry, box)) for key, box in source.boxes(entry.full_shape))
@@ -116,7 +134,7 @@ def save_sharded(model, out_dir: str, max_shard_size="50GB") -> None:
     specs = {
         key: (
             entry.full_shape if box is None else expert_shape(box),
-            model.get_parameter(entry.name).dtype,
+            tensor_of(model, entry.name).dtype,
         )
         for key, (entry, box) in targets.items()
     }
@@ -127,7 +145,7 @@ def save_sharded(model, out_dir: str, max_shard_size="50GB") -> None:
             entry, box = targets[key]
             if entry is not last:
                 last, full = entry, None
-                full = gather_to_main(model.get_parameter(entry.name), entry.layout, entry.full_shape, mesh, entry.name)
+                full = gather_to_main(tensor_of(model, entry.name), entry.layout, entry.full_shape, mesh, entry.name)
             yield None if full is None else piece_of(full, box)
 
     if mesh.is_main:

@@ -40,6 +40,7 @@ MOE = {  # per-expert keys on disk, fused 3-D experts in memory
     "qwen2_moe": ("Qwen2MoeConfig", dict(hidden_size=48, intermediate_size=80, moe_intermediate_size=32, shared_expert_intermediate_size=40, num_experts=4, num_experts_per_tok=2, num_attention_heads=6, num_key_value_heads=2)),  # noqa: E501
     "mixtral": ("MixtralConfig", dict(hidden_size=48, intermediate_size=40, num_local_experts=4, num_experts_per_tok=2, num_attention_heads=6, num_key_value_heads=2)),  # noqa: E501
     "gpt_oss": ("GptOssConfig", dict(hidden_size=48, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, num_attention_heads=6, num_key_value_heads=2, head_dim=8, sliding_window=4, tie_word_embeddings=False, rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=32.0, original_max_position_embeddings=2, beta_fast=32.0, beta_slow=1.0, truncate=False))),  # noqa: E501
+    "deepseek_v3": ("DeepseekV3Config", dict(hidden_size=48, intermediate_size=80, moe_intermediate_size=32, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1, num_attention_heads=6, num_key_value_heads=6, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, tie_word_embeddings=False)),  # noqa: E501
     "olmoe": ("OlmoeConfig", dict(hidden_size=48, intermediate_size=40, num_experts=4, num_experts_per_tok=2, num_attention_heads=6, num_key_value_heads=6)),  # noqa: E501
 }
 ENCODERS = {  # AutoModel checkpoints (last hidden state compared instead of logits)
@@ -62,6 +63,10 @@ def make_checkpoint(name: str, root: str) -> str:
     with torch.no_grad():  # some families initialise biases / norms to constants: make them distinguishable
         for param in model.parameters():
             param.add_(torch.randn_like(param) * 0.02)
+        persistent = model.state_dict(keep_vars=True)  # buffers the checkpoint holds (DeepSeek's router
+        for name, buffer in model.named_buffers():  # bias): large enough to change which experts are chosen
+            if name in persistent and buffer.is_floating_point():  # (left zero, the tiny router picks experts 2, 3)
+                buffer.copy_(torch.linspace(5, -5, buffer.numel()).view_as(buffer))
     model.save_pretrained(path)
     return path
 
