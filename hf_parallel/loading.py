@@ -263,8 +263,16 @@ class ShardReader:
         return usable
 
     def fused(self, files: dict[str, str], name: str, source: FusedSource, full_shape) -> TiledTensor:
-        """The fused expert parameter ``name`` as tiles of its per-expert keys, each checked."""
-        tiles, dtype = [], None
+        """The fused expert parameter ``name`` as tiles of its per-expert keys, each checked. Tiles
+        read through this parameter's own mappings, released with it once its shard is assembled
+        (through the reader's shared ones, every expert page read would stay resident to the end)."""
+        tiles, dtype, opened = [], None, {}
+
+        def handle(file):
+            if file not in opened:
+                opened[file] = safe_open(file, framework="pt")
+            return opened[file]
+
         for key, box in source.boxes(full_shape):
             tensor_slice = self._shared(files[key]).get_slice(key)
             found, want = tuple(tensor_slice.get_shape()), expert_shape(box)
@@ -277,8 +285,8 @@ class ShardReader:
                 )
             dtype = found_dtype
 
-            def read(sub, tensor_slice=tensor_slice):
-                return tensor_slice[as_slices(sub[1:])].unsqueeze(0)
+            def read(sub, file=files[key], key=key):
+                return handle(file).get_slice(key)[as_slices(sub[1:])].unsqueeze(0)
 
             tiles.append(Tile(box, read))
         return TiledTensor(name, full_shape, dtype, tiles)
@@ -352,7 +360,7 @@ def load_weights(
         for entry in tqdm(shard.unique_params(), desc="Loading shards", disable=rank != 0, leave=False):
             source = sources[entry.name]
             if entry.name in tiled:
-                local = reader.read_tiled(tiled[entry.name], entry.name, entry.layout, dtype)
+                local = reader.read_tiled(tiled.pop(entry.name), entry.name, entry.layout, dtype)
             else:
                 local = reader.read(files[source], source, entry.layout, dtype)
             old = model.get_parameter(entry.name)

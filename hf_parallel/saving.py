@@ -91,11 +91,17 @@ def save_config(model, out_dir: str) -> None:
         model.generation_config.save_pretrained(out_dir)
 
 
+def _is_persistent_buffer(model, name: str) -> bool:
+    module, _, attr = name.rpartition(".")
+    return attr not in model.get_submodule(module)._non_persistent_buffers_set
+
+
 def saved_entries(model) -> list[ShardedParam]:
     """Every parameter once, then the persistent buffers the checkpoint held (DeepSeek-V3's router
-    ``e_score_correction_bias``): written back as read, whole, by rank 0."""
+    ``e_score_correction_bias``): written back as read, whole, by rank 0. Legacy non-persistent ones
+    (BERT's ``position_ids``) are dropped, as transformers' own save drops them."""
     state = model._hf_parallel
-    buffers = [name for name in state.source_keys if name not in state.shard.params]
+    buffers = [n for n in state.source_keys if n not in state.shard.params and _is_persistent_buffer(model, n)]
     return state.shard.unique_params() + [
         ShardedParam(name, (name,), replicated(state.mesh.world_size), None, tuple(model.get_buffer(name).shape))
         for name in buffers

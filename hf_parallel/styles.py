@@ -327,7 +327,7 @@ EXPERT_ARG_ROLES = {"hidden_states": 0, "top_k_index": 1, "router_indices": 1, "
 
 def _rewrite_expert_args(args: tuple, kwargs: dict, rewrite) -> tuple[tuple, dict]:
     """Apply ``rewrite(role, value)`` to each experts-forward argument, passed by position or name."""
-    args = tuple(rewrite(role, value) for role, value in enumerate(args))
+    args = tuple(rewrite(role, value) if role < 3 else value for role, value in enumerate(args))
     kwargs = {key: rewrite(EXPERT_ARG_ROLES[key], v) if key in EXPERT_ARG_ROLES else v for key, v in kwargs.items()}
     return args, kwargs
 

@@ -6,6 +6,8 @@ transposed experts with interleaved gate/up, expert biases and per-head attentio
 from __future__ import annotations
 
 import pytest
+import torch
+import transformers
 import workers
 from checks import assert_same_checkpoint
 from distributed import run_ranks
@@ -14,7 +16,6 @@ from tiny_models import MOE, make_checkpoint
 import hf_parallel
 from hf_parallel.loading import checkpoint_files
 from hf_parallel.report import plan_report
-
 
 # per forward, 2 layers: attention output + experts per layer, + the vocab-parallel embedding; Qwen2-MoE's
 # shared expert adds one per layer; DeepSeek-V3 (transformers' plan: MLA attention replicated) has a
@@ -118,3 +119,25 @@ def test_expert_parallel_matches_single_process(moe_paths, tmp_path, world_size,
             assert set(r["experts"].values()) == {4 // world_size}, (name, r["experts"])
     for name, path in moe_paths.items():
         assert_same_checkpoint(path, str(tmp_path / "saved" / name))
+
+
+def test_expert_parallel_peak_memory_per_rank_is_half_the_experts_plus_the_rest(tiny_root, moe_paths, tmp_path):
+    """Measured, not assumed: a Qwen3-MoE with 192 MiB of fp32 experts (32 per layer, per-expert keys
+    on disk) under EP=2. Each rank's peak RSS over loading and a forward, above a baseline taken after
+    warming the same code on a tiny model, is its 96 MiB of experts plus the replicated rest, plus
+    little more (activations, allocator); not the whole experts, nor the experts twice (the pages of
+    the per-expert keys it copied from are released with each fused parameter)."""
+    path = str(tmp_path / "moe_192mib")
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=101, hidden_size=256, intermediate_size=256, moe_intermediate_size=512, num_experts=32,
+        num_experts_per_tok=2, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+        max_position_embeddings=64, tie_word_embeddings=False,
+    )  # fmt: skip
+    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
+    all_experts = 4 * 32 * 3 * 256 * 512 * 4
+    for rank, r in enumerate(run_ranks(2, workers.expert_parallel_memory, path, moe_paths["qwen3_moe"], True,
+                                       out_dir=str(tmp_path / "r"))):  # fmt: skip
+        assert r["local_expert_bytes"] == all_experts // 2, (rank, r)
+        expected = r["local_expert_bytes"] + r["rest_bytes"]
+        assert expected <= r["resident"] <= r["peak"], (rank, r)  # the experts really are held
+        assert r["peak"] <= 1.2 * expected + (8 << 20), (rank, r["peak"] / expected, r)

@@ -297,3 +297,38 @@ def compare_ep(rank: int, world_size: int, cases: dict, save_root: str) -> dict:
         }
         model.save_pretrained(os.path.join(save_root, name))
     return results
+
+
+def expert_parallel_memory(rank: int, world_size: int, path: str, warm_path: str, ep: bool) -> dict:
+    """Peak and resident RSS above the pre-load baseline, over loading and one forward, with
+    experts spread over the ranks (``ep``) or every rank holding all of them. A tiny model of the
+    same family is loaded and run first, so code imported and initialised on first use (and the
+    process group) is in the baseline."""
+    import gc
+
+    import hf_parallel
+
+    def status_bytes(field):
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith(field + ":")) * 1024
+
+    kwargs = dict(tp_plan=None, ep_plan="auto") if ep else dict(tp_plan=None)
+    warm = hf_parallel.AutoModelForCausalLM.from_pretrained(warm_path, dtype=torch.float32, **kwargs)
+    with torch.no_grad():
+        warm(INPUT_IDS)
+    del warm
+    gc.collect()
+    baseline = status_bytes("VmRSS")
+    with open("/proc/self/clear_refs", "w") as refs:
+        refs.write("5")  # VmHWM := VmRSS
+    model = hf_parallel.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kwargs)
+    with torch.no_grad():
+        model(INPUT_IDS)
+    experts = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if ".experts." in n)
+    rest = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if ".experts." not in n)
+    return {
+        "peak": status_bytes("VmHWM") - baseline,
+        "resident": status_bytes("VmRSS") - baseline,
+        "local_expert_bytes": experts,
+        "rest_bytes": rest,
+    }
