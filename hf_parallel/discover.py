@@ -132,9 +132,8 @@ def classify_attention(region: nn.Module, hidden: int, heads, qkv_style: str | N
 def classify_mlp(linears: list[Projection], others, hidden: int) -> dict[str, str]:
     """Up/gate colwise and down rowwise, for what of a block is not attention."""
     if not linears:
-        if any(
-            _holds_matrices(module) for _, module in others
-        ):  # stacked experts and their router: a curated or transformers plan splits those
+        # stacked experts and their router: a curated or transformers plan splits those
+        if any(_holds_matrices(module) for _, module in others):
             raise Unclassified("matrices that are not linear layers (stacked experts: a curated or transformers plan)")
         return {}
     downs = [p for p in linears if _named(p.path, DOWN_NAMES) and p.fan_out == hidden]

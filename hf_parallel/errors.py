@@ -27,7 +27,8 @@ def collective(what: str):
     try:
         yield
     except RuntimeError as error:
-        backend = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        text = str(error).strip()
+        backend = text.splitlines()[0] if text else type(error).__name__
         raise RankFailure(
             f"hf_parallel: {what} failed: another rank died, hangs past HF_PARALLEL_TIMEOUT="
             f"{timeout_seconds():g}s, or issued a different collective (backend: {backend})"

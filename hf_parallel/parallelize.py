@@ -66,14 +66,11 @@ def shard_plan(model: nn.Module, plan: Plan, mesh: Mesh) -> ShardPlan:
     rules = plan.assign(model)
     tie_embedding_rules(model, rules)
     modules = dict(model.named_modules())
+    in_attention = {path for path in rules if attention.inside_attention(path, modules)}
     # heads matter only when attention is split: expert parallelism alone may use more ranks than heads
-    splits_attention = any(attention.inside_attention(path, modules) for path in rules)
-    heads = head_split_from_config(model.config, mesh.world_size) if splits_attention else None
+    heads = head_split_from_config(model.config, mesh.world_size) if in_attention else None
     kv_group = _kv_group(heads, mesh)
-    contexts = {}
-    for path in rules:
-        in_attention = heads is not None and attention.inside_attention(path, modules)
-        contexts[path] = ShardContext(mesh, heads if in_attention else None, kv_group)
+    contexts = {path: ShardContext(mesh, heads if path in in_attention else None, kv_group) for path in rules}
 
     for module in _attention_on_local_heads(modules, rules, heads, mesh):
         attention.check_localizable(module, heads)  # before any weight is read

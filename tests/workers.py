@@ -305,12 +305,12 @@ def expert_parallel_memory(rank: int, world_size: int, path: str, warm_path: str
     same family is loaded and run first, so code imported and initialised on first use (and the
     process group) is in the baseline."""
     import gc
+    import sys
 
     import hf_parallel
 
-    def status_bytes(field):
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) for line in f if line.startswith(field + ":")) * 1024
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+    from measure import peak_rss_bytes, reset_peak_rss, rss_bytes  # the benchmark's own RSS readings
 
     kwargs = dict(tp_plan=None, ep_plan="auto") if ep else dict(tp_plan=None)
     warm = hf_parallel.AutoModelForCausalLM.from_pretrained(warm_path, dtype=torch.float32, **kwargs)
@@ -318,17 +318,16 @@ def expert_parallel_memory(rank: int, world_size: int, path: str, warm_path: str
         warm(INPUT_IDS)
     del warm
     gc.collect()
-    baseline = status_bytes("VmRSS")
-    with open("/proc/self/clear_refs", "w") as refs:
-        refs.write("5")  # VmHWM := VmRSS
+    baseline = rss_bytes()
+    reset_peak_rss()
     model = hf_parallel.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kwargs)
     with torch.no_grad():
         model(INPUT_IDS)
     experts = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if ".experts." in n)
     rest = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if ".experts." not in n)
     return {
-        "peak": status_bytes("VmHWM") - baseline,
-        "resident": status_bytes("VmRSS") - baseline,
+        "peak": peak_rss_bytes() - baseline,
+        "resident": rss_bytes() - baseline,
         "local_expert_bytes": experts,
         "rest_bytes": rest,
     }
