@@ -5,6 +5,10 @@
 Every implementation runs in the same invocation, on the same checkpoint, with the same cores
 (one process with all of them, or N ranks with cores/N threads each). Prints a table with the
 ratios hf_parallel/transformers and hf_parallel/single, checks the targets, writes JSON and a PNG.
+
+Load is reported twice: for a cold process, and after the setup every implementation shares
+(importing transformers' config and modeling code, most of a cold load, and joining the process group). Prefill runs as generate's does (``logits_to_keep=1``): once cold, then
+``--repeats`` times warm.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 
@@ -25,20 +30,35 @@ from checkpoints import CHECKPOINTS  # noqa: E402
 MiB = 2**20
 # metric -> (label, unit scale, unit): lower is better for every one of them
 METRICS = {
-    "load_s": ("load time (max over ranks)", 1, "s"),
+    "load_s": ("load time, cold process: shared setup + from_pretrained (max over ranks)", 1, "s"),
+    "load_after_setup_s": ("load time after the shared setup (max over ranks)", 1, "s"),
     "load_peak_rss": ("peak RSS at load (max over ranks)", MiB, "MiB"),
+    "load_rss_above_setup": ("peak RSS at load above the shared setup (max over ranks)", MiB, "MiB"),
     "rss_after_prefill": ("RSS after first prefill (weights resident)", MiB, "MiB"),
-    "prefill_s": ("prefill latency", 1e-3, "ms"),
+    "first_prefill_s": ("first prefill latency (cold)", 1e-3, "ms"),
+    "prefill_s": ("prefill latency (warm, median)", 1e-3, "ms"),
     "decode_s_per_token": ("decode latency per token", 1e-3, "ms"),
     "collectives_per_token": ("collectives per decoded token", 1, ""),
     "bytes_per_token": ("bytes sent per decoded token per rank", 1024, "KiB"),
     "save_s": ("save_pretrained time (gather + write)", 1, "s"),
     "save_peak_rss": ("rank-0 peak RSS during save", MiB, "MiB"),
+    "save_rss_added": ("rank-0 peak RSS during save above the RSS before it", MiB, "MiB"),
 }
+
+
+def warm_page_cache(model: str) -> None:
+    """Read the checkpoint once, so every implementation starts from the page cache (this VM's
+    memory reclaim evicts it between runs, and the first one to run would pay the disk alone)."""
+    for name in sorted(os.listdir(model)):
+        if name.endswith(".safetensors"):
+            with open(os.path.join(model, name), "rb") as f:
+                while f.read(64 << 20):
+                    pass
 
 
 def launch(impl: str, nproc: int, model: str, out: str, args) -> list[dict]:
     """Run worker.py for one implementation; returns one result dict per rank."""
+    warm_page_cache(model)
     threads = max(1, os.cpu_count() // nproc)
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": HERE}
     worker = [os.path.join(HERE, "worker.py"), "--impl", impl, "--model", model, "--out", out]
@@ -75,7 +95,8 @@ def summarize(ranks: list[dict], out: str, reference: dict | None) -> dict:
         return {"error": errors[0], "ranks": ranks}
     main = next(r for r in ranks if r["rank"] == 0)
     row = {key: main.get(key) for key in METRICS}
-    for key in ("load_s", "load_peak_rss", "rss_after_prefill", "shard_bytes"):  # the worst rank
+    worst = ("load_s", "load_after_setup_s", "load_peak_rss", "load_rss_above_setup", "rss_after_prefill")
+    for key in (*worst, "shard_bytes"):  # the worst rank
         row[key] = max(r[key] for r in ranks)
     for key in ("import_rss", "largest_tensor_bytes", "tokens", "collective_ops", "world_size"):
         row[key] = main[key]
@@ -93,6 +114,30 @@ def summarize(ranks: list[dict], out: str, reference: dict | None) -> dict:
                 break
             same += 1
         row["tokens_agreeing"] = same
+    return row
+
+
+def one_round(path: str, out: str, args) -> dict[str, dict]:
+    """Every implementation once, one after the other (single, then each tp: hf_parallel, transformers)."""
+    rows = {"single": summarize(launch("single", 1, path, out, args), out, None)}
+    if "error" in rows["single"]:
+        sys.exit(f"single-process reference failed: {rows['single']['error']}")
+    for tp in args.tp:
+        for impl in ("hf_parallel", "transformers"):
+            rows[f"{impl} tp{tp}"] = summarize(launch(impl, tp, path, out, args), out, rows["single"])
+    return rows
+
+
+def median_row(rounds: list[dict]) -> dict:
+    """One implementation's rows over the rounds: each number its median (a noisy neighbour slows
+    one round, not every one), everything else from the first round; any error fails the row."""
+    failed = next((row for row in rounds if "error" in row), None)
+    if failed is not None or len(rounds) == 1:
+        return failed or rounds[0]
+    row = dict(rounds[0], rounds=rounds)
+    for key, value in rounds[0].items():
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            row[key] = statistics.median(r[key] for r in rounds)
     return row
 
 
@@ -160,8 +205,11 @@ def targets(rows: dict[str, dict], tp: int) -> list[tuple[str, bool | None, str]
     have_theirs = "error" not in theirs and bool(theirs)
     for key, bound, label in (
         ("load_peak_rss", 0.6, "load peak RSS <= 0.6 x transformers"),
-        ("load_s", 0.5, "load time <= 0.5 x transformers"),
-        ("prefill_s", 0.7, "prefill <= 0.7 x transformers"),
+        ("load_rss_above_setup", 0.6, "load peak RSS above the shared setup <= 0.6 x transformers"),
+        ("load_s", 0.5, "load time (cold process) <= 0.5 x transformers"),
+        ("load_after_setup_s", 0.5, "load time after the shared setup <= 0.5 x transformers"),
+        ("first_prefill_s", 0.7, "first (cold) prefill <= 0.7 x transformers"),
+        ("prefill_s", 0.7, "prefill (warm) <= 0.7 x transformers"),
         ("decode_s_per_token", 0.7, "decode <= 0.7 x transformers"),
     ):
         if have_theirs:
@@ -169,7 +217,10 @@ def targets(rows: dict[str, dict], tp: int) -> list[tuple[str, bool | None, str]
             checks.append((label, r <= bound, f"ratio {r:.2f}"))
         else:
             checks.append((label, None, "transformers failed: " + theirs.get("error", "not run")[:80]))
-    for key, label in (("prefill_s", "prefill <= 1.1 x single"), ("decode_s_per_token", "decode <= 1.1 x single")):
+    for key, label in (
+        ("prefill_s", "prefill (warm) <= 1.1 x single"),
+        ("decode_s_per_token", "decode <= 1.1 x single"),
+    ):
         r = ours[key] / single[key]
         checks.append((label, r <= 1.1, f"ratio {r:.2f}"))
     layers = ours.get("num_layers")
@@ -187,6 +238,14 @@ def targets(rows: dict[str, dict], tp: int) -> list[tuple[str, bool | None, str]
             "save rank-0 peak RSS <= import baseline + full bytes / tp + 2 x largest tensor",
             ours["save_peak_rss"] <= save_limit,
             f"{ours['save_peak_rss'] / MiB:.0f} vs {save_limit / MiB:.0f} MiB",
+        )
+    )
+    own_limit = 2 * single["largest_tensor_bytes"]  # the bound's part that is the save's own doing
+    checks.append(
+        (
+            "save adds to rank 0's RSS <= 2 x largest tensor",
+            ours["save_rss_added"] <= own_limit,
+            f"{ours['save_rss_added'] / MiB:.0f} vs {own_limit / MiB:.0f} MiB",
         )
     )
     return checks
@@ -245,8 +304,9 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--decode-tokens", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=3, help="warm prefills after the first")
     parser.add_argument("--timeout", type=int, default=1800)
+    parser.add_argument("--rounds", type=int, default=1, help="run everything N times, report medians")
     args = parser.parse_args()
     results, report = {}, []
     for name in args.models:
@@ -255,12 +315,8 @@ def main() -> None:
         os.makedirs(out, exist_ok=True)
         print(f"{name}: {path}", flush=True)
         layers = json.load(open(os.path.join(path, "config.json"))).get("num_hidden_layers")
-        rows = {"single": summarize(launch("single", 1, path, out, args), out, None)}
-        if "error" in rows["single"]:
-            sys.exit(f"single-process reference failed: {rows['single']['error']}")
-        for tp in args.tp:
-            for impl in ("hf_parallel", "transformers"):
-                rows[f"{impl} tp{tp}"] = summarize(launch(impl, tp, path, out, args), out, rows["single"])
+        rounds = [one_round(path, out, args) for _ in range(args.rounds)]
+        rows = {name: median_row([r[name] for r in rounds]) for name in rounds[0]}
         for row in rows.values():
             row["num_layers"] = layers
         results[name] = rows

@@ -7,6 +7,38 @@ import sys
 import time
 
 
+def read_prompts(args) -> list[str]:
+    if args.prompts_file is None:
+        return [args.prompt]
+    with open(args.prompts_file) as f:
+        prompts = [line.rstrip("\n") for line in f if line.strip()]
+    if not prompts:
+        raise SystemExit(f"{args.prompts_file}: no prompts in it (one per line)")
+    return prompts
+
+
+def encode(tokenizer, prompts: list[str], chat: bool):
+    """Token ids and attention mask of a batch, left-padded so every row ends where generation starts."""
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    if chat:
+        conversations = [[{"role": "user", "content": prompt}] for prompt in prompts]
+        return tokenizer.apply_chat_template(
+            conversations, add_generation_prompt=True, padding=True, return_tensors="pt", return_dict=True
+        )
+    return tokenizer(prompts, padding=True, return_tensors="pt")
+
+
+def generated_lengths(new_tokens, eos_ids: set[int]) -> list[int]:
+    """New tokens per row, up to and including the first end-of-sequence (the rest is padding)."""
+    lengths = []
+    for row in new_tokens.tolist():
+        ends = [i for i, token in enumerate(row) if token in eos_ids]
+        lengths.append(ends[0] + 1 if ends else len(row))
+    return lengths
+
+
 def cmd_generate(args) -> None:
     import torch
     import transformers
@@ -19,38 +51,46 @@ def cmd_generate(args) -> None:
     start = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(path, tp_plan="auto", dtype=args.dtype)
     load_seconds = time.perf_counter() - start
-    main = model._hf_parallel.mesh.is_main
+    main, tp = model._hf_parallel.mesh.is_main, model._hf_parallel.mesh.world_size
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)
-    prompts = (
-        [args.prompt]
-        if args.prompts_file is None
-        else [line.rstrip("\n") for line in open(args.prompts_file) if line.strip()]
+    chat = bool(tokenizer.chat_template) and not args.no_chat_template
+    eos = model.generation_config.eos_token_id
+    eos_ids = set(eos if isinstance(eos, list) else [eos if eos is not None else tokenizer.eos_token_id])
+    sampling = (
+        dict(do_sample=True, temperature=args.temperature, top_p=args.top_p)
+        if args.temperature > 0
+        else dict(do_sample=False)
     )
+    prompts = read_prompts(args)
     torch.manual_seed(args.seed)  # same seed on every rank: sampling picks the same token everywhere
-    for prompt in prompts:
-        if tokenizer.chat_template and not args.no_chat_template:
-            ids = tokenizer.apply_chat_template(
-                [{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt", return_dict=True
-            )["input_ids"]
-        else:
-            ids = tokenizer(prompt, return_tensors="pt").input_ids
-        streamer = transformers.TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True) if main else None
-        sampling = (
-            dict(do_sample=True, temperature=args.temperature, top_p=args.top_p)
-            if args.temperature > 0
-            else dict(do_sample=False)
-        )
+    for first in range(0, len(prompts), args.batch_size):
+        batch = prompts[first : first + args.batch_size]
+        inputs = encode(tokenizer, batch, chat)
+        # --prompt streams as it is generated; a file's batches are printed prompt by prompt once done
+        stream = main and args.prompts_file is None
+        streamer = transformers.TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True) if stream else None
         start = time.perf_counter()
         out = model.generate(
-            ids, max_new_tokens=args.max_new_tokens, streamer=streamer, pad_token_id=tokenizer.eos_token_id, **sampling
+            **inputs,
+            max_new_tokens=args.max_new_tokens,
+            streamer=streamer,
+            pad_token_id=tokenizer.pad_token_id,
+            **sampling,
         )
         seconds = time.perf_counter() - start
-        if main:
-            new = out.shape[1] - ids.shape[1]
-            print(
-                f"[{new} tokens in {seconds:.2f}s: {new / seconds:.1f} tokens/s; load {load_seconds:.2f}s; tp={model._hf_parallel.mesh.world_size}]",
-                flush=True,
-            )
+        new_tokens = out[:, inputs["input_ids"].shape[1] :]
+        lengths = generated_lengths(new_tokens, eos_ids)
+        if not main:
+            continue
+        if not stream:
+            for number, (prompt, row, length) in enumerate(zip(batch, new_tokens, lengths), start=first + 1):
+                text = tokenizer.decode(row[:length], skip_special_tokens=True)
+                print(f"### prompt {number}: {prompt}\n{text}\n", flush=True)
+        total = sum(lengths)
+        what = f"{total} tokens" if stream else f"{total} tokens for {len(batch)} prompt{'s' * (len(batch) > 1)}"
+        print(
+            f"[{what} in {seconds:.2f}s: {total / seconds:.1f} tokens/s; load {load_seconds:.2f}s; tp={tp}]", flush=True
+        )
     shutdown()
 
 
@@ -74,7 +114,8 @@ def main(argv=None) -> None:
     gen = sub.add_parser("generate", help="generate text (run under torchrun for tensor parallelism)")
     gen.add_argument("--model", help="checkpoint directory (default: the embedded SmolLM2-135M-Instruct)")
     gen.add_argument("--prompt", default="What is tensor parallelism? Answer in one sentence.")
-    gen.add_argument("--prompts-file", help="one prompt per line")
+    gen.add_argument("--prompts-file", help="one prompt per line, generated in left-padded batches")
+    gen.add_argument("--batch-size", type=int, default=8, help="prompts of --prompts-file per generate call")
     gen.add_argument("--max-new-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0, help="0 means greedy")
     gen.add_argument("--top-p", type=float, default=1.0)

@@ -61,6 +61,15 @@ class Layout:
         lead = tuple(slice(None) for _ in range(self.dim))
         return [lead + (slice(start, stop),) for start, stop in self.ranges[rank]]
 
+    def tiles_in_rank_order(self, full_shape) -> bool:
+        """Whether the full tensor's bytes are simply rank 0's shard, then rank 1's, ... (one range
+        per rank along the outermost dim, back to back: vocab-parallel embeddings, colwise weights),
+        so a saver can write the shards one after another without assembling the full tensor."""
+        if self.dim != 0 or any(len(pieces) != 1 for pieces in self.ranges):
+            return False
+        stops = [0] + [pieces[0][1] for pieces in self.ranges]
+        return all(pieces[0][0] == stop for pieces, stop in zip(self.ranges, stops)) and stops[-1] == full_shape[0]
+
     def assemble(self, shards, full_shape):
         """Rebuild the full tensor from every rank's local shard (the inverse of ``index``).
         ``shards`` may be a generator: each shard is placed, then can be freed before the next."""

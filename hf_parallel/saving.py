@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator
 from contextlib import nullcontext
 
 import torch
@@ -29,9 +30,12 @@ from .tiles import as_slices
 from .writer import SafetensorsWriter, nbytes
 
 
-def gather_to_main(local: torch.Tensor, layout: Layout, full_shape, mesh: Mesh, name: str) -> torch.Tensor | None:
+def gather_to_main(
+    local: torch.Tensor, layout: Layout, full_shape, mesh: Mesh, name: str, assemble: bool = True
+) -> torch.Tensor | Iterator[torch.Tensor] | None:
     """The full tensor on rank 0 (None elsewhere). Rank 0 receives one shard at a time and places
-    it, so it holds the full tensor plus one shard, never every shard at once."""
+    it, so it holds the full tensor plus one shard, never every shard at once. ``assemble=False``:
+    rank 0 gets the shards themselves, in rank order, each received only when asked for."""
     if layout.is_replicated or mesh.world_size == 1:
         return local if mesh.is_main else None
     if not mesh.is_main:
@@ -47,7 +51,7 @@ def gather_to_main(local: torch.Tensor, layout: Layout, full_shape, mesh: Mesh, 
                 dist.recv(shard, src=rank, group=mesh.group)
             yield shard
 
-    return layout.assemble(shards(), full_shape)
+    return layout.assemble(shards(), full_shape) if assemble else shards()
 
 
 def plan_files(specs: dict, max_shard_size) -> tuple[dict[str, list[str]], dict | None]:
@@ -151,7 +155,10 @@ def save_sharded(model, out_dir: str, max_shard_size="50GB") -> None:
             entry, box = targets[key]
             if entry is not last:
                 last, full = entry, None
-                full = gather_to_main(tensor_of(model, entry.name), entry.layout, entry.full_shape, mesh, entry.name)
+                # shards that are the full tensor's bytes back to back go to the file one by one
+                assemble = box is not None or not entry.layout.tiles_in_rank_order(entry.full_shape)
+                local = tensor_of(model, entry.name)
+                full = gather_to_main(local, entry.layout, entry.full_shape, mesh, entry.name, assemble)
             yield None if full is None else piece_of(full, box)
 
     if mesh.is_main:

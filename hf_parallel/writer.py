@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Iterable
 
 import torch
 
@@ -56,13 +57,24 @@ class SafetensorsWriter:
         self.file = open(path, "wb")
         self.file.write(len(raw).to_bytes(8, "little") + raw)
 
-    def write(self, key: str, tensor: torch.Tensor) -> None:
+    def write(self, key: str, tensor: torch.Tensor | Iterable[torch.Tensor]) -> None:
+        """``tensor``, or its row blocks in order (shards along dim 0), each written as it comes."""
         expected_key, (shape, dtype) = self.pending.pop(0)
-        if key != expected_key or tuple(tensor.shape) != tuple(shape) or tensor.dtype != dtype:
+        if key != expected_key:
+            raise RuntimeError(f"writer expected {expected_key} next, got {key}")
+        written = 0
+        for block in [tensor] if isinstance(tensor, torch.Tensor) else tensor:
+            if block.dtype != dtype or block.dim() != len(shape) or tuple(block.shape[1:]) != tuple(shape[1:]):
+                raise RuntimeError(
+                    f"writer expected {key} {tuple(shape)} {dtype} (or row blocks of it), "
+                    f"got {tuple(block.shape)} {block.dtype}"
+                )
+            written += block.numel()
+            self.file.write(block.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())  # no copy
+        if written != math.prod(shape):
             raise RuntimeError(
-                f"writer expected {expected_key} {shape} {dtype}, got {key} {tuple(tensor.shape)} {tensor.dtype}"
+                f"writer expected {key} {tuple(shape)}, got {written} of its {math.prod(shape)} elements"
             )
-        self.file.write(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())  # no copy
 
     def close(self) -> None:
         if self.pending:

@@ -1,5 +1,6 @@
 """`hf-parallel generate` under torchrun and under `accelerate launch`: rank 0 alone streams the
-same greedy text transformers generates in one process."""
+same greedy text transformers generates in one process; a prompts file goes in batches, and sampling
+with a seed draws what one process draws."""
 
 import os
 import subprocess
@@ -21,10 +22,10 @@ def reference_text(path: str, new_tokens: int) -> str:
     return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
 
 
-def run(launcher: list[str], path: str, new_tokens: int) -> str:
-    args = ["-m", "hf_parallel", "generate", "--model", path, "--prompt", PROMPT, "--max-new-tokens", str(new_tokens)]
+def run(launcher: list[str], path: str, args: list[str]) -> str:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(launcher + args, capture_output=True, text=True, timeout=600, env=env, cwd="/tmp")
+    command = launcher + ["-m", "hf_parallel", "generate", "--model", path, *args]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env, cwd="/tmp")
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout
 
@@ -35,6 +36,42 @@ def test_generate_under_torchrun_and_accelerate(smollm2):
     accelerate = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes=2"]
     accelerate += ["--num_machines=1", "--mixed_precision=no", "--dynamo_backend=no"]
     for launcher in (torchrun, accelerate):
-        stdout = run(launcher, smollm2, 12)
+        stdout = run(launcher, smollm2, ["--prompt", PROMPT, "--max-new-tokens", "12"])
         assert stdout.count("tp=2]") == 1, stdout  # one summary line: only rank 0 prints
         assert stdout.split("[12 tokens in")[0].strip() == want.strip(), stdout
+
+
+def test_prompts_file_is_generated_in_batches_and_sampling_follows_the_seed(smollm2, tmp_path):
+    """Three prompts of different lengths, left-padded into batches of 2 and 1, sampled with a seed:
+    rank 0 prints, per prompt, what one process samples from the same batches with the same seed
+    (a rank drawing other tokens would feed the others' collectives a different sequence)."""
+    prompts = ["Name three colours.", "What is 2 + 2?", "Write one short sentence about the sea and the sky."]
+    (tmp_path / "prompts.txt").write_text("\n".join(prompts) + "\n\n")
+    sampling = dict(do_sample=True, temperature=0.9, top_p=0.9)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(smollm2, padding_side="left")
+    model = transformers.AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32)
+
+    def generate(**kwargs) -> list[str]:
+        texts = []
+        for batch in (prompts[:2], prompts[2:]):
+            conversations = [[{"role": "user", "content": p}] for p in batch]
+            inputs = tokenizer.apply_chat_template(
+                conversations, add_generation_prompt=True, padding=True, return_tensors="pt", return_dict=True
+            )
+            out = model.generate(**inputs, max_new_tokens=10, pad_token_id=tokenizer.pad_token_id, **kwargs)
+            texts += tokenizer.batch_decode(out[:, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
+        return texts
+
+    torch.manual_seed(5)
+    want = generate(**sampling)
+    assert want != generate(do_sample=False)  # the seed really samples
+
+    args = ["--prompts-file", str(tmp_path / "prompts.txt"), "--batch-size", "2", "--max-new-tokens", "10"]
+    args += ["--temperature", "0.9", "--top-p", "0.9", "--seed", "5"]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    stdout = run(torchrun, smollm2, args)
+    assert stdout.count("tp=2]") == 2, stdout  # one summary per batch, from rank 0 only
+    assert "for 2 prompts in" in stdout and "for 1 prompt in" in stdout, stdout
+    for number, (prompt, text) in enumerate(zip(prompts, want), start=1):
+        block = stdout.split(f"### prompt {number}: {prompt}\n", 1)[1]
+        assert block.split("\n\n")[0].split("\n[")[0].strip() == text.strip(), stdout

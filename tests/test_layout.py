@@ -96,3 +96,24 @@ def test_kv_heads_replicate_when_tp_exceeds_them():
     assert split.kv_ranges == ((0, 1), (0, 1), (1, 2), (1, 2))
     assert split.q_ranges == ((0, 2), (2, 4), (4, 6), (6, 8))
     assert split.kv_replica_groups() == [[0, 1], [2, 3]]
+
+
+@settings(max_examples=200, deadline=None)
+@given(shape=shapes, world_size=st.integers(1, 5), data=st.data())
+def test_shards_in_rank_order_are_the_full_tensor_bytes_exactly_when_the_layout_says_so(shape, world_size, data):
+    """The save writes such shards straight to the file, one after another, instead of assembling."""
+    dim = data.draw(st.integers(0, len(shape) - 1))
+    full = torch.randn(shape)
+    blocks = data.draw(st.lists(st.integers(1, 4), min_size=1, max_size=3))
+    layouts = [chunks(dim, even_sizes(shape[dim], world_size))]
+    packed_full = torch.randn(sum(blocks), 2)
+    layouts_packed = [packed(0, blocks, [sizes_to_ranges(even_sizes(b, world_size)) for b in blocks])]
+    for tensor, layout in [(full, layout) for layout in layouts] + [(packed_full, p) for p in layouts_packed]:
+        shards = [read(tensor, layout, r) for r in range(layout.world_size)]
+        back_to_back = torch.cat([s.reshape(-1) for s in shards])
+        equal_bytes = back_to_back.numel() == tensor.numel() and torch.equal(back_to_back, tensor.reshape(-1))
+        if layout.tiles_in_rank_order(tuple(tensor.shape)):
+            assert equal_bytes
+    assert layouts[0].tiles_in_rank_order(tuple(full.shape)) == (dim == 0)  # colwise / vocab rows: streamed
+    if world_size > 1 and len(blocks) > 1:
+        assert not layouts_packed[0].tiles_in_rank_order(tuple(packed_full.shape))

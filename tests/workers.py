@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -331,3 +332,25 @@ def expert_parallel_memory(rank: int, world_size: int, path: str, warm_path: str
         "local_expert_bytes": experts,
         "rest_bytes": rest,
     }
+
+
+def save_memory(rank: int, world_size: int, path: str, out: str) -> dict:
+    """Rank 0's peak RSS added by a gathered save, above its RSS before it. Every local shard is
+    paged in first and a first save warms the code, so what is measured is the save's own buffers."""
+    import sys
+
+    import hf_parallel
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+    from measure import peak_rss_bytes, reset_peak_rss, rss_bytes  # the benchmark's own RSS readings
+
+    model = hf_parallel.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.sum()
+    model.save_pretrained(os.path.join(out, "warm"))
+    before = rss_bytes()
+    reset_peak_rss()
+    model.save_pretrained(os.path.join(out, "saved"))
+    largest = max(math.prod(entry.full_shape) * 4 for entry in model._hf_parallel.shard.unique_params())
+    return {"added": peak_rss_bytes() - before, "largest_full_tensor": largest}
