@@ -1,7 +1,9 @@
 """Save a sharded model as a standard checkpoint: gather tensor by tensor, write on rank 0.
 
 Rank 0 streams each tensor into its safetensors file as soon as it is assembled, so its memory
-stays near its own shard plus one full tensor plus one received shard. Files are written under
+stays near its own shard plus one full tensor plus one received shard; a tensor split by rows
+(vocabulary embeddings, LM heads: the largest) is not even assembled, its shards go to the file
+one after another as they arrive. Files are written under
 temporary names in the target directory and renamed only once every file is complete: an
 interrupted save never leaves a half-written file with a final name, nor destroys a previous
 checkpoint's files.
