@@ -60,7 +60,8 @@ def from_pretrained(
     allow_pickle: bool = False,
     **config_kwargs,
 ):
-    """``ep_plan="auto"``: experts spread whole over the ranks (attention and dense layers still
+    """``tp_plan=None`` (or ``{}``): no tensor parallelism, every rank holds the whole model.
+    ``ep_plan="auto"``: experts spread whole over the ranks (attention and dense layers still
     follow ``tp_plan``; ``tp_plan=None`` keeps them replicated). ``allow_pickle``: accept a
     ``pytorch_model.bin`` checkpoint (loaded with ``weights_only=True``)."""
     if device_map is not None:
@@ -75,11 +76,12 @@ def from_pretrained(
     config = transformers.AutoConfig.from_pretrained(path, **config_kwargs)
     dtype = resolve_dtype(dtype, config)
     model = build_empty(auto_class, config, dtype)
-    plan = resolve_plan(model, tp_plan or "auto")
-    if ep_plan is not None:
-        if ep_plan != "auto":
-            raise ValueError(f"ep_plan must be 'auto' (experts spread over the ranks) or None, got {ep_plan!r}")
-        plan = with_expert_parallel(plan, keep_tensor_parallel=tp_plan is not None)
+    if ep_plan is None:
+        plan = resolve_plan(model, tp_plan)
+    elif ep_plan == "auto":  # the experts' rules come from the model's plan even without tensor parallelism
+        plan = with_expert_parallel(resolve_plan(model, tp_plan or "auto"), keep_tensor_parallel=bool(tp_plan))
+    else:
+        raise ValueError(f"ep_plan must be 'auto' (experts spread over the ranks) or None, got {ep_plan!r}")
     shard = shard_plan(model, plan, mesh)
     source_keys = load_weights(model, path, shard, dtype, allow_pickle)
     install(model, shard)

@@ -168,7 +168,9 @@ def warn_unsharded_matrices(model: nn.Module, shard: ShardPlan) -> None:
     }
     entries = [e for e in shard.unique_params() if len(e.full_shape) >= 2]
     split = [math.prod(e.full_shape) for e in entries if not e.layout.is_replicated]
-    floor = 2 * min(split, default=0)
+    if not split:  # a plan that splits nothing asked for replication (tp_plan=None)
+        return
+    floor = 2 * min(split)
     whole = [
         e
         for e in entries

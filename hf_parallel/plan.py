@@ -146,13 +146,16 @@ def curated_plan_for(model_type: str):
 
 
 def resolve_plan(model: nn.Module, tp_plan) -> Plan:
-    """Turn ``tp_plan`` ("auto", "discover", a registered model_type name, or a dict) into validated rules."""
+    """Turn ``tp_plan`` ("auto", "discover", a registered model_type name, a dict, or None: no
+    rules, every parameter replicated) into validated rules."""
     prefix = getattr(model, "base_model_prefix", "") or ""
     model_type = getattr(model.config, "model_type", None)
     curated = curated_plan_for(model_type)
     shipped = {**(getattr(model.config, "base_model_tp_plan", None) or {}), **(getattr(model, "_tp_plan", None) or {})}
     notes = []
-    if isinstance(tp_plan, dict):
+    if tp_plan is None:
+        rules, source = {}, "tp_plan=None (every parameter replicated)"
+    elif isinstance(tp_plan, dict):
         rules, source = tp_plan, "user tp_plan"
     elif tp_plan == "auto" and curated is not None:
         rules, source = curated

@@ -36,6 +36,14 @@ def test_collectives_per_forward(tp_results, arch, world_size):
         assert r["counts"]["all_gather"] == 1  # the logits
 
 
+def test_tp_plan_none_keeps_the_whole_model_on_every_rank_without_collectives(tp_results):
+    for results in tp_results(2)[0]:
+        r = results["llama_replicated"]
+        assert r["plan_source"] == "tp_plan=None (every parameter replicated)"
+        assert r["counts"] == {"all_reduce": 0, "all_gather": 0}
+        assert r["logits"] < TOL and r["grads"] < TOL  # the full gradients, on every rank
+
+
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 @pytest.mark.parametrize("case", sorted(ARCHS) + sorted(variant_plans()))
 def test_save_is_bitwise_equal_to_source(tp_results, tiny_paths, case, world_size):

@@ -73,7 +73,7 @@ def make_checkpoint(name: str, root: str) -> str:
 
 def variant_plans() -> dict[str, tuple[str, dict]]:
     """Other plans over the same checkpoints: transformers' own plans (gathered outputs, split
-    inputs) and a sequence-parallel / hidden-parallel-embedding plan."""
+    inputs), a sequence-parallel / hidden-parallel-embedding plan, and none at all."""
     from hf_parallel.plan import curated_plan_for
 
     llama_rules, _ = curated_plan_for("llama")
@@ -97,4 +97,5 @@ def variant_plans() -> dict[str, tuple[str, dict]]:
                 "norm": "sequence_parallel",
             },
         ),
+        "llama_replicated": ("llama", None),  # tp_plan=None: no tensor parallelism, the whole model everywhere
     }
