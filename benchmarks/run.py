@@ -1,14 +1,15 @@
 """Benchmark entry point: hf_parallel vs transformers' native ``tp_plan="auto"`` vs one process.
 
-    python benchmarks/run.py [--models smollm2-135m llama-1gb] [--tp 2 3] [--out benchmarks/results]
+    python benchmarks/run.py [--models smollm2-135m llama-1gb] [--tp 2 3] [--rounds 3] [--out benchmarks/results]
 
 Every implementation runs in the same invocation, on the same checkpoint, with the same cores
 (one process with all of them, or N ranks with cores/N threads each). Prints a table with the
 ratios hf_parallel/transformers and hf_parallel/single, checks the targets, writes JSON and a PNG.
 
 Load is reported twice: for a cold process, and after the setup every implementation shares
-(importing transformers' config and modeling code, most of a cold load, and joining the process group). Prefill runs as generate's does (``logits_to_keep=1``): once cold, then
-``--repeats`` times warm.
+(importing transformers' config and modeling code, most of a cold load, and joining the process
+group). Prefill runs as generate's does (``logits_to_keep=1``): once cold, then ``--repeats`` times
+warm. ``--rounds N`` runs everything N times and reports each number's median.
 """
 
 from __future__ import annotations

@@ -62,12 +62,11 @@ def cmd_generate(args) -> None:
         else dict(do_sample=False)
     )
     prompts = read_prompts(args)
+    stream = main and args.prompts_file is None  # --prompt streams; a file's batches print once done
     torch.manual_seed(args.seed)  # same seed on every rank: sampling picks the same token everywhere
     for first in range(0, len(prompts), args.batch_size):
         batch = prompts[first : first + args.batch_size]
         inputs = encode(tokenizer, batch, chat)
-        # --prompt streams as it is generated; a file's batches are printed prompt by prompt once done
-        stream = main and args.prompts_file is None
         streamer = transformers.TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True) if stream else None
         start = time.perf_counter()
         out = model.generate(
@@ -78,10 +77,10 @@ def cmd_generate(args) -> None:
             **sampling,
         )
         seconds = time.perf_counter() - start
-        new_tokens = out[:, inputs["input_ids"].shape[1] :]
-        lengths = generated_lengths(new_tokens, eos_ids)
         if not main:
             continue
+        new_tokens = out[:, inputs["input_ids"].shape[1] :]
+        lengths = generated_lengths(new_tokens, eos_ids)
         if not stream:
             for number, (prompt, row, length) in enumerate(zip(batch, new_tokens, lengths), start=first + 1):
                 text = tokenizer.decode(row[:length], skip_special_tokens=True)

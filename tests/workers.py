@@ -300,18 +300,26 @@ def compare_ep(rank: int, world_size: int, cases: dict, save_root: str) -> dict:
     return results
 
 
+def benchmark_rss_readings():
+    """benchmarks/measure.py's (rss_bytes, peak_rss_bytes, reset_peak_rss): tests read RSS as the benchmark does."""
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+    import measure
+
+    return measure.rss_bytes, measure.peak_rss_bytes, measure.reset_peak_rss
+
+
 def expert_parallel_memory(rank: int, world_size: int, path: str, warm_path: str, ep: bool) -> dict:
     """Peak and resident RSS above the pre-load baseline, over loading and one forward, with
     experts spread over the ranks (``ep``) or every rank holding all of them. A tiny model of the
     same family is loaded and run first, so code imported and initialised on first use (and the
     process group) is in the baseline."""
     import gc
-    import sys
 
     import hf_parallel
 
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
-    from measure import peak_rss_bytes, reset_peak_rss, rss_bytes  # the benchmark's own RSS readings
+    rss_bytes, peak_rss_bytes, reset_peak_rss = benchmark_rss_readings()
 
     kwargs = dict(tp_plan=None, ep_plan="auto") if ep else dict(tp_plan=None)
     warm = hf_parallel.AutoModelForCausalLM.from_pretrained(warm_path, dtype=torch.float32, **kwargs)
@@ -337,12 +345,9 @@ def expert_parallel_memory(rank: int, world_size: int, path: str, warm_path: str
 def save_memory(rank: int, world_size: int, path: str, out: str) -> dict:
     """Rank 0's peak RSS added by a gathered save, above its RSS before it. Every local shard is
     paged in first and a first save warms the code, so what is measured is the save's own buffers."""
-    import sys
-
     import hf_parallel
 
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
-    from measure import peak_rss_bytes, reset_peak_rss, rss_bytes  # the benchmark's own RSS readings
+    rss_bytes, peak_rss_bytes, reset_peak_rss = benchmark_rss_readings()
 
     model = hf_parallel.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     with torch.no_grad():
