@@ -1,7 +1,10 @@
 """What the benchmark measures, the same way for every implementation: RSS peaks from the kernel's
-high-water mark, and collectives counted at the dispatcher (both c10d ops and DTensor's functional ones)."""
+high-water mark, CPU time from the kernel's accounting, and collectives counted at the dispatcher
+(both c10d ops and DTensor's functional ones)."""
 
 from __future__ import annotations
+
+import resource
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -29,6 +32,13 @@ def reset_peak_rss() -> None:
 
 def peak_rss_bytes() -> int:
     return _status_kib("VmHWM") * 1024
+
+
+def cpu_seconds() -> tuple[float, float]:
+    """This process's (user, system) CPU seconds so far. Steadier than wall time on a noisy VM:
+    time spent descheduled is not counted, and page faults show up as system time."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime, usage.ru_stime
 
 
 def _payload(op: str, args) -> int:

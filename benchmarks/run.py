@@ -33,6 +33,8 @@ MiB = 2**20
 METRICS = {
     "load_s": ("load time, cold process: shared setup + from_pretrained (max over ranks)", 1, "s"),
     "load_after_setup_s": ("load time after the shared setup (max over ranks)", 1, "s"),
+    "load_cpu_s": ("CPU time of the load after the setup, user + system (max over ranks)", 1, "s"),
+    "load_system_s": ("of which system time: page faults, file mapping (max over ranks)", 1, "s"),
     "load_peak_rss": ("peak RSS at load (max over ranks)", MiB, "MiB"),
     "load_rss_above_setup": ("peak RSS at load above the shared setup (max over ranks)", MiB, "MiB"),
     "rss_after_prefill": ("RSS after first prefill (weights resident)", MiB, "MiB"),
@@ -96,7 +98,15 @@ def summarize(ranks: list[dict], out: str, reference: dict | None) -> dict:
         return {"error": errors[0], "ranks": ranks}
     main = next(r for r in ranks if r["rank"] == 0)
     row = {key: main.get(key) for key in METRICS}
-    worst = ("load_s", "load_after_setup_s", "load_peak_rss", "load_rss_above_setup", "rss_after_prefill")
+    worst = (
+        "load_s",
+        "load_after_setup_s",
+        "load_cpu_s",
+        "load_system_s",
+        "load_peak_rss",
+        "load_rss_above_setup",
+        "rss_after_prefill",
+    )
     for key in (*worst, "shard_bytes"):  # the worst rank
         row[key] = max(r[key] for r in ranks)
     for key in ("import_rss", "largest_tensor_bytes", "tokens", "collective_ops", "world_size"):

@@ -16,7 +16,7 @@ import traceback
 
 import torch
 import transformers
-from measure import CountCollectives, peak_rss_bytes, reset_peak_rss, rss_bytes
+from measure import CountCollectives, cpu_seconds, peak_rss_bytes, reset_peak_rss, rss_bytes
 
 IMPORT_RSS = rss_bytes()  # a bare `import torch, transformers`, before anything of ours
 
@@ -90,7 +90,10 @@ def run(args, result: dict) -> None:
     _, result["setup_s"] = timed(lambda: shared_setup(args.model))
     result["setup_rss"] = rss_bytes()
     reset_peak_rss()
+    user, system = cpu_seconds()
     model, result["load_after_setup_s"] = timed(lambda: load(args.impl, args.model, dtype))
+    user_after, system_after = cpu_seconds()
+    result["load_cpu_s"], result["load_system_s"] = user_after - user + system_after - system, system_after - system
     result["load_s"] = result["setup_s"] + result["load_after_setup_s"]
     result["load_peak_rss"] = peak_rss_bytes()
     result["load_rss_above_setup"] = result["load_peak_rss"] - result["setup_rss"]

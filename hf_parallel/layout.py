@@ -1,8 +1,8 @@
 """Layouts: how one full tensor maps onto per-rank shards along one dim.
 
-A layout is pure data (no torch.distributed). Loading reads ``pieces(rank)`` through safetensors
-``get_slice``; saving inverts it with ``assemble``. Because both sides use the same object,
-load-then-save is the identity by construction (property-tested in tests/test_layout.py).
+A layout is pure data (no torch.distributed). Loading reads ``index(rank)`` through safetensors
+``get_slice``; saving inverts it block by block with ``holders``. Because both sides use the same
+object, load-then-save is the identity by construction (property-tested in tests/test_layout.py).
 
 Every layout is a list, per rank, of half-open ranges along ``dim`` that the rank holds, in the
 order they appear in its local tensor. The named constructors below cover the shapes we need:
@@ -12,7 +12,7 @@ order they appear in its local tensor. The named constructors below cover the sh
 - ``replicated()``                every rank holds the whole tensor (``dim is None``)
 
 Ranges of different ranks may overlap (KV heads replicated over ranks); the copies are equal, so
-``assemble`` may write each of them.
+``holders`` takes each from the lowest rank that has it.
 """
 
 from __future__ import annotations
@@ -61,37 +61,26 @@ class Layout:
         lead = tuple(slice(None) for _ in range(self.dim))
         return [lead + (slice(start, stop),) for start, stop in self.ranges[rank]]
 
-    def tiles_in_rank_order(self, full_shape) -> bool:
-        """Whether the full tensor's bytes are simply rank 0's shard, then rank 1's, ... (one range
-        per rank along the outermost dim, back to back: vocab-parallel embeddings, colwise weights),
-        so a saver can write the shards one after another without assembling the full tensor."""
-        if self.dim != 0 or any(len(pieces) != 1 for pieces in self.ranges):
-            return False
-        stops = [0] + [pieces[0][1] for pieces in self.ranges]
-        return all(pieces[0][0] == stop for pieces, stop in zip(self.ranges, stops)) and stops[-1] == full_shape[0]
-
-    def assemble(self, shards, full_shape):
-        """Rebuild the full tensor from every rank's local shard (the inverse of ``index``).
-        ``shards`` may be a generator: each shard is placed, then can be freed before the next."""
-        import torch
-
-        shards = iter(shards)
-        if self.dim is None:
-            return next(shards)
-        self._check_fits(full_shape)
-        full = None
-        filled = torch.zeros(full_shape[self.dim], dtype=torch.bool)
-        for rank, shard in enumerate(shards):
-            if full is None:
-                full = torch.empty(tuple(full_shape), dtype=shard.dtype, device=shard.device)
+    def holders(self, start: int, stop: int) -> list[tuple[int, int, int, int]]:
+        """Who supplies ``[start, stop)`` along ``dim``: ``(rank, full_start, full_stop, local_start)``
+        runs in order, each from the lowest rank holding where it starts (a replicated KV head is
+        sent once). Lets a saver fetch any block of the full tensor without assembling the rest."""
+        pieces = []  # (lowest rank first) rank, full start, full stop, where it sits in the local tensor
+        for rank, ranges in enumerate(self.ranges):
             offset = 0
-            for start, stop in self.ranges[rank]:
-                full.narrow(self.dim, start, stop - start).copy_(shard.narrow(self.dim, offset, stop - start))
-                filled[start:stop] = True
-                offset += stop - start
-        if not bool(filled.all()):
-            raise RuntimeError(f"layout {self} leaves part of dim {self.dim} of {tuple(full_shape)} unassigned")
-        return full
+            for piece_start, piece_stop in ranges:
+                pieces.append((rank, piece_start, piece_stop, offset))
+                offset += piece_stop - piece_start
+        runs, at = [], start
+        while at < stop:
+            held = next((p for p in pieces if p[1] <= at < p[2]), None)
+            if held is None:
+                raise RuntimeError(f"layout {self} leaves index {at} of dim {self.dim} unassigned")
+            rank, piece_start, piece_stop, local = held
+            end = min(piece_stop, stop)
+            runs.append((rank, at, end, local + at - piece_start))
+            at = end
+        return runs
 
     def _check_fits(self, full_shape) -> None:
         if self.dim >= len(full_shape):

@@ -31,6 +31,7 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 from tqdm.auto import tqdm
 
+from . import hugepages
 from .errors import CheckpointError, collective
 from .keys import FusedSource, checkpoint_sources, expert_shape
 from .layout import replicated
@@ -295,7 +296,7 @@ class ShardReader:
         """Copy the pieces into one owned tensor on this rank's device."""
         BYTES_READ[key] += sum(p.numel() * p.element_size() for p in pieces)
         shape = layout.local_shape(full_shape, self.rank)
-        out = torch.empty(shape, dtype=dtype or pieces[0].dtype, device=self.device)
+        out = hugepages.empty(shape, dtype or pieces[0].dtype, self.device)
         if len(pieces) == 1:
             return out.copy_(pieces[0])
         offset = 0

@@ -1,19 +1,18 @@
-"""Save a sharded model as a standard checkpoint: gather tensor by tensor, write on rank 0.
+"""Save a sharded model as a standard checkpoint: gather block by block, write on rank 0.
 
-Rank 0 streams each tensor into its safetensors file as soon as it is assembled, so its memory
-stays near its own shard plus one full tensor plus one received shard; a tensor split by rows
-(vocabulary embeddings, LM heads: the largest) is not even assembled, its shards go to the file
-one after another as they arrive. Files are written under
-temporary names in the target directory and renamed only once every file is complete: an
-interrupted save never leaves a half-written file with a final name, nor destroys a previous
-checkpoint's files.
+Rank 0 asks for each tensor in row blocks of about ``BLOCK_BYTES`` and writes each block as soon as
+it is complete, so whatever the split (row, column, packed, per-expert), its memory stays near its
+own shard plus one block and one received part: no full tensor is ever assembled (for a 70B
+Llama's ``down_proj``, 16 MiB instead of 470 MB). Files are written under temporary names in the
+target directory and renamed only once every file is complete: an interrupted save never leaves a
+half-written file with a final name, nor destroys a previous checkpoint's files.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
+from collections import deque
 from contextlib import nullcontext
 
 import torch
@@ -28,32 +27,66 @@ from .loading import INDEX_FILE
 from .mesh import Mesh
 from .parallelize import ShardedParam
 from .staging import Staging, remove_stale
-from .tiles import as_slices
+from .tiles import Box, as_slices
 from .writer import SafetensorsWriter, nbytes
 
+BLOCK_BYTES = 16 << 20  # rank 0 holds at most one block of a tensor (and one received part) at a time
 
-def gather_to_main(
-    local: torch.Tensor, layout: Layout, full_shape, mesh: Mesh, name: str, assemble: bool = True
-) -> torch.Tensor | Iterator[torch.Tensor] | None:
-    """The full tensor on rank 0 (None elsewhere). Rank 0 receives one shard at a time and places
-    it, so it holds the full tensor plus one shard, never every shard at once. ``assemble=False``:
-    rank 0 gets the shards themselves, in rank order, each received only when asked for."""
+
+class Scratch:
+    """One reusable buffer, handed out as a tensor of any shape that fits. A save that allocated a
+    block per tensor would leave glibc's freed heap in rank 0's RSS (31-64 MiB measured with 16 MiB
+    blocks); reusing one is the same few pages every time. What it returned is overwritten by the
+    next ``take``."""
+
+    def __init__(self):
+        self.buffer = torch.empty(0, dtype=torch.uint8)
+
+    def take(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        size = nbytes(shape, dtype)
+        if self.buffer.numel() < size:
+            self.buffer = None  # free the old one before allocating its successor
+            self.buffer = torch.empty(size, dtype=torch.uint8)
+        return self.buffer[:size].view(dtype).view(tuple(shape))
+
+
+def gather_block(
+    local: torch.Tensor, layout: Layout, box: Box, mesh: Mesh, name: str, scratch: tuple[Scratch, Scratch]
+) -> torch.Tensor | None:
+    """The ``box`` of the full tensor on rank 0 (None elsewhere), in ``scratch[0]``. Every rank
+    sends only its runs of the box (``Layout.holders``); rank 0 places each as it arrives,
+    receiving straight into the block where the run is contiguous, else through ``scratch[1]``."""
     if layout.is_replicated or mesh.world_size == 1:
-        return local if mesh.is_main else None
-    if not mesh.is_main:
-        with collective(f"sending {name} from rank {mesh.rank} to rank 0"):
-            dist.send(local.detach().cpu().contiguous(), dst=0, group=mesh.group)
-        return None
-
-    def shards():
-        yield local.detach().cpu()
-        for rank in range(1, mesh.world_size):
-            shard = torch.empty(layout.local_shape(full_shape, rank), dtype=local.dtype)
+        return local.detach()[as_slices(box)].cpu() if mesh.is_main else None
+    dim, (box_start, box_stop) = layout.dim, box[layout.dim]
+    out = scratch[0].take([stop - start for start, stop in box], local.dtype) if mesh.is_main else None
+    for rank, start, stop, local_start in layout.holders(box_start, box_stop):
+        if mesh.rank not in (0, rank):
+            continue
+        if rank == mesh.rank:
+            part = local.detach()[as_slices(box[:dim] + ((local_start, local_start + stop - start),) + box[dim + 1 :])]
+            if not mesh.is_main:
+                with collective(f"sending {name} from rank {rank} to rank 0"):
+                    dist.send(part.cpu().contiguous(), dst=0, group=mesh.group)
+                continue
+        target = out.narrow(dim, start - box_start, stop - start)
+        if rank != 0:
+            part = target if target.is_contiguous() else scratch[1].take(target.shape, out.dtype)
             with collective(f"receiving {name} from rank {rank} on rank 0"):
-                dist.recv(shard, src=rank, group=mesh.group)
-            yield shard
+                dist.recv(part, src=rank, group=mesh.group)
+        if part is not target:
+            target.copy_(part)
+    return out
 
-    return layout.assemble(shards(), full_shape) if assemble else shards()
+
+def row_blocks(box: Box, row_dim: int, dtype: torch.dtype) -> list[Box]:
+    """``box`` cut along ``row_dim`` into blocks of about BLOCK_BYTES (whole rows); a 0-d box whole."""
+    if row_dim >= len(box):
+        return [box]
+    start, stop = box[row_dim]
+    row = nbytes([b - a for a, b in box[row_dim + 1 :]], dtype)
+    step = max(1, BLOCK_BYTES // max(row, 1))
+    return [box[:row_dim] + ((a, min(a + step, stop)),) + box[row_dim + 1 :] for a in range(start, stop, step)]
 
 
 def plan_files(specs: dict, max_shard_size) -> tuple[dict[str, list[str]], dict | None]:
@@ -152,16 +185,23 @@ def save_sharded(model, out_dir: str, max_shard_size="50GB") -> None:
     }
 
     def gathered(keys):
-        last, full = None, None  # a fused parameter's keys come together: gather it once
+        """Per key, its row blocks as rank 0 gathers them (consumed by the writer one by one);
+        the other ranks send their parts here, in the same order."""
+        scratch = (Scratch(), Scratch())
         for key in keys:
             entry, box = targets[key]
-            if entry is not last:
-                last, full = entry, None
-                # shards that are the full tensor's bytes back to back go to the file one by one
-                assemble = box is not None or not entry.layout.tiles_in_rank_order(entry.full_shape)
-                local = tensor_of(model, entry.name)
-                full = gather_to_main(local, entry.layout, entry.full_shape, mesh, entry.name, assemble)
-            yield None if full is None else piece_of(full, box)
+            local = tensor_of(model, entry.name)
+            full_box = tuple((0, n) for n in entry.full_shape)
+            expert = box is not None  # one expert of a fused parameter: its leading dim is dropped
+            blocks = (
+                gather_block(local, entry.layout, block, mesh, entry.name, scratch)
+                for block in row_blocks(box or full_box, 1 if expert else 0, local.dtype)
+            )
+            if not mesh.is_main:
+                deque(blocks, maxlen=0)
+                yield None
+            else:
+                yield (block.squeeze(0) if expert else block for block in blocks)
 
     if mesh.is_main:
         os.makedirs(out_dir, exist_ok=True)
