@@ -1,5 +1,5 @@
 """``hf-parallel consolidate DIR OUT``: a distributed save back to a standard checkpoint, in one
-process with no process group, tensor by tensor (memory: about one full tensor at a time).
+process with no process group, in row blocks of ``saving.BLOCK_BYTES`` (memory: about one block).
 
 Keys are the checkpoint keys the model was loaded from, so the output has the source's names and
 packed forms; files are split at ``max_shard_size`` with an index, as transformers writes them.
@@ -17,7 +17,7 @@ from tqdm.auto import tqdm
 
 from .keys import expert_shape
 from .manifest import MANIFEST_FILE, DistributedCheckpoint
-from .saving import piece_of, write_standard
+from .saving import Scratch, row_blocks, write_standard
 from .staging import TEMP_SUFFIX, Staging, is_weight_file, remove_stale
 from .writer import nbytes
 
@@ -42,13 +42,22 @@ def consolidate(src: str, out: str, max_shard_size="50GB", progress: bool = True
         for key, (name, box) in targets.items()
     }
 
+    scratch = Scratch()  # where a block that spans ranks' pieces is assembled, block after block
+
     def tensors(keys):
         for key in keys:
-            name, box = targets[key]
-            tensor = checkpoint.get_slice(name)[()] if box is None else piece_of(checkpoint.get_slice(name), box)
-            yield tensor
+            yield blocks(*targets[key])
+
+    def blocks(name, box):
+        """The key's row blocks: a block inside one rank's piece is a view of its file, written
+        straight from the mapping; unmapped once written, so memory stays near one block."""
+        tiled = checkpoint.get_slice(name)
+        full_box = tuple((0, n) for n in tiled.get_shape())
+        for block in row_blocks(box or full_box, 0 if box is None else 1, tiled.get_dtype()):
+            tensor = tiled.read(block, scratch.take([stop - start for start, stop in block], tiled.get_dtype()))
+            yield tensor if box is None else tensor.squeeze(0)
             del tensor
-            checkpoint.release()  # written: unmap what was read, so memory stays near one tensor
+            checkpoint.release()
 
     total = sum(nbytes(*spec) for spec in specs.values())
     start = time.perf_counter()

@@ -7,9 +7,10 @@ safetensors hands out slices as views of a private mmap of the whole file, fault
 Where this rank's shard is one contiguous run of the file in the wanted dtype (row splits,
 replicated tensors) the parameter *is* that view, as transformers does for a single process: no
 copy, and the pages become resident only when used. Anything else (column splits of rowwise
-weights, packed blocks, a dtype change) is copied into memory the model owns, through a
-short-lived handle whose mapping closes at once: a view would stay non-contiguous for every matmul
-and pin every page of the full tensor in the rank's RSS.
+weights, packed blocks, a dtype change) is copied into memory the model owns (on transparent huge
+pages where offered: ``hugepages.py``), through a short-lived handle whose mapping closes at once:
+a view would stay non-contiguous for every matmul and pin every page of the full tensor in the
+rank's RSS.
 
 Pickled ``pytorch_model.bin`` checkpoints can run code when unpickled, so they are refused unless
 the caller passes ``allow_pickle=True``; even then they go through ``torch.load(weights_only=True)``

@@ -167,11 +167,6 @@ def checkpoint_tensors(model) -> dict[str, tuple]:
     return out
 
 
-def piece_of(full, box):
-    """One expert's tensor (leading expert dim dropped) of a fused full tensor; the tensor if no box."""
-    return full if box is None else full[as_slices(box)].squeeze(0)
-
-
 def save_sharded(model, out_dir: str, max_shard_size="50GB") -> None:
     """Gather every parameter under its checkpoint name and write a standard HF checkpoint."""
     mesh = model._hf_parallel.mesh

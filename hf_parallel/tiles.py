@@ -40,17 +40,21 @@ class TiledTensor:
         return self.dtype
 
     def __getitem__(self, index) -> torch.Tensor:
-        """``index``: step-1 slices (missing trailing dims mean whole). One tile holding the whole
-        box gives its read as is (a view of the file when the reader allows); else tiles are placed."""
+        """``index``: step-1 slices (missing trailing dims mean whole)."""
         index = index if isinstance(index, tuple) else (index,)
         index = index + (slice(None),) * (len(self.shape) - len(index))
-        box = tuple(s.indices(n)[:2] for s, n in zip(index, self.shape))
+        return self.read(tuple(s.indices(n)[:2] for s, n in zip(index, self.shape)))
+
+    def read(self, box: Box, out: torch.Tensor | None = None) -> torch.Tensor:
+        """One tile holding the whole box gives its read as is (a view of the file when the reader
+        allows); else the tiles' parts are placed into ``out`` (a new tensor if None)."""
         parts = [(tile, intersect(tile.box, box)) for tile in self.tiles]
         parts = [(tile, part) for tile, part in parts if part is not None]
         for tile, part in parts:
             if part == box:
                 return tile.read(_relative(box, tile.box))
-        out = torch.empty([stop - start for start, stop in box], dtype=self.dtype)
+        if out is None:
+            out = torch.empty([stop - start for start, stop in box], dtype=self.dtype)
         for tile, part in parts:
             target = out[tuple(slice(p0 - b0, p1 - b0) for (p0, p1), (b0, _) in zip(part, box))]
             target.copy_(tile.read(_relative(part, tile.box)))

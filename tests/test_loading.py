@@ -139,3 +139,9 @@ def test_save_gathers_blocks_instead_of_assembling_the_largest_tensors(tmp_path)
         load_file(os.path.join(out, "saved", "model.safetensors")),
     )
     assert source.keys() == saved.keys() and all(torch.equal(source[k], saved[k]) for k in source)
+    # consolidation streams the same way, in a fresh process: its peak above its imports is a block
+    # and its pages (assembling whole tensors measured 3x the largest)
+    done = workers.consolidate_in_fresh_process(os.path.join(out, "distributed"), str(tmp_path / "consolidated"))
+    assert done["peak_rss"] - done["import_rss"] <= 0.75 * rank0["largest_full_tensor"], done
+    consolidated = load_file(str(tmp_path / "consolidated" / "model.safetensors"))
+    assert source.keys() == consolidated.keys() and all(torch.equal(source[k], consolidated[k]) for k in source)

@@ -310,6 +310,24 @@ def benchmark_rss_readings():
     return measure.rss_bytes, measure.peak_rss_bytes, measure.reset_peak_rss
 
 
+def consolidate_in_fresh_process(src: str, out: str) -> dict:
+    """``hf_parallel.consolidate`` run as the benchmark runs it (its own script, a fresh process):
+    its result plus RSS after imports and the peak."""
+    import json
+    import subprocess
+    import sys
+
+    benchmarks = os.path.join(os.path.dirname(__file__), "..", "benchmarks")
+    sys.path.insert(0, benchmarks)
+    from worker import CONSOLIDATE
+
+    env = {**os.environ, "PYTHONPATH": benchmarks}
+    run = subprocess.run(
+        [sys.executable, "-c", CONSOLIDATE, src, out], capture_output=True, text=True, check=True, env=env
+    )
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
 def expert_parallel_memory(rank: int, world_size: int, path: str, warm_path: str, ep: bool) -> dict:
     """Peak and resident RSS above the pre-load baseline, over loading and one forward, with
     experts spread over the ranks (``ep``) or every rank holding all of them. A tiny model of the
@@ -344,7 +362,8 @@ def expert_parallel_memory(rank: int, world_size: int, path: str, warm_path: str
 
 def save_memory(rank: int, world_size: int, path: str, out: str) -> dict:
     """Rank 0's peak RSS added by a gathered save, above its RSS before it. Every local shard is
-    paged in first and a first save warms the code, so what is measured is the save's own buffers."""
+    paged in first and a first save warms the code, so what is measured is the save's own buffers.
+    Then a distributed save, for the test to consolidate."""
     import hf_parallel
 
     rss_bytes, peak_rss_bytes, reset_peak_rss = benchmark_rss_readings()
@@ -357,5 +376,7 @@ def save_memory(rank: int, world_size: int, path: str, out: str) -> dict:
     before = rss_bytes()
     reset_peak_rss()
     model.save_pretrained(os.path.join(out, "saved"))
+    added = peak_rss_bytes() - before
+    model.save_pretrained(os.path.join(out, "distributed"), distributed=True)  # for consolidation
     largest = max(math.prod(entry.full_shape) * 4 for entry in model._hf_parallel.shard.unique_params())
-    return {"added": peak_rss_bytes() - before, "largest_full_tensor": largest}
+    return {"added": added, "largest_full_tensor": largest}
