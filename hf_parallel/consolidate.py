@@ -17,8 +17,9 @@ from tqdm.auto import tqdm
 
 from .keys import expert_shape
 from .manifest import MANIFEST_FILE, DistributedCheckpoint
-from .saving import Scratch, row_blocks, write_standard
+from .saving import Scratch, as_written, row_blocks, write_standard
 from .staging import TEMP_SUFFIX, Staging, is_weight_file, remove_stale
+from .tiles import box_shape
 from .writer import nbytes
 
 
@@ -52,10 +53,9 @@ def consolidate(src: str, out: str, max_shard_size="50GB", progress: bool = True
         """The key's row blocks: a block inside one rank's piece is a view of its file, written
         straight from the mapping; unmapped once written, so memory stays near one block."""
         tiled = checkpoint.get_slice(name)
-        full_box = tuple((0, n) for n in tiled.get_shape())
-        for block in row_blocks(box or full_box, 0 if box is None else 1, tiled.get_dtype()):
-            tensor = tiled.read(block, scratch.take([stop - start for start, stop in block], tiled.get_dtype()))
-            yield tensor if box is None else tensor.squeeze(0)
+        for block in row_blocks(tiled.get_shape(), box, tiled.get_dtype()):
+            tensor = tiled.read(block, scratch.take(box_shape(block), tiled.get_dtype()))
+            yield as_written(tensor, box)
             del tensor
             checkpoint.release()
 

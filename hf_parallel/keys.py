@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from .tiles import box_shape
+
 
 @dataclass(frozen=True)
 class FusedSource:
@@ -40,7 +42,7 @@ class FusedSource:
 
 def expert_shape(box) -> tuple[int, ...]:
     """The shape of the per-expert checkpoint tensor that sits at ``box`` of the fused one."""
-    return tuple(stop - start for start, stop in box[1:])
+    return box_shape(box[1:])
 
 
 def _meta_names(model: nn.Module) -> set[str]:

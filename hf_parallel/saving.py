@@ -27,7 +27,7 @@ from .loading import INDEX_FILE
 from .mesh import Mesh
 from .parallelize import ShardedParam
 from .staging import Staging, remove_stale
-from .tiles import Box, as_slices
+from .tiles import Box, as_slices, box_shape
 from .writer import SafetensorsWriter, nbytes
 
 BLOCK_BYTES = 16 << 20  # rank 0 holds at most one block of a tensor (and one received part) at a time
@@ -59,7 +59,7 @@ def gather_block(
     if layout.is_replicated or mesh.world_size == 1:
         return local.detach()[as_slices(box)].cpu() if mesh.is_main else None
     dim, (box_start, box_stop) = layout.dim, box[layout.dim]
-    out = scratch[0].take([stop - start for start, stop in box], local.dtype) if mesh.is_main else None
+    out = scratch[0].take(box_shape(box), local.dtype) if mesh.is_main else None
     for rank, start, stop, local_start in layout.holders(box_start, box_stop):
         if mesh.rank not in (0, rank):
             continue
@@ -79,14 +79,23 @@ def gather_block(
     return out
 
 
-def row_blocks(box: Box, row_dim: int, dtype: torch.dtype) -> list[Box]:
-    """``box`` cut along ``row_dim`` into blocks of about BLOCK_BYTES (whole rows); a 0-d box whole."""
+def row_blocks(full_shape, box: Box | None, dtype: torch.dtype) -> list[Box]:
+    """The boxes of the full tensor that a checkpoint key is written in, blocks of about BLOCK_BYTES
+    (whole rows): of the whole tensor, or of the one expert at ``box`` of a fused parameter (its
+    rows are along dim 1: dim 0 is the expert, dropped by ``as_written``). A 0-d tensor whole."""
+    row_dim = 0 if box is None else 1
+    box = box or tuple((0, n) for n in full_shape)
     if row_dim >= len(box):
         return [box]
     start, stop = box[row_dim]
     row = nbytes([b - a for a, b in box[row_dim + 1 :]], dtype)
     step = max(1, BLOCK_BYTES // max(row, 1))
     return [box[:row_dim] + ((a, min(a + step, stop)),) + box[row_dim + 1 :] for a in range(start, stop, step)]
+
+
+def as_written(block: torch.Tensor, box: Box | None) -> torch.Tensor:
+    """A block as its checkpoint key holds it: one expert's drops the fused tensor's expert dim."""
+    return block if box is None else block.squeeze(0)
 
 
 def plan_files(specs: dict, max_shard_size) -> tuple[dict[str, list[str]], dict | None]:
@@ -186,17 +195,15 @@ def save_sharded(model, out_dir: str, max_shard_size="50GB") -> None:
         for key in keys:
             entry, box = targets[key]
             local = tensor_of(model, entry.name)
-            full_box = tuple((0, n) for n in entry.full_shape)
-            expert = box is not None  # one expert of a fused parameter: its leading dim is dropped
             blocks = (
                 gather_block(local, entry.layout, block, mesh, entry.name, scratch)
-                for block in row_blocks(box or full_box, 1 if expert else 0, local.dtype)
+                for block in row_blocks(entry.full_shape, box, local.dtype)
             )
             if not mesh.is_main:
                 deque(blocks, maxlen=0)
                 yield None
             else:
-                yield (block.squeeze(0) if expert else block for block in blocks)
+                yield (as_written(block, box) for block in blocks)
 
     if mesh.is_main:
         os.makedirs(out_dir, exist_ok=True)

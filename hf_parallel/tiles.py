@@ -54,7 +54,7 @@ class TiledTensor:
             if part == box:
                 return tile.read(_relative(box, tile.box))
         if out is None:
-            out = torch.empty([stop - start for start, stop in box], dtype=self.dtype)
+            out = torch.empty(box_shape(box), dtype=self.dtype)
         for tile, part in parts:
             target = out[tuple(slice(p0 - b0, p1 - b0) for (p0, p1), (b0, _) in zip(part, box))]
             target.copy_(tile.read(_relative(part, tile.box)))
@@ -67,8 +67,12 @@ def _relative(box: Box, origin: Box) -> Box:
     return tuple((start - o, stop - o) for (start, stop), (o, _) in zip(box, origin))
 
 
+def box_shape(box: Box) -> tuple[int, ...]:
+    return tuple(stop - start for start, stop in box)
+
+
 def _volume(box: Box) -> int:
-    return math.prod(stop - start for start, stop in box)
+    return math.prod(box_shape(box))
 
 
 def as_slices(box: Box) -> tuple[slice, ...]:
