@@ -90,10 +90,10 @@ def run(args, result: dict) -> None:
     _, result["setup_s"] = timed(lambda: shared_setup(args.model))
     result["setup_rss"] = rss_bytes()
     reset_peak_rss()
-    user, system = cpu_seconds()
+    cpu_before = cpu_seconds()
     model, result["load_after_setup_s"] = timed(lambda: load(args.impl, args.model, dtype))
-    user_after, system_after = cpu_seconds()
-    result["load_cpu_s"], result["load_system_s"] = user_after - user + system_after - system, system_after - system
+    user, system = (after - before for after, before in zip(cpu_seconds(), cpu_before))
+    result["load_cpu_s"], result["load_system_s"] = user + system, system
     result["load_s"] = result["setup_s"] + result["load_after_setup_s"]
     result["load_peak_rss"] = peak_rss_bytes()
     result["load_rss_above_setup"] = result["load_peak_rss"] - result["setup_rss"]

@@ -300,11 +300,14 @@ def compare_ep(rank: int, world_size: int, cases: dict, save_root: str) -> dict:
     return results
 
 
+BENCHMARKS = os.path.join(os.path.dirname(__file__), "..", "benchmarks")
+
+
 def benchmark_rss_readings():
     """benchmarks/measure.py's (rss_bytes, peak_rss_bytes, reset_peak_rss): tests read RSS as the benchmark does."""
     import sys
 
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+    sys.path.insert(0, BENCHMARKS)
     import measure
 
     return measure.rss_bytes, measure.peak_rss_bytes, measure.reset_peak_rss
@@ -317,11 +320,10 @@ def consolidate_in_fresh_process(src: str, out: str) -> dict:
     import subprocess
     import sys
 
-    benchmarks = os.path.join(os.path.dirname(__file__), "..", "benchmarks")
-    sys.path.insert(0, benchmarks)
+    sys.path.insert(0, BENCHMARKS)
     from worker import CONSOLIDATE
 
-    env = {**os.environ, "PYTHONPATH": benchmarks}
+    env = {**os.environ, "PYTHONPATH": BENCHMARKS}
     run = subprocess.run(
         [sys.executable, "-c", CONSOLIDATE, src, out], capture_output=True, text=True, check=True, env=env
     )
