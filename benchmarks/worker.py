@@ -58,7 +58,7 @@ def count_one_decode_step(impl: str, model, token, cache) -> dict:
     hf_parallel's by its own counter, which also sees the shared-memory transport the dispatcher
     does not (with HF_PARALLEL_SHM=0 both counters agree)."""
     if impl == "hf_parallel":
-        from hf_parallel.comm import COUNTS
+        from hf_parallel.distributed.comm import COUNTS
 
         before = dict(COUNTS)
         model(token, past_key_values=cache, use_cache=True)

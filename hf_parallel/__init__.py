@@ -1,17 +1,20 @@
 """hf_parallel: tensor-parallel from_pretrained / generate / save_pretrained for transformers models."""
 
 from .api import AutoModel, AutoModelForCausalLM, from_pretrained, save_pretrained
-from .consolidate import consolidate
-from .errors import CheckpointError, RankFailure
-from .layout import Layout
-from .plan import register_plan
-from .styles import STYLES, ParallelStyle, register_style
+from .checkpoint.consolidate import consolidate
+from .checkpoint.errors import CheckpointError
+from .distributed.faults import RankFailure
+from .distributed.mesh import Mesh
+from .tensor.layout import Layout
+from .tensor.plan import register_plan
+from .tensor.styles import STYLES, ParallelStyle, register_style
 
 __all__ = [
     "AutoModel",
     "AutoModelForCausalLM",
     "CheckpointError",
     "Layout",
+    "Mesh",
     "ParallelStyle",
     "RankFailure",
     "STYLES",

@@ -15,12 +15,12 @@ import transformers
 from accelerate import init_empty_weights
 from torch import nn
 
-from .distributed_save import save_distributed
-from .loading import load_weights
-from .mesh import Mesh, get_mesh
-from .parallelize import ShardPlan, install, shard_plan
-from .plan import resolve_plan, with_expert_parallel
-from .saving import save_sharded
+from .checkpoint.distributed_save import save_distributed
+from .checkpoint.loading import load_weights
+from .checkpoint.saving import save_sharded
+from .distributed.mesh import Mesh, get_mesh
+from .tensor.parallelize import ShardPlan, install, shard_plan
+from .tensor.plan import resolve_plan, with_expert_parallel
 
 
 @dataclass

@@ -45,13 +45,13 @@ def cmd_generate(args) -> None:
 
     from .api import AutoModelForCausalLM
     from .default_model import default_checkpoint
-    from .mesh import shutdown
+    from .distributed.mesh import shutdown
 
     path = args.model or default_checkpoint()
     start = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(path, tp_plan="auto", dtype=args.dtype)
     load_seconds = time.perf_counter() - start
-    main, tp = model._hf_parallel.mesh.is_main, model._hf_parallel.mesh.world_size
+    main, tp = model._hf_parallel.mesh.is_main, model._hf_parallel.mesh.tp.size
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)
     chat = bool(tokenizer.chat_template) and not args.no_chat_template
     eos = model.generation_config.eos_token_id
@@ -100,7 +100,7 @@ def cmd_plan(args) -> None:
 
 
 def cmd_consolidate(args) -> None:
-    from .consolidate import consolidate
+    from .checkpoint.consolidate import consolidate
 
     done = consolidate(args.dir, args.out, max_shard_size=args.max_shard_size)
     seconds = max(done["seconds"], 1e-9)

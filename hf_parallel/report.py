@@ -8,16 +8,16 @@ import torch
 import transformers
 
 from .api import build_empty, resolve_dtype
-from .mesh import Mesh
-from .parallelize import shard_plan
-from .plan import resolve_plan
+from .distributed.mesh import Mesh
+from .tensor.parallelize import shard_plan
+from .tensor.plan import resolve_plan
 
 
 def plan_report(path: str, tp: int, tp_plan="auto", dtype=None, auto_class=transformers.AutoModelForCausalLM) -> str:
     config = transformers.AutoConfig.from_pretrained(path)
     dtype = resolve_dtype(dtype, config)
     model = build_empty(auto_class, config, dtype)
-    shard = shard_plan(model, resolve_plan(model, tp_plan), Mesh(None, 0, tp, torch.device("cpu")))
+    shard = shard_plan(model, resolve_plan(model, tp_plan), Mesh.dry_run(tp_size=tp))
     itemsize = torch.empty((), dtype=dtype).element_size()
     lines = [f"plan for {path} ({config.model_type}) at tp={tp}: rules from {shard.plan.source}"]
     if shard.heads is not None:

@@ -97,7 +97,7 @@ def sweep_cases(rank: int, world_size: int, paths: dict) -> dict:
     import workers
 
     from hf_parallel.api import build_empty
-    from hf_parallel.discover import discover_plan
+    from hf_parallel.tensor.discover import discover_plan
 
     warnings.simplefilter("ignore")
     results = {}

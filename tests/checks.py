@@ -7,7 +7,7 @@ from safetensors import safe_open
 
 
 def read_checkpoint(path: str) -> dict[str, torch.Tensor]:
-    from hf_parallel.loading import checkpoint_files
+    from hf_parallel.checkpoint.loading import checkpoint_files
 
     out = {}
     for key, file in checkpoint_files(path).items():

@@ -7,7 +7,8 @@ import shutil
 import pytest
 
 import hf_parallel
-from hf_parallel.loading import INDEX_FILE, CheckpointError
+from hf_parallel import CheckpointError
+from hf_parallel.checkpoint.loading import INDEX_FILE
 
 
 @pytest.fixture(scope="module")

@@ -15,11 +15,11 @@ from safetensors.torch import load_file, save_file
 from tiny_models import make_checkpoint
 
 import hf_parallel
+from hf_parallel import CheckpointError
 from hf_parallel.api import build_empty
-from hf_parallel.loading import CheckpointError
-from hf_parallel.mesh import Mesh
-from hf_parallel.parallelize import UnshardedWarning, shard_plan
-from hf_parallel.plan import resolve_plan, with_expert_parallel
+from hf_parallel.distributed.mesh import Mesh
+from hf_parallel.tensor.parallelize import UnshardedWarning, shard_plan
+from hf_parallel.tensor.plan import resolve_plan, with_expert_parallel
 
 
 def pickle_checkpoint(source, target, files=1):
@@ -99,7 +99,7 @@ def dry_shard(path, plan, world_size, expert_parallel=False):
     plan = resolve_plan(model, plan)
     if expert_parallel:
         plan = with_expert_parallel(plan, keep_tensor_parallel=False)
-    return shard_plan(model, plan, Mesh(None, 0, world_size, torch.device("cpu")))
+    return shard_plan(model, plan, Mesh.dry_run(tp_size=world_size))
 
 
 def test_plan_leaving_large_matrices_unsharded_warns_with_their_size(tiny_paths):

@@ -18,8 +18,8 @@ from checks import assert_same_checkpoint, read_checkpoint
 from distributed import run_ranks
 
 import hf_parallel
-from hf_parallel.loading import CheckpointError
-from hf_parallel.manifest import MANIFEST_FILE
+from hf_parallel import CheckpointError
+from hf_parallel.checkpoint.manifest import MANIFEST_FILE
 
 
 def _distributed_save(source: str, world_size: int, out: str, tmp_path) -> dict:

@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 from safetensors import safe_open
 
 import hf_parallel
-from hf_parallel.loading import INDEX_FILE, CheckpointError, checkpoint_files
+from hf_parallel import CheckpointError
+from hf_parallel.checkpoint.loading import INDEX_FILE, checkpoint_files
 
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 HANG_SECONDS = 60

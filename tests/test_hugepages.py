@@ -8,7 +8,7 @@ import torch
 import transformers
 
 import hf_parallel
-from hf_parallel import hugepages
+from hf_parallel.checkpoint import hugepages
 
 THP = "/sys/kernel/mm/transparent_hugepage/enabled"
 pytestmark = pytest.mark.skipif(

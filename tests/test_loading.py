@@ -12,8 +12,8 @@ from distributed import run_ranks
 from safetensors.torch import load_file, save_file
 
 import hf_parallel
-from hf_parallel.loading import BYTES_READ
-from hf_parallel.styles import PackedColwise, out_dim, packed_layout, register_style
+from hf_parallel.checkpoint.loading import BYTES_READ
+from hf_parallel.tensor.styles import PackedColwise, out_dim, packed_layout, register_style
 
 
 def test_a_sharded_tensor_is_never_fully_read(tiny_paths, tmp_path):

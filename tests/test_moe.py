@@ -14,7 +14,7 @@ from distributed import run_ranks
 from tiny_models import MOE, make_checkpoint
 
 import hf_parallel
-from hf_parallel.loading import checkpoint_files
+from hf_parallel.checkpoint.loading import checkpoint_files
 from hf_parallel.report import plan_report
 
 # per forward, 2 layers: attention output + experts per layer, + the vocab-parallel embedding; Qwen2-MoE's

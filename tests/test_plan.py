@@ -9,8 +9,9 @@ import transformers
 
 import hf_parallel
 from hf_parallel.api import build_empty
-from hf_parallel.plan import Plan, resolve_plan, validate_rule
-from hf_parallel.styles import STYLES, ParallelStyle
+from hf_parallel.tensor.plan import resolve_plan
+from hf_parallel.tensor.rules import Plan, validate_rule
+from hf_parallel.tensor.styles import STYLES, ParallelStyle
 
 
 def test_most_specific_rule_wins_whatever_the_order():
@@ -103,7 +104,7 @@ def test_register_style_and_plan(tiny_paths):
         model = meta_model(tiny_paths["starcoder2"])
         assert resolve_plan(model, "auto").source == "my plan"
     finally:
-        from hf_parallel import plan as plan_module
+        from hf_parallel.tensor import plan as plan_module
 
         plan_module._REGISTERED.pop("starcoder2")
         plan_module._FILES_LOADED = False

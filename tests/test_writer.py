@@ -5,7 +5,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from hf_parallel.writer import SafetensorsWriter
+from hf_parallel.checkpoint.writer import SafetensorsWriter
 
 
 def test_row_blocks_make_the_same_file_as_the_whole_tensor(tmp_path):

@@ -74,7 +74,7 @@ def make_checkpoint(name: str, root: str) -> str:
 def variant_plans() -> dict[str, tuple[str, dict]]:
     """Other plans over the same checkpoints: transformers' own plans (gathered outputs, split
     inputs), a sequence-parallel / hidden-parallel-embedding plan, and none at all."""
-    from hf_parallel.plan import curated_plan_for
+    from hf_parallel.tensor.plan import curated_plan_for
 
     llama_rules, _ = curated_plan_for("llama")
     return {

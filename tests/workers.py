@@ -48,7 +48,7 @@ def compare_tp(
     forward, and a save (``distributed``: per-rank files). ``encoder``: AutoModel and its last hidden
     state instead of logits."""
     import hf_parallel
-    from hf_parallel import comm
+    from hf_parallel.distributed import comm
 
     auto = hf_parallel.AutoModel if encoder else hf_parallel.AutoModelForCausalLM
     results = {}
@@ -117,7 +117,7 @@ def _mapped_safetensors() -> list[tuple[int, int]]:
 def count_bytes_read(rank: int, world_size: int, path: str) -> dict:
     """Bytes the loader requested per checkpoint key vs the bytes of this rank's shard."""
     import hf_parallel
-    from hf_parallel.loading import BYTES_READ
+    from hf_parallel.checkpoint.loading import BYTES_READ
 
     BYTES_READ.clear()
     model = hf_parallel.AutoModelForCausalLM.from_pretrained(path, tp_plan="auto", dtype=torch.float32)
@@ -144,28 +144,28 @@ def shm_collectives(rank: int, world_size: int) -> dict:
     """The shared-memory transport against gloo's own collectives on the same inputs."""
     import torch.distributed as dist
 
-    from hf_parallel import comm
-    from hf_parallel.mesh import get_mesh
-    from hf_parallel.shm import channel_for
+    from hf_parallel.distributed import comm
+    from hf_parallel.distributed.mesh import get_mesh
+    from hf_parallel.distributed.shm import channel_for
 
     mesh = get_mesh()
-    channel = channel_for(mesh.group)
+    channel = channel_for(mesh.tp.group)
     out = {"shm": channel is not None}
     gen = torch.Generator().manual_seed(rank)
     for dtype in (torch.float32, torch.bfloat16):
         x = torch.randn(3, 5, 7, generator=gen).to(dtype)
         want = x.clone()
         dist.all_reduce(want)
-        got = comm.all_reduce(x, mesh.group)
+        got = comm.all_reduce(x, mesh.tp.group)
         out[f"reduce_{dtype}"] = (got.float() - want.float()).abs().max().item()
         out[f"reduce_{dtype}_values"] = got.float().flatten().tolist()
     sizes = [r + 1 for r in range(world_size)]  # uneven: rank r holds r+1 columns
     local = torch.full((2, sizes[rank]), float(rank))
-    gathered = comm.all_gather(local, 1, sizes, mesh.group)
+    gathered = comm.all_gather(local, 1, sizes, mesh.tp.group)
     out["gather"] = gathered.tolist()
     seq = channel.seq
     big = torch.full((3 << 20,), float(rank + 1))  # 12 MB: more than a slot, so gloo carries it
-    out["big_sum"] = comm.all_reduce(big, mesh.group)[:: 1 << 20].tolist()
+    out["big_sum"] = comm.all_reduce(big, mesh.tp.group)[:: 1 << 20].tolist()
     out["big_used_shm"] = channel.seq != seq
     return out
 
@@ -177,7 +177,7 @@ def shm_rank_goes_missing(rank: int, world_size: int, timeout: float) -> dict:
     import torch.distributed as dist
 
     from hf_parallel import RankFailure, comm
-    from hf_parallel.mesh import get_mesh
+    from hf_parallel.distributed.mesh import get_mesh
 
     dist.init_process_group("gloo")  # gloo keeps its long timeout, for the teardown barrier
     os.environ["HF_PARALLEL_TIMEOUT"] = str(timeout)
@@ -187,7 +187,7 @@ def shm_rank_goes_missing(rank: int, world_size: int, timeout: float) -> dict:
         return {}
     start = time.monotonic()
     try:
-        comm.all_reduce(torch.ones(4), mesh.group)
+        comm.all_reduce(torch.ones(4), mesh.tp.group)
     except RankFailure as error:
         return {"error": str(error), "seconds": time.monotonic() - start}
     return {"error": None}
@@ -202,7 +202,7 @@ def peer_fails_during(rank: int, world_size: int, phase: str, how: str, path: st
     import torch.distributed as dist
 
     import hf_parallel
-    from hf_parallel.mesh import get_mesh
+    from hf_parallel.distributed.mesh import get_mesh
 
     os.environ["HF_PARALLEL_TIMEOUT"] = str(timeout)
     get_mesh()
@@ -255,7 +255,7 @@ def save_killed_midway(rank: int, world_size: int, path: str, out: str) -> dict:
     import signal
 
     import hf_parallel
-    from hf_parallel import writer
+    from hf_parallel.checkpoint import writer
 
     model = hf_parallel.AutoModelForCausalLM.from_pretrained(path, tp_plan="auto")
     if rank == 1:

@@ -15,7 +15,7 @@ import uuid
 
 import torch.distributed as dist
 
-from .errors import collective
+from ..distributed.faults import collective
 from .keys import FusedSource
 from .manifest import FORMAT, MANIFEST_FILE, VERSION, manifest_entry, rank_file_name
 from .saving import save_config, saved_entries, tensor_of
@@ -25,9 +25,9 @@ from .writer import SAFETENSORS_DTYPES, SafetensorsWriter
 
 def _save_id(mesh) -> str:
     ids = [uuid.uuid4().hex[:12]]
-    if mesh.group is not None:
+    if mesh.world.group is not None:
         with collective(f"agreeing on a save id (rank {mesh.rank})"):
-            dist.broadcast_object_list(ids, src=dist.get_global_rank(mesh.group, 0), group=mesh.group)
+            dist.broadcast_object_list(ids, group_src=0, group=mesh.world.group)
     return ids[0]
 
 
@@ -47,7 +47,8 @@ def save_distributed(model, out_dir: str) -> None:
     mesh = state.mesh
     entries = {_manifest_key(state.source_keys[e.name], e.name): e for e in saved_entries(model)}
     save_id = _save_id(mesh)
-    names = [rank_file_name(rank, mesh.world_size, save_id) for rank in range(mesh.world_size)]
+    tp = mesh.tp  # the layouts are written in TP ranks: one file per TP rank
+    names = [rank_file_name(rank, tp.size, save_id) for rank in range(tp.size)]
     mine = {
         key: tensor_of(model, e.name).detach()
         for key, e in entries.items()
@@ -56,7 +57,7 @@ def save_distributed(model, out_dir: str) -> None:
     os.makedirs(out_dir, exist_ok=True)
     with Staging(out_dir) as staging:
         writer = SafetensorsWriter(
-            staging.new_file(names[mesh.rank]), {k: (tuple(t.shape), t.dtype) for k, t in mine.items()}
+            staging.new_file(names[tp.rank]), {k: (tuple(t.shape), t.dtype) for k, t in mine.items()}
         )
         for key, tensor in mine.items():
             writer.write(key, tensor)
@@ -68,7 +69,7 @@ def save_distributed(model, out_dir: str) -> None:
         manifest = {
             "format": FORMAT,
             "version": VERSION,
-            "world_size": mesh.world_size,
+            "world_size": tp.size,
             "save_id": save_id,
             "files": names,
             "tensors": {

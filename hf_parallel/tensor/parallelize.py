@@ -11,14 +11,14 @@ import math
 import warnings
 from dataclasses import dataclass
 
-import torch.distributed as dist
 from torch import nn
 
+from ..distributed.mesh import Mesh
 from . import attention
-from .heads import HeadSplit, head_split_from_config
+from .heads import HeadSplit, head_split_from_config, split_heads
 from .layout import Layout, replicated
-from .mesh import Mesh
-from .plan import Plan, Rule, tie_embedding_rules
+from .plan import tie_embedding_rules
+from .rules import Plan, Rule
 from .styles import ShardContext
 
 
@@ -51,15 +51,12 @@ class ShardPlan:
 
 
 def _kv_group(heads: HeadSplit | None, mesh: Mesh):
-    """The subgroup of ranks sharing this rank's (replicated) KV head; every rank must create all."""
-    if heads is None or mesh.group is None:
+    """The subgroup of TP ranks sharing this rank's (replicated) KV head; every rank asks for it."""
+    if heads is None:
         return None
-    mine = None
-    for ranks in heads.kv_replica_groups():
-        group = dist.new_group(ranks)
-        if mesh.rank in ranks:
-            mine = group
-    return mine
+    return mesh.subgroup(
+        "tp", lambda size: split_heads(heads.num_heads, heads.num_kv_heads, heads.head_dim, size).kv_replica_groups()
+    )
 
 
 def shard_plan(model: nn.Module, plan: Plan, mesh: Mesh) -> ShardPlan:
@@ -68,7 +65,7 @@ def shard_plan(model: nn.Module, plan: Plan, mesh: Mesh) -> ShardPlan:
     modules = dict(model.named_modules())
     in_attention = {path for path in rules if attention.inside_attention(path, modules)}
     # heads matter only when attention is split: expert parallelism alone may use more ranks than heads
-    heads = head_split_from_config(model.config, mesh.world_size) if in_attention else None
+    heads = head_split_from_config(model.config, mesh.tp.size) if in_attention else None
     kv_group = _kv_group(heads, mesh)
     contexts = {path: ShardContext(mesh, heads if path in in_attention else None, kv_group) for path in rules}
 
@@ -102,7 +99,7 @@ def shard_plan(model: nn.Module, plan: Plan, mesh: Mesh) -> ShardPlan:
                     f"tied parameters {names} get different layouts from rules {rule.pattern!r} and {own.pattern!r}"
                 )
             layout, rule = found, own
-        layout = layout or replicated(mesh.world_size)
+        layout = layout or replicated(mesh.tp.size)
         _check_split(names[0], tuple(param.shape), layout, rule)
         for alias in names:
             params[alias] = ShardedParam(names[0], names, layout, rule, tuple(param.shape))
@@ -137,12 +134,12 @@ def install(model: nn.Module, shard: ShardPlan) -> None:
         if path in modules:  # parameter rules only set a layout; their module's style runs it
             rule.style.install(modules[path], shard.contexts[path], path, shard.layouts.get(path, {}))
     for module in _attention_on_local_heads(modules, shard.rules, shard.heads, shard.mesh):
-        attention.localize(module, shard.heads, shard.mesh.rank)
+        attention.localize(module, shard.heads, shard.mesh.tp.rank)
 
 
 def _attention_on_local_heads(modules: dict[str, nn.Module], rules: dict[str, Rule], heads, mesh: Mesh):
     """Attention modules whose own projections split heads: they must run on this rank's heads."""
-    if heads is None or mesh.world_size == 1:
+    if heads is None or mesh.tp.size == 1:
         return
     for path, module in modules.items():
         if not attention.is_attention(module):
@@ -160,7 +157,7 @@ def warn_unsharded_matrices(model: nn.Module, shard: ShardPlan) -> None:
     """Warn, with sizes, about replicated matrices at least twice as large as the smallest matrix
     the plan does split: usually a rule that is missing or misspelt, costing that memory on every
     rank. Position / token-type embeddings (not the vocabulary) are replicated by design."""
-    if shard.mesh.world_size == 1:
+    if shard.mesh.tp.size == 1:
         return
     vocab = model.get_input_embeddings()
     by_design = {
@@ -183,7 +180,7 @@ def warn_unsharded_matrices(model: nn.Module, shard: ShardPlan) -> None:
     listed = ", ".join(f"{e.name} {'x'.join(map(str, e.full_shape))} ({sizes[e.name] / 2**20:.2f} MiB)" for e in whole)
     warnings.warn(
         f"the plan ({shard.plan.source}) leaves {len(whole)} matrix(es) unsharded, each held whole on all "
-        f"{shard.mesh.world_size} ranks ({sum(sizes.values()) / 2**20:.2f} MiB per rank): {listed}. "
+        f"{shard.mesh.tp.size} ranks ({sum(sizes.values()) / 2**20:.2f} MiB per rank): {listed}. "
         "Add a rule for them if they should be split",
         UnshardedWarning,
         stacklevel=4,

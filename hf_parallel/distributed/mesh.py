@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .errors import collective, timeout_seconds
+from .faults import collective, timeout_seconds
 from .shm import attach, channel_for
 
 

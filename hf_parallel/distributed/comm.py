@@ -22,7 +22,7 @@ from collections import Counter
 import torch
 import torch.distributed as dist
 
-from .errors import collective
+from .faults import collective
 from .shm import channel_for
 
 COUNTS: Counter = Counter()  # op name -> calls;  op name + ":bytes" -> payload bytes

@@ -21,9 +21,9 @@ import os
 import torch
 from safetensors import SafetensorError, safe_open
 
+from ..tensor.layout import Layout
 from .errors import CheckpointError
 from .keys import FusedSource
-from .layout import Layout
 from .tiles import Tile, TiledTensor, as_slices
 from .writer import SAFETENSORS_DTYPES, SAFETENSORS_TO_TORCH
 

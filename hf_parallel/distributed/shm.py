@@ -24,7 +24,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .errors import RankFailure
+from .faults import RankFailure
 
 FLAG_STRIDE = 8  # int64s per flag: one 64-byte cache line each
 SLOT_BYTES = int(os.environ.get("HF_PARALLEL_SHM_SLOT_MB", "8")) << 20

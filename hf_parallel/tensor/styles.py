@@ -16,15 +16,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import comm
+from ..distributed import comm
+from ..distributed.mesh import Mesh
 from .heads import HeadSplit, in_units
 from .layout import Layout, chunks, even_sizes, packed, per_rank, sizes_to_ranges
-from .mesh import Mesh
 
 
 @dataclass(frozen=True)
 class ShardContext:
-    """What a style needs to know beyond the module: ranks, and head alignment if in attention."""
+    """What a style needs to know beyond the module: the tensor-parallel ranks it splits over (the
+    mesh's ``tp`` dimension), and head alignment if in attention."""
 
     mesh: Mesh
     heads: HeadSplit | None = None  # set for modules inside an attention block
@@ -33,12 +34,21 @@ class ShardContext:
 
     def even_ranges(self, size: int) -> list[tuple[int, int]]:
         """As even as possible, in whole units (when there are enough of them for every rank)."""
-        unit = self.unit if size % self.unit == 0 and size // self.unit >= self.mesh.world_size else 1
-        return sizes_to_ranges(even_sizes(size // unit, self.mesh.world_size), unit)
+        unit = self.unit if size % self.unit == 0 and size // self.unit >= self.size else 1
+        return sizes_to_ranges(even_sizes(size // unit, self.size), unit)
+
+    @property
+    def rank(self) -> int:
+        """This rank's index in the tensor-parallel group, which every layout is written in."""
+        return self.mesh.tp.rank
+
+    @property
+    def size(self) -> int:
+        return self.mesh.tp.size
 
     @property
     def group(self):
-        return self.mesh.group
+        return self.mesh.tp.group
 
 
 # torch's grouped_mm (transformers' default experts kernel) needs row strides of a multiple of 16
@@ -250,9 +260,9 @@ class Colwise(ParallelStyle):
         layout = layouts["weight"]
         sizes = [layout.local_size(r) for r in range(layout.world_size)]
         for attr, param_layout in layouts.items():
-            _sum_replicated_grads(getattr(module, attr), param_layout, ctx.mesh.rank, ctx.kv_group)
+            _sum_replicated_grads(getattr(module, attr), param_layout, ctx.rank, ctx.kv_group)
         if is_conv1d(module):
-            module.nf = sizes[ctx.mesh.rank]  # Conv1D reshapes its output to nf features
+            module.nf = sizes[ctx.rank]  # Conv1D reshapes its output to nf features
         module.register_forward_pre_hook(lambda m, args: (comm.copy_to(args[0], group), *args[1:]))
         if self.gather_output:
             module.register_forward_hook(lambda m, args, out: comm.gather_from(out, -1, sizes, group))
@@ -363,7 +373,7 @@ class MoETPExperts(ParallelStyle):
     def localize(self, module, ctx, layouts):
         """Set the module's sizes to the local ones; returns a remapping of expert ids, or None."""
         if "gate_up_proj" in layouts and hasattr(module, "intermediate_dim"):
-            module.intermediate_dim = layouts["gate_up_proj"].local_size(ctx.mesh.rank) // 2
+            module.intermediate_dim = layouts["gate_up_proj"].local_size(ctx.rank) // 2
         return None
 
     def install(self, module, ctx, name, layouts):
@@ -383,14 +393,14 @@ class MoETPExperts(ParallelStyle):
             for attr, _ in module.named_parameters(recurse=False)
             if attr not in layouts or layouts[attr].is_replicated
         ]
-        _add_once(module, whole, ctx.mesh.rank, group)
+        _add_once(module, whole, ctx.rank, group)
 
 
 class GroupedGemm(ParallelStyle):
     """A stacked expert parameter [E, ...] under expert parallelism: each rank holds whole experts."""
 
     def param_layout(self, owner, attr, ctx, name):
-        return chunks(0, even_sizes(owner.get_parameter(attr).shape[0], ctx.mesh.world_size))
+        return chunks(0, even_sizes(owner.get_parameter(attr).shape[0], ctx.size))
 
 
 class MoEEPExperts(MoETPExperts):
@@ -408,7 +418,7 @@ class MoEEPExperts(MoETPExperts):
 
     def localize(self, module, ctx, layouts):
         layout = next(layout for layout in layouts.values() if layout.dim == 0)
-        ((start, stop),) = layout.ranges[ctx.mesh.rank]
+        ((start, stop),) = layout.ranges[ctx.rank]
         local = stop - start
         module.num_experts, module._is_expert_parallel = local, True
 
@@ -423,11 +433,11 @@ class EmbeddingRowwise(ParallelStyle):
     """Vocab-parallel lookup: each rank embeds the ids in its vocab range, zeros the rest, all-reduce."""
 
     def layouts(self, module, ctx, name):
-        return {"weight": chunks(0, even_sizes(module.weight.shape[0], ctx.mesh.world_size))}
+        return {"weight": chunks(0, even_sizes(module.weight.shape[0], ctx.size))}
 
     def install(self, module, ctx, name, layouts):
         group = ctx.group
-        start, stop = layouts["weight"].ranges[ctx.mesh.rank][0]
+        start, stop = layouts["weight"].ranges[ctx.rank][0]
         if getattr(module, "padding_idx", None) is not None:  # its row gets no gradient: keep it global
             module.padding_idx = module.padding_idx - start if start <= module.padding_idx < stop else None
 
@@ -453,7 +463,7 @@ class EmbeddingColwise(ParallelStyle):
     """Hidden-dim-parallel lookup: each rank embeds its slice of the hidden dim, then all-gather."""
 
     def layouts(self, module, ctx, name):
-        return {"weight": chunks(1, even_sizes(module.weight.shape[1], ctx.mesh.world_size))}
+        return {"weight": chunks(1, even_sizes(module.weight.shape[1], ctx.size))}
 
     def install(self, module, ctx, name, layouts):
         layout = layouts["weight"]
@@ -467,7 +477,7 @@ class SequenceParallel(ParallelStyle):
     Parameters are replicated and their gradients summed, since each rank saw only its tokens."""
 
     def install(self, module, ctx, name, layouts):
-        group, ws = ctx.group, ctx.mesh.world_size
+        group, ws = ctx.group, ctx.size
         state = {}
 
         def scatter(m, args):
@@ -497,10 +507,10 @@ class ShardedRMSNorm(ParallelStyle):
         weights = torch.cat(
             [
                 torch.full((stop - start,), 1.0 / count)
-                for (start, stop), count in zip(layout.ranges[ctx.mesh.rank], layout.replica_counts(ctx.mesh.rank))
+                for (start, stop), count in zip(layout.ranges[ctx.rank], layout.replica_counts(ctx.rank))
             ]
         )
-        _sum_replicated_grads(module.weight, layout, ctx.mesh.rank, ctx.kv_group)
+        _sum_replicated_grads(module.weight, layout, ctx.rank, ctx.kv_group)
 
         def forward(hidden_states):
             dtype = hidden_states.dtype

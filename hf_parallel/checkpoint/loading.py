@@ -32,12 +32,13 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 from tqdm.auto import tqdm
 
+from ..distributed.faults import collective
+from ..tensor.layout import replicated
+from ..tensor.parallelize import ShardPlan
 from . import hugepages
-from .errors import CheckpointError, collective
+from .errors import CheckpointError
 from .keys import FusedSource, checkpoint_sources, expert_shape
-from .layout import replicated
 from .manifest import MANIFEST_FILE, DistributedCheckpoint
-from .parallelize import ShardPlan
 from .tiles import Tile, TiledTensor, as_slices
 from .writer import SAFETENSORS_TO_TORCH
 
@@ -176,13 +177,13 @@ def _header_digest(file: str) -> str:
 def check_same_checkpoint(path: str, files: dict[str, str], mesh) -> None:
     """Every rank must read the same checkpoint; one that sees other files (a stale copy on a
     node, another path) would silently assemble a model from two. Compares hashed headers."""
-    if mesh.group is None:
+    if mesh.world.group is None:
         return
     config = os.path.join(path, "config.json")
     mine = {os.path.basename(f): _header_digest(f) for f in sorted(set(files.values()) | {config}) if os.path.isfile(f)}
     everyone = [None] * mesh.world_size
     with collective(f"{path}: comparing checkpoint headers across ranks (rank {mesh.rank})"):
-        dist.all_gather_object(everyone, mine, group=mesh.group)
+        dist.all_gather_object(everyone, mine, group=mesh.world.group)
     for rank, theirs in enumerate(everyone[1:], start=1):
         differ = sorted(name for name in set(theirs) | set(everyone[0]) if theirs.get(name) != everyone[0].get(name))
         if differ:
@@ -325,7 +326,7 @@ def load_weights(
     and buffer name -> key for the buffers read, which saving uses to write the source's names and form."""
     files = checkpoint_files(path, allow_pickle)
     check_same_checkpoint(path, files, shard.mesh)
-    rank = shard.mesh.rank
+    rank = shard.mesh.tp.rank
     key_of, fused_of = checkpoint_sources(model, files)
     sources, missing = {}, []
     for entry in shard.unique_params():

@@ -20,12 +20,12 @@ import torch.distributed as dist
 from huggingface_hub import split_state_dict_into_shards_factory
 from tqdm.auto import tqdm
 
-from .errors import collective
+from ..distributed.faults import collective
+from ..distributed.mesh import Dim
+from ..tensor.layout import Layout, replicated
+from ..tensor.parallelize import ShardedParam
 from .keys import FusedSource, expert_shape
-from .layout import Layout, replicated
 from .loading import INDEX_FILE
-from .mesh import Mesh
-from .parallelize import ShardedParam
 from .staging import Staging, remove_stale
 from .tiles import Box, as_slices, box_shape
 from .writer import SafetensorsWriter, nbytes
@@ -51,29 +51,31 @@ class Scratch:
 
 
 def gather_block(
-    local: torch.Tensor, layout: Layout, box: Box, mesh: Mesh, name: str, scratch: tuple[Scratch, Scratch]
+    local: torch.Tensor, layout: Layout, box: Box, tp: Dim, name: str, scratch: tuple[Scratch, Scratch]
 ) -> torch.Tensor | None:
-    """The ``box`` of the full tensor on rank 0 (None elsewhere), in ``scratch[0]``. Every rank
-    sends only its runs of the box (``Layout.holders``); rank 0 places each as it arrives,
-    receiving straight into the block where the run is contiguous, else through ``scratch[1]``."""
-    if layout.is_replicated or mesh.world_size == 1:
-        return local.detach()[as_slices(box)].cpu() if mesh.is_main else None
+    """The ``box`` of the full tensor on the TP group's first rank (None elsewhere), in
+    ``scratch[0]``. Every rank sends only its runs of the box (``Layout.holders``); the first rank
+    places each as it arrives, receiving straight into the block where the run is contiguous,
+    else through ``scratch[1]``."""
+    first = tp.rank == 0
+    if layout.is_replicated or tp.size == 1:
+        return local.detach()[as_slices(box)].cpu() if first else None
     dim, (box_start, box_stop) = layout.dim, box[layout.dim]
-    out = scratch[0].take(box_shape(box), local.dtype) if mesh.is_main else None
+    out = scratch[0].take(box_shape(box), local.dtype) if first else None
     for rank, start, stop, local_start in layout.holders(box_start, box_stop):
-        if mesh.rank not in (0, rank):
+        if tp.rank not in (0, rank):
             continue
-        if rank == mesh.rank:
+        if rank == tp.rank:
             part = local.detach()[as_slices(box[:dim] + ((local_start, local_start + stop - start),) + box[dim + 1 :])]
-            if not mesh.is_main:
-                with collective(f"sending {name} from rank {rank} to rank 0"):
-                    dist.send(part.cpu().contiguous(), dst=0, group=mesh.group)
+            if not first:
+                with collective(f"sending {name} from TP rank {rank} to TP rank 0"):
+                    dist.send(part.cpu().contiguous(), group_dst=0, group=tp.group)
                 continue
         target = out.narrow(dim, start - box_start, stop - start)
         if rank != 0:
             part = target if target.is_contiguous() else scratch[1].take(target.shape, out.dtype)
-            with collective(f"receiving {name} from rank {rank} on rank 0"):
-                dist.recv(part, src=rank, group=mesh.group)
+            with collective(f"receiving {name} from TP rank {rank} on TP rank 0"):
+                dist.recv(part, group_src=rank, group=tp.group)
         if part is not target:
             target.copy_(part)
     return out
@@ -151,7 +153,7 @@ def saved_entries(model) -> list[ShardedParam]:
     state = model._hf_parallel
     buffers = [n for n in state.source_keys if n not in state.shard.params and _is_persistent_buffer(model, n)]
     return state.shard.unique_params() + [
-        ShardedParam(name, (name,), replicated(state.mesh.world_size), None, tuple(model.get_buffer(name).shape))
+        ShardedParam(name, (name,), replicated(state.mesh.tp.size), None, tuple(model.get_buffer(name).shape))
         for name in buffers
     ]
 
@@ -196,7 +198,7 @@ def save_sharded(model, out_dir: str, max_shard_size="50GB") -> None:
             entry, box = targets[key]
             local = tensor_of(model, entry.name)
             blocks = (
-                gather_block(local, entry.layout, block, mesh, entry.name, scratch)
+                gather_block(local, entry.layout, block, mesh.tp, entry.name, scratch)
                 for block in row_blocks(entry.full_shape, box, local.dtype)
             )
             if not mesh.is_main:

@@ -24,7 +24,7 @@ from torch import nn
 
 from . import attention
 from .heads import head_split_from_config
-from .plan import compile_pattern
+from .rules import compile_pattern
 from .styles import is_conv1d
 
 QKV_NAMES = {"q_proj", "k_proj", "v_proj", "query", "key", "value", "q", "k", "v", "wq", "wk", "wv"}
