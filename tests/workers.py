@@ -176,7 +176,8 @@ def shm_rank_goes_missing(rank: int, world_size: int, timeout: float) -> dict:
 
     import torch.distributed as dist
 
-    from hf_parallel import RankFailure, comm
+    from hf_parallel import RankFailure
+    from hf_parallel.distributed import comm
     from hf_parallel.distributed.mesh import get_mesh
 
     dist.init_process_group("gloo")  # gloo keeps its long timeout, for the teardown barrier
@@ -382,3 +383,27 @@ def save_memory(rank: int, world_size: int, path: str, out: str) -> dict:
     model.save_pretrained(os.path.join(out, "distributed"), distributed=True)  # for consolidation
     largest = max(math.prod(entry.full_shape) * 4 for entry in model._hf_parallel.shard.unique_params())
     return {"added": added, "largest_full_tensor": largest}
+
+
+def mesh_groups(rank: int, world_size: int, sizes: dict) -> dict:
+    """Each dimension's group of this rank, proved by an all-reduce of the global ranks over it;
+    and that asking again returns the same mesh (its groups are created once)."""
+    from hf_parallel.distributed import comm
+    from hf_parallel.distributed.mesh import get_mesh
+    from hf_parallel.distributed.shm import channel_for
+
+    mesh = get_mesh(**sizes)
+    out = {"printed": str(mesh), "same_mesh": get_mesh(**sizes) is mesh, "stage": mesh.stage}
+    for dim in ("world", "pp", "tp", "sp", "ep"):
+        d = mesh[dim]
+        out[dim] = {
+            "ranks": list(d.ranks),
+            "rank": d.rank,
+            "sum": comm.all_reduce(torch.tensor([float(rank)]), d.group).item(),
+            "shm": d.group is not None and channel_for(d.group) is not None,
+        }
+    # ranks 0 and 1 of every TP group form a subgroup (as ranks sharing a KV head do)
+    group = mesh.subgroup("tp", lambda size: [[0, 1]] if size > 1 else [])
+    out["subgroup_sum"] = None if group is None else comm.all_reduce(torch.tensor([float(rank)]), group).item()
+    out["subgroup_again"] = mesh.subgroup("tp", lambda size: [[0, 1]] if size > 1 else []) is group
+    return out

@@ -68,13 +68,13 @@ def gather_block(
         if rank == tp.rank:
             part = local.detach()[as_slices(box[:dim] + ((local_start, local_start + stop - start),) + box[dim + 1 :])]
             if not first:
-                with collective(f"sending {name} from TP rank {rank} to TP rank 0"):
+                with collective(f"sending {name} from rank {tp.ranks[rank]} to rank {tp.ranks[0]}"):
                     dist.send(part.cpu().contiguous(), group_dst=0, group=tp.group)
                 continue
         target = out.narrow(dim, start - box_start, stop - start)
         if rank != 0:
             part = target if target.is_contiguous() else scratch[1].take(target.shape, out.dtype)
-            with collective(f"receiving {name} from TP rank {rank} on TP rank 0"):
+            with collective(f"receiving {name} from rank {tp.ranks[rank]} on rank {tp.ranks[0]}"):
                 dist.recv(part, group_src=rank, group=tp.group)
         if part is not target:
             target.copy_(part)

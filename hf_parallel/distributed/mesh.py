@@ -1,7 +1,15 @@
-"""The tensor-parallel process group, created from the torchrun environment.
+"""One mesh for every dimension: the process groups of pipeline stages, sequence and tensor parallelism.
 
-Deep code never reads the environment: it receives a ``Mesh``. Outside torchrun (no WORLD_SIZE)
-the mesh is a single rank with no process group, and every collective is the identity.
+The world is ``pp x sp x tp``: the ranks of one TP group are adjacent, TP groups sit inside SP
+groups, and each pipeline stage is a contiguous run of ranks. With a TP size per stage
+(``stage_tp_sizes``: variable tensor parallelism) stage i holds ``sp * stage_tp_sizes[i]`` ranks
+and the world is their sum. Expert parallelism spreads experts over the ranks of the TP group, so
+``ep`` is that group.
+
+Every process group is created here, once per mesh shape, in the same order on every rank
+(``new_group`` is collective over the whole world); everything else asks the mesh for a group by
+name. Deep code never reads the environment: it receives a ``Mesh``. Outside torchrun (no
+WORLD_SIZE) every dimension has one rank and no process group, and every collective is the identity.
 """
 
 from __future__ import annotations
@@ -16,27 +24,217 @@ import torch.distributed as dist
 from .faults import collective, timeout_seconds
 from .shm import attach, channel_for
 
+DIMS = ("pp", "tp", "sp")  # the order a mesh prints in, and creates its groups in
+SHM_DIMS = ("tp", "sp")  # groups that carry activations: given a shared-memory channel on one host
+
 
 @dataclass(frozen=True)
+class Dim:
+    """One dimension's group as this rank sees it."""
+
+    name: str
+    rank: int  # this rank's index in the group
+    ranks: tuple[int, ...]  # the group's global ranks, in group order
+    group: object | None  # the process group; None when it has one rank or there are no processes
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+
+@dataclass(frozen=True)
+class MeshShape:
+    """The sizes of a mesh and which global ranks each of its groups holds (no processes needed)."""
+
+    stage_tp_sizes: tuple[int, ...]
+    sp: int = 1
+
+    @classmethod
+    def of(cls, world_size: int, tp_size=None, sp_size=1, pp_size=1, stage_tp_sizes=None) -> MeshShape:
+        """The shape the user asked for, checked against the world size; ``tp_size=None`` takes
+        whatever the other dimensions leave."""
+        for name, value in (("tp_size", tp_size), ("sp_size", sp_size), ("pp_size", pp_size)):
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name}={value!r}: every mesh dimension needs a whole number of ranks, at least 1")
+        if stage_tp_sizes is not None:
+            stages = tuple(stage_tp_sizes)
+            if not stages or not all(isinstance(t, int) and t >= 1 for t in stages):
+                raise ValueError(f"stage_tp_sizes={stage_tp_sizes!r}: one TP size of at least 1 per pipeline stage")
+            if tp_size is not None or pp_size not in (1, len(stages)):
+                raise ValueError(
+                    f"stage_tp_sizes={list(stages)} gives every stage its TP size; leave tp_size unset and "
+                    f"pp_size at {len(stages)} (got tp_size={tp_size}, pp_size={pp_size})"
+                )
+        else:
+            if tp_size is None:
+                if world_size % (sp_size * pp_size):
+                    raise ValueError(
+                        f"world size {world_size} is not a multiple of pp_size x sp_size = {pp_size} x {sp_size}"
+                    )
+                tp_size = world_size // (sp_size * pp_size)
+            stages = (tp_size,) * pp_size
+        shape = cls(stages, sp_size)
+        if shape.world_size != world_size:
+            needs = (
+                f"sp_size x sum(stage_tp_sizes) = {sp_size} x {sum(stages)}"
+                if stage_tp_sizes is not None
+                else f"pp_size x sp_size x tp_size = {pp_size} x {sp_size} x {stages[0]}"
+            )
+            raise ValueError(
+                f"{_asked(tp_size=tp_size, sp_size=sp_size, pp_size=pp_size, stage_tp_sizes=stage_tp_sizes)} was "
+                f"asked for, but the process group has world size {world_size} (the mesh needs {needs} = "
+                f"{shape.world_size} ranks)"
+            )
+        return shape
+
+    @property
+    def world_size(self) -> int:
+        return self.sp * sum(self.stage_tp_sizes)
+
+    def _first(self, stage: int) -> int:
+        return self.sp * sum(self.stage_tp_sizes[:stage])
+
+    def global_rank(self, stage: int, sp: int, tp: int) -> int:
+        return self._first(stage) + sp * self.stage_tp_sizes[stage] + tp
+
+    def position(self, rank: int) -> tuple[int, int, int]:
+        """(stage, sp index, tp index) of a global rank."""
+        for stage, tp in enumerate(self.stage_tp_sizes):
+            offset = rank - self._first(stage)
+            if offset < self.sp * tp:
+                return stage, offset // tp, offset % tp
+        raise ValueError(f"rank {rank} is outside a mesh of {self.world_size} ranks")
+
+    def stage_ranks(self, stage: int) -> tuple[int, ...]:
+        return tuple(range(self._first(stage), self._first(stage + 1)))
+
+    def groups(self, dim: str) -> list[tuple[int, ...]]:
+        """Every group of ``dim``, in the order every rank creates them. ``pp`` joins the ranks at
+        the same (sp, tp) position of every stage; under variable TP only the positions every stage
+        has (tp index below the smallest stage's TP size), and a rank past them pipes through no group."""
+        stages = range(len(self.stage_tp_sizes))
+        if dim == "world":
+            return [tuple(range(self.world_size))]
+        if dim == "tp":
+            return [
+                tuple(self.global_rank(st, s, t) for t in range(self.stage_tp_sizes[st]))
+                for st in stages
+                for s in range(self.sp)
+            ]
+        if dim == "sp":
+            return [
+                tuple(self.global_rank(st, s, t) for s in range(self.sp))
+                for st in stages
+                for t in range(self.stage_tp_sizes[st])
+            ]
+        if dim == "pp":
+            return [
+                tuple(self.global_rank(st, s, t) for st in stages)
+                for s in range(self.sp)
+                for t in range(min(self.stage_tp_sizes))
+            ]
+        raise ValueError(f"unknown mesh dimension {dim!r}; the mesh has world, pp, tp, sp and ep")
+
+
 class Mesh:
-    group: object | None
-    rank: int
-    world_size: int
-    device: torch.device
+    """Every dimension's group for this rank: ``mesh.tp``, ``mesh.sp``, ``mesh.pp``, ``mesh.ep``,
+    ``mesh.world``, or ``mesh[name]``."""
+
+    def __init__(self, shape: MeshShape, rank: int, device: torch.device, groups: dict[tuple[int, ...], object]):
+        self.shape, self.rank, self.device = shape, rank, device
+        self._groups = groups  # ranks -> process group (only the groups this rank belongs to)
+        self._subgroups: dict = {}
+        self.dims = {dim: self._dim(dim, shape.groups(dim)) for dim in ("world", *DIMS)}
+
+    def _dim(self, name: str, groups: list[tuple[int, ...]]) -> Dim:
+        mine = next((ranks for ranks in groups if self.rank in ranks), (self.rank,))
+        return Dim(name, mine.index(self.rank), mine, self._groups.get(mine) if len(mine) > 1 else None)
+
+    @classmethod
+    def dry_run(cls, **sizes) -> Mesh:
+        """Rank 0's view of a mesh with no processes (``hf-parallel plan``): sizes, no groups."""
+        shape = MeshShape.of(_requested_world(sizes), **sizes)
+        return cls(shape, 0, torch.device("cpu"), {})
+
+    def __getitem__(self, name: str) -> Dim:
+        if name == "ep":
+            return self.dims["tp"]
+        if name not in self.dims:
+            raise KeyError(f"unknown mesh dimension {name!r}; the mesh has {', '.join([*self.dims, 'ep'])}")
+        return self.dims[name]
+
+    tp = property(lambda self: self["tp"])
+    sp = property(lambda self: self["sp"])
+    pp = property(lambda self: self["pp"])
+    ep = property(lambda self: self["ep"])
+    world = property(lambda self: self["world"])
+
+    @property
+    def world_size(self) -> int:
+        return self.shape.world_size
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
 
+    @property
+    def stage(self) -> int:
+        return self.shape.position(self.rank)[0]
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.shape.stage_tp_sizes)
+
+    def stage_ranks(self, stage: int) -> tuple[int, ...]:
+        return self.shape.stage_ranks(stage)
+
     def barrier(self) -> None:
-        if self.group is not None:
+        group = self.world.group
+        if group is not None:
             with collective(f"barrier on rank {self.rank}"):
-                dist.barrier(group=self.group)
+                dist.barrier(group=group)
+
+    def subgroup(self, dim: str, partition) -> object | None:
+        """This rank's part of its ``dim`` group, split by ``partition(size)`` (lists of indices
+        into a group of that size; e.g. the ranks sharing a replicated KV head). Collective: every
+        rank calls it with the same partition; the groups are created once per partition."""
+        if not self._groups:  # one rank, or a dry run: no processes to group
+            return None
+        parts = [
+            tuple(tuple(ranks[i] for i in part) for part in partition(len(ranks))) for ranks in self.shape.groups(dim)
+        ]
+        key = (dim, tuple(parts))
+        if key not in self._subgroups:
+            mine = None
+            for members in (members for group_parts in parts for members in group_parts):
+                group = self._new_group(members)
+                if self.rank in members:
+                    mine = group
+            self._subgroups[key] = mine
+        return self._subgroups[key]
+
+    def _new_group(self, ranks: tuple[int, ...]):
+        if len(ranks) < 2:
+            return None
+        if len(ranks) == self.world_size:
+            return dist.group.WORLD
+        return dist.new_group(list(ranks), timeout=default_timeout())
+
+    def __str__(self) -> str:
+        """``rank 3: pp 1/2, tp 1/2, sp 0/1``: this rank's stage, then its index in each group."""
+        where = {"pp": (self.stage, self.num_stages), **{d: (self[d].rank, self[d].size) for d in ("tp", "sp")}}
+        return f"rank {self.rank}: " + ", ".join(f"{d} {i}/{n}" for d, (i, n) in where.items())
+
+    __repr__ = __str__
+
+
+_MESHES: dict[MeshShape, Mesh] = {}  # one mesh (and one set of process groups) per shape
 
 
 def shutdown() -> None:
     """Leave the process group together, before interpreter exit: gloo aborts the process when its
     threads are torn down during finalization or while a peer is still mid-collective."""
+    _MESHES.clear()
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
@@ -46,28 +244,69 @@ def default_timeout() -> datetime.timedelta:
     return datetime.timedelta(seconds=timeout_seconds())
 
 
-def get_mesh(tp_size: int | None = None, timeout: datetime.timedelta | None = None) -> Mesh:
-    """Join (or create) the default process group; gloo on CPU, nccl on CUDA."""
+def _asked(**sizes) -> str:
+    return ", ".join(f"{name}={value}" for name, value in sizes.items() if value not in (None, 1)) or "one rank"
+
+
+def _requested_world(sizes: dict) -> int:
+    if sizes.get("stage_tp_sizes") is not None:
+        return sizes.get("sp_size", 1) * sum(sizes["stage_tp_sizes"])
+    return (sizes.get("tp_size") or 1) * sizes.get("sp_size", 1) * sizes.get("pp_size", 1)
+
+
+def get_mesh(
+    tp_size: int | None = None,
+    *,
+    sp_size: int = 1,
+    pp_size: int = 1,
+    stage_tp_sizes=None,
+    timeout: datetime.timedelta | None = None,
+) -> Mesh:
+    """The mesh of this shape over torchrun's ranks, joining (or creating) the default process
+    group first: gloo on CPU, nccl on CUDA. Its groups are created on the first call."""
+    sizes = dict(tp_size=tp_size, sp_size=sp_size, pp_size=pp_size, stage_tp_sizes=stage_tp_sizes)
     if not dist.is_initialized():
         if int(os.environ.get("WORLD_SIZE", "1")) == 1:
-            if tp_size not in (None, 1):
+            MeshShape.of(_requested_world(sizes), **sizes)  # malformed sizes: the same errors as under torchrun
+            if _requested_world(sizes) != 1:
                 raise ValueError(
-                    f"tp_size={tp_size} was asked for, but this process was not started by torchrun (WORLD_SIZE is unset or 1)"
+                    f"{_asked(**sizes)} was asked for, but this process was not started by torchrun "
+                    "(WORLD_SIZE is unset or 1)"
                 )
-            return Mesh(None, 0, 1, torch.device("cpu"))
+            return Mesh(MeshShape((1,)), 0, torch.device("cpu"), {})
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         with collective(f"joining the process group (rank {os.environ.get('RANK')} of {os.environ['WORLD_SIZE']})"):
             dist.init_process_group(backend=backend, timeout=timeout or default_timeout())
-    world_size = dist.get_world_size()
-    if tp_size not in (None, world_size):
-        raise ValueError(f"tp_size={tp_size} was asked for, but the process group has world size {world_size}")
+    shape = MeshShape.of(dist.get_world_size(), **sizes)
+    if shape not in _MESHES:
+        _MESHES[shape] = _create(shape, timeout or default_timeout())
+    return _MESHES[shape]
+
+
+def _create(shape: MeshShape, timeout: datetime.timedelta) -> Mesh:
     rank = dist.get_rank()
     device = torch.device("cpu")
     if torch.cuda.is_available() and dist.get_backend() == "nccl":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
         torch.cuda.set_device(device)
-    group = dist.group.WORLD if world_size > 1 else None
-    if group is not None and device.type == "cpu" and channel_for(group) is None:
-        with collective(f"setting up shared-memory collectives on rank {rank}"):
-            attach(group, rank, world_size, timeout=(timeout or default_timeout()).total_seconds())
-    return Mesh(group, rank, world_size, device)
+    groups = {}
+    with collective(f"creating the process groups of the mesh on rank {rank}"):
+        for dim in ("world", *DIMS):  # the same order on every rank: new_group is collective over the world
+            for ranks in shape.groups(dim):
+                if len(ranks) < 2 or ranks in groups:
+                    continue
+                group = (
+                    dist.group.WORLD if len(ranks) == shape.world_size else dist.new_group(list(ranks), timeout=timeout)
+                )
+                if rank in ranks:
+                    groups[ranks] = group
+                else:
+                    groups.setdefault(ranks, None)
+    mesh = Mesh(shape, rank, device, {ranks: g for ranks, g in groups.items() if g is not None})
+    if device.type == "cpu":
+        for dim in SHM_DIMS:  # in a fixed order: attaching is collective over each group
+            d = mesh[dim]
+            if d.group is not None and channel_for(d.group) is None:
+                with collective(f"setting up shared-memory collectives for {dim} on rank {rank}"):
+                    attach(d.group, d.rank, d.size, timeout=timeout.total_seconds())
+    return mesh
