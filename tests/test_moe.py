@@ -10,6 +10,7 @@ import torch
 import transformers
 import workers
 from checks import assert_same_checkpoint
+from conftest import once_per_world_size
 from distributed import run_ranks
 from tiny_models import MOE, make_checkpoint
 
@@ -30,20 +31,16 @@ def moe_paths(tiny_root):
 
 @pytest.fixture(scope="module")
 def moe_results(moe_paths, tmp_path_factory):
-    cache = {}
+    def run(world_size):
+        root = tmp_path_factory.mktemp(f"moe{world_size}")
+        cases = {name: (path, "auto") for name, path in moe_paths.items()}
+        ranks = run_ranks(world_size, workers.compare_tp, cases, str(root / "saved"), out_dir=str(root / "r"))
+        dist = run_ranks(
+            world_size, workers.compare_tp, cases, str(root / "dist"), False, True, out_dir=str(root / "d")
+        )
+        return ranks, dist, root
 
-    def get(world_size):
-        if world_size not in cache:
-            root = tmp_path_factory.mktemp(f"moe{world_size}")
-            cases = {name: (path, "auto") for name, path in moe_paths.items()}
-            ranks = run_ranks(world_size, workers.compare_tp, cases, str(root / "saved"), out_dir=str(root / "r"))
-            dist = run_ranks(
-                world_size, workers.compare_tp, cases, str(root / "dist"), False, True, out_dir=str(root / "d")
-            )
-            cache[world_size] = (ranks, dist, root)
-        return cache[world_size]
-
-    return get
+    return once_per_world_size(run)
 
 
 def test_checkpoints_hold_per_expert_keys(moe_paths):

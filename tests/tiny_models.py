@@ -46,6 +46,21 @@ MOE = {  # per-expert keys on disk, fused 3-D experts in memory
 ENCODERS = {  # AutoModel checkpoints (last hidden state compared instead of logits)
     "bert": ("BertConfig", dict(hidden_size=48, num_attention_heads=6, intermediate_size=80, max_position_embeddings=64)),  # noqa: E501
 }
+# Config traps: attributes a family never reads, aliases, explicit head sizes, multi-query, partial rotary.
+# The heads must come from what each model computes with (hf_parallel/tensor/geometry.py), never a wrong number.
+TRAPS = {
+    "gpt2_stray_kv": ("GPT2Config", dict(n_embd=48, n_head=6, n_inner=80, num_key_value_heads=2, intermediate_size=128)),  # noqa: E501
+    "gpt_neox_stray_kv": ("GPTNeoXConfig", dict(hidden_size=48, intermediate_size=80, num_attention_heads=6, num_key_value_heads=2, tie_word_embeddings=False)),  # noqa: E501
+    "bloom_stray_kv": ("BloomConfig", dict(hidden_size=48, n_head=6, num_key_value_heads=2, intermediate_size=128)),  # noqa: E501
+    "gptj_aliases": ("GPTJConfig", dict(hidden_size=48, num_attention_heads=6, rotary_dim=4, n_inner=80, tie_word_embeddings=False)),  # noqa: E501
+    "gpt2_kv_none": ("GPT2Config", dict(n_embd=48, n_head=6, n_inner=80, num_key_value_heads=None)),
+    "llama_head_dim_not_hidden_over_heads": ("LlamaConfig", dict(hidden_size=48, intermediate_size=80, num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False)),  # noqa: E501
+    "llama_kv_none": ("LlamaConfig", dict(hidden_size=48, intermediate_size=80, num_attention_heads=6, num_key_value_heads=None, tie_word_embeddings=False)),  # noqa: E501
+    "llama_multi_query": ("LlamaConfig", dict(hidden_size=48, intermediate_size=80, num_attention_heads=6, num_key_value_heads=1, tie_word_embeddings=False)),  # noqa: E501
+    "gpt_bigcode_multi_query": ("GPTBigCodeConfig", dict(n_embd=48, n_head=6, n_inner=80, multi_query=True)),
+    "phi_partial_rotary": ("PhiConfig", dict(hidden_size=48, intermediate_size=80, num_attention_heads=6, partial_rotary_factor=0.5, tie_word_embeddings=False)),  # noqa: E501
+    "stablelm_partial_rotary": ("StableLmConfig", dict(hidden_size=48, intermediate_size=80, num_attention_heads=6, num_key_value_heads=3, partial_rotary_factor=0.5, num_key_value_groups=7)),  # noqa: E501
+}
 DISCOVERED = ["gpt2", "opt", "falcon_new", "falcon_multi_query", "falcon_alibi", "bloom", "gptj", "stablelm"]
 # fmt: on
 
@@ -55,7 +70,7 @@ def make_checkpoint(name: str, root: str) -> str:
     path = os.path.join(root, name)
     if os.path.isfile(os.path.join(path, "config.json")):
         return path
-    class_name, overrides = {**ARCHS, **MOE, **ENCODERS}[name]
+    class_name, overrides = {**ARCHS, **MOE, **ENCODERS, **TRAPS}[name]
     config = getattr(transformers, class_name)(**{**COMMON, **overrides})
     torch.manual_seed(sum(map(ord, name)))
     auto = transformers.AutoModel if name in ENCODERS else transformers.AutoModelForCausalLM

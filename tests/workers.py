@@ -407,3 +407,26 @@ def mesh_groups(rank: int, world_size: int, sizes: dict) -> dict:
     out["subgroup_sum"] = None if group is None else comm.all_reduce(torch.tensor([float(rank)]), group).item()
     out["subgroup_again"] = mesh.subgroup("tp", lambda size: [[0, 1]] if size > 1 else []) is group
     return out
+
+
+def verify_with_a_broken_layer(rank: int, world_size: int, path: str) -> dict | None:
+    """hf-parallel verify on a plan whose layer 1 output projection keeps each rank's partial sum
+    (a registered style that forgot its all-reduce): wrong numbers and no error, from layer 1 on."""
+    import torch.nn.functional as F
+
+    from hf_parallel import register_style
+    from hf_parallel.tensor.plan import curated_plan_for
+    from hf_parallel.tensor.styles import Rowwise
+    from hf_parallel.verify import verify
+
+    class RowwiseWithoutSum(Rowwise):
+        def install(self, module, ctx, name, layouts):
+            module.forward = lambda x, *args, **kwargs: F.linear(x, module.weight)
+
+    register_style("rowwise_without_sum", RowwiseWithoutSum(), overwrite=True)
+    rules = {**curated_plan_for("llama")[0], "layers.1.self_attn.o_proj": "rowwise_without_sum"}
+    report = verify(path, tp_plan=rules)
+    if report is None:
+        return None
+    first = report.first_divergence
+    return {"first": first.name, "rows": {row.name: row.relative for row in report.rows}, "text": str(report)}

@@ -33,11 +33,17 @@ def is_attention(module: nn.Module) -> bool:
     return type(module).__name__.endswith("Attention")
 
 
-def inside_attention(path: str, modules: dict[str, nn.Module]) -> bool:
-    """Whether some ancestor of ``path`` is an attention module (BERT's output projection sits in
+def attention_root(path: str, modules: dict[str, nn.Module]) -> str | None:
+    """The outermost attention module above ``path``, if any (BERT's output projection sits in
     ``attention.output``, beside the self-attention, not inside it)."""
     parts = path.split(".")
-    return any(is_attention(modules.get(".".join(parts[:i]))) for i in range(1, len(parts)))
+    return next(
+        (".".join(parts[:i]) for i in range(1, len(parts)) if is_attention(modules.get(".".join(parts[:i])))), None
+    )
+
+
+def inside_attention(path: str, modules: dict[str, nn.Module]) -> bool:
+    return attention_root(path, modules) is not None
 
 
 def check_localizable(module: nn.Module, heads: HeadSplit) -> None:

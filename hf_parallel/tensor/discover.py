@@ -23,13 +23,9 @@ from dataclasses import dataclass
 from torch import nn
 
 from . import attention
-from .heads import head_split_from_config
+from .geometry import FUSED_QKV_NAMES, OUT_NAMES, QKV_NAMES, attention_geometry, is_conv1d, named, text_config
 from .rules import compile_pattern
-from .styles import is_conv1d
 
-QKV_NAMES = {"q_proj", "k_proj", "v_proj", "query", "key", "value", "q", "k", "v", "wq", "wk", "wv"}
-FUSED_QKV_NAMES = {"c_attn", "query_key_value", "qkv_proj", "qkv", "Wqkv", "W_pack"}
-OUT_NAMES = {"o_proj", "out_proj", "dense", "c_proj", "wo", "o", "output.dense"}
 UP_NAMES = {"up_proj", "gate_proj", "fc1", "fc_in", "c_fc", "dense_h_to_4h", "w1", "w3", "intermediate.dense"}
 DOWN_NAMES = {"down_proj", "fc2", "fc_out", "c_proj", "dense_4h_to_h", "w2", "output.dense"}
 
@@ -74,11 +70,6 @@ def _projections(root: nn.Module, skip=()) -> tuple[list[Projection], list[tuple
     return linears, others
 
 
-def _named(path: str, names: set[str]) -> bool:
-    parts = path.split(".")
-    return parts[-1] in names or ".".join(parts[-2:]) in names
-
-
 def _parent(path: str) -> str:
     return path.rpartition(".")[0]
 
@@ -97,15 +88,15 @@ def classify_attention(region: nn.Module, hidden: int, heads, qkv_style: str | N
     linears, others = _projections(region)
     rules, outputs, inputs = {}, [], []
     for p in linears:
-        if _named(p.path, QKV_NAMES) and p.fan_in == hidden and p.fan_out in (q_width, kv_width):
+        if named(p.path, QKV_NAMES) and p.fan_in == hidden and p.fan_out in (q_width, kv_width):
             rules[p.path] = "colwise"
             inputs.append(p)
-        elif _named(p.path, FUSED_QKV_NAMES) and p.fan_in == hidden and p.fan_out == q_width + 2 * kv_width:
+        elif named(p.path, FUSED_QKV_NAMES) and p.fan_in == hidden and p.fan_out == q_width + 2 * kv_width:
             if qkv_style is None:
                 raise Unclassified(f"{p.path} is a fused q/k/v projection whose packing is not known for this family")
             rules[p.path] = qkv_style
             inputs += [p, p, p]
-        elif _named(p.path, OUT_NAMES) and p.fan_in == q_width and p.fan_out == hidden:
+        elif named(p.path, OUT_NAMES) and p.fan_in == q_width and p.fan_out == hidden:
             rules[p.path] = "rowwise"
             outputs.append(p)
         else:
@@ -136,7 +127,7 @@ def classify_mlp(linears: list[Projection], others, hidden: int) -> dict[str, st
         if any(_holds_matrices(module) for _, module in others):
             raise Unclassified("matrices that are not linear layers (stacked experts: a curated or transformers plan)")
         return {}
-    downs = [p for p in linears if _named(p.path, DOWN_NAMES) and p.fan_out == hidden]
+    downs = [p for p in linears if named(p.path, DOWN_NAMES) and p.fan_out == hidden]
     if len(downs) != 1:
         raise Unclassified(f"expected one down projection to {hidden}, found {[p.path for p in downs]}")
     inner = downs[0].fan_in
@@ -144,7 +135,7 @@ def classify_mlp(linears: list[Projection], others, hidden: int) -> dict[str, st
     for p in linears:
         if p is downs[0]:
             continue
-        if not (_named(p.path, UP_NAMES) and p.fan_in == hidden and p.fan_out == inner):
+        if not (named(p.path, UP_NAMES) and p.fan_in == hidden and p.fan_out == inner):
             raise Unclassified(f"{p.path} ({p.fan_in} -> {p.fan_out}) is not a recognised up/gate/down projection")
         rules[p.path] = "colwise"
     for path, module in others:
@@ -156,7 +147,7 @@ def classify_mlp(linears: list[Projection], others, hidden: int) -> dict[str, st
     return rules
 
 
-def _blocks(model: nn.Module) -> list[str]:
+def repeated_layers(model: nn.Module) -> list[str]:
     """Paths of the repeated layers: children of outermost ModuleLists of one module class."""
     found, lists = [], []
     for path, module in model.named_modules():
@@ -168,7 +159,7 @@ def _blocks(model: nn.Module) -> list[str]:
     return found
 
 
-def classify_block(block: nn.Module, hidden: int, heads, qkv_style) -> tuple[dict[str, str], list[str]]:
+def classify_block(block: nn.Module, hidden: int, config, qkv_style) -> tuple[dict[str, str], list[str]]:
     rules, notes = {}, []
     modules = dict(block.named_modules())
     regions = [
@@ -178,8 +169,10 @@ def classify_block(block: nn.Module, hidden: int, heads, qkv_style) -> tuple[dic
     ]
     for path in regions:
         try:
-            if heads is None:
-                raise Unclassified("the config has no attention head count")
+            try:
+                heads, _ = attention_geometry(block.get_submodule(path), config, path)
+            except ValueError as why:
+                raise Unclassified(str(why)) from None
             found = classify_attention(block.get_submodule(path), hidden, heads, qkv_style)
             rules.update({f"{path}.{p}": style for p, style in found.items()})
         except Unclassified as why:
@@ -207,9 +200,8 @@ def _generalise(model: nn.Module, exact: dict[str, str]) -> dict[str, str]:
 
 
 def discover_plan(model: nn.Module) -> Discovery:
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    config = text_config(model.config)
     hidden = next(getattr(config, a) for a in ("hidden_size", "n_embd", "d_model") if getattr(config, a, None))
-    heads = head_split_from_config(config, 1)
     qkv_style = FUSED_QKV_STYLE.get(getattr(config, "model_type", None))
     exact, notes = {}, []
     names = {module: path for path, module in model.named_modules()}
@@ -218,9 +210,9 @@ def discover_plan(model: nn.Module) -> Discovery:
         exact[names[embedding]] = "embedding_rowwise"
     if isinstance(output, nn.Linear):
         exact[names[output]] = "colwise_gather_output"
-    blocks = _blocks(model)
+    blocks = repeated_layers(model)
     for block_path in blocks:
-        rules, block_notes = classify_block(model.get_submodule(block_path), hidden, heads, qkv_style)
+        rules, block_notes = classify_block(model.get_submodule(block_path), hidden, config, qkv_style)
         exact.update({f"{block_path}.{p}": style for p, style in rules.items()})
         notes += [f"{block_path}.{note}" for note in block_notes]
     for p in _projections(model, skip=blocks)[0]:

@@ -70,17 +70,3 @@ def split_heads(num_heads: int, num_kv_heads: int, head_dim: int, world_size: in
             kv_ranges.append((kv, kv + 1))
             q_ranges.append((kv * group + start, kv * group + stop))
     return HeadSplit(num_heads, num_kv_heads, head_dim, tuple(q_ranges), tuple(kv_ranges))
-
-
-def head_split_from_config(config, world_size: int) -> HeadSplit | None:
-    """The split for a decoder config, or None when it has no attention heads to align to."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    num_heads = getattr(text, "num_attention_heads", None) or getattr(text, "n_head", None)
-    if not num_heads:
-        return None
-    num_kv = getattr(text, "num_key_value_heads", None) or getattr(text, "num_kv_heads", None) or num_heads
-    if getattr(text, "multi_query", False) and not getattr(text, "new_decoder_architecture", False):
-        num_kv = 1  # Falcon-7B / GPT-BigCode multi-query attention
-    hidden = getattr(text, "hidden_size", None) or getattr(text, "n_embd", None)
-    head_dim = getattr(text, "head_dim", None) or hidden // num_heads
-    return split_heads(num_heads, num_kv, head_dim, world_size)

@@ -15,11 +15,12 @@ from torch import nn
 
 from ..distributed.mesh import Mesh
 from . import attention
-from .heads import HeadSplit, head_split_from_config, split_heads
+from .geometry import FUSED_QKV_NAMES, OUT_NAMES, QKV_ROLES, ConfigIgnoredWarning, attention_geometry, is_conv1d, named
+from .heads import HeadSplit, split_heads
 from .layout import Layout, replicated
 from .plan import tie_embedding_rules
 from .rules import Plan, Rule
-from .styles import ShardContext
+from .styles import Rowwise, ShardContext, in_dim, out_dim
 
 
 @dataclass
@@ -59,21 +60,43 @@ def _kv_group(heads: HeadSplit | None, mesh: Mesh):
     )
 
 
+def model_head_split(model: nn.Module, attention_paths: set[str], mesh: Mesh) -> HeadSplit:
+    """One head split for every split attention, from the heads each computes with (``geometry``);
+    what of the config that ignores is said once, on the first rank."""
+    found = {}
+    for path in sorted(attention_paths):
+        geometry, ignored = attention_geometry(model.get_submodule(path), model.config, path)
+        found.setdefault(geometry, (path, ignored))
+    if len(found) > 1:
+        listed = "; ".join(
+            f"{path}: {g.num_heads} heads, {g.num_kv_heads} kv, head_dim {g.head_dim}" for g, (path, _) in found.items()
+        )
+        raise ValueError(
+            f"the split attention modules differ in their heads ({listed}); split them with one geometry or keep some replicated"
+        )
+    ((geometry, (path, ignored)),) = found.items()
+    if ignored and mesh.is_main:
+        warnings.warn(f"{path} (and each split attention like it): {ignored}", ConfigIgnoredWarning, stacklevel=5)
+    return split_heads(geometry.num_heads, geometry.num_kv_heads, geometry.head_dim, mesh.tp.size)
+
+
 def shard_plan(model: nn.Module, plan: Plan, mesh: Mesh) -> ShardPlan:
     rules = plan.assign(model)
     tie_embedding_rules(model, rules)
     modules = dict(model.named_modules())
-    in_attention = {path for path in rules if attention.inside_attention(path, modules)}
+    roots = {path: attention.attention_root(path, modules) for path in rules}
+    in_attention = {path for path, root in roots.items() if root is not None}
     # heads matter only when attention is split: expert parallelism alone may use more ranks than heads
-    heads = head_split_from_config(model.config, mesh.tp.size) if in_attention else None
+    heads = model_head_split(model, {roots[p] for p in in_attention}, mesh) if in_attention else None
     kv_group = _kv_group(heads, mesh)
     contexts = {path: ShardContext(mesh, heads if path in in_attention else None, kv_group) for path in rules}
 
-    for module in _attention_on_local_heads(modules, rules, heads, mesh):
-        attention.check_localizable(module, heads)  # before any weight is read
     layouts = {
         path: rule.style.layouts(modules[path], contexts[path], path) for path, rule in rules.items() if path in modules
     }
+    for path, module in _attention_on_local_heads(modules, rules, heads, mesh):  # before any weight is read
+        attention.check_localizable(module, heads)
+        check_heads_add_up(path, module, heads, layouts, rules)
     for path, rule in rules.items():  # parameter rules: one parameter of the module that holds it
         if path not in modules:
             parent, _, attr = path.rpartition(".")
@@ -133,7 +156,7 @@ def install(model: nn.Module, shard: ShardPlan) -> None:
     for path, rule in shard.rules.items():
         if path in modules:  # parameter rules only set a layout; their module's style runs it
             rule.style.install(modules[path], shard.contexts[path], path, shard.layouts.get(path, {}))
-    for module in _attention_on_local_heads(modules, shard.rules, shard.heads, shard.mesh):
+    for _, module in _attention_on_local_heads(modules, shard.rules, shard.heads, shard.mesh):
         attention.localize(module, shard.heads, shard.mesh.tp.rank)
 
 
@@ -146,7 +169,50 @@ def _attention_on_local_heads(modules: dict[str, nn.Module], rules: dict[str, Ru
             continue
         children = [f"{path}.{child}" for child, _ in module.named_children()]
         if any(child in rules and rules[child].style.shards_heads for child in children):
-            yield module
+            yield path, module
+
+
+def _sees_local_heads(style, role: str) -> bool:
+    """Whether a projection's activations on the attention side are this rank's heads only: q/k/v
+    outputs kept split (not gathered), an output projection fed split (not splitting a whole input)."""
+    if role == "out":
+        return isinstance(style, Rowwise) and not style.split_input
+    return style.shards_heads
+
+
+def check_heads_add_up(path: str, module: nn.Module, heads: HeadSplit, layouts: dict, rules: dict) -> None:
+    """An attention module runs on its local heads, so on every rank its q/k/v projections must
+    produce, and its output projection take, exactly that rank's heads x head_dim: a projection left
+    whole or split along the other dim would be reshaped to the wrong heads without an error."""
+    hd, ranks = heads.head_dim, range(heads.world_size)
+    want = {
+        "q": [heads.local_q(r) * hd for r in ranks],
+        "k": [heads.local_kv(r) * hd for r in ranks],
+        "qkv": [(heads.local_q(r) + 2 * heads.local_kv(r)) * hd for r in ranks],
+        "out": [heads.local_q(r) * hd for r in ranks],
+    }
+    want["v"] = want["k"]
+    for child, proj in module.named_modules():
+        if not (isinstance(proj, nn.Linear) or is_conv1d(proj)):
+            continue
+        role = QKV_ROLES.get(child.rsplit(".", 1)[-1])
+        role = role or ("qkv" if named(child, FUSED_QKV_NAMES) else "out" if named(child, OUT_NAMES) else None)
+        if role is None:
+            continue
+        full = tuple(proj.weight.shape)
+        dim = in_dim(proj) if role == "out" else out_dim(proj)
+        rule, layout = rules.get(f"{path}.{child}"), layouts.get(f"{path}.{child}", {}).get("weight")
+        local = rule is not None and layout is not None and _sees_local_heads(rule.style, role)
+        got = [layout.local_shape(full, r)[dim] if local else full[dim] for r in ranks]
+        if got != want[role]:
+            by = f"rule {rule.pattern!r} ({rule.style_name})" if rule else "no rule (replicated)"
+            side = "input" if role == "out" else "output"
+            raise ValueError(
+                f"{path}.{child} {full}: {by} gives its {side} {got} per rank, but {type(module).__name__} runs on "
+                f"{[heads.local_q(r) for r in ranks]} query / {[heads.local_kv(r) for r in ranks]} key-value heads of "
+                f"{hd} per rank, which need {want[role]}; q/k/v must be split by heads (colwise) and the output "
+                "projection by heads on its input (rowwise)"
+            )
 
 
 class UnshardedWarning(UserWarning):

@@ -8,6 +8,7 @@ the model class's ``_tp_plan``, then a plan discovered from the module tree (``d
 
 from __future__ import annotations
 
+import json
 import tomllib
 from importlib import resources
 
@@ -47,6 +48,17 @@ def _curated() -> dict[str, tuple[dict[str, str], str]]:
                 for model_type in data["model_types"]:
                     _REGISTERED.setdefault(model_type, (data["rules"], f"plans/{entry.name}"))
     return _REGISTERED
+
+
+def read_plan_file(path: str) -> dict[str, str]:
+    """A user's rules from a file: TOML as in plans/ (a ``[rules]`` table, or the rules at top
+    level) or a JSON object, pattern -> style name."""
+    with open(path, "rb") as f:
+        data = json.load(f) if path.endswith(".json") else tomllib.load(f)
+    rules = data.get("rules", data) if isinstance(data, dict) else None
+    if not isinstance(rules, dict) or not all(isinstance(v, str) for v in rules.values()):
+        raise ValueError(f"{path}: a plan file holds rules as pattern = style name (in TOML, under [rules])")
+    return rules
 
 
 def curated_plan_for(model_type: str):

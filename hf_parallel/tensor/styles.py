@@ -18,6 +18,7 @@ from torch import nn
 
 from ..distributed import comm
 from ..distributed.mesh import Mesh
+from .geometry import is_conv1d
 from .heads import HeadSplit, in_units
 from .layout import Layout, chunks, even_sizes, packed, per_rank, sizes_to_ranges
 
@@ -55,11 +56,6 @@ class ShardContext:
 # bytes: stacked expert weights are split in multiples of 8 elements (Mixtral's 14336 over 3 ranks
 # would otherwise leave 4778-element rows)
 GROUPED_MM_UNIT = 8
-
-
-def is_conv1d(module: nn.Module) -> bool:
-    """transformers' Conv1D (GPT-2 family) stores its weight transposed: [in, out]."""
-    return type(module).__name__ == "Conv1D"
 
 
 def out_dim(module: nn.Module) -> int:

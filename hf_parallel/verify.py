@@ -1,0 +1,151 @@
+"""``hf-parallel verify``: is this checkpoint served right in parallel? Proved on the user's own model.
+
+Rank 0 runs one probe batch (two rows of different lengths, left-padded) through transformers in
+one process and keeps every layer's output; then every rank loads the checkpoint in parallel and
+runs the same batch. Per layer (the embeddings, each repeated layer, the logits) the largest
+difference at real tokens is compared with a tolerance picked from the dtype, relative to that
+output's largest value; the first layer beyond it is named. A parallel forward that fails is
+reported at the layer it failed in.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import transformers
+
+# relative to each output's largest value: reduction order alone moves fp32 by ~1e-6 and bf16 by
+# a few of its 2**-8 steps over a model's depth
+TOLERANCES = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 5e-2}
+PROBE_LENGTHS = (11, 6)
+
+
+@dataclass
+class Row:
+    name: str
+    diff: float  # max |parallel - single| at real tokens
+    scale: float  # max |single|
+    error: str | None = None  # the parallel forward failed here
+
+    @property
+    def relative(self) -> float:
+        return math.inf if self.error else self.diff / max(self.scale, 1e-12)
+
+
+@dataclass
+class Report:
+    rows: list[Row]
+    tolerance: float
+    header: str
+
+    @property
+    def first_divergence(self) -> Row | None:
+        return next((row for row in self.rows if not row.relative <= self.tolerance), None)
+
+    def __str__(self) -> str:
+        lines = [self.header, f"{'output':<40} {'max |diff|':>12} {'max |ref|':>12} {'relative':>10}"]
+        for row in self.rows:
+            if row.error:
+                lines.append(f"{row.name:<40} the parallel forward failed here: {row.error}")
+                continue
+            mark = "ok" if row.relative <= self.tolerance else "DIVERGES"
+            lines.append(f"{row.name:<40} {row.diff:>12.3e} {row.scale:>12.3e} {row.relative:>10.2e}  {mark}")
+        bad = self.first_divergence
+        lines.append(
+            f"PASS: every output within {self.tolerance:g} of one process"
+            if bad is None
+            else f"FAIL: first diverging: {bad.name} ({'failed' if bad.error else f'relative {bad.relative:.2e} > {self.tolerance:g}'})"
+        )
+        return "\n".join(lines)
+
+
+def probe_batch(config) -> dict[str, torch.Tensor]:
+    """Two seeded rows of token ids, left-padded to one length (ids past the special tokens)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    limit = getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None) or 64
+    lengths = [min(n, limit) for n in PROBE_LENGTHS]
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(min(3, text.vocab_size - 1), text.vocab_size, (len(lengths), max(lengths)), generator=generator)
+    mask = torch.zeros_like(ids)
+    for row, length in enumerate(lengths):
+        mask[row, max(lengths) - length :] = 1
+    pad = getattr(text, "pad_token_id", None)
+    ids = ids.masked_fill(mask == 0, pad if isinstance(pad, int) and 0 <= pad < text.vocab_size else 0)
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def _first_tensor(output) -> torch.Tensor:
+    return output if isinstance(output, torch.Tensor) else next(o for o in output if isinstance(o, torch.Tensor))
+
+
+def outputs_by_layer(model, batch) -> tuple[dict[str, torch.Tensor], str | None]:
+    """The embeddings', every repeated layer's and the logits' outputs (fp32 copies), in forward
+    order, and the error if the forward failed."""
+    from .tensor.discover import repeated_layers
+
+    names = {module: path for path, module in model.named_modules()}
+    watched = [names[model.get_input_embeddings()], *repeated_layers(model)]
+    outputs, handles = {}, []
+    for path in watched:
+        handles.append(
+            model.get_submodule(path).register_forward_hook(
+                lambda m, args, out, path=path: outputs.__setitem__(path, _first_tensor(out).detach().float().clone())
+            )
+        )
+    try:
+        with torch.no_grad():
+            outputs["logits"] = model(**batch).logits.detach().float()
+        return outputs, None
+    except Exception as error:  # any failure of the parallel forward is the finding
+        return outputs, f"{type(error).__name__}: {error}"
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def compare(reference: dict, parallel: dict, mask: torch.Tensor, error: str | None = None) -> list[Row]:
+    """Rows in forward order, up to the first output the parallel run did not produce: the layer
+    its forward failed in (hooks record an output only once a layer completes)."""
+    rows = []
+    for name, want in reference.items():
+        got = parallel.get(name)
+        if got is None or got.shape != want.shape:
+            shape = None if got is None else f"shape {tuple(got.shape)}, one process gives {tuple(want.shape)}"
+            rows.append(Row(name, math.inf, 0.0, shape or error or "no output"))
+            break
+        real = mask.bool().reshape(*mask.shape, *([1] * (want.dim() - mask.dim())))
+        diff = (got - want).abs().masked_fill(~real, 0).max().item()
+        rows.append(Row(name, diff, want.abs().masked_fill(~real, 0).max().item()))
+    return rows
+
+
+def verify(
+    path: str, tp_plan="auto", dtype=torch.float32, tolerance: float | None = None, tp_size=None
+) -> Report | None:
+    """Run under torchrun (every rank); rank 0 returns the report, the others None."""
+    from .api import AutoModelForCausalLM
+    from .distributed.mesh import get_mesh
+
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    tolerance = TOLERANCES.get(dtype, 1e-2) if tolerance is None else tolerance
+    mesh = get_mesh(tp_size)
+    batch = probe_batch(transformers.AutoConfig.from_pretrained(path))
+    reference = None
+    if mesh.is_main:  # the single-process model is freed before the parallel one loads
+        single = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        reference, _ = outputs_by_layer(single, batch)
+        del single
+    mesh.barrier()
+    model = AutoModelForCausalLM.from_pretrained(path, tp_plan=tp_plan, dtype=dtype, tp_size=tp_size)
+    parallel, error = outputs_by_layer(model, batch)
+    mesh.barrier()
+    if not mesh.is_main:
+        return None
+    header = (
+        f"verify {path} at tp={mesh.tp.size} ({str(dtype).removeprefix('torch.')}, plan: {model._hf_parallel.shard.plan.source}); "
+        f"probe: {len(PROBE_LENGTHS)} rows of {' and '.join(map(str, batch['attention_mask'].sum(1).tolist()))} "
+        f"tokens, left-padded; tolerance {tolerance:g} of each output's largest value"
+    )
+    return Report(compare(reference, parallel, batch["attention_mask"], error), tolerance, header)

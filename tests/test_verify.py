@@ -1,0 +1,42 @@
+"""hf-parallel verify: every layer of a parallel load against one process, on the user's checkpoint."""
+
+import os
+import subprocess
+import sys
+
+import workers
+from distributed import run_ranks
+
+
+def _verify(*args):
+    env = {**os.environ, "HF_PARALLEL_TIMEOUT": "120"}
+    return subprocess.run(
+        [sys.executable, "-m", "hf_parallel", "verify", *args], capture_output=True, text=True, env=env, timeout=600
+    )
+
+
+def test_verify_passes_a_correct_model_and_prints_every_layer(tiny_paths):
+    done = _verify(tiny_paths["llama"], "--tp", "2")  # starts its own two ranks
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = {line.split()[0]: line.split() for line in done.stdout.splitlines() if line.endswith(" ok")}
+    assert list(rows) == ["model.embed_tokens", "model.layers.0", "model.layers.1", "logits"], done.stdout
+    assert all(float(row[3]) < 1e-5 for row in rows.values()), done.stdout  # relative difference, fp32
+    assert "PASS" in done.stdout and "tp=2" in done.stdout
+
+
+def test_verify_refuses_a_plan_that_cannot_split_the_heads(tiny_paths, tmp_path):
+    plan = tmp_path / "broken.toml"
+    plan.write_text('[rules]\n"layers.*.self_attn.q_proj" = "colwise"\n"layers.*.self_attn.k_proj" = "colwise"\n'
+                    '"layers.*.self_attn.v_proj" = "colwise"\n"layers.*.self_attn.o_proj" = "colwise"\n')  # fmt: skip
+    done = _verify(tiny_paths["llama"], "--tp", "2", "--tp-plan", str(plan))
+    assert done.returncode != 0
+    assert "model.layers.0.self_attn.o_proj (72, 72): rule 'layers.*.self_attn.o_proj' (colwise)" in done.stderr
+    assert done.stderr.count("hf-parallel verify:") == 1  # said once, by the first rank
+
+
+def test_verify_names_the_first_layer_that_diverges(tiny_paths, tmp_path):
+    rank0, rank1 = run_ranks(2, workers.verify_with_a_broken_layer, tiny_paths["llama"], out_dir=str(tmp_path))
+    assert rank1 is None
+    assert rank0["first"] == "model.layers.1", rank0["text"]
+    assert rank0["rows"]["model.layers.0"] < 1e-5 and rank0["rows"]["model.layers.1"] > 1e-2
+    assert "FAIL: first diverging: model.layers.1" in rank0["text"]
