@@ -19,6 +19,7 @@ from .checkpoint.distributed_save import save_distributed
 from .checkpoint.loading import load_weights
 from .checkpoint.saving import save_sharded
 from .distributed.mesh import Mesh, get_mesh
+from .sequence import check_sequence_parallel, parallelize_sequence
 from .tensor.parallelize import ShardPlan, install, shard_plan
 from .tensor.plan import resolve_plan, with_expert_parallel
 
@@ -56,13 +57,16 @@ def from_pretrained(
     ep_plan=None,
     dtype=None,
     tp_size: int | None = None,
+    sp_size: int = 1,
     device_map=None,
     allow_pickle: bool = False,
     **config_kwargs,
 ):
     """``tp_plan=None`` (or ``{}``): no tensor parallelism, every rank holds the whole model.
     ``ep_plan="auto"``: experts spread whole over the ranks (attention and dense layers still
-    follow ``tp_plan``; ``tp_plan=None`` keeps them replicated). ``allow_pickle``: accept a ``pytorch_model.bin`` checkpoint (loaded with ``weights_only=True``)."""
+    follow ``tp_plan``; ``tp_plan=None`` keeps them replicated). ``sp_size``: split every sequence
+    over that many ranks (Ulysses), TP groups inside SP groups; the world is tp x sp.
+    ``allow_pickle``: accept a ``pytorch_model.bin`` checkpoint (loaded with ``weights_only=True``)."""
     if device_map is not None:
         raise ValueError(
             "tp_plan and device_map cannot be combined: tensor parallelism places every shard on its own rank"
@@ -76,9 +80,9 @@ def from_pretrained(
         raise TypeError(
             f"from_pretrained() got keyword argument(s) that hf_parallel does not take and {type(config).__name__} "
             f"does not define: {', '.join(sorted(unknown))}. hf_parallel takes tp_plan, ep_plan, dtype, tp_size, "
-            "device_map and allow_pickle; any other keyword must be a config attribute (it overrides the checkpoint's)"
+            "sp_size, device_map and allow_pickle; any other keyword must be a config attribute (it overrides the checkpoint's)"
         )
-    mesh = get_mesh(tp_size)
+    mesh = get_mesh(tp_size, sp_size=sp_size)
     dtype = resolve_dtype(dtype, config)
     model = build_empty(auto_class, config, dtype)
     if ep_plan is None:
@@ -88,15 +92,19 @@ def from_pretrained(
     else:
         raise ValueError(f"ep_plan must be 'auto' (experts spread over the ranks) or None, got {ep_plan!r}")
     shard = shard_plan(model, plan, mesh)
+    if mesh.sp.size > 1:
+        check_sequence_parallel(model, mesh.sp.size)
     source_keys = load_weights(model, path, shard, dtype, allow_pickle)
     install(model, shard)
-    model.eval()
-    model._hf_parallel = ParallelState(mesh, shard, source_keys)
-    model.save_pretrained = functools.partial(save_pretrained, model)
     try:
         model.generation_config = transformers.GenerationConfig.from_pretrained(path)
     except OSError:
         pass
+    if mesh.sp.size > 1:
+        parallelize_sequence(model, mesh)
+    model.eval()
+    model._hf_parallel = ParallelState(mesh, shard, source_keys)
+    model.save_pretrained = functools.partial(save_pretrained, model)
     return model
 
 

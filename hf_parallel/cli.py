@@ -108,7 +108,7 @@ def tp_plan_arg(value: str):
 def cmd_plan(args) -> None:
     from .report import plan_report
 
-    print(plan_report(args.path, args.tp, tp_plan=tp_plan_arg(args.tp_plan)))
+    print(plan_report(args.path, args.tp, tp_plan=tp_plan_arg(args.tp_plan), sp=args.sp, seq=args.seq))
 
 
 def start_ranks(world_size: int, argv: list[str]) -> int:
@@ -189,6 +189,8 @@ def main(argv=None) -> None:
     plan = sub.add_parser("plan", help="dry run: every parameter's rule, style, layout and bytes per rank")
     plan.add_argument("path")
     plan.add_argument("--tp", type=int, required=True)
+    plan.add_argument("--sp", type=int, default=1, help="sequence-parallel size: heads before/after the all-to-all")
+    plan.add_argument("--seq", type=int, help="with --sp: a sequence length, to show the tokens each rank holds")
     plan.add_argument("--tp-plan", default="auto", help="auto, discover, a model_type, or a TOML/JSON file of rules")
     plan.set_defaults(func=cmd_plan)
     check = sub.add_parser(

@@ -9,15 +9,24 @@ import transformers
 
 from .api import build_empty, resolve_dtype
 from .distributed.mesh import Mesh
+from .sequence import check_sequence_parallel
+from .sequence.shard import attention_modules
+from .sequence.ulysses import head_plan
+from .tensor.geometry import attention_geometry
+from .tensor.layout import even_sizes
 from .tensor.parallelize import shard_plan
 from .tensor.plan import resolve_plan
 
 
-def plan_report(path: str, tp: int, tp_plan="auto", dtype=None, auto_class=transformers.AutoModelForCausalLM) -> str:
+def plan_report(
+    path: str, tp: int, tp_plan="auto", dtype=None, auto_class=transformers.AutoModelForCausalLM, sp: int = 1, seq=None
+) -> str:
     config = transformers.AutoConfig.from_pretrained(path)
     dtype = resolve_dtype(dtype, config)
     model = build_empty(auto_class, config, dtype)
     shard = shard_plan(model, resolve_plan(model, tp_plan), Mesh.dry_run(tp_size=tp))
+    if sp > 1:
+        check_sequence_parallel(model, sp)
     itemsize = torch.empty((), dtype=dtype).element_size()
     lines = [f"plan for {path} ({config.model_type}) at tp={tp}: rules from {shard.plan.source}"]
     if shard.heads is not None:
@@ -39,7 +48,29 @@ def plan_report(path: str, tp: int, tp_plan="auto", dtype=None, auto_class=trans
             f"{name:<48} {rule_text:<34} {rule.style_name if rule else 'replicated':<24} {entry.layout.describe():<36} {shown} / {nbytes}"
         )
     lines += [f"left replicated by discovery: {note}" for note in shard.plan.notes]
+    if sp > 1:
+        lines += sequence_lines(model, shard, tp, sp, seq)
     lines.append(
         f"bytes per rank: {totals} (full model {sum(math.prod(e.full_shape) for e in shard.unique_params()) * itemsize})"
     )
     return "\n".join(lines)
+
+
+def sequence_lines(model, shard, tp: int, sp: int, seq) -> list[str]:
+    """Per rank of tp x sp: the query / key-value heads it computes before the all-to-all (what
+    TP left it) and after (its share of those over SP), and the tokens it holds of ``seq``."""
+    path, module = attention_modules(model)[0]
+    geometry, _ = attention_geometry(module, model.config, path)
+    lines = [f"sequence parallel over sp={sp} (ranks of one TP group adjacent, TP groups inside SP groups):"]
+    for rank in range(tp * sp):
+        s, t = divmod(rank, tp)
+        heads = shard.heads
+        q, kv = (heads.local_q(t), heads.local_kv(t)) if heads else (geometry.num_heads, geometry.num_kv_heads)
+        plan = head_plan(q, kv, sp)
+        kv_note = "whole groups" if plan.kv_heads is None else "one per query head"
+        line = f"  rank {rank} (tp {t}, sp {s}): heads {q} q / {kv} kv -> all-to-all -> {plan.q_sizes[s]} q / {plan.kv_sizes[s]} kv ({kv_note})"
+        if seq is not None:
+            sizes = even_sizes(max(seq, sp), sp)
+            line += f"; tokens {sizes[s]} of {seq}" + (" (padded to one per rank)" if seq < sp else "")
+        lines.append(line)
+    return lines

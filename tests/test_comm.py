@@ -57,3 +57,12 @@ def test_a_rank_that_dies_or_hangs_fails_the_others_clearly_and_in_bounded_time(
     assert names in rank0["message"] and "HF_PARALLEL_TIMEOUT=3s" in rank0["message"], rank0["message"]
     assert rank0["seconds"] < timeout + 5
     assert not os.path.exists(tmp_path / "saved" / "model.safetensors")  # a failed save writes nothing final
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_sequence_parallel_collectives_on_uneven_shapes(world_size, tmp_path):
+    for out in run_ranks(world_size, workers.sequence_comm_properties, out_dir=str(tmp_path)):
+        assert out["all_to_all"] == 0.0 and out["all_to_all_backward"] == 0.0  # pure data movement: exact
+        assert out["scatter_backward"] == 0.0  # dX = grad_scale x the gathered dY
+        assert out["broadcast"] is True
+        assert "pass labels= to the model" in out["gather_backward_refused"]

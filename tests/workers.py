@@ -430,3 +430,163 @@ def verify_with_a_broken_layer(rank: int, world_size: int, path: str) -> dict | 
         return None
     first = report.first_divergence
     return {"first": first.name, "rows": {row.name: row.relative for row in report.rows}, "text": str(report)}
+
+
+def sequence_batches(vocab: int) -> dict:
+    """Batches for sequence parallelism: lengths that do not divide (37) and do (64), padding on
+    the left and on the right, two samples packed in one row (positions restarting at 0), and a
+    sequence shorter than the group (3 tokens)."""
+    gen = torch.Generator().manual_seed(7)
+
+    def ids(length, rows=2):
+        return torch.randint(3, vocab, (rows, length), generator=gen)
+
+    padded_ids, mask = ids(37), torch.ones(2, 37, dtype=torch.long)
+    mask[0, :6] = 0  # left padding
+    mask[1, 30:] = 0  # right padding
+    packed_ids = ids(37, rows=1)
+    # use_cache=False everywhere: with a cache, transformers' single-process mask ignores packed samples
+    # (their position_ids restart at 0) and lets the second attend to the first
+    return {
+        "len37": dict(input_ids=(x := ids(37)), labels=x, use_cache=False),
+        "len64": dict(input_ids=(y := ids(64)), labels=y, use_cache=False),
+        "padded": dict(
+            input_ids=padded_ids, attention_mask=mask, labels=padded_ids.masked_fill(mask == 0, -100), use_cache=False
+        ),
+        "packed": dict(
+            input_ids=packed_ids,
+            position_ids=torch.cat([torch.arange(20), torch.arange(17)]).unsqueeze(0),
+            labels=packed_ids,
+            use_cache=False,
+        ),
+        "len3": dict(input_ids=(z := ids(3)), labels=z, use_cache=False),
+    }
+
+
+def compare_sp(rank: int, world_size: int, cases: dict, tp_size: int, sp_size: int, save_root: str) -> dict:
+    """For each checkpoint: every batch's loss, this rank's logits and every parameter's gradient
+    under tp x sp against one process, the whole logits of an inference forward (no labels), greedy
+    generate, a save, and the weights after one SGD step."""
+    import hf_parallel
+    from hf_parallel.distributed.mesh import get_mesh
+
+    results = {}
+    sp_rank = get_mesh(tp_size, sp_size=sp_size).sp.rank
+    for name, path in cases.items():
+        single = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        model = hf_parallel.AutoModelForCausalLM.from_pretrained(
+            path, tp_plan="auto" if tp_size > 1 else None, tp_size=tp_size, sp_size=sp_size, dtype=torch.float32
+        )
+        state = model._hf_parallel
+        for batch_name, batch in sequence_batches(single.config.vocab_size).items():
+            single.zero_grad()
+            model.zero_grad()
+            want = single(**batch)
+            want.loss.backward()
+            got = model(**batch)
+            got.loss.backward()
+            seq = batch["input_ids"].shape[1]
+            sizes = [seq // sp_size + (r < seq % sp_size) for r in range(sp_size)]
+            start = sum(sizes[:sp_rank])
+            real = batch.get("attention_mask", torch.ones_like(batch["input_ids"])).bool().unsqueeze(-1)
+            local_logits = want.logits[:, start : start + sizes[sp_rank]]  # padding tokens are compared nowhere
+            local_real = real[:, start : start + sizes[sp_rank]]
+            grad_error, grad_scale = 0.0, 0.0
+            for entry in state.shard.unique_params():
+                grad = model.get_parameter(entry.name).grad
+                reference = expected_slice(single.get_parameter(entry.name).grad, entry.layout, state.mesh.tp.rank)
+                grad_error = max(grad_error, (grad - reference).abs().max().item() if grad.numel() else 0.0)
+                grad_scale = max(grad_scale, reference.abs().max().item() if grad.numel() else 0.0)
+            with torch.no_grad():
+                whole = model(**{k: v for k, v in batch.items() if k != "labels"}).logits
+            results[f"{name}/{batch_name}"] = {
+                "loss": abs(got.loss.item() - want.loss.item()),
+                "logits": (got.logits - local_logits).masked_fill(~local_real, 0).abs().max().item()
+                if local_logits.numel()
+                else 0.0,
+                "local_tokens": got.logits.shape[1],
+                "whole_logits": (whole - want.logits).masked_fill(~real, 0).abs().max().item(),
+                "grads": grad_error,
+                "grad_scale": grad_scale,
+            }
+        prompt = sequence_batches(single.config.vocab_size)["len37"]["input_ids"][:, :9]
+        want_tokens = single.generate(prompt, max_new_tokens=6, do_sample=False)
+        results[f"{name}/generate"] = model.generate(prompt, max_new_tokens=6, do_sample=False).equal(want_tokens)
+        model.save_pretrained(os.path.join(save_root, name))
+        for opt_model in (single, model):
+            torch.optim.SGD(opt_model.parameters(), lr=0.5).step()
+        results[f"{name}/step"] = max(
+            (
+                model.get_parameter(e.name)
+                - expected_slice(single.get_parameter(e.name).detach(), e.layout, state.mesh.tp.rank)
+            )
+            .abs()
+            .max()
+            .item()
+            for e in state.shard.unique_params()
+        )
+    return results
+
+
+def sequence_comm_properties(rank: int, world_size: int) -> dict:
+    """The sequence-parallel collectives on random uneven shapes (hypothesis, derandomized so every
+    rank draws the same examples in the same order; errors are returned, not raised, so no rank
+    leaves a collective the others are in)."""
+    from hypothesis import Phase, given, settings
+    from hypothesis import strategies as st
+
+    from hf_parallel.distributed import comm
+    from hf_parallel.distributed.mesh import get_mesh
+    from hf_parallel.tensor.layout import even_sizes, sizes_to_ranges
+
+    group = get_mesh().tp.group
+    worst = {"all_to_all": 0.0, "all_to_all_backward": 0.0, "scatter_backward": 0.0}
+
+    def seeded(shape, seed):
+        return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+
+    @settings(derandomize=True, max_examples=30, phases=[Phase.generate], deadline=None, database=None)
+    @given(st.integers(1, 2), st.integers(1, 7), st.integers(0, 9), st.integers(1, 3), st.integers(0, 10**6))
+    def check(batch, heads, seq, dim, seed):
+        seq_range = sizes_to_ranges(even_sizes(seq, world_size))[rank]
+        head_range = sizes_to_ranges(even_sizes(heads, world_size))[rank]
+        full, grad = seeded((batch, heads, seq, dim), seed), seeded((batch, heads, seq, dim), seed + 1)
+        local = full[:, :, slice(*seq_range)].clone().requires_grad_()
+        out = comm.all_to_all(local, 1, 2, even_sizes(heads, world_size), even_sizes(seq, world_size), group)
+        out.backward(grad[:, slice(*head_range)])  # the conjugate: dX_r = dY's tokens of rank r, all heads
+        if out.numel():
+            worst["all_to_all"] = max(worst["all_to_all"], (out - full[:, slice(*head_range)]).abs().max().item())
+        if local.numel():
+            error = (local.grad - grad[:, :, slice(*seq_range)]).abs().max().item()
+            worst["all_to_all_backward"] = max(worst["all_to_all_backward"], error)
+        whole = full.clone().requires_grad_()
+        part = comm.scatter_to(whole, 2, even_sizes(seq, world_size), group, grad_scale=1 / world_size)
+        part.backward(grad[:, :, slice(*seq_range)])
+        if whole.numel():
+            worst["scatter_backward"] = max(
+                worst["scatter_backward"], (whole.grad - grad * (1 / world_size)).abs().max().item()
+            )
+
+    check()
+    mine = {
+        "ids": torch.arange(6).view(2, 3),
+        "rest": [torch.ones(4, dtype=torch.bfloat16), 5, None],
+        "m": (torch.tensor([True]),),
+    }
+    other = {"ids": torch.zeros(1), "rest": [], "m": ()}
+    got = comm.broadcast_batch(mine if rank == 0 else other, group)
+    worst["broadcast"] = (
+        got["ids"].tolist() == [[0, 1, 2], [3, 4, 5]]
+        and got["rest"][0].dtype == torch.bfloat16
+        and got["rest"][0].tolist() == [1.0] * 4
+        and got["rest"][1:] == [5, None]
+        and isinstance(got["m"], tuple)
+        and got["m"][0].tolist() == [True]
+    )
+    whole = comm.gather_to_use(torch.ones(1, 2, requires_grad=True), 1, [2] * world_size, group)
+    try:
+        whole.sum().backward()
+        worst["gather_backward_refused"] = ""
+    except RuntimeError as error:
+        worst["gather_backward_refused"] = str(error)
+    return worst

@@ -55,15 +55,18 @@ def save_distributed(model, out_dir: str) -> None:
         if mesh.is_main or not e.layout.is_replicated
     }
     os.makedirs(out_dir, exist_ok=True)
-    with Staging(out_dir) as staging:
-        writer = SafetensorsWriter(
-            staging.new_file(names[tp.rank]), {k: (tuple(t.shape), t.dtype) for k, t in mine.items()}
-        )
-        for key, tensor in mine.items():
-            writer.write(key, tensor)
-        writer.close()
-        mesh.barrier()  # every rank's file is complete; a rank that died makes this raise on the others
-        staging.commit()
+    if mesh.sp.rank != 0:  # a sequence-parallel replica of the TP shards its group's first rank writes
+        mesh.barrier()
+    else:
+        with Staging(out_dir) as staging:
+            writer = SafetensorsWriter(
+                staging.new_file(names[tp.rank]), {k: (tuple(t.shape), t.dtype) for k, t in mine.items()}
+            )
+            for key, tensor in mine.items():
+                writer.write(key, tensor)
+            writer.close()
+            mesh.barrier()  # every rank's file is complete; a rank that died makes this raise on the others
+            staging.commit()
     mesh.barrier()
     if mesh.is_main:
         manifest = {

@@ -181,6 +181,9 @@ def checkpoint_tensors(model) -> dict[str, tuple]:
 def save_sharded(model, out_dir: str, max_shard_size="50GB") -> None:
     """Gather every parameter under its checkpoint name and write a standard HF checkpoint."""
     mesh = model._hf_parallel.mesh
+    if mesh.sp.rank != 0:  # sequence-parallel replicas hold the same shards as the group rank 0 is in
+        mesh.barrier()
+        return
     targets = checkpoint_tensors(model)
     specs = {
         key: (

@@ -8,6 +8,13 @@ op is the identity, so the same model code runs as TP=1 in a plain process.
     gather_from     fwd: all-gather(dim)   bwd: split(dim)
     scatter_to      fwd: split(dim)        bwd: all-gather(dim)
     all_reduce_sum  fwd: all-reduce        bwd: all-reduce      (a sum every rank consumes)
+    all_to_all      fwd: split(a) -> exchange -> cat(b)    bwd: the same with a and b swapped
+                    (Ulysses: a = heads, b = sequence turns [seq/sp, heads] into [seq, heads/sp])
+    gather_to_use   fwd: all-gather(dim)   bwd: refused         (inference: full logits of a split sequence)
+
+``scatter_to`` takes a gradient scale: a split of an input every rank computed alike, whose
+parameters' gradients are then summed over the group, passes back ``1/p`` of the gathered gradient.
+``broadcast_batch`` sends a nested batch from the group's first rank (shapes and dtypes first).
 
 Splits and gathers take per-rank ``sizes`` so uneven shards (vocab 49152 over 5 ranks, 9 heads
 over 2) need no padding in the caller. Collectives are counted in ``COUNTS`` so tests and
@@ -17,6 +24,7 @@ of one host the payload travels through shared memory (``shm.py``), otherwise th
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 
 import torch
@@ -79,6 +87,18 @@ def all_gather(x: torch.Tensor, dim: int, sizes, group) -> torch.Tensor:
     return torch.cat([part.narrow(dim, 0, size) for part, size in zip(parts, sizes)], dim)
 
 
+def exchange(pieces: list[torch.Tensor], shapes: list[tuple[int, ...]], group) -> list[torch.Tensor]:
+    """Send ``pieces[j]`` to rank j; returns what each rank i sent here, of ``shapes[i]``. One
+    all-to-all of flat buffers, so pieces may differ in shape (uneven heads and sequence chunks)."""
+    send = torch.cat([piece.reshape(-1) for piece in pieces]) if pieces else torch.empty(0)
+    counts = [math.prod(shape) for shape in shapes]
+    recv = send.new_empty(sum(counts))
+    _count("all_to_all", send)
+    with collective(f"all-to-all of {[tuple(p.shape) for p in pieces]}"):
+        dist.all_to_all_single(recv, send, counts, [piece.numel() for piece in pieces], group=group)
+    return [part.view(shape) for part, shape in zip(recv.split(counts), shapes)]
+
+
 def split(x: torch.Tensor, dim: int, sizes, group) -> torch.Tensor:
     """This rank's piece of ``x`` along ``dim`` (no communication)."""
     if _world(group) == 1:
@@ -132,13 +152,49 @@ class _GatherFrom(torch.autograd.Function):
 
 class _ScatterTo(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, sizes, group):
-        ctx.args = (dim, sizes, group)
+    def forward(ctx, x, dim, sizes, group, grad_scale):
+        ctx.args, ctx.grad_scale = (dim, sizes, group), grad_scale
         return split(x, dim, sizes, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return all_gather(grad, *ctx.args), None, None, None
+        full = all_gather(grad.contiguous(), *ctx.args)
+        return (full if ctx.grad_scale == 1 else full * ctx.grad_scale), None, None, None, None
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, split_dim, cat_dim, split_sizes, cat_sizes, group):
+        ctx.args = (cat_dim, split_dim, cat_sizes, split_sizes, group)
+        return all_to_all_raw(x, split_dim, cat_dim, split_sizes, cat_sizes, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_to_all_raw(grad, *ctx.args), None, None, None, None, None
+
+
+def all_to_all_raw(x, split_dim: int, cat_dim: int, split_sizes, cat_sizes, group) -> torch.Tensor:
+    rank = dist.get_rank(group)
+    pieces = [piece.contiguous() for piece in x.split(list(split_sizes), split_dim)]
+    shapes = []
+    for size in cat_sizes:
+        shape = list(x.shape)
+        shape[split_dim], shape[cat_dim] = split_sizes[rank], size
+        shapes.append(tuple(shape))
+    return torch.cat(exchange(pieces, shapes, group), cat_dim)
+
+
+class _GatherToUse(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, sizes, group):
+        return all_gather(x, dim, sizes, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError(
+            "hf_parallel: backward through the gathered outputs of a sequence-parallel forward is not supported; "
+            "pass labels= to the model for its sequence-parallel loss"
+        )
 
 
 def copy_to(x, group):
@@ -161,6 +217,62 @@ def gather_from(x, dim, sizes, group):
     return x if _world(group) == 1 else _GatherFrom.apply(x, dim, tuple(sizes), group)
 
 
-def scatter_to(x, dim, sizes, group):
-    """Y_r = X_r (this rank's piece); dX = [dY_1 .. dY_p]."""
-    return x if _world(group) == 1 else _ScatterTo.apply(x, dim, tuple(sizes), group)
+def scatter_to(x, dim, sizes, group, grad_scale: float = 1.0):
+    """Y_r = X_r (this rank's piece); dX = grad_scale * [dY_1 .. dY_p]."""
+    return x if _world(group) == 1 else _ScatterTo.apply(x, dim, tuple(sizes), group, grad_scale)
+
+
+def all_to_all(x, split_dim: int, cat_dim: int, split_sizes, cat_sizes, group):
+    """Y = cat_i(piece of X_i for this rank) along cat_dim, where X_i is split along split_dim by
+    ``split_sizes`` (one piece per rank) and ``cat_sizes[i]`` is X_i's extent along cat_dim.
+    dX = the same exchange of dY with the dims and sizes swapped (the exact inverse)."""
+    if _world(group) == 1:
+        return x
+    return _AllToAll.apply(x, split_dim, cat_dim, tuple(split_sizes), tuple(cat_sizes), group)
+
+
+def gather_to_use(x, dim, sizes, group):
+    """Y = [X_1 .. X_p] along dim, for use without gradients (backward is refused with a reason)."""
+    return x if _world(group) == 1 else _GatherToUse.apply(x, dim, tuple(sizes), group)
+
+
+def broadcast_batch(batch, group):
+    """``batch`` (tensors in dicts, lists and tuples, of any dtype and shape) as the group's first
+    rank holds it, on every rank of the group: the structure, shapes and dtypes go first, then
+    each tensor. Non-tensor leaves travel with the structure."""
+    if _world(group) == 1:
+        return batch
+    leaves = []
+
+    def describe(value):
+        if isinstance(value, torch.Tensor):
+            leaves.append(value)
+            return ("tensor", tuple(value.shape), value.dtype)
+        if isinstance(value, dict):
+            return ("dict", {key: describe(item) for key, item in value.items()})
+        if isinstance(value, (list, tuple)):
+            return (type(value).__name__, [describe(item) for item in value])
+        return ("value", value)
+
+    first = dist.get_global_rank(group, 0)
+    layout = [describe(batch)]
+    with collective("broadcasting the batch's structure over the sequence-parallel group"):
+        dist.broadcast_object_list(layout, src=first, group=group)
+    mine = dist.get_rank(group) == 0
+
+    def build(spec):
+        kind, *rest = spec
+        if kind == "tensor":
+            shape, dtype = rest
+            tensor = leaves.pop(0).contiguous() if mine else torch.empty(shape, dtype=dtype)
+            with collective(f"broadcasting a batch tensor of {shape}"):
+                dist.broadcast(tensor, src=first, group=group)
+            return tensor
+        if kind == "dict":
+            return {key: build(item) for key, item in rest[0].items()}
+        if kind in ("list", "tuple"):
+            items = [build(item) for item in rest[0]]
+            return items if kind == "list" else tuple(items)
+        return rest[0]
+
+    return build(layout[0])

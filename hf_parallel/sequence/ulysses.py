@@ -1,0 +1,97 @@
+"""Ulysses attention: around the model's own attention function, an all-to-all trades the sequence
+split for a head split and back, through transformers' attention registry (no model code patched).
+
+Each rank enters with ``[batch, heads, seq/sp, dim]`` (its tokens, every head TP left it) and the
+configured function (sdpa, eager, ...) runs on ``[batch, heads/sp, seq, dim]``: all tokens, a
+slice of the heads, with the mask the model built for the whole sequence. Heads need not divide:
+the first ``heads % sp`` ranks take one more query head. Key/value heads follow their query heads:
+when both counts divide by sp each rank takes whole groups as they are; otherwise each rank
+receives, for every one of its query heads, that head's key/value head (replicated where ranks
+share a group), and its attention runs with one query head per key/value head on a shallow copy of
+the module, so ``num_key_value_groups`` is never changed on the module itself.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+from transformers import AttentionInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from ..distributed import comm
+from ..tensor.layout import even_sizes, sizes_to_ranges
+
+NAME = "hf_parallel_ulysses"
+
+
+@dataclass(frozen=True)
+class HeadPlan:
+    """How one attention's local heads spread over the sequence-parallel ranks."""
+
+    q_sizes: tuple[int, ...]  # query heads per SP rank
+    kv_sizes: tuple[int, ...]  # key/value heads each SP rank receives
+    kv_heads: tuple[int, ...] | None  # None: whole groups; else the key/value head sent for each query head
+
+
+@lru_cache(maxsize=None)
+def head_plan(num_heads: int, num_kv_heads: int, sp: int) -> HeadPlan:
+    q_sizes = tuple(even_sizes(num_heads, sp))
+    if num_heads % sp == 0 and num_kv_heads % sp == 0:
+        return HeadPlan(q_sizes, tuple(even_sizes(num_kv_heads, sp)), None)
+    group = num_heads // num_kv_heads
+    kv_heads = tuple(q // group for start, stop in sizes_to_ranges(q_sizes) for q in range(start, stop))
+    return HeadPlan(q_sizes, q_sizes, kv_heads)
+
+
+@dataclass
+class SequenceState:
+    """What the attention wrapper needs from the model's forward in progress."""
+
+    group: object
+    inner: str  # the attention implementation the model was configured with
+    seq_sizes: tuple[int, ...] = ()  # tokens per SP rank of the batch in flight
+    keep_split: bool = False  # the loss is computed on split logits (else the final hidden states are gathered)
+    tokens: int = 0  # the batch's sequence length (below sum(seq_sizes) only when padded to one token per rank)
+
+
+def _inner_function(module, name: str):
+    if name == "eager":  # the model's own eager function (Gemma 2's soft-capping, ...)
+        return sys.modules[type(module).__module__].eager_attention_forward
+    return ALL_ATTENTION_FUNCTIONS[name]
+
+
+def ulysses_attention(module, query, key, value, attention_mask, **kwargs):
+    state: SequenceState = module._hfp_sequence
+    group, seq = state.group, state.seq_sizes
+    plan = head_plan(query.shape[1], key.shape[1], len(seq))
+    query = comm.all_to_all(query, 1, 2, plan.q_sizes, seq, group)
+    target = module
+    if plan.kv_heads is not None:
+        index = torch.tensor(plan.kv_heads, device=key.device)
+        key, value = key.index_select(1, index), value.index_select(1, index)
+        target = copy.copy(module)  # one query head per key/value head here, on this copy only
+        target.num_key_value_groups = 1
+    key = comm.all_to_all(key, 1, 2, plan.kv_sizes, seq, group)
+    value = comm.all_to_all(value, 1, 2, plan.kv_sizes, seq, group)
+    if attention_mask is not None and attention_mask.shape[-1] < query.shape[2]:
+        attention_mask = _mask_padding(attention_mask, query.shape[2])
+    out, _ = _inner_function(module, state.inner)(target, query, key, value, attention_mask, **kwargs)
+    # [batch, seq, heads/sp, dim] -> [batch, seq/sp, heads, dim]; attention weights stay with the heads' ranks
+    return comm.all_to_all(out, 1, 2, seq, plan.q_sizes, group), None
+
+
+def _mask_padding(mask: torch.Tensor, length: int) -> torch.Tensor:
+    """A [.., queries, keys] mask for a sequence padded at its end to ``length``: no real token
+    attends to padding; padding tokens attend to everything (their rows are dropped later)."""
+    allow, block = (True, False) if mask.dtype == torch.bool else (0.0, torch.finfo(mask.dtype).min)
+    real = mask.shape[-1]
+    padded = torch.nn.functional.pad(mask, (0, length - real, 0, length - mask.shape[-2]), value=allow)
+    padded[..., : mask.shape[-2], real:] = block
+    return padded
+
+
+AttentionInterface.register(NAME, ulysses_attention)
