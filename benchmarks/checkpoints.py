@@ -23,17 +23,33 @@ LLAMA_1GB = dict(
 )
 
 
-def random_llama_1gb() -> str:
-    """Build (once) and return the path of the random bf16 Llama."""
-    path = os.path.join(cache_root(), "bench-llama-1gb")
+# a small Llama for long sequences: activations, not weights, fill memory (8 query / 4 KV heads)
+LLAMA_LONG_CONTEXT = dict(
+    vocab_size=8000,
+    hidden_size=256,
+    intermediate_size=688,
+    num_hidden_layers=2,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    max_position_embeddings=65536,
+    tie_word_embeddings=False,
+)
+
+
+def random_llama(name: str = "bench-llama-1gb", config: dict = LLAMA_1GB, dtype=torch.bfloat16) -> str:
+    """Build (once) and return the path of a random Llama of this config."""
+    path = os.path.join(cache_root(), name)
     if os.path.isfile(os.path.join(path, "config.json")):
         return path
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(**LLAMA_1GB)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**config), dtype=dtype)
     model.save_pretrained(path + ".tmp")  # rename at the end: an interrupted build is not reused
     os.replace(path + ".tmp", path)
     return path
 
 
-CHECKPOINTS = {"smollm2-135m": default_checkpoint, "llama-1gb": random_llama_1gb}
+def random_llama_long_context() -> str:
+    return random_llama("bench-llama-long-context", LLAMA_LONG_CONTEXT, torch.float32)
+
+
+CHECKPOINTS = {"smollm2-135m": default_checkpoint, "llama-1gb": random_llama}

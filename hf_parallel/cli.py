@@ -111,10 +111,10 @@ def cmd_plan(args) -> None:
     print(plan_report(args.path, args.tp, tp_plan=tp_plan_arg(args.tp_plan), sp=args.sp, seq=args.seq))
 
 
-def start_ranks(world_size: int, argv: list[str]) -> int:
-    """Run ``python -m hf_parallel *argv`` as ``world_size`` ranks on this host (what torchrun
-    would do, without its launcher); the first rank to fail stops the others. Returns the worst
-    exit status (the first rank's that failed by itself)."""
+def start_ranks(world_size: int, command: list[str]) -> int:
+    """Run ``command`` as ``world_size`` ranks on this host (what torchrun would do, without its
+    launcher); the first rank to fail stops the others. Returns the exit status of the first rank
+    that failed by itself, else 0."""
     import socket
 
     with socket.socket() as s:
@@ -123,7 +123,7 @@ def start_ranks(world_size: int, argv: list[str]) -> int:
     env = {"OMP_NUM_THREADS": "1", **os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
     ranks = [
         subprocess.Popen(
-            [sys.executable, "-m", "hf_parallel", *argv],
+            command,
             env={**env, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(world_size)},
         )
         for r in range(world_size)
@@ -139,20 +139,23 @@ def start_ranks(world_size: int, argv: list[str]) -> int:
 
 
 def cmd_verify(args) -> int:
-    """Under torchrun: the comparison itself. Otherwise: start ``--tp`` ranks running this same
-    command, and pass on their exit status."""
-    if args.sp != 1 or args.pp != 1:
+    """Under torchrun: the comparison itself. Otherwise: start ``--tp`` x ``--sp`` ranks running
+    this same command, and pass on their exit status."""
+    if args.pp != 1:
         raise SystemExit(
-            f"hf-parallel verify: --sp {args.sp} --pp {args.pp}: sequence and pipeline parallelism are not in this "
-            "version of hf_parallel; verify the tensor-parallel split with --tp"
+            f"hf-parallel verify: --pp {args.pp}: pipeline parallelism is not in this version of hf_parallel; "
+            "verify the split with --tp and --sp"
         )
-    if "WORLD_SIZE" not in os.environ and args.tp > 1:
-        return start_ranks(args.tp, sys.argv[1:])
+    if "WORLD_SIZE" not in os.environ and args.tp * args.sp > 1:
+        return start_ranks(args.tp * args.sp, [sys.executable, "-m", "hf_parallel", *sys.argv[1:]])
     from .distributed.mesh import shutdown
     from .verify import verify
 
     try:
-        report = verify(args.path, tp_plan_arg(args.tp_plan), args.dtype, args.tolerance, tp_size=args.tp)
+        memory = None if args.reference_memory_gb is None else int(args.reference_memory_gb * 2**30)
+        report = verify(
+            args.path, tp_plan_arg(args.tp_plan), args.dtype, args.tolerance, args.tp, args.sp, reference_memory=memory
+        )
     except ValueError as error:  # the plan cannot split this model: said before any weight is read
         if os.environ.get("RANK", "0") == "0":
             print(f"hf-parallel verify: {error}", file=sys.stderr, flush=True)
@@ -203,6 +206,12 @@ def main(argv=None) -> None:
     check.add_argument("--dtype", default="float32")
     check.add_argument("--tp-plan", default="auto", help="auto, discover, a model_type, or a TOML/JSON file of rules")
     check.add_argument("--tolerance", type=float, help="relative to each output's largest value (default: by dtype)")
+    check.add_argument(
+        "--reference-memory-gb",
+        type=float,
+        help="memory for the one-process reference; the rest streams from disk layer by layer "
+        "(default: half the free memory when the weights need more, else all in memory)",
+    )
     check.set_defaults(func=cmd_verify)
     merge = sub.add_parser(
         "consolidate", help="a distributed save (save_pretrained(distributed=True)) to a standard checkpoint"

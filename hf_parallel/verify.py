@@ -11,6 +11,8 @@ reported at the layer it failed in.
 from __future__ import annotations
 
 import math
+import os
+import tempfile
 from dataclasses import dataclass
 
 import torch
@@ -110,42 +112,78 @@ def compare(reference: dict, parallel: dict, mask: torch.Tensor, error: str | No
     its forward failed in (hooks record an output only once a layer completes)."""
     rows = []
     for name, want in reference.items():
-        got = parallel.get(name)
+        got, real = parallel.get(name), mask
+        split = got is not None and got.dim() >= 2 and got.shape[1] < want.shape[1] and got.shape[2:] == want.shape[2:]
+        if split:  # sequence parallel: a layer's output holds rank 0's tokens, which come first
+            want, real = want[:, : got.shape[1]], mask[:, : got.shape[1]]
         if got is None or got.shape != want.shape:
             shape = None if got is None else f"shape {tuple(got.shape)}, one process gives {tuple(want.shape)}"
             rows.append(Row(name, math.inf, 0.0, shape or error or "no output"))
             break
-        real = mask.bool().reshape(*mask.shape, *([1] * (want.dim() - mask.dim())))
+        real = real.bool().reshape(*real.shape, *([1] * (want.dim() - real.dim())))
         diff = (got - want).abs().masked_fill(~real, 0).max().item()
         rows.append(Row(name, diff, want.abs().masked_fill(~real, 0).max().item()))
     return rows
 
 
+def single_process_model(path: str, dtype: torch.dtype, memory: int | None, offload_dir: str):
+    """transformers' model in one process; with a ``memory`` budget (bytes) what does not fit is
+    offloaded to ``offload_dir`` and streamed in layer by layer during the forward (accelerate)."""
+    if memory is None:
+        return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=dtype, device_map="auto", max_memory={"cpu": memory}, offload_folder=offload_dir
+    )
+
+
+def default_reference_memory(path: str) -> int | None:
+    """Stream the reference from disk when its weights would take more than half the memory free now."""
+    weights = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f.endswith(".safetensors"))
+    try:
+        with open("/proc/meminfo") as f:
+            available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        return None
+    return available // 2 if weights > available // 2 else None
+
+
 def verify(
-    path: str, tp_plan="auto", dtype=torch.float32, tolerance: float | None = None, tp_size=None
+    path: str,
+    tp_plan="auto",
+    dtype=torch.float32,
+    tolerance: float | None = None,
+    tp_size=None,
+    sp_size: int = 1,
+    reference_memory: int | None = None,
 ) -> Report | None:
-    """Run under torchrun (every rank); rank 0 returns the report, the others None."""
+    """Run under torchrun (every rank); rank 0 returns the report, the others None. Under sequence
+    parallelism each layer's output is compared on rank 0's tokens, and the logits on all of them.
+    ``reference_memory`` (bytes; default: half the free memory, if the weights need more) bounds the
+    one-process reference, which then streams its layers from disk."""
     from .api import AutoModelForCausalLM
     from .distributed.mesh import get_mesh
 
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     tolerance = TOLERANCES.get(dtype, 1e-2) if tolerance is None else tolerance
-    mesh = get_mesh(tp_size)
+    mesh = get_mesh(tp_size, sp_size=sp_size)
     batch = probe_batch(transformers.AutoConfig.from_pretrained(path))
     reference = None
+    reference_memory = default_reference_memory(path) if reference_memory is None else reference_memory
     if mesh.is_main:  # the single-process model is freed before the parallel one loads
-        single = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-        reference, _ = outputs_by_layer(single, batch)
-        del single
+        with tempfile.TemporaryDirectory(prefix="hf_parallel-verify-") as offload_dir:
+            single = single_process_model(path, dtype, reference_memory, offload_dir)
+            reference, _ = outputs_by_layer(single, batch)
+            del single
     mesh.barrier()
-    model = AutoModelForCausalLM.from_pretrained(path, tp_plan=tp_plan, dtype=dtype, tp_size=tp_size)
+    model = AutoModelForCausalLM.from_pretrained(path, tp_plan=tp_plan, dtype=dtype, tp_size=tp_size, sp_size=sp_size)
     parallel, error = outputs_by_layer(model, batch)
     mesh.barrier()
     if not mesh.is_main:
         return None
     header = (
-        f"verify {path} at tp={mesh.tp.size} ({str(dtype).removeprefix('torch.')}, plan: {model._hf_parallel.shard.plan.source}); "
+        f"verify {path} at tp={mesh.tp.size}{f' x sp={mesh.sp.size}' if mesh.sp.size > 1 else ''} ({str(dtype).removeprefix('torch.')}, plan: {model._hf_parallel.shard.plan.source}); "
         f"probe: {len(PROBE_LENGTHS)} rows of {' and '.join(map(str, batch['attention_mask'].sum(1).tolist()))} "
         f"tokens, left-padded; tolerance {tolerance:g} of each output's largest value"
+        + (f"; one process streamed from disk within {reference_memory / 2**20:.0f} MiB" if reference_memory else "")
     )
     return Report(compare(reference, parallel, batch["attention_mask"], error), tolerance, header)

@@ -34,21 +34,26 @@ def tiny_paths(tiny_root):
     return {name: make_checkpoint(name, tiny_root) for name in ARCHS}
 
 
-@pytest.fixture(scope="session")
-def tp_results(tiny_paths, tmp_path_factory):
-    """One spawned group per world size runs every architecture (spawning is the slow part)."""
+def compare_tp_runs(tmp_path_factory, label: str, cases: dict):
+    """``get(world_size)`` -> (every rank's ``workers.compare_tp`` results for ``cases``, the folder
+    their saves went to): one spawned group per world size runs every case."""
     import workers
 
     def run(world_size):
-        root = str(tmp_path_factory.mktemp(f"tp{world_size}"))
+        root = str(tmp_path_factory.mktemp(f"{label}{world_size}"))
         save_root = os.path.join(root, "saved")
-        cases = {name: (path, "auto") for name, path in tiny_paths.items()}
-        cases.update({name: (tiny_paths[arch], plan) for name, (arch, plan) in variant_plans().items()})
         return run_ranks(
             world_size, workers.compare_tp, cases, save_root, out_dir=os.path.join(root, "results")
         ), save_root
 
     return once_per_world_size(run)
+
+
+@pytest.fixture(scope="session")
+def tp_results(tiny_paths, tmp_path_factory):
+    cases = {name: (path, "auto") for name, path in tiny_paths.items()}
+    cases.update({name: (tiny_paths[arch], plan) for name, (arch, plan) in variant_plans().items()})
+    return compare_tp_runs(tmp_path_factory, "tp", cases)
 
 
 @pytest.fixture(scope="session")

@@ -8,10 +8,8 @@ import warnings
 import pytest
 import torch
 import transformers
-import workers
 from checks import assert_same_checkpoint
-from conftest import once_per_world_size
-from distributed import run_ranks
+from conftest import compare_tp_runs
 from tiny_models import TRAPS, make_checkpoint
 
 from hf_parallel.api import build_empty
@@ -30,14 +28,7 @@ def trap_paths(tiny_root):
 
 @pytest.fixture(scope="module")
 def trap_results(trap_paths, tmp_path_factory):
-    def run(world_size):
-        root = str(tmp_path_factory.mktemp(f"traps{world_size}"))
-        cases = {name: (path, "auto") for name, path in trap_paths.items()}
-        return run_ranks(
-            world_size, workers.compare_tp, cases, os.path.join(root, "saved"), out_dir=root
-        ), root + "/saved"
-
-    return once_per_world_size(run)
+    return compare_tp_runs(tmp_path_factory, "traps", {name: (path, "auto") for name, path in trap_paths.items()})
 
 
 @pytest.mark.parametrize("world_size", [2, 3])

@@ -71,10 +71,11 @@ def test_per_head_parameters_are_refused(tiny_root, tmp_path):
         assert out["type"] == "ValueError" and "holds per-head sinks" in out["message"], out
 
 
-@pytest.mark.parametrize("tp, sp", [(1, 4), (2, 2)])
+@pytest.mark.parametrize("tp, sp", SHAPES)
 def test_real_smollm2_sequence_parallel(smollm2, tmp_path, tp, sp):
-    """9 query / 3 KV heads: split 3, 2, 2, 2 over SP=4 (KV heads sent per query head); under TP=2
-    the ranks' 6/2 and 3/1 heads split over SP=2 as whole groups and per query head."""
+    """9 query / 3 KV heads: 5+4 over SP=2 and 3, 2, 2, 2 over SP=4 (KV heads sent per query head),
+    3 each over SP=3 (whole groups); under TP=2 the ranks' 6/2 and 3/1 heads split over SP=2 as whole
+    groups and per query head."""
     ranks = run_ranks(
         tp * sp, workers.compare_sp, {"smollm2": smollm2}, tp, sp, str(tmp_path / "saved"), out_dir=str(tmp_path)
     )
@@ -96,6 +97,29 @@ def test_plan_shows_heads_around_the_all_to_all_and_tokens_per_rank(tiny_paths):
     from hf_parallel.report import plan_report
 
     text = plan_report(tiny_paths["llama"], 2, sp=2, seq=37)  # 9 query / 3 KV heads
-    assert "rank 1 (tp 1, sp 0): heads 3 q / 1 kv -> all-to-all -> 2 q / 2 kv (one per query head); tokens 19 of 37" in text
+    assert (
+        "rank 1 (tp 1, sp 0): heads 3 q / 1 kv -> all-to-all -> 2 q / 2 kv (one per query head); tokens 19 of 37"
+        in text
+    )
     assert "rank 2 (tp 0, sp 1): heads 6 q / 2 kv -> all-to-all -> 3 q / 1 kv (whole groups); tokens 18 of 37" in text
     assert "tokens 1 of 3 (padded to one per rank)" in plan_report(tiny_paths["llama"], 1, tp_plan=None, sp=4, seq=3)
+
+
+def test_the_readme_training_step_example_runs_under_torchrun(smollm2):
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MODEL": smollm2}
+    done = subprocess.run(
+        [*command, os.path.join(root, "examples", "sequence_parallel_step.py")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [line for line in done.stdout.splitlines() if "tokens here" in line]
+    assert len(lines) == 4 and len({line.split("loss ")[1].split(",")[0] for line in lines}) == 1, lines
+    assert all("4 of 8 tokens here" in line for line in lines), lines

@@ -40,3 +40,16 @@ def test_verify_names_the_first_layer_that_diverges(tiny_paths, tmp_path):
     assert rank0["first"] == "model.layers.1", rank0["text"]
     assert rank0["rows"]["model.layers.0"] < 1e-5 and rank0["rows"]["model.layers.1"] > 1e-2
     assert "FAIL: first diverging: model.layers.1" in rank0["text"]
+
+
+def test_verify_streams_the_reference_from_disk_under_a_memory_budget(tiny_paths):
+    done = _verify(tiny_paths["llama"], "--tp", "2", "--reference-memory-gb", "0.00001")  # ~10 KB: every layer on disk
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "one process streamed from disk within 0 MiB" in done.stdout and "PASS" in done.stdout
+
+
+def test_verify_under_sequence_parallelism(tiny_paths):
+    done = _verify(tiny_paths["llama"], "--tp", "1", "--sp", "2")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "tp=1 x sp=2" in done.stdout and "PASS" in done.stdout
+    assert [line.split()[0] for line in done.stdout.splitlines() if line.endswith(" ok")][-1] == "logits"

@@ -1,0 +1,218 @@
+"""Long-context training step: hf_parallel's sequence parallelism against one process using every core.
+
+    python benchmarks/long_context.py [--seqs 2048 3072 4096 6144 8192 12288] [--sp 2 4] [--cap-mib 768]
+
+A small Llama (random fp32 weights, built locally) runs forward + backward with labels, one
+sequence per step: one process with all the machine's cores, and SP ranks with cores/SP threads
+each, in the same invocation. Lengths run in ascending order in one process per configuration,
+each step after one warm-up at that length; a configuration stops at the first length whose step
+goes past the memory cap. Per rank (max over ranks): the step's peak RSS above the RSS after the
+load (activations, logits, gradients), and tokens/s. The longest length under ``--cap-mib`` per
+rank is each configuration's longest fitting sequence. Ratios against one process, and the
+issue's targets, are printed and written to ``long_context.json``.
+
+Anchor: ``--deepspeed`` adds DeepSpeed's Ulysses for transformers (``UlyssesSPAttentionHF``, on
+its CPU accelerator over gloo), run as its tutorial does, in the same table; it needs
+``pip install deepspeed hjson einops`` and sequence lengths divisible by sp. transformers' and
+accelerate's context parallelism go through torch's ``context_parallel`` (DTensor ring attention
+on CUDA devices) and do not run on CPU ranks, so they are not in the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+MiB = 2**20
+
+
+def deepspeed_ulysses(path: str, world: int):
+    """The anchor: DeepSpeed's Ulysses for transformers as its tutorial runs it (ranks take their
+    chunk of input_ids, position_ids and shifted labels; sdpa without a mask; losses combined
+    weighted by tokens), plus the sum of gradients over the group its engine would do."""
+    import deepspeed
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.nn.functional as dist_nn
+    import transformers
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    mpu = UlyssesSPAttentionHF.register_with_transformers(path, "sdpa", world, 1, seq_length_is_variable=True)
+    group, rank = mpu.get_sequence_parallel_group(), dist.get_rank()
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
+
+    def summed(grad):
+        grad = grad.clone()
+        dist.all_reduce(grad, group=group)
+        return grad
+
+    for param in model.parameters():
+        param.register_hook(summed)
+
+    def loss_of(ids):
+        if ids.shape[1] % world:
+            raise ValueError(f"DeepSpeed's Ulysses needs the sequence length ({ids.shape[1]}) divisible by sp={world}")
+        chunk = slice(rank * ids.shape[1] // world, (rank + 1) * ids.shape[1] // world)
+        shift = torch.nn.functional.pad(ids, (0, 1), value=-100)[:, 1:]
+        positions = torch.arange(ids.shape[1]).unsqueeze(0)
+        logits = model(input_ids=ids[:, chunk], position_ids=positions[:, chunk], use_cache=False).logits
+        loss = model.loss_function(
+            logits=logits, labels=None, shift_labels=shift[:, chunk], vocab_size=logits.shape[-1]
+        )
+        tokens = (shift[:, chunk] != -100).sum()
+        losses = dist_nn.all_gather(loss * tokens, group=group)
+        return sum(losses) / (shift != -100).sum()
+
+    return model, loss_of
+
+
+def worker(implementation: str, path: str, seqs: list[int], cap: int, out: str) -> None:
+    import torch
+    import transformers
+    from measure import peak_rss_bytes, reset_peak_rss, rss_bytes
+
+    import hf_parallel
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    torch.set_num_threads(max(1, os.cpu_count() // world))
+    if implementation == "deepspeed":
+        model, loss_of = deepspeed_ulysses(path, world)
+    elif world == 1:
+        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    else:
+        model = hf_parallel.AutoModelForCausalLM.from_pretrained(path, tp_plan=None, sp_size=world, dtype=torch.float32)
+    if implementation != "deepspeed":
+        loss_of = lambda ids: model(input_ids=ids, labels=ids, use_cache=False).loss  # noqa: E731
+    model.train()
+    generator = torch.Generator().manual_seed(0)
+    baseline, rows = None, {}
+
+    def step(ids):
+        model.zero_grad(set_to_none=False)
+        loss_of(ids).backward()
+
+    step(torch.randint(0, model.config.vocab_size, (1, 64), generator=generator))  # gradients allocated
+    baseline = rss_bytes()
+    for seq in seqs:
+        ids = torch.randint(0, model.config.vocab_size, (1, seq), generator=generator)
+        reset_peak_rss()
+        step(ids)  # warm-up at this length
+        start = time.perf_counter()
+        step(ids)
+        seconds = time.perf_counter() - start
+        peak = peak_rss_bytes() - baseline
+        rows[seq] = {"peak_above_load": peak, "tokens_per_s": seq / seconds, "step_s": seconds}
+        if peak > cap:
+            break
+    rank = int(os.environ.get("RANK", "0"))
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump(rows, f)
+    if world > 1 and implementation != "deepspeed":
+        hf_parallel.distributed.mesh.shutdown()
+
+
+def configuration(path: str, implementation: str, sp: int, args) -> dict[int, dict]:
+    from hf_parallel.cli import start_ranks
+
+    out = os.path.join(args.out, f"long_context_{implementation}_sp{sp}")
+    os.makedirs(out, exist_ok=True)
+    command = [sys.executable, __file__, "--worker", implementation, path, "--out", out, "--cap-mib", str(args.cap_mib)]
+    command += ["--seqs", *map(str, args.seqs)]
+    if sp == 1:
+        env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK")}
+        code = __import__("subprocess").run(command, env=env).returncode
+    else:
+        code = start_ranks(sp, command)
+    if code:
+        raise SystemExit(f"sp={sp} failed with exit status {code}")
+    ranks = []
+    for name in sorted(os.listdir(out)):
+        if name.startswith("rank") and name.endswith(".json"):
+            with open(os.path.join(out, name)) as f:
+                ranks.append({int(k): v for k, v in json.load(f).items()})
+    return {
+        seq: {
+            "peak_above_load": max(r[seq]["peak_above_load"] for r in ranks),
+            "tokens_per_s": min(r[seq]["tokens_per_s"] for r in ranks),
+        }
+        for seq in ranks[0]
+        if all(seq in r for r in ranks)
+    }
+
+
+def report(results: dict[str, dict], cap: int) -> tuple[list[str], dict]:
+    """A markdown table (per rank, ratios to one process), the longest length under the cap, and
+    the issue's targets for hf_parallel at SP=2."""
+    single = results["one process"]
+    lines = ["| seq | " + " | ".join(f"{name}: peak MiB (x one) | tokens/s (x one)" for name in results) + " |"]
+    lines.append("|---" * (1 + 2 * len(results)) + "|")
+    for seq in sorted({s for rows in results.values() for s in rows}):
+        cells = []
+        for rows in results.values():
+            row, one = rows.get(seq), single.get(seq)
+            if row is None:
+                cells += ["past the cap", "-"]
+                continue
+            for key, scale in (("peak_above_load", MiB), ("tokens_per_s", 1)):
+                cells.append(f"{row[key] / scale:.0f}" + (f" ({row[key] / one[key]:.2f})" if one else ""))
+        lines.append(f"| {seq} | {' | '.join(cells)} |")
+    fits = lambda rows: max((s for s, r in rows.items() if r["peak_above_load"] <= cap), default=0)  # noqa: E731
+    longest = {name: fits(rows) for name, rows in results.items()}
+    lines.append(
+        f"longest sequence under {cap // MiB} MiB per rank: " + ", ".join(f"{k}: {n}" for k, n in longest.items())
+    )
+    checks = []  # (target, ratio, bound, whether the ratio must stay at or below the bound)
+    ours = results.get("hf_parallel SP=2", {})
+    common = [s for s in ours if s in single]
+    if common:
+        seq = max(common)
+        checks.append(
+            (f"peak at SP=2 (seq {seq})", ours[seq]["peak_above_load"] / single[seq]["peak_above_load"], 0.55, True)
+        )
+        checks.append(
+            (f"tokens/s at SP=2 (seq {seq})", ours[seq]["tokens_per_s"] / single[seq]["tokens_per_s"], 0.85, False)
+        )
+    if ours and longest["one process"]:
+        checks.append(("longest sequence at SP=2", longest["hf_parallel SP=2"] / longest["one process"], 1.8, False))
+    for name, value, bound, at_most in checks:
+        met = value <= bound if at_most else value >= bound
+        verdict = "met" if met else "NOT met"
+        lines.append(f"- {name}: {value:.2f} x one process, target {'<=' if at_most else '>='} {bound}: {verdict}")
+    return lines, {"longest": longest, "checks": [list(c) for c in checks]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seqs", type=int, nargs="+", default=[2048, 3072, 4096, 6144, 8192, 12288])
+    parser.add_argument("--sp", type=int, nargs="+", default=[2, 4] if (os.cpu_count() or 1) >= 4 else [2])
+    parser.add_argument("--cap-mib", type=int, default=768)
+    parser.add_argument("--out", default=os.path.join(HERE, "results"))
+    parser.add_argument("--model", help="a checkpoint (default: the small random Llama of checkpoints.py)")
+    parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
+    parser.add_argument("--deepspeed", action="store_true", help="also run DeepSpeed's Ulysses (pip install deepspeed)")
+    args = parser.parse_args()
+    if args.worker:
+        return worker(*args.worker, args.seqs, args.cap_mib * MiB, args.out)
+    from checkpoints import random_llama_long_context
+
+    path = args.model or random_llama_long_context()
+    results = {"one process": configuration(path, "transformers", 1, args)}
+    for sp in args.sp:
+        results[f"hf_parallel SP={sp}"] = configuration(path, "hf_parallel", sp, args)
+        if args.deepspeed:
+            results[f"DeepSpeed Ulysses SP={sp}"] = configuration(path, "deepspeed", sp, args)
+    lines, summary = report(results, args.cap_mib * MiB)
+    print("\n".join([f"long-context forward+backward, {path}, {os.cpu_count()} cores", *lines]))
+    with open(os.path.join(args.out, "long_context.json"), "w") as f:
+        json.dump({"model": path, "cores": os.cpu_count(), "results": results, **summary}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
