@@ -112,18 +112,30 @@ def compare(reference: dict, parallel: dict, mask: torch.Tensor, error: str | No
     its forward failed in (hooks record an output only once a layer completes)."""
     rows = []
     for name, want in reference.items():
-        got, real = parallel.get(name), mask
-        split = got is not None and got.dim() >= 2 and got.shape[1] < want.shape[1] and got.shape[2:] == want.shape[2:]
-        if split:  # sequence parallel: a layer's output holds rank 0's tokens, which come first
-            want, real = want[:, : got.shape[1]], mask[:, : got.shape[1]]
+        got = parallel.get(name)
         if got is None or got.shape != want.shape:
             shape = None if got is None else f"shape {tuple(got.shape)}, one process gives {tuple(want.shape)}"
             rows.append(Row(name, math.inf, 0.0, shape or error or "no output"))
             break
-        real = real.bool().reshape(*real.shape, *([1] * (want.dim() - real.dim())))
+        real = mask.bool().reshape(*mask.shape, *([1] * (want.dim() - mask.dim())))
         diff = (got - want).abs().masked_fill(~real, 0).max().item()
         rows.append(Row(name, diff, want.abs().masked_fill(~real, 0).max().item()))
     return rows
+
+
+def whole_sequences(outputs: dict, tokens: int, mesh) -> dict:
+    """Under sequence parallelism each layer's output holds this rank's run of tokens: gathered
+    over the group (every rank, same order), so every token of every layer is compared."""
+    from .distributed import comm
+    from .tensor.layout import even_sizes
+
+    sizes = even_sizes(max(tokens, mesh.sp.size), mesh.sp.size)
+    whole = {}
+    for name, out in outputs.items():
+        if out.dim() >= 2 and out.shape[1] == sizes[mesh.sp.rank] != tokens:
+            out = comm.gather_to_use(out.contiguous(), 1, sizes, mesh.sp.group)[:, :tokens]
+        whole[name] = out
+    return whole
 
 
 def single_process_model(path: str, dtype: torch.dtype, memory: int | None, offload_dir: str):
@@ -157,7 +169,7 @@ def verify(
     reference_memory: int | None = None,
 ) -> Report | None:
     """Run under torchrun (every rank); rank 0 returns the report, the others None. Under sequence
-    parallelism each layer's output is compared on rank 0's tokens, and the logits on all of them.
+    parallelism each layer's split output is gathered first, so every token is compared.
     ``reference_memory`` (bytes; default: half the free memory, if the weights need more) bounds the
     one-process reference, which then streams its layers from disk."""
     from .api import AutoModelForCausalLM
@@ -177,6 +189,8 @@ def verify(
     mesh.barrier()
     model = AutoModelForCausalLM.from_pretrained(path, tp_plan=tp_plan, dtype=dtype, tp_size=tp_size, sp_size=sp_size)
     parallel, error = outputs_by_layer(model, batch)
+    if mesh.sp.size > 1 and error is None:
+        parallel = whole_sequences(parallel, batch["input_ids"].shape[1], mesh)
     mesh.barrier()
     if not mesh.is_main:
         return None
