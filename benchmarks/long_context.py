@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 import time
 
@@ -127,7 +128,7 @@ def configuration(path: str, implementation: str, sp: int, args) -> dict[int, di
     command += ["--seqs", *map(str, args.seqs)]
     if sp == 1:
         env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK")}
-        code = __import__("subprocess").run(command, env=env).returncode
+        code = subprocess.run(command, env=env).returncode
     else:
         code = start_ranks(sp, command)
     if code:

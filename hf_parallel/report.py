@@ -10,8 +10,8 @@ import transformers
 from .api import build_empty, resolve_dtype
 from .distributed.mesh import Mesh
 from .sequence import check_sequence_parallel
-from .sequence.shard import attention_modules
 from .sequence.ulysses import head_plan
+from .tensor.attention import outermost
 from .tensor.geometry import attention_geometry
 from .tensor.layout import even_sizes
 from .tensor.parallelize import shard_plan
@@ -59,7 +59,7 @@ def plan_report(
 def sequence_lines(model, shard, tp: int, sp: int, seq) -> list[str]:
     """Per rank of tp x sp: the query / key-value heads it computes before the all-to-all (what
     TP left it) and after (its share of those over SP), and the tokens it holds of ``seq``."""
-    path, module = attention_modules(model)[0]
+    path, module = outermost(model)[0]
     geometry, _ = attention_geometry(module, model.config, path)
     lines = [f"sequence parallel over sp={sp} (ranks of one TP group adjacent, TP groups inside SP groups):"]
     for rank in range(tp * sp):

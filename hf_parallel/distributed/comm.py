@@ -87,6 +87,15 @@ def all_gather(x: torch.Tensor, dim: int, sizes, group) -> torch.Tensor:
     return torch.cat([part.narrow(dim, 0, size) for part, size in zip(parts, sizes)], dim)
 
 
+def sum_gradient_over(param: torch.nn.Parameter, group) -> None:
+    """Sum ``param``'s gradient over ``group`` in backward (each rank saw part of the data); once
+    per group, so a parameter summed over TP and over SP gets one hook for each."""
+    summed = param.__dict__.setdefault("_hfp_gradient_summed_over", set())
+    if group is not None and group not in summed:
+        param.register_hook(lambda grad: all_reduce(grad, group))
+        summed.add(group)
+
+
 def exchange(pieces: list[torch.Tensor], shapes: list[tuple[int, ...]], group) -> list[torch.Tensor]:
     """Send ``pieces[j]`` to rank j; returns what each rank i sent here, of ``shapes[i]``. One
     all-to-all of flat buffers, so pieces may differ in shape (uneven heads and sequence chunks)."""

@@ -38,13 +38,6 @@ SERVED_IMPLEMENTATIONS = ("sdpa", "eager")
 POSITION_KWARGS = {"position_embeddings": -2, "position_ids": -1, "cache_position": 0}  # name -> its sequence dim
 
 
-def attention_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    modules = dict(model.named_modules())
-    return [
-        (p, m) for p, m in modules.items() if attention.is_attention(m) and not attention.inside_attention(p, modules)
-    ]
-
-
 def check_sequence_parallel(model: nn.Module, sp: int) -> None:
     """What sequence parallelism cannot serve, refused before any weight is read."""
     implementation = getattr(model.config, "_attn_implementation", None) or "eager"
@@ -55,7 +48,7 @@ def check_sequence_parallel(model: nn.Module, sp: int) -> None:
         )
     if not repeated_layers(model) or model.get_output_embeddings() is None:
         raise ValueError(f"sp_size={sp}: {type(model).__name__} has no repeated decoder layers and LM head to split")
-    for path, module in attention_modules(model):
+    for path, module in attention.outermost(model):
         source = inspect.getsource(type(module).forward)
         if "ALL_ATTENTION_FUNCTIONS" not in source:
             raise ValueError(
@@ -80,17 +73,11 @@ def pad_sequence(x: torch.Tensor, dim: int, length: int, value=0, edge: bool = F
     return torch.cat([x, fill.expand(*[missing if d == dim % x.dim() else -1 for d in range(x.dim())])], dim)
 
 
-def _sum_gradient_over(param: nn.Parameter, group) -> None:
-    if not getattr(param, "_hfp_sp_grad_hooked", False):
-        param.register_hook(lambda grad: comm.all_reduce(grad, group))
-        param._hfp_sp_grad_hooked = True
-
-
 def parallelize_sequence(model: nn.Module, mesh) -> None:
     """Split ``model``'s sequence over ``mesh.sp`` (after tensor parallelism is installed)."""
     group, sp = mesh.sp.group, mesh.sp.size
     state = SequenceState(group, getattr(model.config, "_attn_implementation", None) or "eager")
-    for _, module in attention_modules(model):  # a private config copy: model.config (and the save) keep theirs
+    for _, module in attention.outermost(model):  # a private config copy: model.config (and the save) keep theirs
         module.config = copy.copy(module.config)
         module.config._attn_implementation = NAME
         module._hfp_sequence = state
@@ -124,7 +111,7 @@ def parallelize_sequence(model: nn.Module, mesh) -> None:
 
     model.base_model.register_forward_hook(gather_final)
     for param in model.parameters():
-        _sum_gradient_over(param, group)
+        comm.sum_gradient_over(param, group)
     model.generation_config.use_cache = False  # decode re-runs the sequence split: no KV cache of split tokens
     model.forward = _sequence_forward(model, model.forward, state, mesh)
 

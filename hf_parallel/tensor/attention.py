@@ -46,6 +46,12 @@ def inside_attention(path: str, modules: dict[str, nn.Module]) -> bool:
     return attention_root(path, modules) is not None
 
 
+def outermost(root: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The attention modules under ``root`` that sit in no other attention module."""
+    modules = dict(root.named_modules())
+    return [(p, m) for p, m in modules.items() if p and is_attention(m) and not inside_attention(p, modules)]
+
+
 def check_localizable(module: nn.Module, heads: HeadSplit) -> None:
     """Refuse attention that keeps one module per head: its code would index them by local head number."""
     for name, child in module.named_modules():

@@ -161,12 +161,7 @@ def repeated_layers(model: nn.Module) -> list[str]:
 
 def classify_block(block: nn.Module, hidden: int, config, qkv_style) -> tuple[dict[str, str], list[str]]:
     rules, notes = {}, []
-    modules = dict(block.named_modules())
-    regions = [
-        path
-        for path, module in modules.items()
-        if path and attention.is_attention(module) and not attention.inside_attention(path, modules)
-    ]
+    regions = [path for path, _ in attention.outermost(block)]
     for path in regions:
         try:
             try:

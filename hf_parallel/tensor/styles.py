@@ -146,13 +146,6 @@ def _dim_layout(dim: int, size: int, ctx: ShardContext, name: str, fused_layout)
     return per_rank(dim, split_ranges(size, ctx, name))
 
 
-def _grad_all_reduce(param: nn.Parameter, group) -> None:
-    """Sum this parameter's gradient over ``group`` (each rank saw part of the data)."""
-    if group is not None and not getattr(param, "_hfp_grad_hooked", False):
-        param.register_hook(lambda grad: comm.all_reduce(grad, group))
-        param._hfp_grad_hooked = True
-
-
 def _sum_replicated_grads(param: nn.Parameter, layout: Layout, rank: int, group) -> None:
     """Sum, over the ranks sharing them, the gradient rows of pieces held by several ranks
     (a replicated KV head: each replica saw only its share of the query heads)."""
@@ -211,7 +204,7 @@ class ReplicatedWithGradAllReduce(ParallelStyle):
 
     def install(self, module, ctx, name, layouts):
         for param in module.parameters(recurse=False):
-            _grad_all_reduce(param, ctx.group)
+            comm.sum_gradient_over(param, ctx.group)
 
 
 class Colwise(ParallelStyle):
@@ -343,7 +336,7 @@ def _add_once(module: nn.Module, attrs: list[str], rank: int, group) -> None:
     expert before the sum over ranks) count on rank 0 only: elsewhere the forward sees them times
     zero. Their gradient (all of it on rank 0) is summed, so every replica gets the same one."""
     for attr in attrs:
-        _grad_all_reduce(module.get_parameter(attr), group)
+        comm.sum_gradient_over(module.get_parameter(attr), group)
     if rank == 0 or not attrs:
         return
     forward = module.forward
@@ -452,7 +445,7 @@ class EmbeddingRowwise(ParallelStyle):
         module.register_forward_hook(reduce)
         for param_name, param in module.named_parameters():  # e.g. a norm inside the embedding module:
             if param_name != "weight":  # it saw only this rank's tokens (the others are zeroed after it)
-                _grad_all_reduce(param, group)
+                comm.sum_gradient_over(param, group)
 
 
 class EmbeddingColwise(ParallelStyle):
@@ -484,7 +477,7 @@ class SequenceParallel(ParallelStyle):
         module.register_forward_pre_hook(scatter)
         module.register_forward_hook(lambda m, args, out: comm.gather_from(out, 1, state["sizes"], group))
         for param in module.parameters(recurse=False):
-            _grad_all_reduce(param, group)
+            comm.sum_gradient_over(param, group)
 
 
 class ShardedRMSNorm(ParallelStyle):
