@@ -16,9 +16,10 @@ from accelerate import init_empty_weights
 from torch import nn
 
 from .checkpoint.distributed_save import save_distributed
-from .checkpoint.loading import load_weights
+from .checkpoint.loading import checkpoint_files, load_weights
 from .checkpoint.saving import save_sharded
 from .distributed.mesh import Mesh, get_mesh
+from .pipeline import keep_stage, keys_held_elsewhere, link_stage, split_stages, tied_across_stages
 from .sequence import check_sequence_parallel, parallelize_sequence
 from .tensor.parallelize import ShardPlan, install, shard_plan
 from .tensor.plan import resolve_plan, with_expert_parallel
@@ -31,6 +32,10 @@ class ParallelState:
     mesh: Mesh
     shard: ShardPlan
     source_keys: dict[str, str]  # parameter (or persistent buffer) name -> checkpoint key it was read from
+    pipeline: object = None  # the stage's StageRuntime under pipeline parallelism
+    forward: object = None  # the model's own forward, under the pipelined one
+    micro_batches: int | None = None  # per forward (None: one per stage)
+    tied_across_stages: tuple = ()  # parameters held by the first and the last stage
 
 
 def resolve_dtype(dtype, config) -> torch.dtype:
@@ -58,6 +63,10 @@ def from_pretrained(
     dtype=None,
     tp_size: int | None = None,
     sp_size: int = 1,
+    pp_size: int = 1,
+    stage_tp_sizes=None,
+    stage_layers=None,
+    micro_batches: int | None = None,
     device_map=None,
     allow_pickle: bool = False,
     **config_kwargs,
@@ -66,6 +75,10 @@ def from_pretrained(
     ``ep_plan="auto"``: experts spread whole over the ranks (attention and dense layers still
     follow ``tp_plan``; ``tp_plan=None`` keeps them replicated). ``sp_size``: split every sequence
     over that many ranks (Ulysses), TP groups inside SP groups; the world is tp x sp.
+    ``pp_size``: that many pipeline stages of contiguous layers, each at ``tp_size``; or
+    ``stage_tp_sizes=[2, 1]``: one stage per entry with its own TP size (the world is their sum).
+    ``stage_layers``: layers per stage (default: balanced by parameters, embeddings and head
+    included); ``micro_batches``: rows of a batch per forward are cut into this many (default one per stage).
     ``allow_pickle``: accept a ``pytorch_model.bin`` checkpoint (loaded with ``weights_only=True``)."""
     if device_map is not None:
         raise ValueError(
@@ -80,11 +93,23 @@ def from_pretrained(
         raise TypeError(
             f"from_pretrained() got keyword argument(s) that hf_parallel does not take and {type(config).__name__} "
             f"does not define: {', '.join(sorted(unknown))}. hf_parallel takes tp_plan, ep_plan, dtype, tp_size, "
-            "sp_size, device_map and allow_pickle; any other keyword must be a config attribute (it overrides the checkpoint's)"
+            "sp_size, pp_size, stage_tp_sizes, stage_layers, micro_batches, device_map and allow_pickle; any other keyword must be a config attribute (it overrides the checkpoint's)"
         )
-    mesh = get_mesh(tp_size, sp_size=sp_size)
+    mesh = get_mesh(tp_size, sp_size=sp_size, pp_size=pp_size, stage_tp_sizes=stage_tp_sizes)
+    if mesh.num_stages > 1 and mesh.sp.size > 1:
+        raise ValueError(
+            f"pipeline stages ({mesh.num_stages}) with sequence parallelism (sp_size={mesh.sp.size}) are not supported "
+            "together yet; use pp with tp, or sp with tp"
+        )
+    if stage_layers is not None and mesh.num_stages == 1:
+        raise ValueError(f"stage_layers={list(stage_layers)} needs pipeline stages: pass pp_size or stage_tp_sizes")
     dtype = resolve_dtype(dtype, config)
     model = build_empty(auto_class, config, dtype)
+    split, elsewhere = None, set()
+    if mesh.num_stages > 1:  # cut the meta model down to this stage before anything else sees it
+        split = split_stages(model, mesh.num_stages, stage_layers)
+        elsewhere = keys_held_elsewhere(model, split, mesh.stage, checkpoint_files(path, allow_pickle))
+        keep_stage(model, split, mesh.stage)
     if ep_plan is None:
         plan = resolve_plan(model, tp_plan)
     elif ep_plan == "auto":  # the experts' rules come from the model's plan even without tensor parallelism
@@ -94,7 +119,7 @@ def from_pretrained(
     shard = shard_plan(model, plan, mesh)
     if mesh.sp.size > 1:
         check_sequence_parallel(model, mesh.sp.size)
-    source_keys = load_weights(model, path, shard, dtype, allow_pickle)
+    source_keys = load_weights(model, path, shard, dtype, allow_pickle, ignore_keys=elsewhere)
     install(model, shard)
     try:
         model.generation_config = transformers.GenerationConfig.from_pretrained(path)
@@ -103,7 +128,10 @@ def from_pretrained(
     if mesh.sp.size > 1:
         parallelize_sequence(model, mesh)
     model.eval()
-    model._hf_parallel = ParallelState(mesh, shard, source_keys)
+    model._hf_parallel = state = ParallelState(mesh, shard, source_keys, micro_batches=micro_batches)
+    if split is not None:
+        state.pipeline, state.forward = link_stage(model, split, mesh)
+        state.tied_across_stages = tuple(tied_across_stages(model, shard))
     model.save_pretrained = functools.partial(save_pretrained, model)
     return model
 

@@ -61,6 +61,12 @@ TRAPS = {
     "phi_partial_rotary": ("PhiConfig", dict(hidden_size=48, intermediate_size=80, num_attention_heads=6, partial_rotary_factor=0.5, tie_word_embeddings=False)),  # noqa: E501
     "stablelm_partial_rotary": ("StableLmConfig", dict(hidden_size=48, intermediate_size=80, num_attention_heads=6, num_key_value_heads=3, partial_rotary_factor=0.5, num_key_value_groups=7)),  # noqa: E501
 }
+PIPELINE = {  # more layers than stages, uneven over 2 and 3 stages; one tied embedding (first/last stage)
+    "pp_llama": ("LlamaConfig", dict(ARCHS["llama"][1], num_hidden_layers=5)),
+    "pp_qwen3": ("Qwen3Config", dict(ARCHS["qwen3"][1], num_hidden_layers=4)),
+    "pp_qwen2_moe": ("Qwen2MoeConfig", dict(MOE["qwen2_moe"][1], num_hidden_layers=4)),
+    "pp_tied": ("LlamaConfig", dict(ARCHS["llama_tied_kvrep"][1], num_hidden_layers=4)),
+}
 DISCOVERED = ["gpt2", "opt", "falcon_new", "falcon_multi_query", "falcon_alibi", "bloom", "gptj", "stablelm"]
 # fmt: on
 
@@ -70,7 +76,7 @@ def make_checkpoint(name: str, root: str) -> str:
     path = os.path.join(root, name)
     if os.path.isfile(os.path.join(path, "config.json")):
         return path
-    class_name, overrides = {**ARCHS, **MOE, **ENCODERS, **TRAPS}[name]
+    class_name, overrides = {**ARCHS, **MOE, **ENCODERS, **TRAPS, **PIPELINE}[name]
     config = getattr(transformers, class_name)(**{**COMMON, **overrides})
     torch.manual_seed(sum(map(ord, name)))
     auto = transformers.AutoModel if name in ENCODERS else transformers.AutoModelForCausalLM

@@ -590,3 +590,82 @@ def sequence_comm_properties(rank: int, world_size: int) -> dict:
     except RuntimeError as error:
         worst["gather_backward_refused"] = str(error)
     return worst
+
+
+def pipeline_batch(vocab: int) -> dict:
+    """Four rows, the last two left-padded (their masks reach every stage's mask sizing)."""
+    generator = torch.Generator().manual_seed(7)
+    ids = torch.randint(3, vocab, (4, 9), generator=generator)
+    mask = torch.ones_like(ids)
+    mask[2, :3], mask[3, :5] = 0, 0
+    ids = ids.masked_fill(mask == 0, 0)
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
+def compare_pp(rank: int, world_size: int, cases: dict, sizes: dict, save_root: str) -> dict:
+    """For each checkpoint under the pipeline layout ``sizes``: logits (padded batch), greedy and
+    seeded-sampling tokens, every gradient after a GPipe and a 1F1B step of 4 micro-batches, one
+    SGD step (tied copies bitwise equal), a gathered save and a distributed save."""
+    import hf_parallel
+    from hf_parallel.pipeline import train_step
+    from hf_parallel.pipeline.tied import full_tensor
+
+    results = {}
+    for name, (path, kwargs) in cases.items():
+        single = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        model = hf_parallel.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **sizes, **kwargs)
+        state = model._hf_parallel
+        model.save_pretrained(os.path.join(save_root, name, "gathered"))
+        model.save_pretrained(os.path.join(save_root, name, "distributed"), distributed=True)
+        batch = pipeline_batch(single.config.vocab_size)
+        inputs = {k: v for k, v in batch.items() if k != "labels"}
+        out = {}
+        with torch.no_grad():
+            real = batch["attention_mask"].bool().unsqueeze(-1)
+            want = single(**inputs).logits
+            out["logits"] = (model(**inputs).logits - want).masked_fill(~real, 0).abs().max().item()
+        prompt = {k: v[:, :6] for k, v in inputs.items()}
+        out["greedy"] = model.generate(**prompt, max_new_tokens=5, do_sample=False).equal(
+            single.generate(**prompt, max_new_tokens=5, do_sample=False)
+        )
+        sampled = []
+        for generating in (model, single):
+            torch.manual_seed(11)
+            sampled.append(generating.generate(**prompt, max_new_tokens=5, do_sample=True, top_k=0, temperature=1.0))
+        out["sampled"] = sampled[0].equal(sampled[1])
+        single.train()
+        model.train()
+        single.zero_grad()
+        reference = single(**batch)
+        reference.loss.backward()
+        for schedule in ("gpipe", "1f1b"):
+            model.zero_grad()
+            loss = train_step(model, **batch, micro_batches=4, schedule=schedule)
+            grad_error, grad_scale = 0.0, 0.0
+            for entry in state.shard.unique_params():
+                want_grad = expected_slice(single.get_parameter(entry.name).grad, entry.layout, state.mesh.tp.rank)
+                got = model.get_parameter(entry.name).grad
+                grad_error = max(grad_error, (got - want_grad).abs().max().item())
+                grad_scale = max(grad_scale, want_grad.abs().max().item())
+            out[schedule] = {"loss": abs(loss.item() - reference.loss.item()), "grads": grad_error, "scale": grad_scale}
+        for stepping in (single, model):
+            torch.optim.SGD(stepping.parameters(), lr=0.5).step()
+        out["step"] = max(
+            (model.get_parameter(e.name) - expected_slice(single.get_parameter(e.name).detach(), e.layout, state.mesh.tp.rank))
+            .abs()
+            .max()
+            .item()
+            for e in state.shard.unique_params()
+        )
+        out["tied"] = [  # the full tied weight after the step, as this stage holds it
+            full_tensor(model.get_parameter(n).detach(), state.shard.params[n].layout, state.shard.params[n].full_shape, state.mesh.tp).sum().item()
+            for n in state.tied_across_stages
+        ]
+        out["tied_bits"] = [
+            full_tensor(model.get_parameter(n).detach(), state.shard.params[n].layout, state.shard.params[n].full_shape, state.mesh.tp).view(torch.int32).long().sum().item()
+            for n in state.tied_across_stages
+        ]
+        model.eval()
+        out["stage"], out["layers"] = state.mesh.stage, list(state.pipeline.split.layers_of(state.mesh.stage))
+        results[name] = out
+    return results

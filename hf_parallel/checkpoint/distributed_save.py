@@ -18,7 +18,7 @@ import torch.distributed as dist
 from ..distributed.faults import collective
 from .keys import FusedSource
 from .manifest import FORMAT, MANIFEST_FILE, VERSION, manifest_entry, rank_file_name
-from .saving import save_config, saved_entries, tensor_of
+from .saving import save_config, saved_entries, stage_owners, tensor_of
 from .staging import Staging, remove_stale
 from .writer import SAFETENSORS_DTYPES, SafetensorsWriter
 
@@ -42,17 +42,29 @@ def _fused(state, entry) -> FusedSource | None:
 
 
 def save_distributed(model, out_dir: str) -> None:
-    """Each rank writes its local tensors (replicated ones only on rank 0) plus rank 0's manifest."""
+    """Each rank writes its local tensors (replicated ones only on its stage's first rank) plus
+    rank 0's manifest; a pipeline stage's files follow the previous stage's."""
     state = model._hf_parallel
     mesh = state.mesh
     entries = {_manifest_key(state.source_keys[e.name], e.name): e for e in saved_entries(model)}
     save_id = _save_id(mesh)
-    tp = mesh.tp  # the layouts are written in TP ranks: one file per TP rank
-    names = [rank_file_name(rank, tp.size, save_id) for rank in range(tp.size)]
+    tp = mesh.tp  # the layouts are written in TP ranks: one file per TP rank of each pipeline stage
+    stage_sizes = mesh.shape.stage_tp_sizes
+    first_file = sum(stage_sizes[: mesh.stage])  # this stage's files start here
+    names = [rank_file_name(rank, sum(stage_sizes), save_id) for rank in range(sum(stage_sizes))]
+    described = {
+        key: manifest_entry(
+            e.full_shape, SAFETENSORS_DTYPES[tensor_of(model, e.name).dtype], e.layout, _fused(state, e), first_file
+        )
+        for key, e in entries.items()
+    }
+    owners = dict.fromkeys(described, mesh.stage)
+    if mesh.num_stages > 1:  # a tied weight of the first and last stage is written by the first
+        owners, described = stage_owners(mesh, described)
     mine = {
         key: tensor_of(model, e.name).detach()
         for key, e in entries.items()
-        if mesh.is_main or not e.layout.is_replicated
+        if owners[key] == mesh.stage and (tp.rank == 0 or not e.layout.is_replicated)
     }
     os.makedirs(out_dir, exist_ok=True)
     if mesh.sp.rank != 0:  # a sequence-parallel replica of the TP shards its group's first rank writes
@@ -60,7 +72,7 @@ def save_distributed(model, out_dir: str) -> None:
     else:
         with Staging(out_dir) as staging:
             writer = SafetensorsWriter(
-                staging.new_file(names[tp.rank]), {k: (tuple(t.shape), t.dtype) for k, t in mine.items()}
+                staging.new_file(names[first_file + tp.rank]), {k: (tuple(t.shape), t.dtype) for k, t in mine.items()}
             )
             for key, tensor in mine.items():
                 writer.write(key, tensor)
@@ -72,15 +84,10 @@ def save_distributed(model, out_dir: str) -> None:
         manifest = {
             "format": FORMAT,
             "version": VERSION,
-            "world_size": tp.size,
+            "world_size": len(names),
             "save_id": save_id,
             "files": names,
-            "tensors": {
-                key: manifest_entry(
-                    e.full_shape, SAFETENSORS_DTYPES[tensor_of(model, e.name).dtype], e.layout, _fused(state, e)
-                )
-                for key, e in entries.items()
-            },
+            "tensors": described,
         }
         with Staging(out_dir) as staging:
             with open(staging.new_file(MANIFEST_FILE), "w") as f:

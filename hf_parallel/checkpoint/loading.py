@@ -318,12 +318,18 @@ def _set_tensor(model: nn.Module, name: str, value: torch.Tensor) -> None:
 
 
 def load_weights(
-    model: nn.Module, path: str, shard: ShardPlan, dtype: torch.dtype, allow_pickle: bool = False
+    model: nn.Module,
+    path: str,
+    shard: ShardPlan,
+    dtype: torch.dtype,
+    allow_pickle: bool = False,
+    ignore_keys: set[str] = frozenset(),
 ) -> dict[str, str | FusedSource]:
     """Fill every parameter (and persistent buffer found in the checkpoint) with its local shard.
 
     Returns parameter name -> checkpoint key (or the per-expert keys of a fused expert parameter),
-    and buffer name -> key for the buffers read, which saving uses to write the source's names and form."""
+    and buffer name -> key for the buffers read, which saving uses to write the source's names and form.
+    ``ignore_keys``: keys another pipeline stage reads (neither read here nor unexpected)."""
     files = checkpoint_files(path, allow_pickle)
     check_same_checkpoint(path, files, shard.mesh)
     rank = shard.mesh.tp.rank
@@ -340,7 +346,7 @@ def load_weights(
         )
     buffers = {name: key_of[name] for name, _ in model.named_buffers() if name in key_of}
     used = {key for source in sources.values() for key in _keys_of(source)} | set(buffers.values())
-    unexpected = sorted(set(files) - used)
+    unexpected = sorted(set(files) - used - ignore_keys)
     if unexpected:
         warnings.warn(
             f"{path}: {len(unexpected)} checkpoint key(s) match no parameter and are ignored: {', '.join(unexpected[:20])}",

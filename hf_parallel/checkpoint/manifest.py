@@ -36,10 +36,13 @@ def rank_file_name(rank: int, world_size: int, save_id: str) -> str:
     return f"model-rank-{rank:05d}-of-{world_size:05d}-{save_id}.safetensors"
 
 
-def manifest_entry(shape, dtype_name: str, layout: Layout, fused: FusedSource | None = None) -> dict:
-    """``fused``: the per-expert keys the parameter was loaded from, which consolidation writes back."""
+def manifest_entry(shape, dtype_name: str, layout: Layout, fused: FusedSource | None = None, first_file: int = 0) -> dict:
+    """``fused``: the per-expert keys the parameter was loaded from, which consolidation writes back.
+    ``first_file``: the file of the layout's rank 0 (a later pipeline stage's files follow the earlier ones')."""
     ranks = [0] if layout.is_replicated else list(range(layout.world_size))
     entry = {"shape": list(shape), "dtype": dtype_name, "ranks": ranks, "layout": layout.to_json()}
+    if first_file:
+        entry["first_file"] = first_file
     if fused is not None:
         entry["fused_from"] = {"keys": [list(keys) for keys in fused.keys], "concat_dim": fused.concat_dim}
     return entry
@@ -60,7 +63,11 @@ class DistributedCheckpoint:
             if (manifest.get("format"), manifest.get("version")) != (FORMAT, VERSION):
                 raise ValueError(f"format {manifest.get('format')!r} version {manifest.get('version')!r}")
             names = [str(name) for name in manifest["files"]]
-            self.tensors = {str(key): self._parse(entry, len(names)) for key, entry in manifest["tensors"].items()}
+            self.first_file = {str(key): int(e.get("first_file", 0)) for key, e in manifest["tensors"].items()}
+            self.tensors = {
+                str(key): self._parse(entry, len(names) - self.first_file[str(key)])
+                for key, entry in manifest["tensors"].items()
+            }
             self.fused = {
                 str(key): FusedSource(
                     tuple(tuple(map(str, k)) for k in e["fused_from"]["keys"]), e["fused_from"]["concat_dim"]
@@ -80,8 +87,12 @@ class DistributedCheckpoint:
             for rank in ranks:
                 self._check_piece(key, shape, dtype, layout, rank)
 
+    def file_of(self, key: str, rank: int) -> int:
+        """The file index of layout rank ``rank`` of ``key``."""
+        return self.first_file[key] + rank
+
     def handle(self, rank: int):
-        """Rank ``rank``'s file, opened (memory-mapped) on first use."""
+        """File ``rank``, opened (memory-mapped) on first use."""
         if rank not in self._handles:
             self._handles[rank] = self._open(self.files[rank])
         return self._handles[rank]
@@ -93,11 +104,12 @@ class DistributedCheckpoint:
 
     @staticmethod
     def _parse(entry: dict, world_size: int):
+        """``world_size``: the files from the entry's first one on."""
         shape = tuple(int(n) for n in entry["shape"])
         dtype = SAFETENSORS_TO_TORCH[entry["dtype"]]
         layout = Layout.from_json(entry["layout"])
         ranks = [int(r) for r in entry["ranks"]]
-        if layout.world_size != world_size or not ranks or not all(0 <= r < world_size for r in ranks):
+        if not 0 < layout.world_size <= world_size or not ranks or not all(0 <= r < layout.world_size for r in ranks):
             raise ValueError(f"layout of {layout.world_size} ranks / ranks {ranks} for {world_size} files")
         if not layout.is_replicated:
             reach = 0
@@ -117,7 +129,7 @@ class DistributedCheckpoint:
             raise CheckpointError(f"{file}: not a valid safetensors file: {error}") from None
 
     def _check_piece(self, key, shape, dtype, layout, rank) -> None:
-        file, handle = self.files[rank], self.handle(rank)
+        file, handle = self.files[self.file_of(key, rank)], self.handle(self.file_of(key, rank))
         if key not in handle.keys():
             raise CheckpointError(f"{file}: the manifest says it holds {key!r}, but it does not")
         found = handle.get_slice(key)
@@ -162,12 +174,12 @@ class DistributedSlice(TiledTensor):
 
         def read(box):
             local = tuple((a + offset, b + offset) if d == dim else (a, b) for d, (a, b) in enumerate(box))
-            return self.checkpoint.handle(rank).get_slice(self.key)[as_slices(local)]
+            return self.checkpoint.handle(self.checkpoint.file_of(self.key, rank)).get_slice(self.key)[as_slices(local)]
 
         return read
 
     def saved_as(self, layout: Layout, rank: int) -> torch.Tensor | None:
         """``rank``'s own saved tensor (a view of its file), when it was saved with this very layout."""
         if layout == self.layout and rank in self.ranks and not layout.is_replicated:
-            return self.checkpoint.handle(rank).get_slice(self.key)[:]
+            return self.checkpoint.handle(self.checkpoint.file_of(self.key, rank)).get_slice(self.key)[:]
         return None

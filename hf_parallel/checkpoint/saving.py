@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-from collections import deque
 from contextlib import nullcontext
 
 import torch
@@ -30,6 +29,7 @@ from .staging import Staging, remove_stale
 from .tiles import Box, as_slices, box_shape
 from .writer import SafetensorsWriter, nbytes
 
+SAVE_TAG = 4  # point-to-point messages of a save, apart from a pipeline's activations
 BLOCK_BYTES = 16 << 20  # rank 0 holds at most one block of a tensor (and one received part) at a time
 
 
@@ -178,8 +178,34 @@ def checkpoint_tensors(model) -> dict[str, tuple]:
     return out
 
 
+def stage_owners(mesh, specs: dict) -> tuple[dict[str, int], dict]:
+    """Under pipeline parallelism: every key's owning stage (the first that holds it: a tied
+    weight is written once) and every stage's specs, in stage order, on every rank."""
+    mine = specs if mesh.tp.rank == 0 else {}
+    everyone = [None] * mesh.world_size
+    with collective(f"listing every stage's tensors for the save (rank {mesh.rank})"):
+        dist.all_gather_object(everyone, (mesh.stage, mine), group=mesh.world.group)
+    owners, merged = {}, {}
+    for stage, theirs in sorted(everyone, key=lambda item: item[0]):
+        for key, spec in theirs.items():
+            owners.setdefault(key, stage)
+            merged.setdefault(key, spec)
+    return owners, merged
+
+
+def received_blocks(spec, source: int, key: str, scratch: Scratch):
+    """On rank 0: a key another stage owns, block by block from that stage's first rank."""
+    shape, dtype = spec
+    for block in row_blocks(shape, None, dtype):
+        buffer = scratch.take(box_shape(block), dtype)
+        with collective(f"receiving {key} from rank {source} (its pipeline stage's first rank) on rank 0"):
+            dist.recv(buffer, src=source, tag=SAVE_TAG)
+        yield buffer
+
+
 def save_sharded(model, out_dir: str, max_shard_size="50GB") -> None:
-    """Gather every parameter under its checkpoint name and write a standard HF checkpoint."""
+    """Gather every parameter under its checkpoint name and write a standard HF checkpoint. Each
+    pipeline stage gathers its own tensors on its first rank, which sends them on to rank 0."""
     mesh = model._hf_parallel.mesh
     if mesh.sp.rank != 0:  # sequence-parallel replicas hold the same shards as the group rank 0 is in
         mesh.barrier()
@@ -192,23 +218,33 @@ def save_sharded(model, out_dir: str, max_shard_size="50GB") -> None:
         )
         for key, (entry, box) in targets.items()
     }
+    owners = dict.fromkeys(specs, mesh.stage)
+    if mesh.num_stages > 1:
+        owners, specs = stage_owners(mesh, specs)
 
     def gathered(keys):
         """Per key, its row blocks as rank 0 gathers them (consumed by the writer one by one);
         the other ranks send their parts here, in the same order."""
         scratch = (Scratch(), Scratch())
         for key in keys:
+            if owners[key] != mesh.stage:
+                leader = mesh.stage_ranks(owners[key])[0]
+                yield received_blocks(specs[key], leader, key, scratch[0]) if mesh.is_main else None
+                continue
             entry, box = targets[key]
             local = tensor_of(model, entry.name)
             blocks = (
                 gather_block(local, entry.layout, block, mesh.tp, entry.name, scratch)
                 for block in row_blocks(entry.full_shape, box, local.dtype)
             )
-            if not mesh.is_main:
-                deque(blocks, maxlen=0)
-                yield None
-            else:
+            if mesh.is_main:
                 yield (as_written(block, box) for block in blocks)
+                continue
+            for block in blocks:
+                if block is not None:  # this stage's first rank, not rank 0: on to rank 0
+                    with collective(f"sending {key} from rank {mesh.rank} to rank 0"):
+                        dist.send(as_written(block, box).contiguous(), dst=0, tag=SAVE_TAG)
+            yield None
 
     if mesh.is_main:
         os.makedirs(out_dir, exist_ok=True)

@@ -154,6 +154,8 @@ def install(model: nn.Module, shard: ShardPlan) -> None:
     """Wrap forwards with collectives and give attention modules their local head counts."""
     modules = dict(model.named_modules())
     for path, rule in shard.rules.items():
+        if getattr(modules.get(path), "stand_in", False):  # holds a tied weight; another stage runs it
+            continue
         if path in modules:  # parameter rules only set a layout; their module's style runs it
             rule.style.install(modules[path], shard.contexts[path], path, shard.layouts.get(path, {}))
     for _, module in _attention_on_local_heads(modules, shard.rules, shard.heads, shard.mesh):

@@ -122,7 +122,7 @@ def tie_embedding_rules(model: nn.Module, assigned: dict[str, Rule]) -> None:
     """Tied input/output embeddings share one tensor, so they must share one vocab split:
     give the unplanned side the matching style (embedding_rowwise / colwise_gather_output)."""
     inp, out = model.get_input_embeddings(), model.get_output_embeddings()
-    if inp is None or out is None or inp.weight is not out.weight:
+    if inp is None or out is None or getattr(inp, "weight", None) is not getattr(out, "weight", 0):
         return
     names = {module: path for path, module in model.named_modules()}
     inp_path, out_path = names[inp], names[out]

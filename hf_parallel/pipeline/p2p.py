@@ -1,0 +1,108 @@
+"""Point-to-point between pipeline stages: the first rank of a stage sends, the first rank of the
+next receives and broadcasts within its TP group (MindSpeed's VTP scheme), so adjacent stages may
+have different TP sizes: a stage's output is replicated over its TP group, any one copy will do.
+
+Every tensor is preceded by a fixed-size header (dtype, rank, shape), so a receiver never guesses
+a shape. Sends are asynchronous (``isend``): a stage goes on with its next micro-batch while the
+last one is in flight; ``flush`` waits for them (and keeps their buffers alive until then). A
+receive that does not complete within ``HF_PARALLEL_TIMEOUT`` raises ``RankFailure`` naming this
+stage, the stage it waited for and what it waited for.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..distributed.faults import collective
+from ..distributed.mesh import Mesh
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.bool)
+MAX_DIMS = 6
+# one tag per kind of traffic: messages between the same pair of ranks are matched in order per tag
+FORWARD, BACKWARD, TIED = 1, 2, 3  # (saving.SAVE_TAG is 4)
+
+
+def header_of(tensor: torch.Tensor) -> torch.Tensor:
+    if tensor.dim() > MAX_DIMS or tensor.dtype not in DTYPES:
+        raise ValueError(f"cannot send a {tensor.dtype} tensor of {tensor.dim()} dims between stages")
+    shape = list(tensor.shape) + [0] * (MAX_DIMS - tensor.dim())
+    return torch.tensor([DTYPES.index(tensor.dtype), tensor.dim(), *shape], dtype=torch.int64)
+
+
+def empty_from(header: torch.Tensor, device) -> torch.Tensor:
+    dtype, ndim, *shape = header.tolist()
+    return torch.empty(shape[:ndim], dtype=DTYPES[dtype], device=device)
+
+
+class StageLink:
+    """This rank's links to the stages before and after its own."""
+
+    def __init__(self, mesh: Mesh):
+        self.mesh = mesh
+        self.stage, self.num_stages = mesh.stage, mesh.num_stages
+        self.leads = mesh.tp.rank == 0  # the stage's first rank: the one that talks to other stages
+        self._pending: list = []  # (work, buffer) of sends not yet known complete
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage == self.num_stages - 1
+
+    def leader(self, stage: int) -> int:
+        return self.mesh.stage_ranks(stage)[0]
+
+    def _where(self, stage: int) -> str:
+        return f"stage {stage} (rank {self.leader(stage)})"
+
+    def send(self, tensor: torch.Tensor, stage: int, what: str, tag: int = FORWARD) -> None:
+        """Send ``tensor`` to ``stage``'s first rank, without waiting; only this stage's first rank sends."""
+        if not self.leads:
+            return
+        data = tensor.detach().to("cpu" if dist.get_backend() == "gloo" else tensor.device).contiguous()
+        for buffer in (header_of(data), data):
+            with collective(f"stage {self.stage} (rank {self.mesh.rank}) sending {what} to {self._where(stage)}"):
+                work = dist.isend(buffer, dst=self.leader(stage), tag=tag)
+            self._pending.append((work, buffer, what, stage))
+
+    def recv(self, stage: int, what: str, tag: int = FORWARD) -> torch.Tensor:
+        """A tensor from ``stage``'s first rank, on every rank of this stage (broadcast over TP)."""
+        waiting = f"stage {self.stage} (rank {self.mesh.rank}) waiting for {what} from {self._where(stage)}"
+        tp = self.mesh.tp
+        header = torch.empty(2 + MAX_DIMS, dtype=torch.int64)
+        if self.leads:
+            with collective(waiting):
+                dist.recv(header, src=self.leader(stage), tag=tag)
+        if tp.group is not None:
+            with collective(f"{waiting}: the header, from rank {tp.ranks[0]}"):
+                dist.broadcast(header, group_src=0, group=tp.group)
+        out = empty_from(header, "cpu")
+        if self.leads:
+            with collective(waiting):
+                dist.recv(out, src=self.leader(stage), tag=tag)
+        if tp.group is not None:
+            with collective(f"{waiting}: the data, from rank {tp.ranks[0]}"):
+                dist.broadcast(out, group_src=0, group=tp.group)
+        return out.to(self.mesh.device)
+
+    def flush(self) -> None:
+        """Wait until every send of this rank has completed."""
+        pending, self._pending = self._pending, []
+        for work, _, what, stage in pending:
+            with collective(f"stage {self.stage} (rank {self.mesh.rank}) sending {what} to {self._where(stage)}"):
+                work.wait()
+
+    def broadcast_from_last(self, tensor: torch.Tensor | None) -> torch.Tensor:
+        """The last stage's ``tensor`` on every rank of the world (header first)."""
+        source = self.leader(self.num_stages - 1)
+        header = header_of(tensor) if self.mesh.rank == source else torch.empty(2 + MAX_DIMS, dtype=torch.int64)
+        what = f"rank {self.mesh.rank} (stage {self.stage}) receiving the last stage's output from rank {source}"
+        with collective(what):
+            dist.broadcast(header, src=source, group=self.mesh.world.group)
+        out = tensor.detach().cpu().contiguous() if self.mesh.rank == source else empty_from(header, "cpu")
+        with collective(what):
+            dist.broadcast(out, src=source, group=self.mesh.world.group)
+        return out.to(self.mesh.device)
