@@ -52,9 +52,12 @@ def cmd_generate(args) -> None:
 
     path = args.model or default_checkpoint()
     start = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(path, tp_plan="auto", dtype=args.dtype)
+    model = AutoModelForCausalLM.from_pretrained(path, tp_plan="auto", dtype=args.dtype, **pipeline_kwargs(args))
     load_seconds = time.perf_counter() - start
-    main, tp = model._hf_parallel.mesh.is_main, model._hf_parallel.mesh.tp.size
+    mesh = model._hf_parallel.mesh
+    main, layout = mesh.is_main, f"tp={mesh.tp.size}"
+    if mesh.num_stages > 1:
+        layout = f"pp={mesh.num_stages}, tp per stage={list(mesh.shape.stage_tp_sizes)}"
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)
     chat = bool(tokenizer.chat_template) and not args.no_chat_template
     eos = model.generation_config.eos_token_id
@@ -91,9 +94,37 @@ def cmd_generate(args) -> None:
         total = sum(lengths)
         what = f"{total} tokens" if stream else f"{total} tokens for {len(batch)} prompt{'s' * (len(batch) > 1)}"
         print(
-            f"[{what} in {seconds:.2f}s: {total / seconds:.1f} tokens/s; load {load_seconds:.2f}s; tp={tp}]", flush=True
+            f"[{what} in {seconds:.2f}s: {total / seconds:.1f} tokens/s; load {load_seconds:.2f}s; {layout}]", flush=True
         )
     shutdown()
+
+
+def int_list(value: str) -> list[int]:
+    """``2,1`` -> [2, 1]"""
+    try:
+        return [int(part) for part in value.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r}: give whole numbers separated by commas, e.g. 2,1") from None
+
+
+def pipeline_kwargs(args) -> dict:
+    """from_pretrained's pipeline keywords from --pp / --stage-tp / --stage-layers / --micro-batches."""
+    out = {}
+    if args.stage_tp is not None:
+        out["stage_tp_sizes"] = args.stage_tp
+    elif args.pp > 1:
+        out["pp_size"] = args.pp
+    if args.stage_layers is not None:
+        out["stage_layers"] = args.stage_layers
+    if getattr(args, "micro_batches", None) is not None:
+        out["micro_batches"] = args.micro_batches
+    return out
+
+
+def add_pipeline_args(parser) -> None:
+    parser.add_argument("--pp", type=int, default=1, help="pipeline stages (each at the same TP size)")
+    parser.add_argument("--stage-tp", type=int_list, help="TP size per stage, e.g. 2,1 (sets the stages)")
+    parser.add_argument("--stage-layers", type=int_list, help="layers per stage, e.g. 18,12 (default: balanced)")
 
 
 def tp_plan_arg(value: str):
@@ -108,7 +139,11 @@ def tp_plan_arg(value: str):
 def cmd_plan(args) -> None:
     from .report import plan_report
 
-    print(plan_report(args.path, args.tp, tp_plan=tp_plan_arg(args.tp_plan), sp=args.sp, seq=args.seq))
+    print(
+        plan_report(
+            args.path, args.tp, tp_plan=tp_plan_arg(args.tp_plan), sp=args.sp, seq=args.seq, **pipeline_kwargs(args)
+        )
+    )
 
 
 def start_ranks(world_size: int, command: list[str]) -> int:
@@ -188,13 +223,16 @@ def main(argv=None) -> None:
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--dtype", default="float32")
     gen.add_argument("--no-chat-template", action="store_true")
+    add_pipeline_args(gen)
+    gen.add_argument("--micro-batches", type=int, help="with --pp/--stage-tp: micro-batches per forward (default: stages)")
     gen.set_defaults(func=cmd_generate)
     plan = sub.add_parser("plan", help="dry run: every parameter's rule, style, layout and bytes per rank")
     plan.add_argument("path")
-    plan.add_argument("--tp", type=int, required=True)
+    plan.add_argument("--tp", type=int, default=1, help="TP size (of every stage, with --pp)")
     plan.add_argument("--sp", type=int, default=1, help="sequence-parallel size: heads before/after the all-to-all")
     plan.add_argument("--seq", type=int, help="with --sp: a sequence length, to show the tokens each rank holds")
     plan.add_argument("--tp-plan", default="auto", help="auto, discover, a model_type, or a TOML/JSON file of rules")
+    add_pipeline_args(plan)
     plan.set_defaults(func=cmd_plan)
     check = sub.add_parser(
         "verify", help="load PATH parallel and in one process, compare every layer's output on a probe batch"

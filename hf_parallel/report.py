@@ -9,6 +9,7 @@ import transformers
 
 from .api import build_empty, resolve_dtype
 from .distributed.mesh import Mesh
+from .pipeline import keep_stage, split_stages, tied_across_stages
 from .sequence import check_sequence_parallel
 from .sequence.ulysses import head_plan
 from .tensor.attention import outermost
@@ -19,10 +20,22 @@ from .tensor.plan import resolve_plan
 
 
 def plan_report(
-    path: str, tp: int, tp_plan="auto", dtype=None, auto_class=transformers.AutoModelForCausalLM, sp: int = 1, seq=None
+    path: str,
+    tp: int,
+    tp_plan="auto",
+    dtype=None,
+    auto_class=transformers.AutoModelForCausalLM,
+    sp: int = 1,
+    seq=None,
+    pp_size: int = 1,
+    stage_tp_sizes=None,
+    stage_layers=None,
 ) -> str:
     config = transformers.AutoConfig.from_pretrained(path)
     dtype = resolve_dtype(dtype, config)
+    if stage_tp_sizes is not None or pp_size > 1:
+        stage_tp_sizes = list(stage_tp_sizes or [tp] * pp_size)
+        return pipeline_report(path, config, dtype, auto_class, tp_plan, stage_tp_sizes, stage_layers)
     model = build_empty(auto_class, config, dtype)
     shard = shard_plan(model, resolve_plan(model, tp_plan), Mesh.dry_run(tp_size=tp))
     if sp > 1:
@@ -53,6 +66,45 @@ def plan_report(
     lines.append(
         f"bytes per rank: {totals} (full model {sum(math.prod(e.full_shape) for e in shard.unique_params()) * itemsize})"
     )
+    return "\n".join(lines)
+
+
+def pipeline_report(path: str, config, dtype, auto_class, tp_plan, stage_tp_sizes, stage_layers) -> str:
+    """Per stage: its ranks, layers and modules, each rank's bytes; and what one token costs to
+    send between stages (its hidden state, forward, and its gradient back in training)."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    stages = len(stage_tp_sizes)
+    lines = [f"pipeline plan for {path} ({config.model_type}): {stages} stages, TP per stage {stage_tp_sizes}"]
+    first_rank, full = 0, None
+    for stage, tp in enumerate(stage_tp_sizes):
+        model = build_empty(auto_class, config, dtype)
+        split = split_stages(model, stages, stage_layers)
+        full = full or sum(p.numel() for p in model.parameters()) * itemsize
+        keep_stage(model, split, stage)
+        shard = shard_plan(model, resolve_plan(model, tp_plan), Mesh.dry_run(tp_size=tp))
+        totals = [
+            sum(math.prod(e.layout.local_shape(e.full_shape, r)) for e in shard.unique_params()) * itemsize
+            for r in range(tp)
+        ]
+        layers = split.layers_of(stage)
+        extra = [p for p in split.owned(stage) if not p.startswith(split.layer_list + ".")]
+        tied = tied_across_stages(model, shard)
+        lines.append(
+            f"stage {stage}: ranks {list(range(first_rank, first_rank + tp))} (tp={tp}), "
+            f"layers {layers.start}-{layers.stop - 1} ({len(layers)})"
+            + (f" + {', '.join(extra)}" if extra else "")
+            + (f" + tied {', '.join(tied)}" if tied else "")
+            + f"; bytes per rank {totals}"
+        )
+        first_rank += tp
+    hidden = getattr(config.get_text_config(), "hidden_size", None)
+    if hidden is not None:
+        lines.append(
+            f"sent between stages per token: {hidden * itemsize} bytes of hidden state (hidden {hidden} x {itemsize}), "
+            "from a stage's first rank to the next's, broadcast over its TP group; the same back as gradient in "
+            "training. Positions, masks and rotary tables are computed by every stage from the batch it is given"
+        )
+    lines.append(f"full model {full} bytes")
     return "\n".join(lines)
 
 

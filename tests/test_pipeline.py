@@ -4,6 +4,8 @@ gloo groups, against one process of the same checkpoint (fp32)."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -66,6 +68,9 @@ def test_pipeline_matches_one_process(pp_results, pp_paths, layout, name):
         stages.setdefault(result[name]["stage"], result[name]["layers"])
     layers = [layer for stage in sorted(stages) for layer in stages[stage]]
     assert layers == list(range(len(layers))), layers  # every layer built exactly once, in order
+    for result in results:  # each rank read its own stage's tensors, its TP slice of each, nothing more
+        got = result[name]
+        assert got["read"]["layers"] == got["layers"] and got["read"]["bytes"] == got["read"]["local"], got["read"]
     tied = [(r[name]["tied"], r[name]["tied_bits"]) for r in results if r[name]["tied"]]
     if name == "pp_tied":  # the first and last stage's copies, bitwise equal after the step
         assert len(tied) >= 2 and all(t == tied[0] for t in tied), tied
@@ -116,3 +121,81 @@ def test_schedules_hold_every_step_once():
                     in_flight += 1 if step == "F" else -1
                     peak = max(peak, in_flight)
                 assert peak <= min(count, stages - stage)  # 1F1B holds at most stages - stage activations
+
+
+def test_real_smollm2_vtp_tied_embeddings(smollm2, tmp_path):
+    """The real SmolLM2 (30 layers, 9/3 heads, tied embeddings) at VTP [1, 2]: the tied vocabulary
+    is whole on stage 0 and split in two on stage 1."""
+    import workers
+
+    save_root = str(tmp_path / "saved")
+    results = run_ranks(
+        3, workers.compare_pp, {"smollm2": (smollm2, {})}, dict(stage_tp_sizes=[1, 2]), save_root,
+        out_dir=str(tmp_path / "out"),
+    )  # fmt: skip
+    for rank, result in enumerate(results):
+        got = result["smollm2"]
+        assert got["logits"] < 1e-4 and got["greedy"], (rank, got)
+        for schedule in ("gpipe", "1f1b"):
+            assert got[schedule]["loss"] < 1e-5, (rank, schedule, got[schedule])
+            assert got[schedule]["grads"] < 1e-5 * max(1.0, got[schedule]["scale"]), (rank, schedule, got[schedule])
+        assert got["read"]["bytes"] == got["read"]["local"], got["read"]
+    tied = [(r["smollm2"]["tied"], r["smollm2"]["tied_bits"]) for r in results if r["smollm2"]["tied"]]
+    assert len(tied) == 3 and all(t == tied[0] for t in tied), tied
+    assert_same_checkpoint(smollm2, os.path.join(save_root, "smollm2", "gathered"))
+
+
+def test_bad_layouts_are_refused_before_any_weight_is_read(pp_paths, tmp_path):
+    import workers
+
+    results = run_ranks(2, workers.pipeline_refusals, pp_paths["pp_llama"], out_dir=str(tmp_path))
+    for got in results:
+        assert "stage_tp_sizes=[2, 1] was asked for, but the process group has world size 2" in got["world_mismatch"]
+        assert "adds up to 4 layers, but model.layers has 5" in got["stage_layers_sum"]
+        assert "one layer count of at least 1 for each of the 2 stages" in got["stage_layers_count"]
+        assert "1 layer(s) in model.layers, fewer than the 2 pipeline stages" in got["too_few_layers"]
+        assert "sp_size" in got["with_sp"]
+        assert got["bytes_read"] == 0
+
+
+@pytest.mark.parametrize("failing", [0, 1])
+def test_a_dead_stage_fails_the_other_naming_what_it_waited_for(pp_paths, tmp_path, failing):
+    import workers
+
+    results = run_ranks(
+        2, workers.pipeline_peer_fails, pp_paths["pp_llama"], str(tmp_path), 5.0, failing, out_dir=str(tmp_path)
+    )
+    got = results[1 - failing]
+    assert got["type"] == "RankFailure", got
+    if failing == 0:  # stage 1 waits for stage 0's hidden states
+        assert "stage 1 (rank 1) waiting for the hidden states of micro-batch 0 from stage 0 (rank 0)" in got["message"]
+    else:  # stage 0's send of its hidden states, or its wait for the last stage's logits, fails
+        assert "stage 0 (rank 0) sending the hidden states of micro-batch 0 to stage 1 (rank 1)" in got[
+            "message"
+        ] or "rank 0 (stage 0) receiving the last stage's output from rank 1" in got["message"], got["message"]
+    assert got["seconds"] < 60
+
+
+def test_cli_generate_streams_from_one_rank_at_vtp(smollm2):
+    """`hf-parallel generate --stage-tp 2,1` under torchrun (3 ranks): rank 0 streams the text one
+    process generates."""
+    from test_cli import PROMPT, reference_text, run
+
+    want = reference_text(smollm2, 12)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=3"]
+    stdout = run(torchrun, smollm2, ["--prompt", PROMPT, "--max-new-tokens", "12", "--stage-tp", "2,1"])
+    assert stdout.count("pp=2, tp per stage=[2, 1]]") == 1, stdout
+    assert stdout.split("[12 tokens in")[0].strip() == want.strip(), stdout
+
+
+def test_cli_plan_shows_stages_ranks_bytes_and_activations(pp_paths):
+    done = subprocess.run(
+        [sys.executable, "-m", "hf_parallel", "plan", pp_paths["pp_tied"], "--stage-tp", "2,1"],
+        capture_output=True, text=True, timeout=300, check=True,
+    )  # fmt: skip
+    lines = done.stdout.splitlines()
+    assert "2 stages, TP per stage [2, 1]" in lines[0]
+    assert lines[1].startswith("stage 0: ranks [0, 1] (tp=2), layers 0-1 (2) + model.embed_tokens"), lines[1]
+    assert lines[2].startswith("stage 1: ranks [2] (tp=1), layers 2-3 (2)"), lines[2]
+    assert "bytes per rank [" in lines[1] and "tied model.embed_tokens.weight" in lines[2]
+    assert "sent between stages per token: 256 bytes of hidden state (hidden 64 x 4)" in done.stdout

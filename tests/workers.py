@@ -610,11 +610,19 @@ def compare_pp(rank: int, world_size: int, cases: dict, sizes: dict, save_root: 
     from hf_parallel.pipeline import train_step
     from hf_parallel.pipeline.tied import full_tensor
 
+    from hf_parallel.checkpoint.loading import BYTES_READ
+
     results = {}
     for name, (path, kwargs) in cases.items():
         single = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        BYTES_READ.clear()
         model = hf_parallel.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **sizes, **kwargs)
         state = model._hf_parallel
+        read = {  # bytes read, and the layers whose keys were read at all
+            "bytes": sum(BYTES_READ.values()),
+            "local": sum(model.get_parameter(e.name).nbytes for e in state.shard.unique_params()),
+            "layers": sorted({int(k.split(".layers.")[1].split(".")[0]) for k in BYTES_READ if ".layers." in k}),
+        }
         model.save_pretrained(os.path.join(save_root, name, "gathered"))
         model.save_pretrained(os.path.join(save_root, name, "distributed"), distributed=True)
         batch = pipeline_batch(single.config.vocab_size)
@@ -667,5 +675,58 @@ def compare_pp(rank: int, world_size: int, cases: dict, sizes: dict, save_root: 
         ]
         model.eval()
         out["stage"], out["layers"] = state.mesh.stage, list(state.pipeline.split.layers_of(state.mesh.stage))
+        out["read"] = read
         results[name] = out
     return results
+
+
+def pipeline_refusals(rank: int, world_size: int, path: str) -> dict:
+    """Bad pipeline layouts: the error each gives, and the bytes read before it (none)."""
+    import hf_parallel
+    from hf_parallel.checkpoint.loading import BYTES_READ
+
+    BYTES_READ.clear()
+    asked = {
+        "world_mismatch": dict(stage_tp_sizes=[2, 1]),
+        "stage_layers_sum": dict(pp_size=2, stage_layers=[2, 2]),
+        "stage_layers_count": dict(pp_size=2, stage_layers=[5]),
+        "too_few_layers": dict(pp_size=2, num_hidden_layers=1),
+        "with_sp": dict(pp_size=2, sp_size=2, tp_plan=None),
+    }
+    out = {}
+    for name, kwargs in asked.items():
+        try:
+            hf_parallel.AutoModelForCausalLM.from_pretrained(path, **kwargs)
+            out[name] = None
+        except (ValueError, TypeError) as error:
+            out[name] = str(error)
+    out["bytes_read"] = sum(BYTES_READ.values())
+    return out
+
+
+def pipeline_peer_fails(rank: int, world_size: int, path: str, out: str, timeout: float, failing: int) -> dict:
+    """At PP=2, rank ``failing`` dies before a forward; the other runs it and reports its error."""
+    import json
+    import time
+
+    import torch.distributed as dist
+
+    import hf_parallel
+    from hf_parallel.distributed.mesh import get_mesh
+
+    os.environ["HF_PARALLEL_TIMEOUT"] = str(timeout)
+    get_mesh(pp_size=2)
+    model = hf_parallel.AutoModelForCausalLM.from_pretrained(path, pp_size=2, tp_plan=None)
+    if rank == failing:
+        with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+            json.dump({}, f)
+        os._exit(0)
+    start = time.monotonic()
+    try:
+        with torch.no_grad():
+            model(INPUT_IDS)
+        result = {"type": None}
+    except Exception as error:  # noqa: BLE001 - the test asserts the type by name
+        result = {"type": type(error).__name__, "message": str(error)}
+    dist.destroy_process_group()
+    return {**result, "seconds": time.monotonic() - start}
