@@ -178,8 +178,9 @@ def cmd_verify(args) -> int:
     this same command, and pass on their exit status."""
     if args.pp != 1:
         raise SystemExit(
-            f"hf-parallel verify: --pp {args.pp}: pipeline parallelism is not in this version of hf_parallel; "
-            "verify the split with --tp and --sp"
+            f"hf-parallel verify: --pp {args.pp}: verify compares every layer's output within one TP group and does "
+            "not run across pipeline stages; verify each stage's TP size with --tp (a stage runs the same layers "
+            "split the same way), and compare a pipeline's logits and tokens with hf-parallel generate"
         )
     if "WORLD_SIZE" not in os.environ and args.tp * args.sp > 1:
         return start_ranks(args.tp * args.sp, [sys.executable, "-m", "hf_parallel", *sys.argv[1:]])

@@ -39,3 +39,24 @@ def test_long_context_benchmark_runs_one_process_and_sequence_parallel(tiny_path
         rows = summary["results"][name]
         assert sorted(rows) == ["32", "48"] and all(row["tokens_per_s"] > 0 for row in rows.values()), rows
     assert "longest sequence under" in done.stdout and "peak at SP=2 (seq 48)" in done.stdout
+
+
+def test_pipeline_benchmark_runs_every_configuration(tiny_paths, tmp_path):
+    command = [sys.executable, os.path.join(ROOT, "benchmarks", "pipeline.py"), "--model", tiny_paths["llama"]]
+    command += ["--batch", "4", "--prompt-len", "8", "--new-tokens", "3", "--micro-batches", "0", "2"]
+    command += ["--dtype", "float32", "--out", str(tmp_path)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    table = json.loads((tmp_path / "pipeline.json").read_text())["table"]
+    assert set(table) == {
+        "one process",
+        "hf_parallel TP=2",
+        "transformers PP=2",
+        "hf_parallel PP=2 M=auto",
+        "hf_parallel PP=2 M=2",
+    }
+    for name, row in table.items():
+        assert row is not None and row["tokens_per_s"] > 0 and row["same_tokens"], (name, row)
+    assert 0 <= table["hf_parallel PP=2 M=2"]["bubble_measured"] <= 1
+    assert table["hf_parallel PP=2 M=2"]["bubble_theory"] == 1 / 3
+    assert "best PP vs TP" in done.stdout and "best PP vs transformers' PP" in done.stdout

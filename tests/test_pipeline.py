@@ -22,7 +22,7 @@ from hf_parallel.pipeline.split import balanced_layers, split_stages
 # layout name -> (world size, from_pretrained keywords, the checkpoints it runs, per-case keywords)
 LAYOUTS = {
     "pp2": (2, dict(pp_size=2, tp_plan=None), ["pp_llama", "pp_qwen3", "pp_qwen2_moe", "pp_tied"], {}),
-    "pp3": (3, dict(pp_size=3, tp_plan=None), ["pp_llama", "pp_tied"], {}),
+    "pp3": (3, dict(pp_size=3, tp_plan=None), ["pp_llama", "pp_tied"], dict(micro_batches=3)),  # decode split too
     "vtp21": (3, dict(stage_tp_sizes=[2, 1]), ["pp_llama", "pp_qwen3", "pp_tied"], {}),
     "vtp12": (3, dict(stage_tp_sizes=[1, 2]), ["pp_tied", "pp_qwen2_moe"], {}),
     "pp2tp2": (4, dict(pp_size=2, tp_size=2), ["pp_llama", "pp_qwen2_moe"], {}),

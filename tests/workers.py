@@ -607,10 +607,9 @@ def compare_pp(rank: int, world_size: int, cases: dict, sizes: dict, save_root: 
     seeded-sampling tokens, every gradient after a GPipe and a 1F1B step of 4 micro-batches, one
     SGD step (tied copies bitwise equal), a gathered save and a distributed save."""
     import hf_parallel
+    from hf_parallel.checkpoint.loading import BYTES_READ
     from hf_parallel.pipeline import train_step
     from hf_parallel.pipeline.tied import full_tensor
-
-    from hf_parallel.checkpoint.loading import BYTES_READ
 
     results = {}
     for name, (path, kwargs) in cases.items():

@@ -48,6 +48,6 @@ def link_stage(model: nn.Module, split: StageSplit, mesh):
     runtime = StageRuntime(split, StageLink(mesh))
     install_links(model, runtime)
     forward = model.forward
-    run = pipelined_forward(model, forward, runtime, lambda rows: min(rows, mesh.num_stages))
+    run = pipelined_forward(model, forward, runtime)
     model.forward = functools.wraps(forward)(run)
     return runtime, forward

@@ -2,18 +2,17 @@
 
 The batch is cut into micro-batches along its rows; each stage runs them one after the other, its
 sends asynchronous, so stage i computes micro-batch m while stage i+1 computes m-1 (GPipe's fill
-and drain). Each micro-batch has its own KV cache on every stage (its own layers' keys and values,
-markers for the others'); the cache ``generate`` passes in gets markers only, so its length is
-right. The last stage's logits (and loss) are broadcast to every rank at the end: ``generate``
+and drain). Each micro-batch runs on its rows of the KV cache ``generate`` passes in (its own
+layers' keys and values, one-element markers for the other stages' layers), joined back after. The last stage's logits (and loss) are broadcast to every rank at the end: ``generate``
 picks the same next token everywhere.
 """
 
 from __future__ import annotations
 
+import copy
 import inspect
 
 import torch
-from transformers import DynamicCache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .stage import StageDone, StageRuntime
@@ -60,23 +59,44 @@ def run_micro_batch(forward, runtime: StageRuntime, index: int, kwargs: dict):
         return None
 
 
-def _micro_caches(cache, count: int, config) -> list:
-    if count == 1:
-        return [cache]
-    caches = getattr(cache, "_hf_parallel_micro", None)
-    if caches is None or len(caches) != count:
-        caches = cache._hf_parallel_micro = [DynamicCache(config=config) for _ in range(count)]
-    return caches
+def split_cache(cache, sizes: list[int]) -> list:
+    """The cache's rows as one cache per micro-batch (shallow copies: row slices of its tensors)."""
+    parts, start = [], 0
+    for size in sizes:
+        part = copy.copy(cache)
+        part.layers = [copy.copy(layer) for layer in cache.layers]
+        for layer in part.layers:
+            for name in ("keys", "values"):
+                tensor = getattr(layer, name, None)
+                if isinstance(tensor, torch.Tensor) and tensor.dim() == 4:
+                    setattr(layer, name, tensor[start : start + size])
+        parts.append(part)
+        start += size
+    return parts
 
 
-def _mark(cache, rows: int, new_tokens: int, num_layers: int) -> None:
-    """Record ``new_tokens`` more in every layer slot of the cache ``generate`` holds (markers)."""
-    marker = torch.zeros(rows, 1, new_tokens, 1)
-    for layer in range(num_layers):
-        cache.update(marker, marker, layer)
+def join_cache(cache, parts: list) -> None:
+    """Write the micro-batches' caches back into ``cache``, rows in order."""
+    while len(cache.layers) < len(parts[0].layers):
+        cache.layers.append(copy.copy(parts[0].layers[len(cache.layers)]))
+    for index, layer in enumerate(cache.layers):
+        pieces = [part.layers[index] for part in parts]
+        layer.__dict__.update(pieces[0].__dict__)  # lengths, flags: the same for every row
+        for name in ("keys", "values"):
+            tensors = [getattr(piece, name, None) for piece in pieces]
+            if all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in tensors):
+                setattr(layer, name, torch.cat(tensors))
 
 
-def pipelined_forward(model, forward, runtime: StageRuntime, default_micro_batches):
+def default_micro_batches(rows: int, tokens: int, stages: int) -> int:
+    """One micro-batch per stage for a forward over several tokens per row (a prefill, a training
+    step: compute-bound, splitting rows costs nothing); one for a decode step (one token per row:
+    bound by reading the weights, which every micro-batch does again: measured on CPU, two
+    micro-batches made decode 1.5x slower, as the schedule predicts)."""
+    return 1 if tokens == 1 else min(rows, stages)
+
+
+def pipelined_forward(model, forward, runtime: StageRuntime):
     """``model.forward`` for a pipeline stage (``forward``: the model's own)."""
     signature = inspect.signature(forward)
     link = runtime.link
@@ -91,11 +111,12 @@ def pipelined_forward(model, forward, runtime: StageRuntime, default_micro_batch
                 "hold different layers): train with hf_parallel.pipeline.train_step(model, input_ids, labels, ...), "
                 "or compute the loss under torch.no_grad()"
             )
-        count = model._hf_parallel.micro_batches or default_micro_batches(batch_size_of(call))
+        tokens = (call.get("input_ids") if call.get("input_ids") is not None else call["inputs_embeds"]).shape[1]
+        count = model._hf_parallel.micro_batches or default_micro_batches(batch_size_of(call), tokens, link.num_stages)
         parts = split_batch(call, count)
         cache = call.get("past_key_values")
-        if cache is not None:
-            for part, micro in zip(parts, _micro_caches(cache, len(parts), model.config)):
+        if cache is not None and len(parts) > 1:
+            for part, micro in zip(parts, split_cache(cache, [batch_size_of(part) for part in parts])):
                 part["past_key_values"] = micro
         if call.get("labels") is not None:
             total = label_count(call["labels"])
@@ -109,8 +130,7 @@ def pipelined_forward(model, forward, runtime: StageRuntime, default_micro_batch
         if call.get("labels") is not None:
             loss = link.broadcast_from_last(sum(out.loss for out in outputs) if link.is_last else None)
         if cache is not None and len(parts) > 1:
-            new = (call.get("input_ids") if call.get("input_ids") is not None else call["inputs_embeds"]).shape[1]
-            _mark(cache, batch_size_of(call), new, len(model.get_submodule(runtime.split.layer_list)))
+            join_cache(cache, [part["past_key_values"] for part in parts])
         return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=cache)
 
     return run

@@ -11,6 +11,8 @@ stage, the stage it waited for and what it waited for.
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
 
@@ -43,6 +45,8 @@ class StageLink:
         self.stage, self.num_stages = mesh.stage, mesh.num_stages
         self.leads = mesh.tp.rank == 0  # the stage's first rank: the one that talks to other stages
         self._pending: list = []  # (work, buffer) of sends not yet known complete
+        self.waited = 0.0  # seconds spent blocked on other stages (the pipeline bubble, measured)
+        self.wire = torch.device("cpu") if dist.get_backend() == "gloo" else mesh.device  # where messages live
 
     @property
     def is_first(self) -> bool:
@@ -62,8 +66,8 @@ class StageLink:
         """Send ``tensor`` to ``stage``'s first rank, without waiting; only this stage's first rank sends."""
         if not self.leads:
             return
-        data = tensor.detach().to("cpu" if dist.get_backend() == "gloo" else tensor.device).contiguous()
-        for buffer in (header_of(data), data):
+        data = tensor.detach().to(self.wire).contiguous()
+        for buffer in (header_of(data).to(self.wire), data):
             with collective(f"stage {self.stage} (rank {self.mesh.rank}) sending {what} to {self._where(stage)}"):
                 work = dist.isend(buffer, dst=self.leader(stage), tag=tag)
             self._pending.append((work, buffer, what, stage))
@@ -71,21 +75,23 @@ class StageLink:
     def recv(self, stage: int, what: str, tag: int = FORWARD) -> torch.Tensor:
         """A tensor from ``stage``'s first rank, on every rank of this stage (broadcast over TP)."""
         waiting = f"stage {self.stage} (rank {self.mesh.rank}) waiting for {what} from {self._where(stage)}"
+        start = time.perf_counter()
         tp = self.mesh.tp
-        header = torch.empty(2 + MAX_DIMS, dtype=torch.int64)
+        header = torch.empty(2 + MAX_DIMS, dtype=torch.int64, device=self.wire)
         if self.leads:
             with collective(waiting):
                 dist.recv(header, src=self.leader(stage), tag=tag)
         if tp.group is not None:
             with collective(f"{waiting}: the header, from rank {tp.ranks[0]}"):
                 dist.broadcast(header, group_src=0, group=tp.group)
-        out = empty_from(header, "cpu")
+        out = empty_from(header, self.wire)
         if self.leads:
             with collective(waiting):
                 dist.recv(out, src=self.leader(stage), tag=tag)
         if tp.group is not None:
             with collective(f"{waiting}: the data, from rank {tp.ranks[0]}"):
                 dist.broadcast(out, group_src=0, group=tp.group)
+        self.waited += time.perf_counter() - start
         return out.to(self.mesh.device)
 
     def flush(self) -> None:
@@ -99,10 +105,13 @@ class StageLink:
         """The last stage's ``tensor`` on every rank of the world (header first)."""
         source = self.leader(self.num_stages - 1)
         header = header_of(tensor) if self.mesh.rank == source else torch.empty(2 + MAX_DIMS, dtype=torch.int64)
+        header = header.to(self.wire)
         what = f"rank {self.mesh.rank} (stage {self.stage}) receiving the last stage's output from rank {source}"
+        start = time.perf_counter()
         with collective(what):
             dist.broadcast(header, src=source, group=self.mesh.world.group)
-        out = tensor.detach().cpu().contiguous() if self.mesh.rank == source else empty_from(header, "cpu")
+        out = tensor.detach().to(self.wire).contiguous() if self.mesh.rank == source else empty_from(header, self.wire)
         with collective(what):
             dist.broadcast(out, src=source, group=self.mesh.world.group)
+        self.waited += time.perf_counter() - start
         return out.to(self.mesh.device)
