@@ -106,6 +106,11 @@ def from_pretrained(
     dtype = resolve_dtype(dtype, config)
     model = build_empty(auto_class, config, dtype)
     split, elsewhere = None, set()
+    if mesh.num_stages > 1 and model.get_output_embeddings() is None:
+        raise ValueError(
+            f"pipeline stages need a model with an LM head (the last stage's logits are what every rank gets); "
+            f"{type(model).__name__} has none: load it with AutoModelForCausalLM, or without pp_size/stage_tp_sizes"
+        )
     if mesh.num_stages > 1:  # cut the meta model down to this stage before anything else sees it
         split = split_stages(model, mesh.num_stages, stage_layers)
         elsewhere = keys_held_elsewhere(model, split, mesh.stage, checkpoint_files(path, allow_pickle))

@@ -63,6 +63,7 @@ def test_pipeline_matches_one_process(pp_results, pp_paths, layout, name):
             assert got[schedule]["loss"] < 1e-5, (where, schedule)
             assert got[schedule]["grads"] < 1e-5 * max(1.0, got[schedule]["scale"]), (where, schedule, got[schedule])
         assert got["step"] < 1e-5, where
+        assert "hf_parallel.pipeline.train_step" in got["plain_backward"], where
     stages = {}
     for result in results:
         stages.setdefault(result[name]["stage"], result[name]["layers"])
@@ -155,6 +156,7 @@ def test_bad_layouts_are_refused_before_any_weight_is_read(pp_paths, tmp_path):
         assert "one layer count of at least 1 for each of the 2 stages" in got["stage_layers_count"]
         assert "1 layer(s) in model.layers, fewer than the 2 pipeline stages" in got["too_few_layers"]
         assert "sp_size" in got["with_sp"]
+        assert "need a model with an LM head" in got["no_head"] and "LlamaModel has none" in got["no_head"]
         assert got["bytes_read"] == 0
 
 

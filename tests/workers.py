@@ -642,6 +642,11 @@ def compare_pp(rank: int, world_size: int, cases: dict, sizes: dict, save_root: 
         out["sampled"] = sampled[0].equal(sampled[1])
         single.train()
         model.train()
+        try:  # a plain forward's loss cannot reach the other stages' parameters: refused, with the way out
+            model(**batch)
+            out["plain_backward"] = None
+        except RuntimeError as error:
+            out["plain_backward"] = str(error)
         single.zero_grad()
         reference = single(**batch)
         reference.loss.backward()
@@ -693,6 +698,11 @@ def pipeline_refusals(rank: int, world_size: int, path: str) -> dict:
         "with_sp": dict(pp_size=2, sp_size=2, tp_plan=None),
     }
     out = {}
+    try:
+        hf_parallel.AutoModel.from_pretrained(path, pp_size=2)
+        out["no_head"] = None
+    except ValueError as error:
+        out["no_head"] = str(error)
     for name, kwargs in asked.items():
         try:
             hf_parallel.AutoModelForCausalLM.from_pretrained(path, **kwargs)

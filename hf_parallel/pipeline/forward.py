@@ -53,6 +53,8 @@ def label_count(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
 def run_micro_batch(forward, runtime: StageRuntime, index: int, kwargs: dict):
     """The stage's part of one micro-batch: the model's output on the last stage, else None."""
     runtime.micro_batch = index
+    inputs = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else kwargs["inputs_embeds"]
+    runtime.shape = tuple(inputs.shape[:2])
     try:
         return forward(**kwargs)
     except StageDone:

@@ -44,10 +44,15 @@ class MissingLayer(nn.Module):
     def __init__(self, layer_idx: int, stage: int):
         super().__init__()
         self.layer_idx, self.stage = layer_idx, stage
+        self.runtime = None  # the stage's StageRuntime: the (rows, tokens) of the micro-batch running
 
     def forward(self, hidden_states, *args, past_key_values=None, **kwargs):
+        """Only layers before the stage's first own layer run (a stage ends at its last), and the
+        first own layer replaces their output with the received hidden states: what they return is
+        never used, whatever the model's loop does with it (some index a tuple)."""
         if past_key_values is not None:  # the tokens' length in this layer's slot, at one element each
-            marker = hidden_states.new_zeros(hidden_states.shape[0], 1, hidden_states.shape[1], 1)
+            rows, tokens = self.runtime.shape if self.runtime is not None else hidden_states.shape[:2]
+            marker = torch.zeros(rows, 1, tokens, 1, device=hidden_states.device)
             getattr(past_key_values, "self_attention_cache", past_key_values).update(marker, marker, self.layer_idx)
         return hidden_states
 
@@ -117,6 +122,7 @@ class StageRuntime:
     split: StageSplit
     link: StageLink
     micro_batch: int = 0
+    shape: tuple = (0, 0)  # (rows, tokens) of the micro-batch running
     training: bool = False  # keep the received input (as a leaf needing grad) and the sent output
     inputs: dict = field(default_factory=dict)  # micro-batch -> received hidden states
     outputs: dict = field(default_factory=dict)  # micro-batch -> output sent on (its graph kept)
@@ -144,6 +150,9 @@ def install_links(model: nn.Module, runtime: StageRuntime) -> None:
             runtime.outputs[runtime.micro_batch] = hidden
         raise StageDone(hidden)
 
+    for layer in layers:
+        if isinstance(layer, MissingLayer):
+            layer.runtime = runtime
     if not link.is_first:
         layers[own[0]].register_forward_pre_hook(receive, with_kwargs=True)
     if not link.is_last:
