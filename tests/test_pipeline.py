@@ -81,17 +81,22 @@ def test_pipeline_matches_one_process(pp_results, pp_paths, layout, name):
     assert_same_checkpoint(pp_paths[name], consolidated)
 
 
-def test_distributed_pipeline_save_loads_at_another_layout(pp_results, pp_paths):
-    """Saved per rank at VTP [2, 1]; read back in one process (TP 1, no stages)."""
+def test_distributed_pipeline_save_loads_at_another_layout(pp_results, pp_paths, tmp_path):
+    """Saved per rank at VTP [2, 1]; read back in one process (TP 1, no stages), and at PP=3."""
+    import workers
+
     _, save_root = pp_results("vtp21")
     saved = os.path.join(save_root, "pp_tied", "distributed")
     model = hf_parallel.AutoModelForCausalLM.from_pretrained(saved, tp_plan=None, dtype=torch.float32)
     source = read_checkpoint(pp_paths["pp_tied"])
     for key, tensor in source.items():
         assert torch.equal(model.get_parameter(key), tensor), key
+    sizes = dict(pp_size=3, tp_plan=None)
+    results = run_ranks(3, workers.pipeline_logits, saved, pp_paths["pp_tied"], sizes, out_dir=str(tmp_path))
+    assert [r["stage"] for r in results] == [0, 1, 2] and all(r["logits"] < 1e-5 for r in results), results
 
 
-def test_stage_split_balances_and_checks(pp_paths):
+def test_stage_split_balances_and_checks(pp_paths, monkeypatch):
     model = transformers.AutoModelForCausalLM.from_config(
         transformers.AutoConfig.from_pretrained(pp_paths["pp_llama"])
     )
@@ -104,6 +109,21 @@ def test_stage_split_balances_and_checks(pp_paths):
         split_stages(model, 2, stage_layers=[2, 2])
     with pytest.raises(ValueError, match="fewer than the 6 pipeline stages"):
         split_stages(model, 6)
+    from hf_parallel.pipeline.split import find_layer_list
+
+    gpt2 = transformers.AutoModelForCausalLM.from_config(transformers.GPT2Config(n_layer=3, n_embd=32, n_head=4))
+    assert transformers.GPT2Config.base_model_pp_plan is None  # no plan: the module tree's list of blocks
+    gpt2_split = split_stages(gpt2, 2)
+    assert gpt2_split.layer_list == "transformer.h" and set(gpt2_split.head) == {"transformer.wte", "transformer.wpe"}
+    assert set(gpt2_split.tail) == {"transformer.ln_f", "lm_head"}
+    neox = transformers.AutoModelForCausalLM.from_config(
+        transformers.GPTNeoXConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, intermediate_size=64)
+    )
+    with monkeypatch.context() as patched:  # the plan alone decides: the module-tree search is not reached
+        patched.setattr("hf_parallel.pipeline.split.repeated_layers", lambda model: [])
+        assert find_layer_list(neox) == "gpt_neox.layers"  # from GPTNeoXConfig.base_model_pp_plan
+        with pytest.raises(ValueError, match="no list of repeated layers"):
+            find_layer_list(gpt2)
     # 30 equal layers on 4 stages, heavy ends: every layer once, the ends lighter
     counts = balanced_layers([1.0] * 30, 4, first_extra=3.0, last_extra=3.0)
     assert sum(counts) == 30 and counts[0] < counts[1] and counts[3] < counts[2], counts

@@ -739,3 +739,17 @@ def pipeline_peer_fails(rank: int, world_size: int, path: str, out: str, timeout
         result = {"type": type(error).__name__, "message": str(error)}
     dist.destroy_process_group()
     return {**result, "seconds": time.monotonic() - start}
+
+
+def pipeline_logits(rank: int, world_size: int, path: str, reference: str, sizes: dict) -> dict:
+    """Logits of a pipeline load of ``path`` against one process of ``reference`` (same weights)."""
+    import hf_parallel
+
+    single = transformers.AutoModelForCausalLM.from_pretrained(reference, dtype=torch.float32)
+    model = hf_parallel.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **sizes)
+    batch = pipeline_batch(single.config.vocab_size)
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    with torch.no_grad():
+        real = batch["attention_mask"].bool().unsqueeze(-1)
+        error = (model(**inputs).logits - single(**inputs).logits).masked_fill(~real, 0).abs().max().item()
+    return {"logits": error, "stage": model._hf_parallel.mesh.stage}

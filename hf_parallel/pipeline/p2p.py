@@ -76,23 +76,21 @@ class StageLink:
         """A tensor from ``stage``'s first rank, on every rank of this stage (broadcast over TP)."""
         waiting = f"stage {self.stage} (rank {self.mesh.rank}) waiting for {what} from {self._where(stage)}"
         start = time.perf_counter()
-        tp = self.mesh.tp
-        header = torch.empty(2 + MAX_DIMS, dtype=torch.int64, device=self.wire)
-        if self.leads:
-            with collective(waiting):
-                dist.recv(header, src=self.leader(stage), tag=tag)
-        if tp.group is not None:
-            with collective(f"{waiting}: the header, from rank {tp.ranks[0]}"):
-                dist.broadcast(header, group_src=0, group=tp.group)
-        out = empty_from(header, self.wire)
-        if self.leads:
-            with collective(waiting):
-                dist.recv(out, src=self.leader(stage), tag=tag)
-        if tp.group is not None:
-            with collective(f"{waiting}: the data, from rank {tp.ranks[0]}"):
-                dist.broadcast(out, group_src=0, group=tp.group)
+        header = self._take(torch.empty(2 + MAX_DIMS, dtype=torch.int64, device=self.wire), stage, tag, waiting)
+        out = self._take(empty_from(header, self.wire), stage, tag, waiting)
         self.waited += time.perf_counter() - start
         return out.to(self.mesh.device)
+
+    def _take(self, buffer: torch.Tensor, stage: int, tag: int, waiting: str) -> torch.Tensor:
+        """Fill ``buffer`` on this stage's first rank from ``stage``'s, then on the rest of its TP group."""
+        if self.leads:
+            with collective(waiting):
+                dist.recv(buffer, src=self.leader(stage), tag=tag)
+        tp = self.mesh.tp
+        if tp.group is not None:
+            with collective(f"{waiting} (broadcast from rank {tp.ranks[0]})"):
+                dist.broadcast(buffer, group_src=0, group=tp.group)
+        return buffer
 
     def flush(self) -> None:
         """Wait until every send of this rank has completed."""

@@ -69,7 +69,11 @@ def find_layer_list(model: nn.Module) -> str:
     base_prefix = getattr(model, "base_model_prefix", "")
     base = getattr(model, base_prefix, model) if base_prefix else model
     prefix = f"{base_prefix}." if base is not model else ""
-    for name in getattr(base, "base_model_pp_plan", None) or getattr(type(base), "base_model_pp_plan", None) or {}:
+    config = getattr(model, "config", None)
+    pp_plan = getattr(config, "base_model_pp_plan", None) if config is not None else None
+    if not pp_plan and config is not None and hasattr(config, "get_text_config"):
+        pp_plan = getattr(config.get_text_config(), "base_model_pp_plan", None)
+    for name in pp_plan or {}:  # transformers' plan names the base model's children in forward order
         if isinstance(getattr(base, name, None), nn.ModuleList):
             return prefix + name
     layers = repeated_layers(model)
