@@ -221,3 +221,13 @@ def test_cli_plan_shows_stages_ranks_bytes_and_activations(pp_paths):
     assert lines[2].startswith("stage 1: ranks [2] (tp=1), layers 2-3 (2)"), lines[2]
     assert "bytes per rank [" in lines[1] and "tied model.embed_tokens.weight" in lines[2]
     assert "sent between stages per token: 256 bytes of hidden state (hidden 64 x 4)" in done.stdout
+
+
+def test_train_step_accumulates_micro_batches_without_a_pipeline(pp_paths, tmp_path):
+    import workers
+
+    layouts = {"tp2": dict(tp_size=2), "sp2": dict(sp_size=2, tp_plan=None)}
+    results = run_ranks(2, workers.accumulate_without_pipeline, pp_paths["pp_llama"], layouts, out_dir=str(tmp_path))
+    for result in results:
+        for name, got in result.items():
+            assert got["loss"] < 1e-5 and got["grads"] < 1e-5, (name, got)

@@ -753,3 +753,23 @@ def pipeline_logits(rank: int, world_size: int, path: str, reference: str, sizes
         real = batch["attention_mask"].bool().unsqueeze(-1)
         error = (model(**inputs).logits - single(**inputs).logits).masked_fill(~real, 0).abs().max().item()
     return {"logits": error, "stage": model._hf_parallel.mesh.stage}
+
+
+def accumulate_without_pipeline(rank: int, world_size: int, path: str, layouts: dict) -> dict:
+    """``train_step`` over 3 micro-batches on a TP or SP model: gradients against one process's."""
+    import hf_parallel
+
+    single = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    batch = pipeline_batch(single.config.vocab_size)
+    reference = single(**batch)
+    reference.loss.backward()
+    out = {}
+    for name, sizes in layouts.items():
+        model = hf_parallel.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **sizes)
+        loss = hf_parallel.train_step(model, **batch, micro_batches=3)
+        state, error = model._hf_parallel, 0.0
+        for entry in state.shard.unique_params():
+            want = expected_slice(single.get_parameter(entry.name).grad, entry.layout, state.mesh.tp.rank)
+            error = max(error, (model.get_parameter(entry.name).grad - want).abs().max().item())
+        out[name] = {"loss": abs(loss.item() - reference.loss.item()), "grads": error}
+    return out

@@ -52,15 +52,15 @@ def train_step(
     call = dict(input_ids=input_ids, labels=labels, attention_mask=attention_mask, use_cache=False, **kwargs)
     parts = split_batch(call, micro_batches)
     total = label_count(labels)
-    for part in parts:
-        part["num_items_in_batch"] = total
-    if runtime is None:  # no pipeline: plain accumulation
+    if runtime is None:  # no pipeline (TP, SP): accumulation, each micro-batch's mean loss weighted by its tokens
         losses = []
         for part in parts:
-            out = model(**part)
-            out.loss.backward()
-            losses.append(out.loss.detach())
+            loss = model(**part).loss * (label_count(part["labels"]) / total)
+            loss.backward()
+            losses.append(loss.detach())
         return sum(losses)
+    for part in parts:
+        part["num_items_in_batch"] = total
     link, forward = runtime.link, state.forward
     losses = {}
     runtime.training, runtime.inputs, runtime.outputs = True, {}, {}
