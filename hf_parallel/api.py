@@ -75,7 +75,7 @@ def from_pretrained(
     ``ep_plan="auto"``: experts spread whole over the ranks (attention and dense layers still
     follow ``tp_plan``; ``tp_plan=None`` keeps them replicated). ``sp_size``: split every sequence
     over that many ranks (Ulysses), TP groups inside SP groups; the world is tp x sp.
-    ``pp_size``: that many pipeline stages of contiguous layers, each at ``tp_size``; or
+    ``pp_size``: that many pipeline stages of contiguous layers, each at ``tp_size`` (and ``sp_size``); or
     ``stage_tp_sizes=[2, 1]``: one stage per entry with its own TP size (the world is their sum).
     ``stage_layers``: layers per stage (default: balanced by parameters, embeddings and head
     included); ``micro_batches``: rows of a batch per forward are cut into this many (default one per stage).
@@ -96,15 +96,12 @@ def from_pretrained(
             "sp_size, pp_size, stage_tp_sizes, stage_layers, micro_batches, device_map and allow_pickle; any other keyword must be a config attribute (it overrides the checkpoint's)"
         )
     mesh = get_mesh(tp_size, sp_size=sp_size, pp_size=pp_size, stage_tp_sizes=stage_tp_sizes)
-    if mesh.num_stages > 1 and mesh.sp.size > 1:
-        raise ValueError(
-            f"pipeline stages ({mesh.num_stages}) with sequence parallelism (sp_size={mesh.sp.size}) are not supported "
-            "together yet; use pp with tp, or sp with tp"
-        )
     if stage_layers is not None and mesh.num_stages == 1:
         raise ValueError(f"stage_layers={list(stage_layers)} needs pipeline stages: pass pp_size or stage_tp_sizes")
     dtype = resolve_dtype(dtype, config)
     model = build_empty(auto_class, config, dtype)
+    if mesh.sp.size > 1:
+        check_sequence_parallel(model, mesh.sp.size)
     split, elsewhere = None, set()
     if mesh.num_stages > 1 and model.get_output_embeddings() is None:
         raise ValueError(
@@ -122,8 +119,6 @@ def from_pretrained(
     else:
         raise ValueError(f"ep_plan must be 'auto' (experts spread over the ranks) or None, got {ep_plan!r}")
     shard = shard_plan(model, plan, mesh)
-    if mesh.sp.size > 1:
-        check_sequence_parallel(model, mesh.sp.size)
     source_keys = load_weights(model, path, shard, dtype, allow_pickle, ignore_keys=elsewhere)
     install(model, shard)
     try:
@@ -131,7 +126,7 @@ def from_pretrained(
     except OSError:
         pass
     if mesh.sp.size > 1:
-        parallelize_sequence(model, mesh)
+        parallelize_sequence(model, mesh, split.layer_list if split is not None else None)
     model.eval()
     model._hf_parallel = state = ParallelState(mesh, shard, source_keys, micro_batches=micro_batches)
     if split is not None:

@@ -695,7 +695,6 @@ def pipeline_refusals(rank: int, world_size: int, path: str) -> dict:
         "stage_layers_sum": dict(pp_size=2, stage_layers=[2, 2]),
         "stage_layers_count": dict(pp_size=2, stage_layers=[5]),
         "too_few_layers": dict(pp_size=2, num_hidden_layers=1),
-        "with_sp": dict(pp_size=2, sp_size=2, tp_plan=None),
     }
     out = {}
     try:

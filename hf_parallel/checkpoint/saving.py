@@ -207,9 +207,6 @@ def save_sharded(model, out_dir: str, max_shard_size="50GB") -> None:
     """Gather every parameter under its checkpoint name and write a standard HF checkpoint. Each
     pipeline stage gathers its own tensors on its first rank, which sends them on to rank 0."""
     mesh = model._hf_parallel.mesh
-    if mesh.sp.rank != 0:  # sequence-parallel replicas hold the same shards as the group rank 0 is in
-        mesh.barrier()
-        return
     targets = checkpoint_tensors(model)
     specs = {
         key: (
@@ -219,8 +216,11 @@ def save_sharded(model, out_dir: str, max_shard_size="50GB") -> None:
         for key, (entry, box) in targets.items()
     }
     owners = dict.fromkeys(specs, mesh.stage)
-    if mesh.num_stages > 1:
+    if mesh.num_stages > 1:  # collective over the world: before the sequence-parallel replicas leave
         owners, specs = stage_owners(mesh, specs)
+    if mesh.sp.rank != 0:  # sequence-parallel replicas hold the same shards as the group rank 0 is in
+        mesh.barrier()
+        return
 
     def gathered(keys):
         """Per key, its row blocks as rank 0 gathers them (consumed by the writer one by one);

@@ -57,7 +57,9 @@ class StageLink:
         return self.stage == self.num_stages - 1
 
     def leader(self, stage: int) -> int:
-        return self.mesh.stage_ranks(stage)[0]
+        """The rank of ``stage`` this rank talks to: its TP group's first, at this rank's SP index
+        (every stage has the same SP size, so a stage's token shards go to the same shards)."""
+        return self.mesh.shape.global_rank(stage, self.mesh.sp.rank, 0)
 
     def _where(self, stage: int) -> str:
         return f"stage {stage} (rank {self.leader(stage)})"
@@ -101,7 +103,7 @@ class StageLink:
 
     def broadcast_from_last(self, tensor: torch.Tensor | None) -> torch.Tensor:
         """The last stage's ``tensor`` on every rank of the world (header first)."""
-        source = self.leader(self.num_stages - 1)
+        source = self.mesh.stage_ranks(self.num_stages - 1)[0]  # the same rank for every rank
         header = header_of(tensor) if self.mesh.rank == source else torch.empty(2 + MAX_DIMS, dtype=torch.int64)
         header = header.to(self.wire)
         what = f"rank {self.mesh.rank} (stage {self.stage}) receiving the last stage's output from rank {source}"

@@ -52,15 +52,15 @@ def train_step(
     call = dict(input_ids=input_ids, labels=labels, attention_mask=attention_mask, use_cache=False, **kwargs)
     parts = split_batch(call, micro_batches)
     total = label_count(labels)
-    if runtime is None:  # no pipeline (TP, SP): accumulation, each micro-batch's mean loss weighted by its tokens
+    for part in parts:
+        part["num_items_in_batch"] = total
+    if runtime is None:  # no pipeline (TP, SP): gradient accumulation
         losses = []
         for part in parts:
-            loss = model(**part).loss * (label_count(part["labels"]) / total)
+            loss = model(**part).loss
             loss.backward()
             losses.append(loss.detach())
         return sum(losses)
-    for part in parts:
-        part["num_items_in_batch"] = total
     link, forward = runtime.link, state.forward
     losses = {}
     runtime.training, runtime.inputs, runtime.outputs = True, {}, {}

@@ -73,15 +73,20 @@ def pad_sequence(x: torch.Tensor, dim: int, length: int, value=0, edge: bool = F
     return torch.cat([x, fill.expand(*[missing if d == dim % x.dim() else -1 for d in range(x.dim())])], dim)
 
 
-def parallelize_sequence(model: nn.Module, mesh) -> None:
-    """Split ``model``'s sequence over ``mesh.sp`` (after tensor parallelism is installed)."""
+def parallelize_sequence(model: nn.Module, mesh, layer_list: str | None = None) -> None:
+    """Split ``model``'s sequence over ``mesh.sp`` (after tensor parallelism is installed).
+    ``layer_list``: the path of the layers' ModuleList, for a pipeline stage (whose other stages'
+    layers are stand-ins, so the module tree has no list of identical layers to find)."""
     group, sp = mesh.sp.group, mesh.sp.size
     state = SequenceState(group, getattr(model.config, "_attn_implementation", None) or "eager")
     for _, module in attention.outermost(model):  # a private config copy: model.config (and the save) keep theirs
         module.config = copy.copy(module.config)
         module.config._attn_implementation = NAME
         module._hfp_sequence = state
-    layers = [model.get_submodule(path) for path in repeated_layers(model)]
+    if layer_list is not None:
+        layers = list(model.get_submodule(layer_list))
+    else:
+        layers = [model.get_submodule(path) for path in repeated_layers(model)]
 
     def local(value, dim):
         if isinstance(value, (tuple, list)):
@@ -138,28 +143,32 @@ def _sequence_forward(model, forward, state, mesh):
             warned.append(True)
         inputs["use_cache"] = False
         labels = inputs.pop("labels", None)
+        count = inputs.pop("num_items_in_batch", None)  # the whole batch's, when this is one micro-batch
         tokens = inputs.get("input_ids") if inputs.get("input_ids") is not None else inputs["inputs_embeds"]
         state.tokens = tokens.shape[1]
         state.seq_sizes = tuple(even_sizes(max(state.tokens, sp), sp))  # shorter than sp: padded to one per rank
         state.keep_split = labels is not None
         out = forward(**inputs)
         if labels is not None:
-            out.loss = sequence_loss(model, out.logits, labels, state.seq_sizes, mesh)
+            out.loss = sequence_loss(model, out.logits, labels, state.seq_sizes, mesh, count)
         return out
 
     sequence_forward.__signature__ = signature
     return sequence_forward
 
 
-def sequence_loss(model, logits: torch.Tensor, labels: torch.Tensor, seq_sizes, mesh, ignore_index: int = -100):
+def sequence_loss(
+    model, logits: torch.Tensor, labels: torch.Tensor, seq_sizes, mesh, count=None, ignore_index: int = -100
+):
     """The mean next-token cross-entropy of the whole batch, from this rank's logits: labels
     shifted on the whole sequence, this rank's sum over its tokens divided by the batch's count of
-    labelled tokens, summed over the group (backward: each rank's own share)."""
+    labelled tokens (``count``: of a larger batch this is a micro-batch of), summed over the group
+    (backward: each rank's own share)."""
     shifted = nn.functional.pad(labels, (0, 1), value=ignore_index)[:, 1:]
     shifted = pad_sequence(shifted, 1, sum(seq_sizes), value=ignore_index)  # padding tokens carry no label
     start, stop = sizes_to_ranges(seq_sizes)[mesh.sp.rank]
     local = shifted[:, start:stop].to(logits.device)
-    count = (shifted != ignore_index).sum()
+    count = (shifted != ignore_index).sum() if count is None else count
     total = nn.functional.cross_entropy(
         logits.float().reshape(-1, logits.shape[-1]), local.reshape(-1), ignore_index=ignore_index, reduction="sum"
     )
