@@ -4,6 +4,7 @@ gloo groups, against one process of the same checkpoint (fp32)."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -13,6 +14,8 @@ import transformers
 from checks import assert_same_checkpoint, read_checkpoint
 from conftest import once_per_world_size
 from distributed import run_ranks
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from tiny_models import PIPELINE, make_checkpoint
 
 import hf_parallel
@@ -231,3 +234,48 @@ def test_train_step_accumulates_micro_batches_without_a_pipeline(pp_paths, tmp_p
     for result in results:
         for name, got in result.items():
             assert got["loss"] < 1e-5 and got["grads"] < 1e-5, (name, got)
+
+
+def test_the_readme_pipeline_example_runs_under_torchrun(smollm2):
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MODEL": smollm2}
+    done = subprocess.run(
+        [*command, os.path.join(root, "examples", "pipeline_step.py")],
+        capture_output=True, text=True, env=env, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = re.findall(r"rank (\d): pp (\d)/2, tp \d/\d, sp 0/1: layers (\d+)-(\d+), loss ([\d.]+), tokens (\[.*?\])", done.stdout)
+    assert sorted(rank for rank, *_ in lines) == ["0", "1", "2"], done.stdout
+    assert {(stage, first, last) for _, stage, first, last, _, _ in lines} == {("0", "0", "14"), ("1", "15", "29")}
+    assert len({(loss, tokens) for *_, loss, tokens in lines}) == 1, lines  # the same loss and tokens everywhere
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    costs=st.lists(st.integers(1, 9), min_size=1, max_size=8),
+    stages=st.integers(1, 4),
+    ends=st.tuples(st.integers(0, 20), st.integers(0, 20)),
+)
+def test_balanced_layers_is_the_best_contiguous_split(costs, stages, ends):
+    """Against every way of cutting the layers into contiguous non-empty runs."""
+    from itertools import combinations
+
+    if len(costs) < stages:
+        return
+    first, last = ends
+
+    def worst(counts):
+        starts = [sum(counts[:i]) for i in range(len(counts))]
+        loads = [sum(costs[a : a + n]) for a, n in zip(starts, counts)]
+        loads[0] += first
+        loads[-1] += last
+        return max(loads)
+
+    splits = [
+        [b - a for a, b in zip((0, *cuts), (*cuts, len(costs)))]
+        for cuts in combinations(range(1, len(costs)), stages - 1)
+    ]
+    got = balanced_layers([float(c) for c in costs], stages, float(first), float(last))
+    assert len(got) == stages and all(n >= 1 for n in got) and sum(got) == len(costs)
+    assert worst(got) == min(worst(split) for split in splits)
