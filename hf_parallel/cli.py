@@ -174,24 +174,22 @@ def start_ranks(world_size: int, command: list[str]) -> int:
 
 
 def cmd_verify(args) -> int:
-    """Under torchrun: the comparison itself. Otherwise: start ``--tp`` x ``--sp`` ranks running
-    this same command, and pass on their exit status."""
-    if args.pp != 1:
-        raise SystemExit(
-            f"hf-parallel verify: --pp {args.pp}: verify compares every layer's output within one TP group and does "
-            "not run across pipeline stages; verify each stage's TP size with --tp (a stage runs the same layers "
-            "split the same way), and compare a pipeline's logits and tokens with hf-parallel generate"
-        )
-    if "WORLD_SIZE" not in os.environ and args.tp * args.sp > 1:
-        return start_ranks(args.tp * args.sp, [sys.executable, "-m", "hf_parallel", *sys.argv[1:]])
+    """Under torchrun: the comparison itself. Otherwise: start the layout's ranks (``--tp`` x
+    ``--sp``, times ``--pp`` or with ``--stage-tp``'s sum) running this same command, and pass on
+    their exit status."""
+    stages = pipeline_kwargs(args)
+    world = (sum(args.stage_tp) if args.stage_tp else args.tp * args.pp) * args.sp
+    if "WORLD_SIZE" not in os.environ and world > 1:
+        return start_ranks(world, [sys.executable, "-m", "hf_parallel", *sys.argv[1:]])
     from .distributed.mesh import shutdown
     from .verify import verify
 
     try:
         memory = None if args.reference_memory_gb is None else int(args.reference_memory_gb * 2**30)
         report = verify(
-            args.path, tp_plan_arg(args.tp_plan), args.dtype, args.tolerance, args.tp, args.sp, reference_memory=memory
-        )
+            args.path, tp_plan_arg(args.tp_plan), args.dtype, args.tolerance, args.tp, args.sp, reference_memory=memory,
+            **stages,
+        )  # fmt: skip
     except ValueError as error:  # the plan cannot split this model: said before any weight is read
         if os.environ.get("RANK", "0") == "0":
             print(f"hf-parallel verify: {error}", file=sys.stderr, flush=True)
@@ -239,9 +237,9 @@ def main(argv=None) -> None:
         "verify", help="load PATH parallel and in one process, compare every layer's output on a probe batch"
     )
     check.add_argument("path")
-    check.add_argument("--tp", type=int, required=True)
+    check.add_argument("--tp", type=int, default=1, help="TP size (of every stage, with --pp)")
     check.add_argument("--sp", type=int, default=1)
-    check.add_argument("--pp", type=int, default=1)
+    add_pipeline_args(check)
     check.add_argument("--dtype", default="float32")
     check.add_argument("--tp-plan", default="auto", help="auto, discover, a model_type, or a TOML/JSON file of rules")
     check.add_argument("--tolerance", type=float, help="relative to each output's largest value (default: by dtype)")

@@ -88,7 +88,15 @@ def outputs_by_layer(model, batch) -> tuple[dict[str, torch.Tensor], str | None]
     from .tensor.discover import repeated_layers
 
     names = {module: path for path, module in model.named_modules()}
-    watched = [names[model.get_input_embeddings()], *repeated_layers(model)]
+    state = getattr(model, "_hf_parallel", None)
+    if state is not None and state.pipeline is not None:  # a stage: its own layers (and embeddings on the first)
+        split = state.pipeline.split
+        watched = [f"{split.layer_list}.{i}" for i in split.layers_of(state.mesh.stage)]
+        embedding = model.get_input_embeddings()
+        if not getattr(embedding, "held_elsewhere", False) and not getattr(embedding, "stand_in", False):
+            watched.insert(0, names[embedding])
+    else:
+        watched = [names[model.get_input_embeddings()], *repeated_layers(model)]
     outputs, handles = {}, []
     for path in watched:
         handles.append(
@@ -138,6 +146,24 @@ def whole_sequences(outputs: dict, tokens: int, mesh) -> dict:
     return whole
 
 
+def every_stage(outputs: dict, mesh) -> dict:
+    """Under pipeline parallelism each stage recorded its own layers: all of them on rank 0, in
+    forward order (the first rank of each stage's first SP group speaks for it)."""
+    import torch.distributed as dist
+
+    from .distributed.faults import collective
+
+    speaks = mesh.tp.rank == 0 and mesh.sp.rank == 0
+    everyone = [None] * mesh.world_size
+    with collective(f"collecting every stage's layer outputs on rank 0 (rank {mesh.rank})"):
+        dist.all_gather_object(everyone, (mesh.stage, outputs if speaks else {}), group=mesh.world.group)
+    merged = {}
+    for _, theirs in sorted(everyone, key=lambda item: item[0]):
+        merged.update({name: out for name, out in theirs.items() if name != "logits"})
+    merged["logits"] = outputs["logits"] if "logits" in outputs else None
+    return {name: out for name, out in merged.items() if out is not None}
+
+
 def single_process_model(path: str, dtype: torch.dtype, memory: int | None, offload_dir: str):
     """transformers' model in one process; with a ``memory`` budget (bytes) what does not fit is
     offloaded to ``offload_dir`` and streamed in layer by layer during the forward (accelerate)."""
@@ -159,6 +185,12 @@ def default_reference_memory(path: str) -> int | None:
     return available // 2 if weights > available // 2 else None
 
 
+def layout_text(mesh) -> str:
+    """``tp=2 x sp=2``, or ``pp=2 (tp per stage [2, 1])``."""
+    text = f"tp={mesh.tp.size}" if mesh.num_stages == 1 else f"pp={mesh.num_stages} (tp per stage {list(mesh.shape.stage_tp_sizes)})"
+    return text + (f" x sp={mesh.sp.size}" if mesh.sp.size > 1 else "")
+
+
 def verify(
     path: str,
     tp_plan="auto",
@@ -167,17 +199,24 @@ def verify(
     tp_size=None,
     sp_size: int = 1,
     reference_memory: int | None = None,
+    **stages,
 ) -> Report | None:
     """Run under torchrun (every rank); rank 0 returns the report, the others None. Under sequence
     parallelism each layer's split output is gathered first, so every token is compared.
     ``reference_memory`` (bytes; default: half the free memory, if the weights need more) bounds the
-    one-process reference, which then streams its layers from disk."""
+    one-process reference, which then streams its layers from disk. ``stages``: ``pp_size``,
+    ``stage_tp_sizes``, ``stage_layers`` as ``from_pretrained`` takes them: each stage's layers
+    are collected on rank 0."""
     from .api import AutoModelForCausalLM
     from .distributed.mesh import get_mesh
 
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     tolerance = TOLERANCES.get(dtype, 1e-2) if tolerance is None else tolerance
-    mesh = get_mesh(tp_size, sp_size=sp_size)
+    vtp = stages.get("stage_tp_sizes") is not None
+    mesh = get_mesh(
+        None if vtp else tp_size, sp_size=sp_size, pp_size=stages.get("pp_size", 1),
+        stage_tp_sizes=stages.get("stage_tp_sizes"),
+    )  # fmt: skip
     batch = probe_batch(transformers.AutoConfig.from_pretrained(path))
     reference = None
     reference_memory = default_reference_memory(path) if reference_memory is None else reference_memory
@@ -187,15 +226,21 @@ def verify(
             reference, _ = outputs_by_layer(single, batch)
             del single
     mesh.barrier()
-    model = AutoModelForCausalLM.from_pretrained(path, tp_plan=tp_plan, dtype=dtype, tp_size=tp_size, sp_size=sp_size)
+    if mesh.num_stages > 1:  # the layer hooks record one forward of the whole probe batch
+        stages.setdefault("micro_batches", 1)
+    model = AutoModelForCausalLM.from_pretrained(
+        path, tp_plan=tp_plan, dtype=dtype, tp_size=None if vtp else mesh.tp.size, sp_size=sp_size, **stages,
+    )  # fmt: skip
     parallel, error = outputs_by_layer(model, batch)
     if mesh.sp.size > 1 and error is None:
         parallel = whole_sequences(parallel, batch["input_ids"].shape[1], mesh)
+    if mesh.num_stages > 1:
+        parallel = every_stage(parallel, mesh)
     mesh.barrier()
     if not mesh.is_main:
         return None
     header = (
-        f"verify {path} at tp={mesh.tp.size}{f' x sp={mesh.sp.size}' if mesh.sp.size > 1 else ''} ({str(dtype).removeprefix('torch.')}, plan: {model._hf_parallel.shard.plan.source}); "
+        f"verify {path} at {layout_text(mesh)} ({str(dtype).removeprefix('torch.')}, plan: {model._hf_parallel.shard.plan.source}); "
         f"probe: {len(PROBE_LENGTHS)} rows of {' and '.join(map(str, batch['attention_mask'].sum(1).tolist()))} "
         f"tokens, left-padded; tolerance {tolerance:g} of each output's largest value"
         + (f"; one process streamed from disk within {reference_memory / 2**20:.0f} MiB" if reference_memory else "")

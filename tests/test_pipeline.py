@@ -279,3 +279,16 @@ def test_balanced_layers_is_the_best_contiguous_split(costs, stages, ends):
     got = balanced_layers([float(c) for c in costs], stages, float(first), float(last))
     assert len(got) == stages and all(n >= 1 for n in got) and sum(got) == len(costs)
     assert worst(got) == min(worst(split) for split in splits)
+
+
+def test_cli_verify_collects_every_stage(pp_paths):
+    """`hf-parallel verify --stage-tp 2,1` starts its 3 ranks; rank 0 reports every stage's layers."""
+    done = subprocess.run(
+        [sys.executable, "-m", "hf_parallel", "verify", pp_paths["pp_llama"], "--stage-tp", "2,1"],
+        capture_output=True, text=True, timeout=300, cwd="/tmp",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr[-2000:]
+    assert "at pp=2 (tp per stage [2, 1])" in done.stdout
+    rows = [line.split()[0] for line in done.stdout.splitlines() if line.endswith("  ok")]
+    assert rows == ["model.embed_tokens", *[f"model.layers.{i}" for i in range(5)], "logits"], done.stdout
+    assert "PASS: every output within 0.0001 of one process" in done.stdout

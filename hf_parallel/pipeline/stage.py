@@ -12,8 +12,8 @@ inputs (every rank gets the batch). Only the stage's own modules compute:
   no memory); a module holding a weight tied to one the stage keeps (the input embedding on the
   last stage) stays, with only its forward replaced;
 - the first layer of a stage replaces its input with the hidden states received from the stage
-  before (``p2p``); the last layer of a stage that is not the last sends its output on and ends
-  the forward there (``StageDone``): the rest of the model is another stage's.
+  before (``p2p``); the last layer of a stage that is not the last sends its output on, and the
+  forward ends on entering the next layer (``StageDone``): the rest of the model is another stage's.
 """
 
 from __future__ import annotations
@@ -29,11 +29,7 @@ from .split import StageSplit
 
 
 class StageDone(Exception):
-    """Raised by a stage's last layer once its output is sent: the remaining modules are elsewhere."""
-
-    def __init__(self, output: torch.Tensor):
-        super().__init__("pipeline stage done")
-        self.output = output
+    """Raised on entering the first layer after a stage's own: the remaining modules are elsewhere."""
 
 
 class MissingLayer(nn.Module):
@@ -148,7 +144,9 @@ def install_links(model: nn.Module, runtime: StageRuntime) -> None:
         link.send(hidden, link.stage + 1, f"the hidden states of micro-batch {runtime.micro_batch}")
         if runtime.training:
             runtime.outputs[runtime.micro_batch] = hidden
-        raise StageDone(hidden)
+
+    def stop(module, args):  # after the send and every other hook of the stage's last layer
+        raise StageDone()
 
     for layer in layers:
         if isinstance(layer, MissingLayer):
@@ -157,3 +155,4 @@ def install_links(model: nn.Module, runtime: StageRuntime) -> None:
         layers[own[0]].register_forward_pre_hook(receive, with_kwargs=True)
     if not link.is_last:
         layers[own[-1]].register_forward_hook(send)
+        layers[own[-1] + 1].register_forward_pre_hook(stop)
