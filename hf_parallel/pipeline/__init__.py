@@ -13,7 +13,16 @@ from .schedule import SCHEDULES, train_step
 from .split import StageSplit, split_stages
 from .stage import StageRuntime, install_links, keep_stage
 
-__all__ = ["SCHEDULES", "StageSplit", "split_stages", "train_step", "keys_held_elsewhere", "keep_stage", "link_stage", "tied_across_stages"]
+__all__ = [
+    "SCHEDULES",
+    "StageSplit",
+    "split_stages",
+    "train_step",
+    "keys_held_elsewhere",
+    "keep_stage",
+    "link_stage",
+    "tied_across_stages",
+]
 
 
 def keys_held_elsewhere(model: nn.Module, split: StageSplit, stage: int, files) -> set[str]:

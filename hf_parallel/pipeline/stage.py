@@ -86,16 +86,13 @@ def _set(model: nn.Module, path: str, module: nn.Module) -> None:
     setattr(model.get_submodule(parent) if parent else model, name, module)
 
 
-def keep_stage(model: nn.Module, split: StageSplit, stage: int) -> list[str]:
-    """Replace every module another stage holds (on the meta device: nothing to free); returns the
-    paths replaced."""
+def keep_stage(model: nn.Module, split: StageSplit, stage: int) -> None:
+    """Replace every module another stage holds (on the meta device: nothing to free)."""
     layers = model.get_submodule(split.layer_list)
     own = split.layers_of(stage)
-    replaced = []
     for index in range(len(layers)):
         if index not in own:
             layers[index] = MissingLayer(index, split.stage_of_layer(index))
-            replaced.append(f"{split.layer_list}.{index}")
     others = [(p, 0) for p in split.head if stage != 0] + [(p, split.num_stages - 1) for p in split.tail]
     others = [(path, owner) for path, owner in others if owner != stage]
     kept = {id(p) for path in split.owned(stage) for p in model.get_submodule(path).parameters()}
@@ -107,8 +104,6 @@ def keep_stage(model: nn.Module, split: StageSplit, stage: int) -> list[str]:
             module.dtype = next(module.parameters()).dtype
         else:
             _set(model, path, StandIn(module, owner))
-            replaced.append(path)
-    return replaced
 
 
 @dataclass
