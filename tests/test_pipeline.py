@@ -183,12 +183,12 @@ def test_bad_layouts_are_refused_before_any_weight_is_read(pp_paths, tmp_path):
         assert got["bytes_read"] == 0
 
 
-@pytest.mark.parametrize("failing", [0, 1])
-def test_a_dead_stage_fails_the_other_naming_what_it_waited_for(pp_paths, tmp_path, failing):
+@pytest.mark.parametrize("failing,how", [(0, "dies"), (1, "dies"), (0, "hangs")])
+def test_a_dead_stage_fails_the_other_naming_what_it_waited_for(pp_paths, tmp_path, failing, how):
     import workers
 
     results = run_ranks(
-        2, workers.pipeline_peer_fails, pp_paths["pp_llama"], str(tmp_path), 5.0, failing, out_dir=str(tmp_path)
+        2, workers.pipeline_peer_fails, pp_paths["pp_llama"], str(tmp_path), 5.0, failing, how, out_dir=str(tmp_path)
     )
     got = results[1 - failing]
     assert got["type"] == "RankFailure", got

@@ -712,8 +712,11 @@ def pipeline_refusals(rank: int, world_size: int, path: str) -> dict:
     return out
 
 
-def pipeline_peer_fails(rank: int, world_size: int, path: str, out: str, timeout: float, failing: int) -> dict:
-    """At PP=2, rank ``failing`` dies before a forward; the other runs it and reports its error."""
+def pipeline_peer_fails(
+    rank: int, world_size: int, path: str, out: str, timeout: float, failing: int, how: str = "dies"
+) -> dict:
+    """At PP=2, rank ``failing`` dies (process exit) or hangs (alive, absent) before a forward; the
+    other runs it and reports its error."""
     import json
     import time
 
@@ -726,6 +729,10 @@ def pipeline_peer_fails(rank: int, world_size: int, path: str, out: str, timeout
     get_mesh(pp_size=2)
     model = hf_parallel.AutoModelForCausalLM.from_pretrained(path, pp_size=2, tp_plan=None)
     if rank == failing:
+        if how == "hangs":
+            time.sleep(timeout + 3)
+            dist.destroy_process_group()
+            return {}
         with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
             json.dump({}, f)
         os._exit(0)
