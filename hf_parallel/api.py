@@ -33,8 +33,6 @@ class ParallelState:
     shard: ShardPlan
     source_keys: dict[str, str]  # parameter (or persistent buffer) name -> checkpoint key it was read from
     pipeline: object = None  # the stage's StageRuntime under pipeline parallelism
-    forward: object = None  # the model's own forward, under the pipelined one
-    micro_batches: int | None = None  # per forward (None: one per stage)
     tied_across_stages: tuple = ()  # parameters held by the first and the last stage
 
 
@@ -93,7 +91,8 @@ def from_pretrained(
         raise TypeError(
             f"from_pretrained() got keyword argument(s) that hf_parallel does not take and {type(config).__name__} "
             f"does not define: {', '.join(sorted(unknown))}. hf_parallel takes tp_plan, ep_plan, dtype, tp_size, "
-            "sp_size, pp_size, stage_tp_sizes, stage_layers, micro_batches, device_map and allow_pickle; any other keyword must be a config attribute (it overrides the checkpoint's)"
+            "sp_size, pp_size, stage_tp_sizes, stage_layers, micro_batches, device_map and allow_pickle; any other "
+            "keyword must be a config attribute (it overrides the checkpoint's)"
         )
     mesh = get_mesh(tp_size, sp_size=sp_size, pp_size=pp_size, stage_tp_sizes=stage_tp_sizes)
     if stage_layers is not None and mesh.num_stages == 1:
@@ -102,15 +101,16 @@ def from_pretrained(
     model = build_empty(auto_class, config, dtype)
     if mesh.sp.size > 1:
         check_sequence_parallel(model, mesh.sp.size)
-    split, elsewhere = None, set()
-    if mesh.num_stages > 1 and model.get_output_embeddings() is None:
-        raise ValueError(
-            f"pipeline stages need a model with an LM head (the last stage's logits are what every rank gets); "
-            f"{type(model).__name__} has none: load it with AutoModelForCausalLM, or without pp_size/stage_tp_sizes"
-        )
+    split, elsewhere, files = None, set(), None
     if mesh.num_stages > 1:  # cut the meta model down to this stage before anything else sees it
+        if model.get_output_embeddings() is None:
+            raise ValueError(
+                f"pipeline stages need a model with an LM head (the last stage's logits are what every rank gets); "
+                f"{type(model).__name__} has none: load it with AutoModelForCausalLM, or without pp_size/stage_tp_sizes"
+            )
         split = split_stages(model, mesh.num_stages, stage_layers)
-        elsewhere = keys_held_elsewhere(model, split, mesh.stage, checkpoint_files(path, allow_pickle))
+        files = checkpoint_files(path, allow_pickle)
+        elsewhere = keys_held_elsewhere(model, split, mesh.stage, files)
         keep_stage(model, split, mesh.stage)
     if ep_plan is None:
         plan = resolve_plan(model, tp_plan)
@@ -119,7 +119,7 @@ def from_pretrained(
     else:
         raise ValueError(f"ep_plan must be 'auto' (experts spread over the ranks) or None, got {ep_plan!r}")
     shard = shard_plan(model, plan, mesh)
-    source_keys = load_weights(model, path, shard, dtype, allow_pickle, ignore_keys=elsewhere)
+    source_keys = load_weights(model, path, shard, dtype, allow_pickle, ignore_keys=elsewhere, files=files)
     install(model, shard)
     try:
         model.generation_config = transformers.GenerationConfig.from_pretrained(path)
@@ -128,9 +128,9 @@ def from_pretrained(
     if mesh.sp.size > 1:
         parallelize_sequence(model, mesh, split.layer_list if split is not None else None)
     model.eval()
-    model._hf_parallel = state = ParallelState(mesh, shard, source_keys, micro_batches=micro_batches)
+    model._hf_parallel = state = ParallelState(mesh, shard, source_keys)
     if split is not None:
-        state.pipeline, state.forward = link_stage(model, split, mesh)
+        state.pipeline = link_stage(model, split, mesh, micro_batches)
         state.tied_across_stages = tuple(tied_across_stages(model, shard))
     model.save_pretrained = functools.partial(save_pretrained, model)
     return model

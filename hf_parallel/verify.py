@@ -148,17 +148,9 @@ def whole_sequences(outputs: dict, tokens: int, mesh) -> dict:
 
 def every_stage(outputs: dict, mesh) -> dict:
     """Under pipeline parallelism each stage recorded its own layers: all of them on rank 0, in
-    forward order (the first rank of each stage's first SP group speaks for it)."""
-    import torch.distributed as dist
-
-    from .distributed.faults import collective
-
-    speaks = mesh.tp.rank == 0 and mesh.sp.rank == 0
-    everyone = [None] * mesh.world_size
-    with collective(f"collecting every stage's layer outputs on rank 0 (rank {mesh.rank})"):
-        dist.all_gather_object(everyone, (mesh.stage, outputs if speaks else {}), group=mesh.world.group)
+    forward order (each stage's first rank speaks for it)."""
     merged = {}
-    for _, theirs in sorted(everyone, key=lambda item: item[0]):
+    for theirs in mesh.per_stage(outputs, "collecting every stage's layer outputs"):
         merged.update({name: out for name, out in theirs.items() if name != "logits"})
     merged["logits"] = outputs["logits"] if "logits" in outputs else None
     return {name: out for name, out in merged.items() if out is not None}

@@ -324,13 +324,15 @@ def load_weights(
     dtype: torch.dtype,
     allow_pickle: bool = False,
     ignore_keys: set[str] = frozenset(),
+    files: dict[str, str] | None = None,
 ) -> dict[str, str | FusedSource]:
     """Fill every parameter (and persistent buffer found in the checkpoint) with its local shard.
 
     Returns parameter name -> checkpoint key (or the per-expert keys of a fused expert parameter),
     and buffer name -> key for the buffers read, which saving uses to write the source's names and form.
-    ``ignore_keys``: keys another pipeline stage reads (neither read here nor unexpected)."""
-    files = checkpoint_files(path, allow_pickle)
+    ``ignore_keys``: keys another pipeline stage reads (neither read here nor unexpected).
+    ``files``: ``checkpoint_files(path, allow_pickle)``, when the caller has it already."""
+    files = files if files is not None else checkpoint_files(path, allow_pickle)
     check_same_checkpoint(path, files, shard.mesh)
     rank = shard.mesh.tp.rank
     key_of, fused_of = checkpoint_sources(model, files)

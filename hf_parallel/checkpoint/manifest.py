@@ -36,7 +36,9 @@ def rank_file_name(rank: int, world_size: int, save_id: str) -> str:
     return f"model-rank-{rank:05d}-of-{world_size:05d}-{save_id}.safetensors"
 
 
-def manifest_entry(shape, dtype_name: str, layout: Layout, fused: FusedSource | None = None, first_file: int = 0) -> dict:
+def manifest_entry(
+    shape, dtype_name: str, layout: Layout, fused: FusedSource | None = None, first_file: int = 0
+) -> dict:
     """``fused``: the per-expert keys the parameter was loaded from, which consolidation writes back.
     ``first_file``: the file of the layout's rank 0 (a later pipeline stage's files follow the earlier ones')."""
     ranks = [0] if layout.is_replicated else list(range(layout.world_size))
@@ -91,6 +93,10 @@ class DistributedCheckpoint:
         """The file index of layout rank ``rank`` of ``key``."""
         return self.first_file[key] + rank
 
+    def piece(self, key: str, rank: int):
+        """Layout rank ``rank``'s saved piece of ``key`` (a safetensors slice of its file)."""
+        return self.handle(self.file_of(key, rank)).get_slice(key)
+
     def handle(self, rank: int):
         """File ``rank``, opened (memory-mapped) on first use."""
         if rank not in self._handles:
@@ -129,7 +135,8 @@ class DistributedCheckpoint:
             raise CheckpointError(f"{file}: not a valid safetensors file: {error}") from None
 
     def _check_piece(self, key, shape, dtype, layout, rank) -> None:
-        file, handle = self.files[self.file_of(key, rank)], self.handle(self.file_of(key, rank))
+        index = self.file_of(key, rank)
+        file, handle = self.files[index], self.handle(index)
         if key not in handle.keys():
             raise CheckpointError(f"{file}: the manifest says it holds {key!r}, but it does not")
         found = handle.get_slice(key)
@@ -174,12 +181,12 @@ class DistributedSlice(TiledTensor):
 
         def read(box):
             local = tuple((a + offset, b + offset) if d == dim else (a, b) for d, (a, b) in enumerate(box))
-            return self.checkpoint.handle(self.checkpoint.file_of(self.key, rank)).get_slice(self.key)[as_slices(local)]
+            return self.checkpoint.piece(self.key, rank)[as_slices(local)]
 
         return read
 
     def saved_as(self, layout: Layout, rank: int) -> torch.Tensor | None:
         """``rank``'s own saved tensor (a view of its file), when it was saved with this very layout."""
         if layout == self.layout and rank in self.ranks and not layout.is_replicated:
-            return self.checkpoint.handle(self.checkpoint.file_of(self.key, rank)).get_slice(self.key)[:]
+            return self.checkpoint.piece(self.key, rank)[:]
         return None

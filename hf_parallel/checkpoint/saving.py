@@ -181,12 +181,8 @@ def checkpoint_tensors(model) -> dict[str, tuple]:
 def stage_owners(mesh, specs: dict) -> tuple[dict[str, int], dict]:
     """Under pipeline parallelism: every key's owning stage (the first that holds it: a tied
     weight is written once) and every stage's specs, in stage order, on every rank."""
-    mine = specs if mesh.tp.rank == 0 else {}
-    everyone = [None] * mesh.world_size
-    with collective(f"listing every stage's tensors for the save (rank {mesh.rank})"):
-        dist.all_gather_object(everyone, (mesh.stage, mine), group=mesh.world.group)
     owners, merged = {}, {}
-    for stage, theirs in sorted(everyone, key=lambda item: item[0]):
+    for stage, theirs in enumerate(mesh.per_stage(specs, "listing every stage's tensors for the save")):
         for key, spec in theirs.items():
             owners.setdefault(key, stage)
             merged.setdefault(key, spec)

@@ -194,6 +194,18 @@ class Mesh:
             with collective(f"barrier on rank {self.rank}"):
                 dist.barrier(group=group)
 
+    def per_stage(self, value, what: str) -> list:
+        """Every pipeline stage's ``value`` as its first rank has it, in stage order, on every rank
+        (collective over the world; ``what`` names it in a RankFailure)."""
+        if self.world.group is None:
+            return [value]
+        everyone = [None] * self.world_size
+        first = self.tp.rank == 0 and self.sp.rank == 0
+        with collective(f"{what} (rank {self.rank})"):
+            dist.all_gather_object(everyone, (self.stage, value if first else None), group=self.world.group)
+        firsts = dict(item for item in everyone if item[1] is not None)  # one first rank per stage
+        return [firsts[stage] for stage in range(self.num_stages)]
+
     def subgroup(self, dim: str, partition) -> object | None:
         """This rank's part of its ``dim`` group, split by ``partition(size)`` (lists of indices
         into a group of that size; e.g. the ranks sharing a replicated KV head). Collective: every

@@ -51,12 +51,10 @@ def tied_across_stages(model: nn.Module, shard) -> list[str]:
     return sorted(set(names))
 
 
-def link_stage(model: nn.Module, split: StageSplit, mesh):
-    """Install the stage's receive/send hooks and the pipelined ``model.forward``; returns what
-    the schedules need: the runtime and the model's own forward."""
-    runtime = StageRuntime(split, StageLink(mesh))
+def link_stage(model: nn.Module, split: StageSplit, mesh, micro_batches: int | None = None) -> StageRuntime:
+    """Install the stage's receive/send hooks and the pipelined ``model.forward`` (the model's own
+    is kept in the runtime, for the schedules)."""
+    runtime = StageRuntime(split, StageLink(mesh), model.forward, micro_batches)
     install_links(model, runtime)
-    forward = model.forward
-    run = pipelined_forward(model, forward, runtime)
-    model.forward = functools.wraps(forward)(run)
-    return runtime, forward
+    model.forward = functools.wraps(runtime.forward)(pipelined_forward(runtime))
+    return runtime

@@ -3,8 +3,9 @@
 The batch is cut into micro-batches along its rows; each stage runs them one after the other, its
 sends asynchronous, so stage i computes micro-batch m while stage i+1 computes m-1 (GPipe's fill
 and drain). Each micro-batch runs on its rows of the KV cache ``generate`` passes in (its own
-layers' keys and values, one-element markers for the other stages' layers), joined back after. The last stage's logits (and loss) are broadcast to every rank at the end: ``generate``
-picks the same next token everywhere.
+layers' keys and values, one-element markers for the other stages' layers), joined back after.
+The last stage's logits (and loss) are broadcast to every rank at the end: ``generate`` picks the
+same next token everywhere.
 """
 
 from __future__ import annotations
@@ -20,11 +21,16 @@ from .stage import StageDone, StageRuntime
 BATCH_KEYS = ("input_ids", "attention_mask", "position_ids", "inputs_embeds", "labels", "token_type_ids")
 
 
-def batch_size_of(kwargs: dict) -> int:
+def inputs_of(kwargs: dict) -> torch.Tensor:
+    """The batch's input_ids, or its inputs_embeds: [rows, tokens, ...]."""
     for key in ("input_ids", "inputs_embeds"):
         if kwargs.get(key) is not None:
-            return kwargs[key].shape[0]
+            return kwargs[key]
     raise ValueError("a pipelined forward needs input_ids or inputs_embeds")
+
+
+def batch_size_of(kwargs: dict) -> int:
+    return inputs_of(kwargs).shape[0]
 
 
 def split_batch(kwargs: dict, count: int) -> list[dict]:
@@ -50,13 +56,12 @@ def label_count(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
     return (labels[..., 1:] != ignore_index).sum()
 
 
-def run_micro_batch(forward, runtime: StageRuntime, index: int, kwargs: dict):
+def run_micro_batch(runtime: StageRuntime, index: int, kwargs: dict):
     """The stage's part of one micro-batch: the model's output on the last stage, else None."""
     runtime.micro_batch = index
-    inputs = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else kwargs["inputs_embeds"]
-    runtime.shape = tuple(inputs.shape[:2])
+    runtime.shape = tuple(inputs_of(kwargs).shape[:2])
     try:
-        return forward(**kwargs)
+        return runtime.forward(**kwargs)
     except StageDone:
         return None
 
@@ -98,9 +103,9 @@ def default_micro_batches(rows: int, tokens: int, stages: int) -> int:
     return 1 if tokens == 1 else min(rows, stages)
 
 
-def pipelined_forward(model, forward, runtime: StageRuntime):
-    """``model.forward`` for a pipeline stage (``forward``: the model's own)."""
-    signature = inspect.signature(forward)
+def pipelined_forward(runtime: StageRuntime):
+    """``model.forward`` for a pipeline stage (around ``runtime.forward``, the model's own)."""
+    signature = inspect.signature(runtime.forward)
     link = runtime.link
 
     def run(*args, **kwargs):
@@ -113,8 +118,8 @@ def pipelined_forward(model, forward, runtime: StageRuntime):
                 "hold different layers): train with hf_parallel.pipeline.train_step(model, input_ids, labels, ...), "
                 "or compute the loss under torch.no_grad()"
             )
-        tokens = (call.get("input_ids") if call.get("input_ids") is not None else call["inputs_embeds"]).shape[1]
-        count = model._hf_parallel.micro_batches or default_micro_batches(batch_size_of(call), tokens, link.num_stages)
+        tokens = inputs_of(call).shape[1]
+        count = runtime.micro_batches or default_micro_batches(batch_size_of(call), tokens, link.num_stages)
         parts = split_batch(call, count)
         cache = call.get("past_key_values")
         if cache is not None and len(parts) > 1:
@@ -124,7 +129,7 @@ def pipelined_forward(model, forward, runtime: StageRuntime):
             total = label_count(call["labels"])
             for part in parts:
                 part["num_items_in_batch"] = total
-        outputs = [run_micro_batch(forward, runtime, i, part) for i, part in enumerate(parts)]
+        outputs = [run_micro_batch(runtime, i, part) for i, part in enumerate(parts)]
         link.flush()
         logits = torch.cat([out.logits for out in outputs]) if link.is_last else None
         logits = link.broadcast_from_last(logits)

@@ -61,13 +61,13 @@ def train_step(
             loss.backward()
             losses.append(loss.detach())
         return sum(losses)
-    link, forward = runtime.link, state.forward
+    link = runtime.link
     losses = {}
     runtime.training, runtime.inputs, runtime.outputs = True, {}, {}
     try:
         for step, m in order(schedule, link.stage, link.num_stages, len(parts)):
             if step == "F":
-                out = run_micro_batch(forward, runtime, m, parts[m])
+                out = run_micro_batch(runtime, m, parts[m])
                 if link.is_last:
                     losses[m] = out.loss
                 continue

@@ -112,6 +112,8 @@ class StageRuntime:
 
     split: StageSplit
     link: StageLink
+    forward: object  # the model's own forward, under the pipelined one
+    micro_batches: int | None = None  # per forward (None: ``forward.default_micro_batches``)
     micro_batch: int = 0
     shape: tuple = (0, 0)  # (rows, tokens) of the micro-batch running
     training: bool = False  # keep the received input (as a leaf needing grad) and the sent output

@@ -83,12 +83,11 @@ class Plan:
     def assign(self, model: nn.Module) -> dict[str, Rule]:
         """Module (or parameter) path -> rule for everything a rule matches; warns about rules that
         match nothing. Parameter rules (``experts.gate_up_proj``) split one 3-D parameter of a module."""
-        assigned, elsewhere = {}, []
+        assigned = {}
         for path, module in model.named_modules():
             rule = self.rule_for(path) if path else None
-            if getattr(module, "held_elsewhere", False) or any(path.startswith(p + ".") for p in elsewhere):
-                elsewhere.append(path)  # a module another pipeline stage holds: its rules count as used
-                continue
+            if getattr(module, "held_elsewhere", False):  # another pipeline stage's (it has no children):
+                continue  # its rule, looked up above, counts as used
             if rule is not None:
                 assigned[path] = rule
             for name, _ in module.named_parameters(recurse=False):  # a rule may name one parameter
