@@ -116,7 +116,9 @@ def worker(implementation: str, path: str, seqs: list[int], cap: int, out: str) 
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(rows, f)
     if world > 1 and implementation != "deepspeed":
-        hf_parallel.distributed.mesh.shutdown()
+        from hf_parallel.distributed.mesh import shutdown
+
+        shutdown()
 
 
 def configuration(path: str, implementation: str, sp: int, args) -> dict[int, dict]:

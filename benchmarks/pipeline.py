@@ -67,6 +67,7 @@ def worker(kind: str, args) -> None:
     import torch.distributed as dist
     from measure import peak_rss_bytes
 
+    from hf_parallel import parallel_state
     from hf_parallel.distributed.mesh import get_mesh
 
     if int(os.environ.get("WORLD_SIZE", 1)) > 1 and kind != "transformers_pp":
@@ -78,8 +79,8 @@ def worker(kind: str, args) -> None:
     options = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
     with torch.inference_mode():
         model.generate(**prompts, max_new_tokens=2, min_new_tokens=2, **options)  # warm-up
-        state = getattr(model, "_hf_parallel", None)
-        link = state.pipeline.link if state is not None and state.pipeline is not None else None
+        state = parallel_state(model) if kind.startswith("hf_parallel") else None
+        link = state.stage.link if state is not None and state.stage is not None else None
         if link is not None:
             link.waited = 0.0
         if dist.is_initialized():

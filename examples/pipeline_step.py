@@ -33,6 +33,6 @@ loss = hf_parallel.train_step(model, batch["input_ids"], labels, batch["attentio
 optimizer.step()
 model.eval()
 out = model.generate(**batch, max_new_tokens=8, do_sample=False)
-mesh = model._hf_parallel.mesh
-layers = model._hf_parallel.pipeline.split.layers_of(mesh.stage)
+state = hf_parallel.parallel_state(model)  # the mesh, the plan, this rank's pipeline stage
+mesh, layers = state.mesh, state.stage.layers()
 print(f"{mesh}: layers {layers.start}-{layers.stop - 1}, loss {loss.item():.6f}, tokens {out[0, -8:].tolist()}")

@@ -12,7 +12,7 @@ import os
 import torch
 import transformers
 
-from hf_parallel import AutoModelForCausalLM
+from hf_parallel import AutoModelForCausalLM, parallel_state
 from hf_parallel.default_model import default_checkpoint
 
 path = os.environ.get("MODEL") or default_checkpoint()  # the embedded SmolLM2-135M-Instruct
@@ -33,5 +33,5 @@ model.train()
 out = model(**batch, labels=labels)
 out.loss.backward()  # gradients of every parameter summed over the sequence group
 optimizer.step()
-mesh = model._hf_parallel.mesh
+mesh = parallel_state(model).mesh
 print(f"{mesh}: loss {out.loss.item():.6f}, {out.logits.shape[1]} of {batch['input_ids'].shape[1]} tokens here")

@@ -1,28 +1,41 @@
-"""hf_parallel: tensor-, sequence- and pipeline-parallel from_pretrained / generate / save_pretrained for transformers models."""
+"""hf_parallel: tensor-, sequence- and pipeline-parallel from_pretrained / generate / save_pretrained for transformers models.
 
-from .api import AutoModel, AutoModelForCausalLM, from_pretrained, save_pretrained
-from .checkpoint.consolidate import consolidate
-from .checkpoint.errors import CheckpointError
-from .distributed.faults import RankFailure
-from .distributed.mesh import Mesh
-from .pipeline import train_step
-from .tensor.layout import Layout
-from .tensor.plan import register_plan
-from .tensor.styles import STYLES, ParallelStyle, register_style
+Names are imported on first use (PEP 562): ``import hf_parallel`` alone loads neither torch nor
+transformers, so ``hf-parallel --help`` answers at once and a program pays only for what it uses.
+"""
 
-__all__ = [
-    "AutoModel",
-    "AutoModelForCausalLM",
-    "CheckpointError",
-    "Layout",
-    "Mesh",
-    "ParallelStyle",
-    "RankFailure",
-    "STYLES",
-    "consolidate",
-    "from_pretrained",
-    "register_plan",
-    "register_style",
-    "save_pretrained",
-    "train_step",
-]
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {  # public name -> the module that owns it
+    "AutoModel": ".api",
+    "AutoModelForCausalLM": ".api",
+    "from_pretrained": ".api",
+    "save_pretrained": ".api",
+    "ParallelState": ".state",
+    "parallel_state": ".state",
+    "train_step": ".training.step",
+    "consolidate": ".checkpoint.consolidate",
+    "CheckpointError": ".checkpoint.errors",
+    "RankFailure": ".distributed.faults",
+    "Mesh": ".distributed.mesh",
+    "Layout": ".tensor.layout",
+    "register_plan": ".tensor.plan",
+    "ParallelStyle": ".tensor.styles",
+    "STYLES": ".tensor.registry",
+    "register_style": ".tensor.registry",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'hf_parallel' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name], __name__), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])

@@ -8,48 +8,16 @@ from __future__ import annotations
 
 import functools
 import os
-from dataclasses import dataclass
 
-import torch
 import transformers
-from accelerate import init_empty_weights
-from torch import nn
 
+from .build import build_rank_model, resolve_dtype
 from .checkpoint.distributed_save import save_distributed
 from .checkpoint.loading import checkpoint_files, load_weights
 from .checkpoint.saving import save_sharded
-from .distributed.mesh import Mesh, get_mesh
-from .pipeline import keep_stage, keys_held_elsewhere, link_stage, split_stages, tied_across_stages
-from .sequence import check_sequence_parallel, parallelize_sequence
-from .tensor.parallelize import ShardPlan, install, shard_plan
-from .tensor.plan import resolve_plan, with_expert_parallel
-
-
-@dataclass
-class ParallelState:
-    """What a loaded model remembers so it can be saved back in its source's form."""
-
-    mesh: Mesh
-    shard: ShardPlan
-    source_keys: dict[str, str]  # parameter (or persistent buffer) name -> checkpoint key it was read from
-    pipeline: object = None  # the stage's StageRuntime under pipeline parallelism
-    tied_across_stages: tuple = ()  # parameters held by the first and the last stage
-
-
-def resolve_dtype(dtype, config) -> torch.dtype:
-    if dtype in (None, "auto"):
-        dtype = getattr(config, "dtype", None) or torch.float32
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype)
-    return dtype
-
-
-def build_empty(auto_class, config, dtype: torch.dtype) -> nn.Module:
-    """The model with parameters on the meta device (buffers such as RoPE tables stay real)."""
-    with init_empty_weights(include_buffers=False):
-        model = auto_class.from_config(config, dtype=dtype)
-    model.tie_weights()  # accelerate's meta init re-creates parameters, which unties them
-    return model
+from .distributed.mesh import get_mesh
+from .runtime import compose
+from .state import ParallelState, attach, parallel_state
 
 
 def from_pretrained(
@@ -77,7 +45,12 @@ def from_pretrained(
     ``stage_tp_sizes=[2, 1]``: one stage per entry with its own TP size (the world is their sum).
     ``stage_layers``: layers per stage (default: balanced by parameters, embeddings and head
     included); ``micro_batches``: rows of a batch per forward are cut into this many (default one per stage).
-    ``allow_pickle``: accept a ``pytorch_model.bin`` checkpoint (loaded with ``weights_only=True``)."""
+    ``allow_pickle``: accept a ``pytorch_model.bin`` checkpoint (loaded with ``weights_only=True``).
+
+    The steps, each in its own module: the mesh (``distributed/mesh.py``) → this rank's empty model,
+    checked, cut to its stage, every layout decided (``build.py``) → each rank reads its slices
+    (``checkpoint/loading.py``) → what runs around the forward (``runtime.py``) → the state
+    ``parallel_state(model)`` returns."""
     if device_map is not None:
         raise ValueError(
             "tp_plan and device_map cannot be combined: tensor parallelism places every shard on its own rank"
@@ -95,43 +68,21 @@ def from_pretrained(
             "keyword must be a config attribute (it overrides the checkpoint's)"
         )
     mesh = get_mesh(tp_size, sp_size=sp_size, pp_size=pp_size, stage_tp_sizes=stage_tp_sizes)
-    if stage_layers is not None and mesh.num_stages == 1:
-        raise ValueError(f"stage_layers={list(stage_layers)} needs pipeline stages: pass pp_size or stage_tp_sizes")
     dtype = resolve_dtype(dtype, config)
-    model = build_empty(auto_class, config, dtype)
-    if mesh.sp.size > 1:
-        check_sequence_parallel(model, mesh.sp.size)
-    split, elsewhere, files = None, set(), None
-    if mesh.num_stages > 1:  # cut the meta model down to this stage before anything else sees it
-        if model.get_output_embeddings() is None:
-            raise ValueError(
-                f"pipeline stages need a model with an LM head (the last stage's logits are what every rank gets); "
-                f"{type(model).__name__} has none: load it with AutoModelForCausalLM, or without pp_size/stage_tp_sizes"
-            )
-        split = split_stages(model, mesh.num_stages, stage_layers)
-        files = checkpoint_files(path, allow_pickle)
-        elsewhere = keys_held_elsewhere(model, split, mesh.stage, files)
-        keep_stage(model, split, mesh.stage)
-    if ep_plan is None:
-        plan = resolve_plan(model, tp_plan)
-    elif ep_plan == "auto":  # the experts' rules come from the model's plan even without tensor parallelism
-        plan = with_expert_parallel(resolve_plan(model, tp_plan or "auto"), keep_tensor_parallel=bool(tp_plan))
-    else:
-        raise ValueError(f"ep_plan must be 'auto' (experts spread over the ranks) or None, got {ep_plan!r}")
-    shard = shard_plan(model, plan, mesh)
-    source_keys = load_weights(model, path, shard, dtype, allow_pickle, ignore_keys=elsewhere, files=files)
-    install(model, shard)
+    files = checkpoint_files(path, allow_pickle) if mesh.num_stages > 1 else None  # a stage sets the others' aside
+    built = build_rank_model(
+        auto_class, config, dtype, mesh, tp_plan=tp_plan, ep_plan=ep_plan, stage_layers=stage_layers,
+        checkpoint_keys=files,
+    )  # fmt: skip
+    model = built.model
+    source_keys = load_weights(model, path, built.plan, dtype, allow_pickle, ignore_keys=built.ignore_keys, files=files)
     try:
         model.generation_config = transformers.GenerationConfig.from_pretrained(path)
     except OSError:
         pass
-    if mesh.sp.size > 1:
-        parallelize_sequence(model, mesh, split.layer_list if split is not None else None)
+    runtime, stage, sequence = compose(model, mesh, built, micro_batches)
     model.eval()
-    model._hf_parallel = state = ParallelState(mesh, shard, source_keys)
-    if split is not None:
-        state.pipeline = link_stage(model, split, mesh, micro_batches)
-        state.tied_across_stages = tuple(tied_across_stages(model, shard))
+    attach(model, ParallelState(mesh, built.plan, source_keys, runtime, stage, sequence))
     model.save_pretrained = functools.partial(save_pretrained, model)
     return model
 
@@ -178,10 +129,11 @@ def save_pretrained(
         raise TypeError(
             "save_pretrained(save_original_format=False): hf_parallel writes the checkpoint's own key names and layout"
         )
+    state = parallel_state(model)
     if distributed:
-        save_distributed(model, save_directory)
+        save_distributed(model, state, save_directory)
     else:
-        save_sharded(model, save_directory, max_shard_size=max_shard_size)
+        save_sharded(model, state, save_directory, max_shard_size=max_shard_size)
 
 
 class _AutoDropIn:

@@ -49,15 +49,14 @@ def cmd_generate(args) -> None:
     from .api import AutoModelForCausalLM
     from .default_model import default_checkpoint
     from .distributed.mesh import shutdown
+    from .state import parallel_state
 
     path = args.model or default_checkpoint()
     start = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(path, tp_plan="auto", dtype=args.dtype, **pipeline_kwargs(args))
     load_seconds = time.perf_counter() - start
-    mesh = model._hf_parallel.mesh
-    main, layout = mesh.is_main, f"tp={mesh.tp.size}"
-    if mesh.num_stages > 1:
-        layout = f"pp={mesh.num_stages}, tp per stage={list(mesh.shape.stage_tp_sizes)}"
+    mesh = parallel_state(model).mesh
+    main, layout = mesh.is_main, str(mesh.shape)
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)
     chat = bool(tokenizer.chat_template) and not args.no_chat_template
     eos = model.generation_config.eos_token_id
@@ -94,7 +93,8 @@ def cmd_generate(args) -> None:
         total = sum(lengths)
         what = f"{total} tokens" if stream else f"{total} tokens for {len(batch)} prompt{'s' * (len(batch) > 1)}"
         print(
-            f"[{what} in {seconds:.2f}s: {total / seconds:.1f} tokens/s; load {load_seconds:.2f}s; {layout}]", flush=True
+            f"[{what} in {seconds:.2f}s: {total / seconds:.1f} tokens/s; load {load_seconds:.2f}s; {layout}]",
+            flush=True,
         )
     shutdown()
 
@@ -177,8 +177,15 @@ def cmd_verify(args) -> int:
     """Under torchrun: the comparison itself. Otherwise: start the layout's ranks (``--tp`` x
     ``--sp``, times ``--pp`` or with ``--stage-tp``'s sum) running this same command, and pass on
     their exit status."""
+    from .distributed.shape import MeshShape
+
     stages = pipeline_kwargs(args)
-    world = (sum(args.stage_tp) if args.stage_tp else args.tp * args.pp) * args.sp
+    sizes = {key: value for key, value in stages.items() if key in ("pp_size", "stage_tp_sizes")}
+    try:
+        world = MeshShape.requested(tp_size=None if args.stage_tp else args.tp, sp_size=args.sp, **sizes).world_size
+    except ValueError as error:
+        print(f"hf-parallel verify: {error}", file=sys.stderr, flush=True)
+        return 1
     if "WORLD_SIZE" not in os.environ and world > 1:
         return start_ranks(world, [sys.executable, "-m", "hf_parallel", *sys.argv[1:]])
     from .distributed.mesh import shutdown
@@ -223,7 +230,9 @@ def main(argv=None) -> None:
     gen.add_argument("--dtype", default="float32")
     gen.add_argument("--no-chat-template", action="store_true")
     add_pipeline_args(gen)
-    gen.add_argument("--micro-batches", type=int, help="with --pp/--stage-tp: micro-batches per forward (default: stages)")
+    gen.add_argument(
+        "--micro-batches", type=int, help="with --pp/--stage-tp: micro-batches per forward (default: stages)"
+    )
     gen.set_defaults(func=cmd_generate)
     plan = sub.add_parser("plan", help="dry run: every parameter's rule, style, layout and bytes per rank")
     plan.add_argument("path")

@@ -7,16 +7,13 @@ import math
 import torch
 import transformers
 
-from .api import build_empty, resolve_dtype
+from .build import build_empty, build_rank_model, resolve_dtype
 from .distributed.mesh import Mesh
-from .pipeline import keep_stage, split_stages, tied_across_stages
-from .sequence import check_sequence_parallel
+from .pipeline.stage import tied_across_stages
+from .sequence.tokens import token_sizes
 from .sequence.ulysses import head_plan
 from .tensor.attention import outermost
 from .tensor.geometry import attention_geometry
-from .tensor.layout import even_sizes
-from .tensor.parallelize import shard_plan
-from .tensor.plan import resolve_plan
 
 
 def plan_report(
@@ -36,10 +33,8 @@ def plan_report(
     if stage_tp_sizes is not None or pp_size > 1:
         stage_tp_sizes = list(stage_tp_sizes or [tp] * pp_size)
         return pipeline_report(path, config, dtype, auto_class, tp_plan, stage_tp_sizes, stage_layers)
-    model = build_empty(auto_class, config, dtype)
-    shard = shard_plan(model, resolve_plan(model, tp_plan), Mesh.dry_run(tp_size=tp))
-    if sp > 1:
-        check_sequence_parallel(model, sp)
+    built = build_rank_model(auto_class, config, dtype, Mesh.dry_run(tp_size=tp, sp_size=sp), tp_plan=tp_plan)
+    model, shard = built.model, built.plan
     itemsize = torch.empty((), dtype=dtype).element_size()
     lines = [f"plan for {path} ({config.model_type}) at tp={tp}: rules from {shard.plan.source}"]
     if shard.heads is not None:
@@ -75,28 +70,27 @@ def pipeline_report(path: str, config, dtype, auto_class, tp_plan, stage_tp_size
     itemsize = torch.empty((), dtype=dtype).element_size()
     stages = len(stage_tp_sizes)
     lines = [f"pipeline plan for {path} ({config.model_type}): {stages} stages, TP per stage {stage_tp_sizes}"]
-    first_rank, full = 0, None
+    shape = Mesh.dry_run(stage_tp_sizes=stage_tp_sizes).shape
+    full = sum(p.numel() for p in build_empty(auto_class, config, dtype).parameters()) * itemsize
     for stage, tp in enumerate(stage_tp_sizes):
-        model = build_empty(auto_class, config, dtype)
-        split = split_stages(model, stages, stage_layers)
-        full = full or sum(p.numel() for p in model.parameters()) * itemsize
-        keep_stage(model, split, stage)
-        shard = shard_plan(model, resolve_plan(model, tp_plan), Mesh.dry_run(tp_size=tp))
+        ranks = shape.stage_ranks(stage)
+        mesh = Mesh.dry_run(ranks[0], stage_tp_sizes=stage_tp_sizes)
+        built = build_rank_model(auto_class, config, dtype, mesh, tp_plan=tp_plan, stage_layers=stage_layers)
+        model, shard, split = built.model, built.plan, built.split
         totals = [
             sum(math.prod(e.layout.local_shape(e.full_shape, r)) for e in shard.unique_params()) * itemsize
             for r in range(tp)
         ]
         layers = split.layers_of(stage)
         extra = [p for p in split.owned(stage) if not p.startswith(split.layer_list + ".")]
-        tied = tied_across_stages(model, shard)
+        tied = tied_across_stages(model, shard, built.cut)
         lines.append(
-            f"stage {stage}: ranks {list(range(first_rank, first_rank + tp))} (tp={tp}), "
+            f"stage {stage}: ranks {list(ranks)} (tp={tp}), "
             f"layers {layers.start}-{layers.stop - 1} ({len(layers)})"
             + (f" + {', '.join(extra)}" if extra else "")
             + (f" + tied {', '.join(tied)}" if tied else "")
             + f"; bytes per rank {totals}"
         )
-        first_rank += tp
     hidden = getattr(config.get_text_config(), "hidden_size", None)
     if hidden is not None:
         lines.append(
@@ -122,7 +116,7 @@ def sequence_lines(model, shard, tp: int, sp: int, seq) -> list[str]:
         kv_note = "whole groups" if plan.kv_heads is None else "one per query head"
         line = f"  rank {rank} (tp {t}, sp {s}): heads {q} q / {kv} kv -> all-to-all -> {plan.q_sizes[s]} q / {plan.kv_sizes[s]} kv ({kv_note})"
         if seq is not None:
-            sizes = even_sizes(max(seq, sp), sp)
+            sizes = token_sizes(seq, sp)
             line += f"; tokens {sizes[s]} of {seq}" + (" (padded to one per rank)" if seq < sp else "")
         lines.append(line)
     return lines

@@ -82,21 +82,21 @@ def _first_tensor(output) -> torch.Tensor:
     return output if isinstance(output, torch.Tensor) else next(o for o in output if isinstance(o, torch.Tensor))
 
 
-def outputs_by_layer(model, batch) -> tuple[dict[str, torch.Tensor], str | None]:
+def outputs_by_layer(model, batch, state=None) -> tuple[dict[str, torch.Tensor], str | None]:
     """The embeddings', every repeated layer's and the logits' outputs (fp32 copies), in forward
-    order, and the error if the forward failed."""
-    from .tensor.discover import repeated_layers
+    order, and the error if the forward failed. ``state``: the model's parallel state (under
+    pipeline stages, a stage's own layers are watched, and its embeddings on the first)."""
+    from .layers import repeated_layers
 
     names = {module: path for path, module in model.named_modules()}
-    state = getattr(model, "_hf_parallel", None)
-    if state is not None and state.pipeline is not None:  # a stage: its own layers (and embeddings on the first)
-        split = state.pipeline.split
-        watched = [f"{split.layer_list}.{i}" for i in split.layers_of(state.mesh.stage)]
-        embedding = model.get_input_embeddings()
-        if not getattr(embedding, "held_elsewhere", False) and not getattr(embedding, "stand_in", False):
-            watched.insert(0, names[embedding])
+    embedding = names[model.get_input_embeddings()]
+    if state is not None and state.stage is not None:
+        stage = state.stage
+        watched = [f"{stage.split.layer_list}.{i}" for i in stage.layers()]
+        if embedding not in stage.cut.held_elsewhere | stage.cut.stand_ins:
+            watched.insert(0, embedding)
     else:
-        watched = [names[model.get_input_embeddings()], *repeated_layers(model)]
+        watched = [embedding, *repeated_layers(model)]
     outputs, handles = {}, []
     for path in watched:
         handles.append(
@@ -135,9 +135,9 @@ def whole_sequences(outputs: dict, tokens: int, mesh) -> dict:
     """Under sequence parallelism each layer's output holds this rank's run of tokens: gathered
     over the group (every rank, same order), so every token of every layer is compared."""
     from .distributed import comm
-    from .tensor.layout import even_sizes
+    from .sequence.tokens import token_sizes
 
-    sizes = even_sizes(max(tokens, mesh.sp.size), mesh.sp.size)
+    sizes = token_sizes(tokens, mesh.sp.size)
     whole = {}
     for name, out in outputs.items():
         if out.dim() >= 2 and out.shape[1] == sizes[mesh.sp.rank] != tokens:
@@ -177,12 +177,6 @@ def default_reference_memory(path: str) -> int | None:
     return available // 2 if weights > available // 2 else None
 
 
-def layout_text(mesh) -> str:
-    """``tp=2 x sp=2``, or ``pp=2 (tp per stage [2, 1])``."""
-    text = f"tp={mesh.tp.size}" if mesh.num_stages == 1 else f"pp={mesh.num_stages} (tp per stage {list(mesh.shape.stage_tp_sizes)})"
-    return text + (f" x sp={mesh.sp.size}" if mesh.sp.size > 1 else "")
-
-
 def verify(
     path: str,
     tp_plan="auto",
@@ -201,6 +195,7 @@ def verify(
     are collected on rank 0."""
     from .api import AutoModelForCausalLM
     from .distributed.mesh import get_mesh
+    from .state import parallel_state
 
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     tolerance = TOLERANCES.get(dtype, 1e-2) if tolerance is None else tolerance
@@ -223,7 +218,8 @@ def verify(
     model = AutoModelForCausalLM.from_pretrained(
         path, tp_plan=tp_plan, dtype=dtype, tp_size=None if vtp else mesh.tp.size, sp_size=sp_size, **stages,
     )  # fmt: skip
-    parallel, error = outputs_by_layer(model, batch)
+    state = parallel_state(model)
+    parallel, error = outputs_by_layer(model, batch, state)
     if mesh.sp.size > 1 and error is None:
         parallel = whole_sequences(parallel, batch["input_ids"].shape[1], mesh)
     if mesh.num_stages > 1:
@@ -232,7 +228,7 @@ def verify(
     if not mesh.is_main:
         return None
     header = (
-        f"verify {path} at {layout_text(mesh)} ({str(dtype).removeprefix('torch.')}, plan: {model._hf_parallel.shard.plan.source}); "
+        f"verify {path} at {mesh.shape} ({str(dtype).removeprefix('torch.')}, plan: {state.plan.source}); "
         f"probe: {len(PROBE_LENGTHS)} rows of {' and '.join(map(str, batch['attention_mask'].sum(1).tolist()))} "
         f"tokens, left-padded; tolerance {tolerance:g} of each output's largest value"
         + (f"; one process streamed from disk within {reference_memory / 2**20:.0f} MiB" if reference_memory else "")

@@ -96,7 +96,7 @@ def sweep_cases(rank: int, world_size: int, paths: dict) -> dict:
     import transformers
     import workers
 
-    from hf_parallel.api import build_empty
+    from hf_parallel.build import build_empty
     from hf_parallel.tensor.discover import discover_plan
 
     warnings.simplefilter("ignore")

@@ -1,12 +1,12 @@
+"""Shared fixtures. Nothing here imports transformers until a test asks for a checkpoint, so the pure
+tier (``pytest -m "not distributed"``) pays only for what its tests use."""
+
 import os
 import sys
 
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))  # spawned ranks import tests' helper modules by name
-
-from distributed import run_ranks  # noqa: E402
-from tiny_models import ARCHS, make_checkpoint, variant_plans  # noqa: E402
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -31,19 +31,22 @@ def tiny_root(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny_paths(tiny_root):
+    from tiny_models import ARCHS, make_checkpoint
+
     return {name: make_checkpoint(name, tiny_root) for name in ARCHS}
 
 
 def compare_tp_runs(tmp_path_factory, label: str, cases: dict):
-    """``get(world_size)`` -> (every rank's ``workers.compare_tp`` results for ``cases``, the folder
-    their saves went to): one spawned group per world size runs every case."""
-    import workers
+    """``get(world_size)`` -> (every rank's ``tp_workers.compare_tp`` results for ``cases``, the
+    folder their saves went to): one spawned group per world size runs every case."""
+    import tp_workers
+    from distributed import run_ranks
 
     def run(world_size):
         root = str(tmp_path_factory.mktemp(f"{label}{world_size}"))
         save_root = os.path.join(root, "saved")
         return run_ranks(
-            world_size, workers.compare_tp, cases, save_root, out_dir=os.path.join(root, "results")
+            world_size, tp_workers.compare_tp, cases, save_root, out_dir=os.path.join(root, "results")
         ), save_root
 
     return once_per_world_size(run)
@@ -51,6 +54,8 @@ def compare_tp_runs(tmp_path_factory, label: str, cases: dict):
 
 @pytest.fixture(scope="session")
 def tp_results(tiny_paths, tmp_path_factory):
+    from tiny_models import variant_plans
+
     cases = {name: (path, "auto") for name, path in tiny_paths.items()}
     cases.update({name: (tiny_paths[arch], plan) for name, (arch, plan) in variant_plans().items()})
     return compare_tp_runs(tmp_path_factory, "tp", cases)

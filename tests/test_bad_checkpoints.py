@@ -8,7 +8,7 @@ import pytest
 
 import hf_parallel
 from hf_parallel import CheckpointError
-from hf_parallel.checkpoint.loading import INDEX_FILE
+from hf_parallel.checkpoint.files import INDEX_FILE
 
 
 @pytest.fixture(scope="module")

@@ -8,15 +8,14 @@ import warnings
 
 import pytest
 import torch
-import transformers
-import workers
+import tp_workers
 from distributed import run_ranks
 from safetensors.torch import load_file, save_file
 from tiny_models import make_checkpoint
 
 import hf_parallel
 from hf_parallel import CheckpointError
-from hf_parallel.api import build_empty
+from hf_parallel.build import build_empty
 from hf_parallel.distributed.mesh import Mesh
 from hf_parallel.tensor.parallelize import UnshardedWarning, shard_plan
 from hf_parallel.tensor.plan import resolve_plan, with_expert_parallel
@@ -50,13 +49,15 @@ def test_pickle_checkpoint_is_refused_without_opt_in(tiny_paths, tmp_path):
 
 @pytest.mark.parametrize("files", [1, 3])
 def test_pickle_checkpoint_with_opt_in_loads_the_same_model(tiny_paths, tmp_path, files):
+    import transformers
+
     path = pickle_checkpoint(tiny_paths["llama"], tmp_path / "bin", files)
     model = hf_parallel.AutoModelForCausalLM.from_pretrained(path, allow_pickle=True)
     reference = transformers.AutoModelForCausalLM.from_pretrained(tiny_paths["llama"], dtype=torch.float32)
     for name, param in reference.named_parameters():
         assert torch.equal(model.get_parameter(name), param), name
     with torch.no_grad():
-        assert torch.equal(model(workers.INPUT_IDS).logits, reference(workers.INPUT_IDS).logits)
+        assert torch.equal(model(tp_workers.INPUT_IDS).logits, reference(tp_workers.INPUT_IDS).logits)
 
 
 class Payload:
@@ -95,6 +96,8 @@ def test_integer_tensor_for_a_float_parameter_is_refused(tiny_paths, tmp_path):
 
 
 def dry_shard(path, plan, world_size, expert_parallel=False):
+    import transformers
+
     model = build_empty(transformers.AutoModelForCausalLM, transformers.AutoConfig.from_pretrained(path), torch.float32)
     plan = resolve_plan(model, plan)
     if expert_parallel:
@@ -122,15 +125,17 @@ def test_curated_plans_leave_no_large_matrix_unsharded(tiny_paths, arch):
         dry_shard(tiny_paths[arch], "auto", 3)
 
 
+@pytest.mark.distributed
 def test_tp_size_other_than_the_world_size_is_an_error(tiny_paths, tmp_path):
     with pytest.raises(ValueError, match=r"tp_size=2 was asked for, but this process was not started by torchrun"):
         hf_parallel.AutoModelForCausalLM.from_pretrained(tiny_paths["llama"], tp_size=2)
     paths = [tiny_paths["llama"]] * 2
-    for out in run_ranks(2, workers.load_expecting_error, paths, {"tp_size": 3}, out_dir=str(tmp_path)):
+    for out in run_ranks(2, tp_workers.load_expecting_error, paths, {"tp_size": 3}, out_dir=str(tmp_path)):
         assert out["type"] == "ValueError"
         assert "tp_size=3 was asked for, but the process group has world size 2" in out["message"]
 
 
+@pytest.mark.distributed
 def test_ranks_seeing_different_checkpoints_is_an_error(tiny_paths, tmp_path):
     """Rank 1's copy was re-saved with other header metadata: same tensors, another file."""
     other = tmp_path / "other"
@@ -138,7 +143,7 @@ def test_ranks_seeing_different_checkpoints_is_an_error(tiny_paths, tmp_path):
     tensors = load_file(str(other / "model.safetensors"))
     save_file(tensors, str(other / "model.safetensors"), metadata={"format": "pt", "note": "stale copy"})
     paths = [tiny_paths["llama"], str(other)]
-    for out in run_ranks(2, workers.load_expecting_error, paths, {}, out_dir=str(tmp_path / "ranks")):
+    for out in run_ranks(2, tp_workers.load_expecting_error, paths, {}, out_dir=str(tmp_path / "ranks")):
         assert out["type"] == "CheckpointError"
         assert "rank 1 sees a different checkpoint than rank 0" in out["message"]
         assert "model.safetensors" in out["message"]
@@ -188,6 +193,8 @@ def test_expert_parallelism_alone_may_use_more_ranks_than_attention_heads(tiny_r
 
 def test_per_head_modules_in_a_split_attention_are_refused_at_plan_time(tmp_path):
     """StableLM's qk_layernorm keeps one LayerNorm per head, indexed by head number."""
+    import transformers
+
     transformers.StableLmConfig(
         hidden_size=48, intermediate_size=80, num_attention_heads=6, num_key_value_heads=2, num_hidden_layers=2,
         vocab_size=101, qk_layernorm=True,

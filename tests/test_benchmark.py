@@ -6,6 +6,10 @@ import os
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

@@ -6,13 +6,17 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
-import transformers
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 PROMPT = "Name three colours."
 
 
 def reference_text(path: str, new_tokens: int) -> str:
+    import transformers
+
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     ids = tokenizer.apply_chat_template(
@@ -45,6 +49,8 @@ def test_prompts_file_is_generated_in_batches_and_sampling_follows_the_seed(smol
     """Three prompts of different lengths, left-padded into batches of 2 and 1, sampled with a seed:
     rank 0 prints, per prompt, what one process samples from the same batches with the same seed
     (a rank drawing other tokens would feed the others' collectives a different sequence)."""
+    import transformers
+
     prompts = ["Name three colours.", "What is 2 + 2?", "Write one short sentence about the sea and the sky."]
     (tmp_path / "prompts.txt").write_text("\n".join(prompts) + "\n\n")
     sampling = dict(do_sample=True, temperature=0.9, top_p=0.9)

@@ -2,14 +2,17 @@
 
 import os
 
+import comm_workers
 import pytest
-import workers
+import tp_workers
 from distributed import run_ranks
+
+pytestmark = pytest.mark.distributed
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_shared_memory_collectives_match_gloo(world_size, tmp_path):
-    ranks = run_ranks(world_size, workers.shm_collectives, out_dir=str(tmp_path))
+    ranks = run_ranks(world_size, comm_workers.shm_collectives, out_dir=str(tmp_path))
     for out in ranks:
         assert out["shm"], "CPU ranks on one host should use the shared-memory transport"
         assert out["reduce_torch.float32"] < 1e-6
@@ -22,7 +25,7 @@ def test_shared_memory_collectives_match_gloo(world_size, tmp_path):
 
 
 def test_a_missing_rank_times_out_with_a_clear_error(tmp_path):
-    rank0, _ = run_ranks(2, workers.shm_rank_goes_missing, 2.0, out_dir=str(tmp_path))
+    rank0, _ = run_ranks(2, comm_workers.shm_rank_goes_missing, 2.0, out_dir=str(tmp_path))
     assert rank0["error"] is not None and "rank(s) [1]" in rank0["error"] and "HF_PARALLEL_TIMEOUT" in rank0["error"]
     assert rank0["seconds"] < 10
 
@@ -30,7 +33,7 @@ def test_a_missing_rank_times_out_with_a_clear_error(tmp_path):
 def test_gloo_transport_gives_the_same_model_results(tiny_paths, tmp_path, monkeypatch):
     monkeypatch.setenv("HF_PARALLEL_SHM", "0")  # inherited by the spawned ranks
     cases = {"llama": (tiny_paths["llama"], "auto")}
-    for out in run_ranks(2, workers.compare_tp, cases, None, out_dir=str(tmp_path)):
+    for out in run_ranks(2, tp_workers.compare_tp, cases, None, out_dir=str(tmp_path)):
         assert out["llama"]["logits"] < 1e-5 and out["llama"]["grads"] < 1e-5
         assert out["llama"]["counts"] == {"all_reduce": 2 * out["llama"]["layers"] + 1, "all_gather": 1}
 
@@ -51,7 +54,14 @@ def test_a_rank_that_dies_or_hangs_fails_the_others_clearly_and_in_bounded_time(
     monkeypatch.setenv("HF_PARALLEL_SHM", shm)
     timeout = 3.0
     rank0, _ = run_ranks(
-        2, workers.peer_fails_during, phase, how, tiny_paths["llama"], str(tmp_path), timeout, out_dir=str(tmp_path)
+        2,
+        comm_workers.peer_fails_during,
+        phase,
+        how,
+        tiny_paths["llama"],
+        str(tmp_path),
+        timeout,
+        out_dir=str(tmp_path),
     )
     assert rank0["type"] == "RankFailure" and rank0["is_timeout"], rank0
     assert names in rank0["message"] and "HF_PARALLEL_TIMEOUT=3s" in rank0["message"], rank0["message"]
@@ -61,8 +71,20 @@ def test_a_rank_that_dies_or_hangs_fails_the_others_clearly_and_in_bounded_time(
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_sequence_parallel_collectives_on_uneven_shapes(world_size, tmp_path):
-    for out in run_ranks(world_size, workers.sequence_comm_properties, out_dir=str(tmp_path)):
+    for out in run_ranks(world_size, comm_workers.sequence_comm_properties, out_dir=str(tmp_path)):
         assert out["all_to_all"] == 0.0 and out["all_to_all_backward"] == 0.0  # pure data movement: exact
         assert out["scatter_backward"] == 0.0  # dX = grad_scale x the gathered dY
         assert out["broadcast"] is True
         assert "pass labels= to the model" in out["gather_backward_refused"]
+
+
+def test_every_collective_receives_on_the_groups_device(tmp_path, monkeypatch):
+    """Each collective helper (TP's all-reduce and all-gather, SP's all-to-all and batch broadcast,
+    PP's sends, receives and broadcast, the save's gather, tied gradients) with torch's default
+    device set to ``meta``: every tensor handed to torch.distributed is on the groups' device (the
+    CPU under gloo), none on the default device, and every helper still computes the right values."""
+    monkeypatch.setenv("HF_PARALLEL_SHM", "0")  # through torch.distributed, where the recorder sees it
+    for rank, out in enumerate(run_ranks(2, comm_workers.collective_buffers, out_dir=str(tmp_path))):
+        for helper, got in out.items():
+            assert got["ops"] > 0 and got["devices"] == ["cpu"], (rank, helper, got)
+            assert got["right"], (rank, helper, got)

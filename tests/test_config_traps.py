@@ -7,12 +7,11 @@ import warnings
 
 import pytest
 import torch
-import transformers
 from checks import assert_same_checkpoint
 from conftest import compare_tp_runs
 from tiny_models import TRAPS, make_checkpoint
 
-from hf_parallel.api import build_empty
+from hf_parallel.build import build_empty
 from hf_parallel.distributed.mesh import Mesh
 from hf_parallel.tensor.geometry import ConfigIgnoredWarning
 from hf_parallel.tensor.parallelize import shard_plan
@@ -31,6 +30,7 @@ def trap_results(trap_paths, tmp_path_factory):
     return compare_tp_runs(tmp_path_factory, "traps", {name: (path, "auto") for name, path in trap_paths.items()})
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("world_size", [2, 3])
 @pytest.mark.parametrize("trap", sorted(TRAPS))
 def test_config_trap_gives_single_process_logits_and_a_bitwise_save(trap_results, trap_paths, trap, world_size):
@@ -50,6 +50,8 @@ def test_config_trap_gives_single_process_logits_and_a_bitwise_save(trap_results
     ],
 )
 def test_an_attribute_the_model_never_reads_is_named_once(trap_paths, trap, ignored):
+    import transformers
+
     config = transformers.AutoConfig.from_pretrained(trap_paths[trap])
     model = build_empty(transformers.AutoModelForCausalLM, config, torch.float32)
     with warnings.catch_warnings(record=True) as caught:
@@ -61,6 +63,8 @@ def test_an_attribute_the_model_never_reads_is_named_once(trap_paths, trap, igno
 
 
 def test_no_warning_when_the_config_agrees(trap_paths):
+    import transformers
+
     config = transformers.AutoConfig.from_pretrained(trap_paths["llama_head_dim_not_hidden_over_heads"])
     model = build_empty(transformers.AutoModelForCausalLM, config, torch.float32)
     with warnings.catch_warnings():

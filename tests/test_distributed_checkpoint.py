@@ -10,20 +10,24 @@ import shutil
 import subprocess
 import sys
 
+import checkpoint_workers
 import pytest
 import torch
-import transformers
-import workers
+import tp_workers
 from checks import assert_same_checkpoint, read_checkpoint
 from distributed import run_ranks
 
 import hf_parallel
 from hf_parallel import CheckpointError
-from hf_parallel.checkpoint.manifest import MANIFEST_FILE
+from hf_parallel.checkpoint.files import MANIFEST_FILE
+
+pytestmark = pytest.mark.distributed
 
 
 def _distributed_save(source: str, world_size: int, out: str, tmp_path) -> dict:
-    return run_ranks(world_size, workers.save_as_loaded, source, out, True, out_dir=str(tmp_path / f"r{world_size}"))
+    return run_ranks(
+        world_size, checkpoint_workers.save_as_loaded, source, out, True, out_dir=str(tmp_path / f"r{world_size}")
+    )
 
 
 def _file_digests(path: str) -> dict[str, str]:
@@ -38,6 +42,8 @@ def _file_digests(path: str) -> dict[str, str]:
 @pytest.mark.parametrize("arch", ["llama", "phi3", "gpt_neox", "falcon_new"])
 def test_distributed_save_consolidates_to_the_source(tiny_paths, tmp_path, arch, world_size):
     """Dense, packed gate_up/qkv (Phi-3), per-head interleaved (GPT-NeoX) and grouped qkv (Falcon)."""
+    import transformers
+
     saved = str(tmp_path / "dist")
     _distributed_save(tiny_paths[arch], world_size, saved, tmp_path)
     manifest = json.load(open(os.path.join(saved, MANIFEST_FILE)))
@@ -53,6 +59,8 @@ def test_distributed_save_consolidates_to_the_source(tiny_paths, tmp_path, arch,
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_smollm2_distributed_save_consolidates_bit_exact(smollm2, tmp_path, world_size):
+    import transformers
+
     saved, out = str(tmp_path / "dist"), str(tmp_path / "full")
     _distributed_save(smollm2, world_size, saved, tmp_path)
     transformers.AutoTokenizer.from_pretrained(smollm2).save_pretrained(saved)  # as a user would, beside it
@@ -64,6 +72,8 @@ def test_smollm2_distributed_save_consolidates_bit_exact(smollm2, tmp_path, worl
 
 def test_saved_at_4_loads_at_1_2_3_and_4_with_single_process_logits(tiny_paths, tmp_path):
     """Resharding: every rank reads only the saved pieces that overlap its own slice."""
+    import transformers
+
     cases = {"llama": "llama", "phi3": "phi3", "kvrep": "llama_tied_kvrep"}
     saved = {}
     for name, arch in cases.items():
@@ -71,14 +81,16 @@ def test_saved_at_4_loads_at_1_2_3_and_4_with_single_process_logits(tiny_paths, 
         _distributed_save(tiny_paths[arch], 4, saved[name], tmp_path)
     for world_size in (2, 3, 4):
         runs = {name: (saved[name], "auto", tiny_paths[arch]) for name, arch in cases.items()}
-        for out in run_ranks(world_size, workers.compare_tp, runs, None, out_dir=str(tmp_path / f"load{world_size}")):
+        for out in run_ranks(
+            world_size, tp_workers.compare_tp, runs, None, out_dir=str(tmp_path / f"load{world_size}")
+        ):
             for name in cases:
                 assert out[name]["logits"] < 1e-5 and out[name]["grads"] < 1e-5, (world_size, name, out[name])
                 assert not out[name]["missing_grads"]
     for name, arch in cases.items():  # one process, no torchrun: the whole model from four files
         model = hf_parallel.AutoModelForCausalLM.from_pretrained(saved[name], tp_plan="auto", dtype=torch.float32)
         ref = transformers.AutoModelForCausalLM.from_pretrained(tiny_paths[arch], dtype=torch.float32)
-        assert torch.equal(model(workers.INPUT_IDS).logits, ref(workers.INPUT_IDS).logits), name
+        assert torch.equal(model(tp_workers.INPUT_IDS).logits, ref(tp_workers.INPUT_IDS).logits), name
 
 
 @pytest.mark.parametrize("arch", ["llama", "phi3"])
@@ -86,7 +98,7 @@ def test_same_world_size_load_maps_each_ranks_own_file(tiny_paths, tmp_path, arc
     """No copy and nothing else read: every parameter is a view of the saved file (packed ones too)."""
     saved = str(tmp_path / "dist")
     _distributed_save(tiny_paths[arch], 2, saved, tmp_path)
-    for rows in run_ranks(2, workers.count_bytes_read, saved, out_dir=str(tmp_path / "bytes")):
+    for rows in run_ranks(2, checkpoint_workers.count_bytes_read, saved, out_dir=str(tmp_path / "bytes")):
         assert all(row["read"] == row["local"] and row["contiguous"] and row["file_view"] for row in rows.values()), (
             rows
         )
@@ -100,7 +112,7 @@ def test_distributed_save_then_standard_save_in_the_same_directory(tiny_paths, t
     _distributed_save(tiny_paths["llama"], 2, out, tmp_path)  # a second distributed save: new ids
     second = json.load(open(os.path.join(out, MANIFEST_FILE)))["files"]
     assert not set(first) & set(os.listdir(out)) and set(second) <= set(os.listdir(out))
-    run_ranks(2, workers.save_as_loaded, tiny_paths["llama"], out, False, out_dir=str(tmp_path / "std"))
+    run_ranks(2, checkpoint_workers.save_as_loaded, tiny_paths["llama"], out, False, out_dir=str(tmp_path / "std"))
     assert sorted(n for n in os.listdir(out) if "safetensors" in n or n.endswith(".json")) == [
         "config.json", "generation_config.json", "model.safetensors"
     ]  # fmt: skip
@@ -111,6 +123,8 @@ def test_distributed_save_then_standard_save_in_the_same_directory(tiny_paths, t
 def test_rank_killed_mid_save_leaves_the_earlier_checkpoint(tiny_paths, tmp_path, earlier):
     """SIGKILL on rank 1 after its first tensor: OUT still holds, byte for byte, the earlier
     checkpoint, which still loads; no file under a final name is partial."""
+    import transformers
+
     source, out = tiny_paths["llama"], str(tmp_path / "out")
     if earlier == "standard":
         shutil.copytree(source, out)
@@ -118,12 +132,12 @@ def test_rank_killed_mid_save_leaves_the_earlier_checkpoint(tiny_paths, tmp_path
         _distributed_save(source, 2, out, tmp_path)
     before = _file_digests(out)
     with pytest.raises(Exception, match="process 1 terminated with signal SIGKILL|rank 1|process 0"):
-        run_ranks(2, workers.save_killed_midway, source, out, out_dir=str(tmp_path / "killed"))
+        run_ranks(2, checkpoint_workers.save_killed_midway, source, out, out_dir=str(tmp_path / "killed"))
     assert any(n.endswith(".tmp") for n in os.listdir(out))  # rank 1 really died inside its file
     assert _file_digests(out) == before
     model = hf_parallel.AutoModelForCausalLM.from_pretrained(out, tp_plan="auto", dtype=torch.float32)
     ref = transformers.AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
-    assert torch.equal(model(workers.INPUT_IDS).logits, ref(workers.INPUT_IDS).logits)
+    assert torch.equal(model(tp_workers.INPUT_IDS).logits, ref(tp_workers.INPUT_IDS).logits)
     _distributed_save(source, 2, out, tmp_path)  # the next save succeeds and sweeps the leftovers
     assert not [n for n in os.listdir(out) if n.endswith(".tmp")]
     assert len(json.load(open(os.path.join(out, MANIFEST_FILE)))["files"]) == 2

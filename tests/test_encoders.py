@@ -6,11 +6,12 @@ import os
 
 import pytest
 import torch
-import transformers
-import workers
+import tp_workers
 from checks import assert_same_checkpoint
 from distributed import run_ranks
 from tiny_models import make_checkpoint
+
+pytestmark = pytest.mark.distributed
 
 TOL = 1e-5
 
@@ -32,7 +33,7 @@ def encoder_results(tiny_root, tmp_path_factory):
             if world_size in (2, 3):
                 cases["minilm"] = (minilm_path(), "auto")
             ranks = run_ranks(
-                world_size, workers.compare_tp, cases, str(root / "saved"), True, out_dir=str(root / "ranks")
+                world_size, tp_workers.compare_tp, cases, str(root / "saved"), True, out_dir=str(root / "ranks")
             )
             cache[world_size] = (ranks, str(root / "saved"))
         return cache[world_size]
@@ -60,6 +61,8 @@ def test_encoder_matches_single_process_and_saves_its_source(encoder_results, ti
 
 def minilm_resaved(root: str) -> str:
     """all-MiniLM-L6-v2 as transformers itself saves it (which drops the legacy position_ids buffer)."""
+    import transformers
+
     out = os.path.join(root, "minilm-by-transformers")
     if not os.path.isdir(out):
         transformers.AutoModel.from_pretrained(minilm_path(), dtype=torch.float32).save_pretrained(out)

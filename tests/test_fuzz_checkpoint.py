@@ -17,7 +17,8 @@ from safetensors import safe_open
 
 import hf_parallel
 from hf_parallel import CheckpointError
-from hf_parallel.checkpoint.loading import INDEX_FILE, checkpoint_files
+from hf_parallel.checkpoint.files import INDEX_FILE
+from hf_parallel.checkpoint.loading import checkpoint_files
 
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 HANG_SECONDS = 60
@@ -50,8 +51,8 @@ def attempt(directory: str) -> None:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, previous)
     files = checkpoint_files(directory)
-    state = model._hf_parallel
-    for entry in state.shard.unique_params():
+    state = hf_parallel.parallel_state(model)
+    for entry in state.plan.unique_params():
         key = state.source_keys[entry.name]
         with safe_open(files[key], framework="pt") as f:
             want = f.get_tensor(key).to(torch.float32)

@@ -5,7 +5,6 @@ import sys
 
 import pytest
 import torch
-import transformers
 
 import hf_parallel
 from hf_parallel.checkpoint import hugepages
@@ -47,6 +46,8 @@ def test_large_owned_tensors_are_advised_and_stay_plain_tensors():
 
 
 def test_the_loader_advises_its_copies_not_its_views(tmp_path):
+    import transformers
+
     config = transformers.LlamaConfig(
         vocab_size=4096, hidden_size=512, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=False,

@@ -4,20 +4,25 @@ import json
 import os
 import shutil
 
+import checkpoint_workers
 import pytest
 import torch
-import transformers
-import workers
+import tp_workers
 from distributed import run_ranks
 from safetensors.torch import load_file, save_file
 
 import hf_parallel
 from hf_parallel.checkpoint.loading import BYTES_READ
-from hf_parallel.tensor.styles import PackedColwise, out_dim, packed_layout, register_style
+from hf_parallel.tensor.registry import register_style
+from hf_parallel.tensor.splits import out_dim, packed_layout
+from hf_parallel.tensor.styles import PackedColwise
 
 
+@pytest.mark.distributed
 def test_a_sharded_tensor_is_never_fully_read(tiny_paths, tmp_path):
-    for rank, rows in enumerate(run_ranks(2, workers.count_bytes_read, tiny_paths["llama"], out_dir=str(tmp_path))):
+    for rank, rows in enumerate(
+        run_ranks(2, checkpoint_workers.count_bytes_read, tiny_paths["llama"], out_dir=str(tmp_path))
+    ):
         sharded = [key for key, row in rows.items() if row["sharded"]]
         assert len(sharded) >= 15
         for key, row in rows.items():
@@ -28,8 +33,10 @@ def test_a_sharded_tensor_is_never_fully_read(tiny_paths, tmp_path):
 
 
 def test_world_size_one_runs_in_a_plain_process(tiny_paths, tmp_path):
+    import transformers
+
     path = tiny_paths["phi3"]
-    ids = torch.tensor([workers.INPUT_IDS[0].tolist()])
+    ids = torch.tensor([tp_workers.INPUT_IDS[0].tolist()])
     model = hf_parallel.AutoModelForCausalLM.from_pretrained(path, tp_plan="auto", dtype=torch.float32)
     want = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)(ids).logits
     assert torch.allclose(model(ids).logits, want, atol=1e-6, rtol=0)
@@ -49,7 +56,7 @@ def test_sharded_index_and_max_shard_size_round_trip(tiny_paths, tmp_path):
     from checks import assert_same_checkpoint
 
     assert_same_checkpoint(path, str(tmp_path / "split"))
-    ids = workers.INPUT_IDS
+    ids = tp_workers.INPUT_IDS
     assert torch.equal(reloaded(ids).logits, model(ids).logits)
     # saving again as one file removes the now-stale shards and index
     model.save_pretrained(str(tmp_path / "split"))
@@ -92,7 +99,7 @@ def test_shape_mismatch_names_key_and_file(tiny_paths, tmp_path):
 def test_bfloat16_cast_on_load(tiny_paths):
     model = hf_parallel.AutoModelForCausalLM.from_pretrained(tiny_paths["qwen2"], dtype=torch.bfloat16)
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
-    assert model(workers.INPUT_IDS).logits.shape == (2, 7, 101)
+    assert model(tp_workers.INPUT_IDS).logits.shape == (2, 7, 101)
 
 
 def test_device_map_with_tp_plan_is_refused(tiny_paths):
@@ -119,11 +126,14 @@ def test_impossible_split_fails_before_reading_weights(tiny_paths):
     assert sum(BYTES_READ.values()) == 0
 
 
+@pytest.mark.distributed
 def test_save_gathers_blocks_instead_of_assembling_the_largest_tensors(tmp_path):
     """A 64k vocabulary and a 64k intermediate size make the embedding, LM head (row splits) and
     the MLP (column split down_proj) the largest tensors, 64 MiB each in fp32. Rank 0 gathers each
     in 16 MiB row blocks and writes them as they come: it never holds a full one (assembling would
     add 1.5x the largest tensor: full + a received shard)."""
+    import transformers
+
     path = str(tmp_path / "big_vocab")
     config = transformers.LlamaConfig(
         vocab_size=65536, hidden_size=256, intermediate_size=65536, num_hidden_layers=1, num_attention_heads=4,
@@ -131,7 +141,7 @@ def test_save_gathers_blocks_instead_of_assembling_the_largest_tensors(tmp_path)
     )  # fmt: skip
     transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
     out = str(tmp_path / "out")
-    rank0 = run_ranks(2, workers.save_memory, path, out, out_dir=str(tmp_path / "r"))[0]
+    rank0 = run_ranks(2, checkpoint_workers.save_memory, path, out, out_dir=str(tmp_path / "r"))[0]
     assert rank0["largest_full_tensor"] == 65536 * 256 * 4
     assert rank0["added"] <= 0.5 * rank0["largest_full_tensor"], rank0  # a block and a received part
     source, saved = (
@@ -141,7 +151,9 @@ def test_save_gathers_blocks_instead_of_assembling_the_largest_tensors(tmp_path)
     assert source.keys() == saved.keys() and all(torch.equal(source[k], saved[k]) for k in source)
     # consolidation streams the same way, in a fresh process: its peak above its imports is a block
     # and its pages (assembling whole tensors measured 3x the largest)
-    done = workers.consolidate_in_fresh_process(os.path.join(out, "distributed"), str(tmp_path / "consolidated"))
+    done = checkpoint_workers.consolidate_in_fresh_process(
+        os.path.join(out, "distributed"), str(tmp_path / "consolidated")
+    )
     assert done["peak_rss"] - done["import_rss"] <= 0.75 * rank0["largest_full_tensor"], done
     consolidated = load_file(str(tmp_path / "consolidated" / "model.safetensors"))
     assert source.keys() == consolidated.keys() and all(torch.equal(source[k], consolidated[k]) for k in source)

@@ -1,7 +1,7 @@
 """The mesh: every dimension's groups from the sizes asked for, checked as data and on real gloo ranks."""
 
+import comm_workers
 import pytest
-import workers
 from distributed import run_ranks
 from hypothesis import given
 from hypothesis import strategies as st
@@ -66,8 +66,9 @@ def _check_groups(ranks, world_size):
         assert out["tp"]["shm"] == (len(out["tp"]["ranks"]) > 1)  # each activation group has its channel
 
 
+@pytest.mark.distributed
 def test_tp_inside_sp_on_four_ranks(tmp_path):
-    ranks = run_ranks(4, workers.mesh_groups, dict(tp_size=2, sp_size=2), out_dir=str(tmp_path))
+    ranks = run_ranks(4, comm_workers.mesh_groups, dict(tp_size=2, sp_size=2), out_dir=str(tmp_path))
     _check_groups(ranks, 4)
     assert [out["tp"]["ranks"] for out in ranks] == [[0, 1], [0, 1], [2, 3], [2, 3]]
     assert [out["sp"]["ranks"] for out in ranks] == [[0, 2], [1, 3], [0, 2], [1, 3]]
@@ -76,9 +77,10 @@ def test_tp_inside_sp_on_four_ranks(tmp_path):
     assert all(out["subgroup_again"] for out in ranks)
 
 
+@pytest.mark.distributed
 def test_a_tp_size_per_pipeline_stage(tmp_path):
     """VTP: stage 0 on ranks 0-1 at TP=2, stage 1 on rank 2 at TP=1; the stages' first ranks pipe."""
-    ranks = run_ranks(3, workers.mesh_groups, dict(stage_tp_sizes=[2, 1]), out_dir=str(tmp_path))
+    ranks = run_ranks(3, comm_workers.mesh_groups, dict(stage_tp_sizes=[2, 1]), out_dir=str(tmp_path))
     _check_groups(ranks, 3)
     assert [out["stage"] for out in ranks] == [0, 0, 1]
     assert [out["tp"]["ranks"] for out in ranks] == [[0, 1], [0, 1], [2]]

@@ -7,8 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-import transformers
-import workers
+import tp_workers
 from checks import assert_same_checkpoint
 from conftest import once_per_world_size
 from distributed import run_ranks
@@ -34,9 +33,9 @@ def moe_results(moe_paths, tmp_path_factory):
     def run(world_size):
         root = tmp_path_factory.mktemp(f"moe{world_size}")
         cases = {name: (path, "auto") for name, path in moe_paths.items()}
-        ranks = run_ranks(world_size, workers.compare_tp, cases, str(root / "saved"), out_dir=str(root / "r"))
+        ranks = run_ranks(world_size, tp_workers.compare_tp, cases, str(root / "saved"), out_dir=str(root / "r"))
         dist = run_ranks(
-            world_size, workers.compare_tp, cases, str(root / "dist"), False, True, out_dir=str(root / "d")
+            world_size, tp_workers.compare_tp, cases, str(root / "dist"), False, True, out_dir=str(root / "d")
         )
         return ranks, dist, root
 
@@ -56,6 +55,7 @@ def test_checkpoints_hold_per_expert_keys(moe_paths):
         assert not any(key.endswith("experts.gate_up_proj") for key in keys), name
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_expert_tp_matches_single_process_and_saves_per_expert_keys(moe_results, moe_paths, world_size):
     ranks, dist, root = moe_results(world_size)
@@ -92,23 +92,25 @@ def test_plan_report_shows_each_expert_parameter(moe_paths):
         assert all(word in line for word in words), line
 
 
+@pytest.mark.distributed
 def test_saved_at_4_loads_at_2_and_saves_per_expert_keys_again(moe_results, moe_paths, tmp_path):
     """The manifest remembers the per-expert form, so a model loaded from a distributed save writes it."""
     _, _, root4 = moe_results(4)
     cases = {name: (str(root4 / "dist" / name), "auto", path) for name, path in moe_paths.items()}
-    for out in run_ranks(2, workers.compare_tp, cases, str(tmp_path / "saved"), out_dir=str(tmp_path / "r")):
+    for out in run_ranks(2, tp_workers.compare_tp, cases, str(tmp_path / "saved"), out_dir=str(tmp_path / "r")):
         for name in moe_paths:
             assert out[name]["logits"] < 1e-5 and out[name]["grads"] < 1e-5, (name, out[name])
     for name, path in moe_paths.items():
         assert_same_checkpoint(path, str(tmp_path / "saved" / name))
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("world_size", [2, 4])
 @pytest.mark.parametrize("tp_plan", ["auto", None], ids=["ep_with_tp", "ep_alone"])
 def test_expert_parallel_matches_single_process(moe_paths, tmp_path, world_size, tp_plan):
     """ep_plan="auto": E/ws whole experts per rank (4 experts: 2+2 at EP=2, 1 each at EP=4)."""
     cases = {name: (path, tp_plan) for name, path in moe_paths.items()}
-    ranks = run_ranks(world_size, workers.compare_ep, cases, str(tmp_path / "saved"), out_dir=str(tmp_path / "r"))
+    ranks = run_ranks(world_size, tp_workers.compare_ep, cases, str(tmp_path / "saved"), out_dir=str(tmp_path / "r"))
     for rank, out in enumerate(ranks):
         for name in moe_paths:
             r = out[name]
@@ -118,12 +120,15 @@ def test_expert_parallel_matches_single_process(moe_paths, tmp_path, world_size,
         assert_same_checkpoint(path, str(tmp_path / "saved" / name))
 
 
+@pytest.mark.distributed
 def test_expert_parallel_peak_memory_per_rank_is_half_the_experts_plus_the_rest(tiny_root, moe_paths, tmp_path):
     """Measured, not assumed: a Qwen3-MoE with 192 MiB of fp32 experts (32 per layer, per-expert keys
     on disk) under EP=2. Each rank's peak RSS over loading and a forward, above a baseline taken after
     warming the same code on a tiny model, is its 96 MiB of experts plus the replicated rest, plus
     little more (activations, allocator); not the whole experts, nor the experts twice (the pages of
     the per-expert keys it copied from are released with each fused parameter)."""
+    import transformers
+
     path = str(tmp_path / "moe_192mib")
     config = transformers.Qwen3MoeConfig(
         vocab_size=101, hidden_size=256, intermediate_size=256, moe_intermediate_size=512, num_experts=32,
@@ -132,7 +137,7 @@ def test_expert_parallel_peak_memory_per_rank_is_half_the_experts_plus_the_rest(
     )  # fmt: skip
     transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
     all_experts = 4 * 32 * 3 * 256 * 512 * 4
-    for rank, r in enumerate(run_ranks(2, workers.expert_parallel_memory, path, moe_paths["qwen3_moe"], True,
+    for rank, r in enumerate(run_ranks(2, tp_workers.expert_parallel_memory, path, moe_paths["qwen3_moe"], True,
                                        out_dir=str(tmp_path / "r"))):  # fmt: skip
         assert r["local_expert_bytes"] == all_experts // 2, (rank, r)
         expected = r["local_expert_bytes"] + r["rest_bytes"]

@@ -10,7 +10,6 @@ import sys
 
 import pytest
 import torch
-import transformers
 from checks import assert_same_checkpoint, read_checkpoint
 from conftest import once_per_world_size
 from distributed import run_ranks
@@ -42,19 +41,22 @@ def pp_paths(tiny_root):
 
 @pytest.fixture(scope="module")
 def pp_results(pp_paths, tmp_path_factory):
-    import workers
+    import pipeline_workers
 
     def run(layout):
         world, sizes, names, kwargs = LAYOUTS[layout]
         root = str(tmp_path_factory.mktemp(layout))
         cases = {name: (pp_paths[name], kwargs) for name in names}
         save_root = os.path.join(root, "saved")
-        results = run_ranks(world, workers.compare_pp, cases, sizes, save_root, out_dir=os.path.join(root, "out"))
+        results = run_ranks(
+            world, pipeline_workers.compare_pp, cases, sizes, save_root, out_dir=os.path.join(root, "out")
+        )
         return results, save_root
 
     return once_per_world_size(run)
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("layout,name", CASES)
 def test_pipeline_matches_one_process(pp_results, pp_paths, layout, name):
     results, save_root = pp_results(layout)
@@ -67,7 +69,7 @@ def test_pipeline_matches_one_process(pp_results, pp_paths, layout, name):
             assert got[schedule]["loss"] < 1e-5, (where, schedule)
             assert got[schedule]["grads"] < 1e-5 * max(1.0, got[schedule]["scale"]), (where, schedule, got[schedule])
         assert got["step"] < 1e-5, where
-        assert "hf_parallel.pipeline.train_step" in got["plain_backward"], where
+        assert "hf_parallel.train_step(model" in got["plain_backward"], where
     stages = {}
     for result in results:
         stages.setdefault(result[name]["stage"], result[name]["layers"])
@@ -85,9 +87,10 @@ def test_pipeline_matches_one_process(pp_results, pp_paths, layout, name):
     assert_same_checkpoint(pp_paths[name], consolidated)
 
 
+@pytest.mark.distributed
 def test_distributed_pipeline_save_loads_at_another_layout(pp_results, pp_paths, tmp_path):
     """Saved per rank at VTP [2, 1]; read back in one process (TP 1, no stages), and at PP=3."""
-    import workers
+    import pipeline_workers
 
     _, save_root = pp_results("vtp21")
     saved = os.path.join(save_root, "pp_tied", "distributed")
@@ -96,14 +99,14 @@ def test_distributed_pipeline_save_loads_at_another_layout(pp_results, pp_paths,
     for key, tensor in source.items():
         assert torch.equal(model.get_parameter(key), tensor), key
     sizes = dict(pp_size=3, tp_plan=None)
-    results = run_ranks(3, workers.pipeline_logits, saved, pp_paths["pp_tied"], sizes, out_dir=str(tmp_path))
+    results = run_ranks(3, pipeline_workers.pipeline_logits, saved, pp_paths["pp_tied"], sizes, out_dir=str(tmp_path))
     assert [r["stage"] for r in results] == [0, 1, 2] and all(r["logits"] < 1e-5 for r in results), results
 
 
 def test_stage_split_balances_and_checks(pp_paths, monkeypatch):
-    model = transformers.AutoModelForCausalLM.from_config(
-        transformers.AutoConfig.from_pretrained(pp_paths["pp_llama"])
-    )
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(pp_paths["pp_llama"]))
     split = split_stages(model, 2)
     assert split.layer_list == "model.layers" and split.head == ("model.embed_tokens",)
     assert set(split.tail) == {"model.norm", "lm_head"}
@@ -113,7 +116,7 @@ def test_stage_split_balances_and_checks(pp_paths, monkeypatch):
         split_stages(model, 2, stage_layers=[2, 2])
     with pytest.raises(ValueError, match="fewer than the 6 pipeline stages"):
         split_stages(model, 6)
-    from hf_parallel.pipeline.split import find_layer_list
+    from hf_parallel.layers import find_layer_list
 
     gpt2 = transformers.AutoModelForCausalLM.from_config(transformers.GPT2Config(n_layer=3, n_embd=32, n_head=4))
     assert transformers.GPT2Config.base_model_pp_plan is None  # no plan: the module tree's list of blocks
@@ -124,7 +127,7 @@ def test_stage_split_balances_and_checks(pp_paths, monkeypatch):
         transformers.GPTNeoXConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, intermediate_size=64)
     )
     with monkeypatch.context() as patched:  # the plan alone decides: the module-tree search is not reached
-        patched.setattr("hf_parallel.pipeline.split.repeated_layers", lambda model: [])
+        patched.setattr("hf_parallel.layers.repeated_layers", lambda model: [])
         assert find_layer_list(neox) == "gpt_neox.layers"  # from GPTNeoXConfig.base_model_pp_plan
         with pytest.raises(ValueError, match="no list of repeated layers"):
             find_layer_list(gpt2)
@@ -148,14 +151,16 @@ def test_schedules_hold_every_step_once():
                 assert peak <= min(count, stages - stage)  # 1F1B holds at most stages - stage activations
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_real_smollm2_vtp_tied_embeddings(smollm2, tmp_path):
     """The real SmolLM2 (30 layers, 9/3 heads, tied embeddings) at VTP [1, 2]: the tied vocabulary
     is whole on stage 0 and split in two on stage 1."""
-    import workers
+    import pipeline_workers
 
     save_root = str(tmp_path / "saved")
     results = run_ranks(
-        3, workers.compare_pp, {"smollm2": (smollm2, {})}, dict(stage_tp_sizes=[1, 2]), save_root,
+        3, pipeline_workers.compare_pp, {"smollm2": (smollm2, {})}, dict(stage_tp_sizes=[1, 2]), save_root,
         out_dir=str(tmp_path / "out"),
     )  # fmt: skip
     for rank, result in enumerate(results):
@@ -170,10 +175,11 @@ def test_real_smollm2_vtp_tied_embeddings(smollm2, tmp_path):
     assert_same_checkpoint(smollm2, os.path.join(save_root, "smollm2", "gathered"))
 
 
+@pytest.mark.distributed
 def test_bad_layouts_are_refused_before_any_weight_is_read(pp_paths, tmp_path):
-    import workers
+    import pipeline_workers
 
-    results = run_ranks(2, workers.pipeline_refusals, pp_paths["pp_llama"], out_dir=str(tmp_path))
+    results = run_ranks(2, pipeline_workers.pipeline_refusals, pp_paths["pp_llama"], out_dir=str(tmp_path))
     for got in results:
         assert "stage_tp_sizes=[2, 1] was asked for, but the process group has world size 2" in got["world_mismatch"]
         assert "adds up to 4 layers, but model.layers has 5" in got["stage_layers_sum"]
@@ -183,24 +189,35 @@ def test_bad_layouts_are_refused_before_any_weight_is_read(pp_paths, tmp_path):
         assert got["bytes_read"] == 0
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("failing,how", [(0, "dies"), (1, "dies"), (0, "hangs")])
 def test_a_dead_stage_fails_the_other_naming_what_it_waited_for(pp_paths, tmp_path, failing, how):
-    import workers
+    import pipeline_workers
 
     results = run_ranks(
-        2, workers.pipeline_peer_fails, pp_paths["pp_llama"], str(tmp_path), 5.0, failing, how, out_dir=str(tmp_path)
+        2,
+        pipeline_workers.pipeline_peer_fails,
+        pp_paths["pp_llama"],
+        str(tmp_path),
+        5.0,
+        failing,
+        how,
+        out_dir=str(tmp_path),
     )
     got = results[1 - failing]
     assert got["type"] == "RankFailure", got
     if failing == 0:  # stage 1 waits for stage 0's hidden states
         assert "stage 1 (rank 1) waiting for the hidden states of micro-batch 0 from stage 0 (rank 0)" in got["message"]
     else:  # stage 0's send of its hidden states, or its wait for the last stage's logits, fails
-        assert "stage 0 (rank 0) sending the hidden states of micro-batch 0 to stage 1 (rank 1)" in got[
-            "message"
-        ] or "rank 0 (stage 0) receiving the last stage's output from rank 1" in got["message"], got["message"]
+        assert (
+            "stage 0 (rank 0) sending the hidden states of micro-batch 0 to stage 1 (rank 1)" in got["message"]
+            or "rank 0 (stage 0) receiving the last stage's output from rank 1" in got["message"]
+        ), got["message"]
     assert got["seconds"] < 60
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_cli_generate_streams_from_one_rank_at_vtp(smollm2):
     """`hf-parallel generate --stage-tp 2,1` under torchrun (3 ranks): rank 0 streams the text one
     process generates."""
@@ -209,7 +226,7 @@ def test_cli_generate_streams_from_one_rank_at_vtp(smollm2):
     want = reference_text(smollm2, 12)
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=3"]
     stdout = run(torchrun, smollm2, ["--prompt", PROMPT, "--max-new-tokens", "12", "--stage-tp", "2,1"])
-    assert stdout.count("pp=2, tp per stage=[2, 1]]") == 1, stdout
+    assert stdout.count("pp=2 (tp per stage [2, 1])]") == 1, stdout
     assert stdout.split("[12 tokens in")[0].strip() == want.strip(), stdout
 
 
@@ -226,16 +243,21 @@ def test_cli_plan_shows_stages_ranks_bytes_and_activations(pp_paths):
     assert "sent between stages per token: 256 bytes of hidden state (hidden 64 x 4)" in done.stdout
 
 
+@pytest.mark.distributed
 def test_train_step_accumulates_micro_batches_without_a_pipeline(pp_paths, tmp_path):
-    import workers
+    import pipeline_workers
 
     layouts = {"tp2": dict(tp_size=2), "sp2": dict(sp_size=2, tp_plan=None)}
-    results = run_ranks(2, workers.accumulate_without_pipeline, pp_paths["pp_llama"], layouts, out_dir=str(tmp_path))
+    results = run_ranks(
+        2, pipeline_workers.accumulate_without_pipeline, pp_paths["pp_llama"], layouts, out_dir=str(tmp_path)
+    )
     for result in results:
         for name, got in result.items():
             assert got["loss"] < 1e-5 and got["grads"] < 1e-5, (name, got)
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_the_readme_pipeline_example_runs_under_torchrun(smollm2):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3"]
@@ -245,7 +267,9 @@ def test_the_readme_pipeline_example_runs_under_torchrun(smollm2):
         capture_output=True, text=True, env=env, timeout=600,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
-    lines = re.findall(r"rank (\d): pp (\d)/2, tp \d/\d, sp 0/1: layers (\d+)-(\d+), loss ([\d.]+), tokens (\[.*?\])", done.stdout)
+    lines = re.findall(
+        r"rank (\d): pp (\d)/2, tp \d/\d, sp 0/1: layers (\d+)-(\d+), loss ([\d.]+), tokens (\[.*?\])", done.stdout
+    )
     assert sorted(rank for rank, *_ in lines) == ["0", "1", "2"], done.stdout
     assert {(stage, first, last) for _, stage, first, last, _, _ in lines} == {("0", "0", "14"), ("1", "15", "29")}
     assert len({(loss, tokens) for *_, loss, tokens in lines}) == 1, lines  # the same loss and tokens everywhere
@@ -281,6 +305,7 @@ def test_balanced_layers_is_the_best_contiguous_split(costs, stages, ends):
     assert worst(got) == min(worst(split) for split in splits)
 
 
+@pytest.mark.distributed
 def test_cli_verify_collects_every_stage(pp_paths):
     """`hf-parallel verify --stage-tp 2,1` starts its 3 ranks; rank 0 reports every stage's layers."""
     done = subprocess.run(

@@ -5,13 +5,13 @@ import sys
 
 import pytest
 import torch
-import transformers
 
 import hf_parallel
-from hf_parallel.api import build_empty
+from hf_parallel.build import build_empty
 from hf_parallel.tensor.plan import resolve_plan
+from hf_parallel.tensor.registry import STYLES
 from hf_parallel.tensor.rules import Plan, validate_rule
-from hf_parallel.tensor.styles import STYLES, ParallelStyle
+from hf_parallel.tensor.styles import ParallelStyle
 
 
 def test_most_specific_rule_wins_whatever_the_order():
@@ -62,11 +62,15 @@ def test_malformed_rules_are_rejected(pattern):
 
 
 def meta_model(path):
+    import transformers
+
     config = transformers.AutoConfig.from_pretrained(path)
     return build_empty(transformers.AutoModelForCausalLM, config, torch.float32)
 
 
 def test_auto_prefers_curated_file_then_transformers(tiny_paths, tiny_root):
+    import transformers
+
     assert resolve_plan(meta_model(tiny_paths["phi3"]), "auto").source == "plans/phi3.toml"
     config = transformers.GraniteConfig(
         vocab_size=64,

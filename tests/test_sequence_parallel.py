@@ -5,7 +5,8 @@ import os
 import re
 
 import pytest
-import workers
+import sequence_workers
+import tp_workers
 from checks import assert_same_checkpoint
 from conftest import once_per_world_size
 from distributed import run_ranks
@@ -26,11 +27,14 @@ def sp_results(sp_paths, tmp_path_factory):
     def run(shape):
         tp, sp = shape
         root = str(tmp_path_factory.mktemp(f"tp{tp}sp{sp}"))
-        return run_ranks(tp * sp, workers.compare_sp, sp_paths, tp, sp, root + "/saved", out_dir=root), root + "/saved"
+        return run_ranks(
+            tp * sp, sequence_workers.compare_sp, sp_paths, tp, sp, root + "/saved", out_dir=root
+        ), root + "/saved"
 
     return once_per_world_size(run)
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("tp, sp", SHAPES)
 def test_sequence_parallel_matches_one_process(sp_results, sp_paths, tp, sp):
     ranks, saved = sp_results((tp, sp))
@@ -60,37 +64,53 @@ def test_sequence_parallel_matches_one_process(sp_results, sp_paths, tp, sp):
         ("bloom", dict(sp_size=2), 2, "computes attention itself instead of through transformers' attention registry"),
     ],
 )
+@pytest.mark.distributed
 def test_what_sequence_parallelism_cannot_serve_is_refused(tiny_paths, tmp_path, arch, kwargs, world_size, complaint):
     paths = [tiny_paths[arch]] * world_size
-    for out in run_ranks(world_size, workers.load_expecting_error, paths, kwargs, out_dir=str(tmp_path)):
+    for out in run_ranks(world_size, tp_workers.load_expecting_error, paths, kwargs, out_dir=str(tmp_path)):
         assert out["type"] == "ValueError" and complaint in out["message"], out
 
 
+@pytest.mark.distributed
 def test_per_head_parameters_are_refused(tiny_root, tmp_path):
     path = make_checkpoint("gpt_oss", tiny_root)  # attention sinks: one value per head
-    for out in run_ranks(2, workers.load_expecting_error, [path] * 2, dict(sp_size=2), out_dir=str(tmp_path)):
+    for out in run_ranks(2, tp_workers.load_expecting_error, [path] * 2, dict(sp_size=2), out_dir=str(tmp_path)):
         assert out["type"] == "ValueError" and "holds per-head sinks" in out["message"], out
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 @pytest.mark.parametrize("tp, sp", SHAPES)
 def test_real_smollm2_sequence_parallel(smollm2, tmp_path, tp, sp):
     """9 query / 3 KV heads: 5+4 over SP=2 and 3, 2, 2, 2 over SP=4 (KV heads sent per query head),
     3 each over SP=3 (whole groups); under TP=2 the ranks' 6/2 and 3/1 heads split over SP=2 as whole
     groups and per query head."""
     ranks = run_ranks(
-        tp * sp, workers.compare_sp, {"smollm2": smollm2}, tp, sp, str(tmp_path / "saved"), out_dir=str(tmp_path)
+        tp * sp,
+        sequence_workers.compare_sp,
+        {"smollm2": smollm2},
+        tp,
+        sp,
+        str(tmp_path / "saved"),
+        out_dir=str(tmp_path),
     )
+    # A real model's fp32 sums over 30 layers: gradients relative to the largest (one process's own sdpa and
+    # eager gradients differ by 1.3e-4 to 3.8e-4, by CPU, at a scale of 10.3 on the 3-token batch). At one
+    # token per rank (3 tokens at SP >= 3) the LM head is a matrix-vector product over the 49,152 vocabulary
+    # rows, which torch's CPU kernel sums less accurately than the 3-row product one process does (measured
+    # on an AMD EPYC: its backward 3.5e-6 from float64 instead of 2.1e-7 for the same row): logits then land
+    # up to 1.1e-4 and gradients up to 1.5e-3 (1.5e-4 of the scale) from one process's, bit for bit the same
+    # before and after the runtime was redesigned. 2e-4 bounds both; a wrong sum or split is off by O(scale).
+    tolerance = 2e-4
     for rank, results in enumerate(ranks):
         for case, r in results.items():
             if case.endswith("/step"):  # SGD at lr 0.5 on gradients within the tolerance below
-                assert r < 0.5 * 1e-4 * results["smollm2/len3"]["grad_scale"], f"rank {rank} {case}: {r}"
+                assert r < 0.5 * tolerance * results["smollm2/len3"]["grad_scale"], f"rank {rank} {case}: {r}"
             elif case.endswith("/generate"):
                 assert r is True, f"rank {rank}: generated tokens differ"
             else:
-                # a real model's fp32 sums over 30 layers: relative to the largest gradient (one process's
-                # own sdpa and eager gradients differ by 3.8e-4 at a scale of 10.3 on the 3-token batch)
-                assert r["loss"] < 1e-5 and r["logits"] < 1e-4, f"rank {rank} {case}: {r}"
-                assert r["grads"] < 1e-4 * max(1.0, r["grad_scale"]), f"rank {rank} {case}: {r}"
+                assert r["loss"] < 1e-5 and r["logits"] < tolerance, f"rank {rank} {case}: {r}"
+                assert r["grads"] < tolerance * max(1.0, r["grad_scale"]), f"rank {rank} {case}: {r}"
     assert_same_checkpoint(smollm2, str(tmp_path / "saved" / "smollm2"))
 
 
@@ -106,6 +126,8 @@ def test_plan_shows_heads_around_the_all_to_all_and_tokens_per_rank(tiny_paths):
     assert "tokens 1 of 3 (padded to one per rank)" in plan_report(tiny_paths["llama"], 1, tp_plan=None, sp=4, seq=3)
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_the_readme_training_step_example_runs_under_torchrun(smollm2):
     import subprocess
     import sys

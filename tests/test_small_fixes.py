@@ -40,6 +40,8 @@ def test_transformers_save_keywords_that_make_sense_are_accepted(tiny_paths, tmp
     assert_same_checkpoint(tiny_paths["llama"], str(tmp_path))
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_the_default_model_is_converted_once_when_ranks_ask_at_once(tmp_path):
     env = {**os.environ, "HF_PARALLEL_CACHE": str(tmp_path)}
     code = "from hf_parallel.default_model import default_checkpoint; print(default_checkpoint())"

@@ -4,20 +4,23 @@ import os
 
 import pytest
 import torch
-import transformers
-import workers
+import tp_workers
 from checks import assert_same_checkpoint
 from distributed import run_ranks
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 NEW_TOKENS = 30
 
 
 @pytest.fixture(scope="module")
 def reference_tokens(smollm2):
+    import transformers
+
     model = transformers.AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32)
     tokenizer = transformers.AutoTokenizer.from_pretrained(smollm2)
     ids = tokenizer.apply_chat_template(
-        workers.PROMPT, add_generation_prompt=True, return_tensors="pt", return_dict=True
+        tp_workers.PROMPT, add_generation_prompt=True, return_tensors="pt", return_dict=True
     )["input_ids"]
     return model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)[0, ids.shape[1] :].tolist()
 
@@ -26,7 +29,7 @@ def reference_tokens(smollm2):
 def test_generates_the_same_tokens_as_transformers(smollm2, reference_tokens, world_size, tmp_path):
     save_dir = str(tmp_path / "saved") if world_size == 2 else None
     ranks = run_ranks(
-        world_size, workers.generate_tokens, smollm2, NEW_TOKENS, save_dir, out_dir=str(tmp_path / "results")
+        world_size, tp_workers.generate_tokens, smollm2, NEW_TOKENS, save_dir, out_dir=str(tmp_path / "results")
     )
     assert len(reference_tokens) == NEW_TOKENS
     for rank, result in enumerate(ranks):

@@ -4,10 +4,12 @@ import os
 import sys
 
 import pytest
-import workers
+import tp_workers
 from checks import assert_same_checkpoint
 from distributed import run_ranks
 from tiny_models import ARCHS, DISCOVERED, variant_plans
+
+pytestmark = pytest.mark.distributed
 
 TOL = 1e-5
 # all-reduces per forward beyond the 2 per decoder layer (o_proj, down_proj) + 1 (vocab-parallel embedding)
@@ -67,5 +69,5 @@ def test_norm_inside_the_vocab_parallel_embedding_gets_summed_gradients(tmp_path
     from discovery_report import build
 
     path = build("inkling_text", str(tmp_path))
-    for out in run_ranks(2, workers.compare_tp, {"inkling": (path, "discover")}, None, out_dir=str(tmp_path / "r")):
+    for out in run_ranks(2, tp_workers.compare_tp, {"inkling": (path, "discover")}, None, out_dir=str(tmp_path / "r")):
         assert out["inkling"]["logits"] < 1e-5 and out["inkling"]["grads"] < 1e-5, out["inkling"]

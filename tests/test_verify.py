@@ -4,8 +4,11 @@ import os
 import subprocess
 import sys
 
-import workers
+import pytest
+import tp_workers
 from distributed import run_ranks
+
+pytestmark = pytest.mark.distributed
 
 
 def _verify(*args):
@@ -35,7 +38,7 @@ def test_verify_refuses_a_plan_that_cannot_split_the_heads(tiny_paths, tmp_path)
 
 
 def test_verify_names_the_first_layer_that_diverges(tiny_paths, tmp_path):
-    rank0, rank1 = run_ranks(2, workers.verify_with_a_broken_layer, tiny_paths["llama"], out_dir=str(tmp_path))
+    rank0, rank1 = run_ranks(2, tp_workers.verify_with_a_broken_layer, tiny_paths["llama"], out_dir=str(tmp_path))
     assert rank1 is None
     assert rank0["first"] == "model.layers.1", rank0["text"]
     assert rank0["rows"]["model.layers.0"] < 1e-5 and rank0["rows"]["model.layers.1"] > 1e-2

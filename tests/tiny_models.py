@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 
 import torch
-import transformers
 
 COMMON = dict(
     vocab_size=101, num_hidden_layers=2, max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2
@@ -73,6 +72,8 @@ DISCOVERED = ["gpt2", "opt", "falcon_new", "falcon_multi_query", "falcon_alibi",
 
 def make_checkpoint(name: str, root: str) -> str:
     """Save a seeded random model of ``name`` under ``root/name`` (once) and return the path."""
+    import transformers
+
     path = os.path.join(root, name)
     if os.path.isfile(os.path.join(path, "config.json")):
         return path
@@ -95,6 +96,8 @@ def make_checkpoint(name: str, root: str) -> str:
 def variant_plans() -> dict[str, tuple[str, dict]]:
     """Other plans over the same checkpoints: transformers' own plans (gathered outputs, split
     inputs), a sequence-parallel / hidden-parallel-embedding plan, and none at all."""
+    import transformers
+
     from hf_parallel.tensor.plan import curated_plan_for
 
     llama_rules, _ = curated_plan_for("llama")

@@ -15,11 +15,12 @@ import time
 
 from tqdm.auto import tqdm
 
+from ..tensor.layout import box_shape
+from .files import MANIFEST_FILE, TEMP_SUFFIX, is_weight_file
 from .keys import expert_shape
-from .manifest import MANIFEST_FILE, DistributedCheckpoint
+from .manifest import DistributedCheckpoint
 from .saving import Scratch, as_written, row_blocks, write_standard
-from .staging import TEMP_SUFFIX, Staging, is_weight_file, remove_stale
-from .tiles import box_shape
+from .staging import Staging, remove_stale
 from .writer import nbytes
 
 

@@ -16,8 +16,9 @@ import uuid
 import torch.distributed as dist
 
 from ..distributed.faults import collective
+from .files import MANIFEST_FILE, rank_file_name
 from .keys import FusedSource
-from .manifest import FORMAT, MANIFEST_FILE, VERSION, manifest_entry, rank_file_name
+from .manifest import FORMAT, VERSION, manifest_entry
 from .saving import save_config, saved_entries, stage_owners, tensor_of
 from .staging import Staging, remove_stale
 from .writer import SAFETENSORS_DTYPES, SafetensorsWriter
@@ -41,12 +42,11 @@ def _fused(state, entry) -> FusedSource | None:
     return source if isinstance(source, FusedSource) else None
 
 
-def save_distributed(model, out_dir: str) -> None:
+def save_distributed(model, state, out_dir: str) -> None:
     """Each rank writes its local tensors (replicated ones only on its stage's first rank) plus
     rank 0's manifest; a pipeline stage's files follow the previous stage's."""
-    state = model._hf_parallel
     mesh = state.mesh
-    entries = {_manifest_key(state.source_keys[e.name], e.name): e for e in saved_entries(model)}
+    entries = {_manifest_key(state.source_keys[e.name], e.name): e for e in saved_entries(model, state)}
     save_id = _save_id(mesh)
     tp = mesh.tp  # the layouts are written in TP ranks: one file per TP rank of each pipeline stage
     stage_sizes = mesh.shape.stage_tp_sizes

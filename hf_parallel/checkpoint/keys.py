@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from .tiles import box_shape
+from ..tensor.layout import box_shape
 
 
 @dataclass(frozen=True)

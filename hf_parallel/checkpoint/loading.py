@@ -33,19 +33,16 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ..distributed.faults import collective
-from ..tensor.layout import replicated
+from ..tensor.layout import as_slices, replicated
 from ..tensor.parallelize import ShardPlan
 from . import hugepages
 from .errors import CheckpointError
+from .files import INDEX_FILE, MANIFEST_FILE, PICKLE_FILE, PICKLE_INDEX_FILE, SINGLE_FILE
 from .keys import FusedSource, checkpoint_sources, expert_shape
-from .manifest import MANIFEST_FILE, DistributedCheckpoint
-from .tiles import Tile, TiledTensor, as_slices
-from .writer import SAFETENSORS_TO_TORCH
+from .manifest import DistributedCheckpoint
+from .tiles import Tile, TiledTensor
+from .writer import SAFETENSORS_TO_TORCH, nbytes
 
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
-PICKLE_FILE = "pytorch_model.bin"
-PICKLE_INDEX_FILE = "pytorch_model.bin.index.json"
 BYTES_READ: Counter = Counter()  # checkpoint key -> bytes requested by this process
 
 
@@ -97,6 +94,11 @@ class _TensorSlice:
 
     def __getitem__(self, index):
         return self.tensor[index]
+
+
+def torch_dtype(dtype) -> torch.dtype:
+    """A slice's dtype as torch names it (safetensors slices give their codes: "F32", "BF16")."""
+    return dtype if isinstance(dtype, torch.dtype) else SAFETENSORS_TO_TORCH[dtype]
 
 
 def _is_floating(dtype) -> bool:
@@ -239,23 +241,23 @@ class ShardReader:
         full_shape = tuple(tensor_slice.get_shape())
         index = layout.index(full_shape, self.rank)
         if isinstance(handle, PickleFile):  # always copied: a view would keep the whole pickle mapped
-            return self._assemble(key, layout, full_shape, [tensor_slice[i] for i in index], dtype)
+            return self._copy(key, layout, tensor_slice, full_shape, dtype)
         if isinstance(handle, DistributedCheckpoint):  # saved at this world size: the rank's own file
             return self.read_tiled(tensor_slice, key, layout, dtype, own=tensor_slice.saved_as(layout, self.rank))
         if len(index) == 1 and self.device.type == "cpu" and self._as_is(key, view := tensor_slice[index[0]], dtype):
             return view
         with safe_open(file, framework="pt") as handle:  # its own mapping: released on return
-            tensor_slice = handle.get_slice(key)
-            return self._assemble(key, layout, full_shape, [tensor_slice[i] for i in index], dtype)
+            return self._copy(key, layout, handle.get_slice(key), full_shape, dtype)
 
     def read_tiled(self, tiled: TiledTensor, key: str, layout, dtype=None, own=None) -> torch.Tensor:
         """This rank's shard of a tensor stored as tiles: a single contiguous piece as is (a view of
         its file), else the pieces copied into one owned tensor."""
         full_shape = tuple(tiled.get_shape())
-        pieces = [own] if own is not None else [tiled[i] for i in layout.index(full_shape, self.rank)]
-        if len(pieces) == 1 and self._as_is(key, pieces[0], dtype):
-            return pieces[0]
-        return self._assemble(key, layout, full_shape, pieces, dtype)
+        index = layout.index(full_shape, self.rank)
+        piece = own if own is not None else tiled[index[0]] if len(index) == 1 else None
+        if piece is not None and self._as_is(key, piece, dtype):
+            return piece
+        return self._copy(key, layout, tiled, full_shape, dtype, piece)
 
     def _as_is(self, key: str, piece: torch.Tensor, dtype) -> bool:
         """Whether ``piece`` can be the parameter itself (no copy): contiguous, in the wanted dtype, on
@@ -279,8 +281,7 @@ class ShardReader:
         for key, box in source.boxes(full_shape):
             tensor_slice = self._shared(files[key]).get_slice(key)
             found, want = tuple(tensor_slice.get_shape()), expert_shape(box)
-            code = tensor_slice.get_dtype()
-            found_dtype = code if isinstance(code, torch.dtype) else SAFETENSORS_TO_TORCH[code]
+            found_dtype = torch_dtype(tensor_slice.get_dtype())
             if found != want or found_dtype != (dtype or found_dtype):
                 raise CheckpointError(
                     f"{files[key]}: expert tensor {key!r} is {found_dtype} {found}, but {name} needs "
@@ -294,18 +295,14 @@ class ShardReader:
             tiles.append(Tile(box, read))
         return TiledTensor(name, full_shape, dtype, tiles)
 
-    def _assemble(self, key: str, layout, full_shape, pieces, dtype) -> torch.Tensor:
-        """Copy the pieces into one owned tensor on this rank's device."""
-        BYTES_READ[key] += sum(p.numel() * p.element_size() for p in pieces)
+    def _copy(self, key: str, layout, source, full_shape, dtype, piece=None) -> torch.Tensor:
+        """This rank's pieces of ``source`` (a safetensors slice, or tiles) copied into one owned
+        tensor on this rank's device (``Layout.extract``); ``piece``: its one piece, already read."""
         shape = layout.local_shape(full_shape, self.rank)
-        out = hugepages.empty(shape, dtype or pieces[0].dtype, self.device)
-        if len(pieces) == 1:
-            return out.copy_(pieces[0])
-        offset = 0
-        for piece in pieces:
-            out.narrow(layout.dim, offset, piece.shape[layout.dim]).copy_(piece)
-            offset += piece.shape[layout.dim]
-        return out
+        found = piece.dtype if piece is not None else torch_dtype(source.get_dtype())
+        BYTES_READ[key] += nbytes(shape, found)
+        out = hugepages.empty(shape, dtype or found, self.device)
+        return out.copy_(piece) if piece is not None else layout.extract(source, self.rank, shape=full_shape, out=out)
 
 
 def _set_tensor(model: nn.Module, name: str, value: torch.Tensor) -> None:
@@ -320,7 +317,7 @@ def _set_tensor(model: nn.Module, name: str, value: torch.Tensor) -> None:
 def load_weights(
     model: nn.Module,
     path: str,
-    shard: ShardPlan,
+    plan: ShardPlan,
     dtype: torch.dtype,
     allow_pickle: bool = False,
     ignore_keys: set[str] = frozenset(),
@@ -333,11 +330,11 @@ def load_weights(
     ``ignore_keys``: keys another pipeline stage reads (neither read here nor unexpected).
     ``files``: ``checkpoint_files(path, allow_pickle)``, when the caller has it already."""
     files = files if files is not None else checkpoint_files(path, allow_pickle)
-    check_same_checkpoint(path, files, shard.mesh)
-    rank = shard.mesh.tp.rank
+    check_same_checkpoint(path, files, plan.mesh)
+    rank = plan.mesh.tp.rank
     key_of, fused_of = checkpoint_sources(model, files)
     sources, missing = {}, []
-    for entry in shard.unique_params():
+    for entry in plan.unique_params():
         found = [key_of.get(alias) or fused_of.get(alias) for alias in entry.aliases]
         sources[entry.name] = next((source for source in found if source is not None), None)
         if sources[entry.name] is None:
@@ -355,20 +352,20 @@ def load_weights(
             stacklevel=3,
         )
 
-    with ShardReader(rank, shard.mesh.device) as reader:
+    with ShardReader(rank, plan.mesh.device) as reader:
         saved_as, manifest = sources, os.path.join(path, MANIFEST_FILE)
         if os.path.isfile(manifest):  # a distributed save records the per-expert form it came from
             fused_from = reader._shared(manifest).fused
             saved_as = {name: fused_from.get(source, source) for name, source in sources.items()}
         tiled = {}
-        for entry in shard.unique_params():  # every header against the model before any data is read
+        for entry in plan.unique_params():  # every header against the model before any data is read
             source, param_dtype = sources[entry.name], model.get_parameter(entry.name).dtype
             if isinstance(source, FusedSource):
                 tiled[entry.name] = reader.fused(files, entry.name, source, entry.full_shape)
                 reader.check(path, entry.name, entry.name, entry.full_shape, param_dtype, tiled[entry.name])
             else:
                 reader.check(files[source], source, entry.name, entry.full_shape, param_dtype)
-        for entry in tqdm(shard.unique_params(), desc="Loading shards", disable=rank != 0, leave=False):
+        for entry in tqdm(plan.unique_params(), desc="Loading shards", disable=rank != 0, leave=False):
             source = sources[entry.name]
             if entry.name in tiled:
                 local = reader.read_tiled(tiled.pop(entry.name), entry.name, entry.layout, dtype)

@@ -21,19 +21,13 @@ import os
 import torch
 from safetensors import SafetensorError, safe_open
 
-from ..tensor.layout import Layout
+from ..tensor.layout import Layout, as_slices
 from .errors import CheckpointError
 from .keys import FusedSource
-from .tiles import Tile, TiledTensor, as_slices
+from .tiles import Tile, TiledTensor
 from .writer import SAFETENSORS_DTYPES, SAFETENSORS_TO_TORCH
 
-MANIFEST_FILE = "hf_parallel_manifest.json"
 FORMAT, VERSION = "hf_parallel.distributed", 1
-
-
-def rank_file_name(rank: int, world_size: int, save_id: str) -> str:
-    """The save id keeps a new save from overwriting files an older manifest still points to."""
-    return f"model-rank-{rank:05d}-of-{world_size:05d}-{save_id}.safetensors"
 
 
 def manifest_entry(

@@ -21,64 +21,71 @@ from tqdm.auto import tqdm
 
 from ..distributed.faults import collective
 from ..distributed.mesh import Dim
-from ..tensor.layout import Layout, replicated
+from ..distributed.tags import Tag
+from ..tensor.layout import Box, Layout, as_slices, box_shape, replicated
 from ..tensor.parallelize import ShardedParam
+from .files import INDEX_FILE
 from .keys import FusedSource, expert_shape
-from .loading import INDEX_FILE
 from .staging import Staging, remove_stale
-from .tiles import Box, as_slices, box_shape
 from .writer import SafetensorsWriter, nbytes
 
-SAVE_TAG = 4  # point-to-point messages of a save, apart from a pipeline's activations
 BLOCK_BYTES = 16 << 20  # rank 0 holds at most one block of a tensor (and one received part) at a time
 
 
 class Scratch:
-    """One reusable buffer, handed out as a tensor of any shape that fits. A save that allocated a
-    block per tensor would leave glibc's freed heap in rank 0's RSS (31-64 MiB measured with 16 MiB
-    blocks); reusing one is the same few pages every time. What it returned is overwritten by the
-    next ``take``."""
+    """One reusable buffer on ``device``, handed out as a tensor of any shape that fits. A save that
+    allocated a block per tensor would leave glibc's freed heap in rank 0's RSS (31-64 MiB measured
+    with 16 MiB blocks); reusing one is the same few pages every time. What it returned is
+    overwritten by the next ``take``."""
 
-    def __init__(self):
-        self.buffer = torch.empty(0, dtype=torch.uint8)
+    def __init__(self, device=torch.device("cpu")):
+        self.device = torch.device(device)
+        self.buffer = torch.empty(0, dtype=torch.uint8, device=self.device)
 
     def take(self, shape, dtype: torch.dtype) -> torch.Tensor:
         size = nbytes(shape, dtype)
         if self.buffer.numel() < size:
             self.buffer = None  # free the old one before allocating its successor
-            self.buffer = torch.empty(size, dtype=torch.uint8)
+            self.buffer = torch.empty(size, dtype=torch.uint8, device=self.device)
         return self.buffer[:size].view(dtype).view(tuple(shape))
+
+
+def receive_into(target: torch.Tensor, wire: Scratch, what: str, **source) -> None:
+    """Receive a message into ``target``: straight into it where it is contiguous and on the wire's
+    device (the groups' device), else through ``wire`` and a copy."""
+    direct = target.is_contiguous() and target.device == wire.device
+    buffer = target if direct else wire.take(target.shape, target.dtype)
+    with collective(what):
+        dist.recv(buffer, **source)
+    if not direct:
+        target.copy_(buffer)
 
 
 def gather_block(
     local: torch.Tensor, layout: Layout, box: Box, tp: Dim, name: str, scratch: tuple[Scratch, Scratch]
 ) -> torch.Tensor | None:
     """The ``box`` of the full tensor on the TP group's first rank (None elsewhere), in
-    ``scratch[0]``. Every rank sends only its runs of the box (``Layout.holders``); the first rank
-    places each as it arrives, receiving straight into the block where the run is contiguous,
-    else through ``scratch[1]``."""
+    ``scratch[0]`` (host memory, where the writer reads it). Every rank sends only its runs of the
+    box (``Layout.place``); the first rank places each as it arrives (``receive_into``, with
+    ``scratch[1]`` on the groups' device)."""
     first = tp.rank == 0
     if layout.is_replicated or tp.size == 1:
         return local.detach()[as_slices(box)].cpu() if first else None
-    dim, (box_start, box_stop) = layout.dim, box[layout.dim]
-    out = scratch[0].take(box_shape(box), local.dtype) if first else None
-    for rank, start, stop, local_start in layout.holders(box_start, box_stop):
-        if tp.rank not in (0, rank):
-            continue
+    wire = scratch[1].device
+
+    def fill(rank: int, target: torch.Tensor | None, local_box: Box) -> None:
         if rank == tp.rank:
-            part = local.detach()[as_slices(box[:dim] + ((local_start, local_start + stop - start),) + box[dim + 1 :])]
-            if not first:
-                with collective(f"sending {name} from rank {tp.ranks[rank]} to rank {tp.ranks[0]}"):
-                    dist.send(part.cpu().contiguous(), group_dst=0, group=tp.group)
-                continue
-        target = out.narrow(dim, start - box_start, stop - start)
-        if rank != 0:
-            part = target if target.is_contiguous() else scratch[1].take(target.shape, out.dtype)
-            with collective(f"receiving {name} from rank {tp.ranks[rank]} on rank {tp.ranks[0]}"):
-                dist.recv(part, group_src=rank, group=tp.group)
-        if part is not target:
-            target.copy_(part)
-    return out
+            part = local.detach()[as_slices(local_box)]
+            if first:
+                target.copy_(part)
+                return
+            with collective(f"sending {name} from rank {tp.ranks[rank]} to rank {tp.ranks[0]}"):
+                dist.send(part.to(wire).contiguous(), group_dst=0, group=tp.group)
+        elif first:
+            what = f"receiving {name} from rank {tp.ranks[rank]} on rank {tp.ranks[0]}"
+            receive_into(target, scratch[1], what, group_src=rank, group=tp.group)
+
+    return layout.place(scratch[0].take(box_shape(box), local.dtype) if first else None, box, fill)
 
 
 def row_blocks(full_shape, box: Box | None, dtype: torch.dtype) -> list[Box]:
@@ -146,13 +153,12 @@ def _is_persistent_buffer(model, name: str) -> bool:
     return attr not in model.get_submodule(module)._non_persistent_buffers_set
 
 
-def saved_entries(model) -> list[ShardedParam]:
+def saved_entries(model, state) -> list[ShardedParam]:
     """Every parameter once, then the persistent buffers the checkpoint held (DeepSeek-V3's router
     ``e_score_correction_bias``): written back as read, whole, by rank 0. Legacy non-persistent ones
     (BERT's ``position_ids``) are dropped, as transformers' own save drops them."""
-    state = model._hf_parallel
-    buffers = [n for n in state.source_keys if n not in state.shard.params and _is_persistent_buffer(model, n)]
-    return state.shard.unique_params() + [
+    buffers = [n for n in state.source_keys if n not in state.plan.params and _is_persistent_buffer(model, n)]
+    return state.plan.unique_params() + [
         ShardedParam(name, (name,), replicated(state.mesh.tp.size), None, tuple(model.get_buffer(name).shape))
         for name in buffers
     ]
@@ -164,12 +170,11 @@ def tensor_of(model, name: str) -> torch.Tensor:
     return getattr(model.get_submodule(module), attr)
 
 
-def checkpoint_tensors(model) -> dict[str, tuple]:
+def checkpoint_tensors(model, state) -> dict[str, tuple]:
     """Checkpoint key -> (sharded parameter, box of it or None), in the source's form: a fused
     expert parameter loaded from per-expert keys is written back as those keys."""
-    state = model._hf_parallel
     out = {}
-    for entry in saved_entries(model):
+    for entry in saved_entries(model, state):
         source = state.source_keys[entry.name]
         if isinstance(source, FusedSource):
             out.update((key, (entry, box)) for key, box in source.boxes(entry.full_shape))
@@ -189,21 +194,23 @@ def stage_owners(mesh, specs: dict) -> tuple[dict[str, int], dict]:
     return owners, merged
 
 
-def received_blocks(spec, source: int, key: str, scratch: Scratch):
-    """On rank 0: a key another stage owns, block by block from that stage's first rank."""
+def received_blocks(spec, source: int, key: str, wire: Scratch):
+    """On rank 0: a key another stage owns, block by block from that stage's first rank (received
+    on the groups' device; the writer copies each to the host)."""
     shape, dtype = spec
     for block in row_blocks(shape, None, dtype):
-        buffer = scratch.take(box_shape(block), dtype)
+        buffer = wire.take(box_shape(block), dtype)
         with collective(f"receiving {key} from rank {source} (its pipeline stage's first rank) on rank 0"):
-            dist.recv(buffer, src=source, tag=SAVE_TAG)
+            dist.recv(buffer, src=source, tag=Tag.SAVE)
         yield buffer
 
 
-def save_sharded(model, out_dir: str, max_shard_size="50GB") -> None:
-    """Gather every parameter under its checkpoint name and write a standard HF checkpoint. Each
-    pipeline stage gathers its own tensors on its first rank, which sends them on to rank 0."""
-    mesh = model._hf_parallel.mesh
-    targets = checkpoint_tensors(model)
+def save_sharded(model, state, out_dir: str, max_shard_size="50GB") -> None:
+    """Gather every parameter of ``model`` (split as its parallel ``state`` says) under its
+    checkpoint name and write a standard HF checkpoint. Each pipeline stage gathers its own tensors
+    on its first rank, which sends them on to rank 0."""
+    mesh = state.mesh
+    targets = checkpoint_tensors(model, state)
     specs = {
         key: (
             entry.full_shape if box is None else expert_shape(box),
@@ -221,11 +228,11 @@ def save_sharded(model, out_dir: str, max_shard_size="50GB") -> None:
     def gathered(keys):
         """Per key, its row blocks as rank 0 gathers them (consumed by the writer one by one);
         the other ranks send their parts here, in the same order."""
-        scratch = (Scratch(), Scratch())
+        scratch = (Scratch(), Scratch(mesh.device))  # (the block, assembled on the host; what arrives)
         for key in keys:
             if owners[key] != mesh.stage:
                 leader = mesh.stage_ranks(owners[key])[0]
-                yield received_blocks(specs[key], leader, key, scratch[0]) if mesh.is_main else None
+                yield received_blocks(specs[key], leader, key, scratch[1]) if mesh.is_main else None
                 continue
             entry, box = targets[key]
             local = tensor_of(model, entry.name)
@@ -239,7 +246,7 @@ def save_sharded(model, out_dir: str, max_shard_size="50GB") -> None:
             for block in blocks:
                 if block is not None:  # this stage's first rank, not rank 0: on to rank 0
                     with collective(f"sending {key} from rank {mesh.rank} to rank 0"):
-                        dist.send(as_written(block, box).contiguous(), dst=0, tag=SAVE_TAG)
+                        dist.send(as_written(block, box).to(mesh.device).contiguous(), dst=0, tag=Tag.SAVE)
             yield None
 
     if mesh.is_main:

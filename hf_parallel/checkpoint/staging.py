@@ -12,17 +12,7 @@ from __future__ import annotations
 import os
 import tempfile
 
-from .loading import INDEX_FILE, SINGLE_FILE
-
-MANIFEST_FILE = "hf_parallel_manifest.json"
-TEMP_SUFFIX = ".tmp"
-
-
-def is_weight_file(name: str) -> bool:
-    """Files that belong to a checkpoint's weights, in either form (standard or per-rank)."""
-    return (
-        name.startswith("model") and name.endswith(".safetensors") or name in (INDEX_FILE, SINGLE_FILE, MANIFEST_FILE)
-    )
+from .files import TEMP_SUFFIX, is_weight_file
 
 
 class Staging:

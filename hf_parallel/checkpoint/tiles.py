@@ -11,9 +11,8 @@ from typing import Callable
 
 import torch
 
+from ..tensor.layout import Box, box_shape
 from .errors import CheckpointError
-
-Box = tuple[tuple[int, int], ...]  # (start, stop) per dim
 
 
 @dataclass(frozen=True)
@@ -67,13 +66,5 @@ def _relative(box: Box, origin: Box) -> Box:
     return tuple((start - o, stop - o) for (start, stop), (o, _) in zip(box, origin))
 
 
-def box_shape(box: Box) -> tuple[int, ...]:
-    return tuple(stop - start for start, stop in box)
-
-
 def _volume(box: Box) -> int:
     return math.prod(box_shape(box))
-
-
-def as_slices(box: Box) -> tuple[slice, ...]:
-    return tuple(slice(start, stop) for start, stop in box)

@@ -1,3 +1,4 @@
-"""Ranks and what passes between them: the mesh of process groups (pp x sp x tp, ep), autograd
-collectives as conjugate pairs (TP's f/g now; SP's all-to-all and PP's send/recv beside them),
-the shared-memory channel for ranks on one host, and the bound on a rank that stops answering."""
+"""Ranks and what passes between them: the mesh's shape (``shape.py``, pure) and its process groups
+(``mesh.py``: pp x sp x tp, ep), autograd collectives as conjugate pairs (``comm.py``: TP's f/g, SP's
+all-to-all, the batch broadcast), the shared-memory channel for ranks on one host, point-to-point
+message tags, and the bound on a rank that stops answering."""

@@ -87,19 +87,11 @@ def all_gather(x: torch.Tensor, dim: int, sizes, group) -> torch.Tensor:
     return torch.cat([part.narrow(dim, 0, size) for part, size in zip(parts, sizes)], dim)
 
 
-def sum_gradient_over(param: torch.nn.Parameter, group) -> None:
-    """Sum ``param``'s gradient over ``group`` in backward (each rank saw part of the data); once
-    per group, so a parameter summed over TP and over SP gets one hook for each."""
-    summed = param.__dict__.setdefault("_hfp_gradient_summed_over", set())
-    if group is not None and group not in summed:
-        param.register_hook(lambda grad: all_reduce(grad, group))
-        summed.add(group)
-
-
 def exchange(pieces: list[torch.Tensor], shapes: list[tuple[int, ...]], group) -> list[torch.Tensor]:
     """Send ``pieces[j]`` to rank j; returns what each rank i sent here, of ``shapes[i]``. One
-    all-to-all of flat buffers, so pieces may differ in shape (uneven heads and sequence chunks)."""
-    send = torch.cat([piece.reshape(-1) for piece in pieces]) if pieces else torch.empty(0)
+    all-to-all of flat buffers, so pieces may differ in shape (uneven heads and sequence chunks);
+    what arrives lands where the pieces live."""
+    send = torch.cat([piece.reshape(-1) for piece in pieces])
     counts = [math.prod(shape) for shape in shapes]
     recv = send.new_empty(sum(counts))
     _count("all_to_all", send)
@@ -245,10 +237,11 @@ def gather_to_use(x, dim, sizes, group):
     return x if _world(group) == 1 else _GatherToUse.apply(x, dim, tuple(sizes), group)
 
 
-def broadcast_batch(batch, group):
+def broadcast_batch(batch, group, device: torch.device):
     """``batch`` (tensors in dicts, lists and tuples, of any dtype and shape) as the group's first
-    rank holds it, on every rank of the group: the structure, shapes and dtypes go first, then
-    each tensor. Non-tensor leaves travel with the structure."""
+    rank holds it, on every rank of the group, on ``device`` (the group's): the structure, shapes
+    and dtypes go first, as an object (vLLM's ``broadcast_tensor_dict``), then each tensor,
+    received into a buffer on ``device``. Non-tensor leaves travel with the structure."""
     if _world(group) == 1:
         return batch
     leaves = []
@@ -273,7 +266,7 @@ def broadcast_batch(batch, group):
         kind, *rest = spec
         if kind == "tensor":
             shape, dtype = rest
-            tensor = leaves.pop(0).contiguous() if mine else torch.empty(shape, dtype=dtype)
+            tensor = leaves.pop(0).to(device).contiguous() if mine else torch.empty(shape, dtype=dtype, device=device)
             with collective(f"broadcasting a batch tensor of {shape}"):
                 dist.broadcast(tensor, src=first, group=group)
             return tensor

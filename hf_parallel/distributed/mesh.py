@@ -1,10 +1,8 @@
 """One mesh for every dimension: the process groups of pipeline stages, sequence and tensor parallelism.
 
-The world is ``pp x sp x tp``: the ranks of one TP group are adjacent, TP groups sit inside SP
-groups, and each pipeline stage is a contiguous run of ranks. With a TP size per stage
-(``stage_tp_sizes``: variable tensor parallelism) stage i holds ``sp * stage_tp_sizes[i]`` ranks
-and the world is their sum. Expert parallelism spreads experts over the ranks of the TP group, so
-``ep`` is that group.
+The mesh's shape (``shape.py``: ``pp x sp x tp``, a TP size per stage) says which ranks each group
+holds; this module creates the groups. Expert parallelism spreads experts over the ranks of the TP
+group, so ``ep`` is that group.
 
 Every process group is created here, once per mesh shape, in the same order on every rank
 (``new_group`` is collective over the whole world); everything else asks the mesh for a group by
@@ -22,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from .faults import collective, timeout_seconds
+from .shape import MeshShape, asked
 from .shm import attach, channel_for
 
 DIMS = ("pp", "tp", "sp")  # the order a mesh prints in, and creates its groups in
@@ -42,100 +41,6 @@ class Dim:
         return len(self.ranks)
 
 
-@dataclass(frozen=True)
-class MeshShape:
-    """The sizes of a mesh and which global ranks each of its groups holds (no processes needed)."""
-
-    stage_tp_sizes: tuple[int, ...]
-    sp: int = 1
-
-    @classmethod
-    def of(cls, world_size: int, tp_size=None, sp_size=1, pp_size=1, stage_tp_sizes=None) -> MeshShape:
-        """The shape the user asked for, checked against the world size; ``tp_size=None`` takes
-        whatever the other dimensions leave."""
-        for name, value in (("tp_size", tp_size), ("sp_size", sp_size), ("pp_size", pp_size)):
-            if value is not None and (not isinstance(value, int) or value < 1):
-                raise ValueError(f"{name}={value!r}: every mesh dimension needs a whole number of ranks, at least 1")
-        if stage_tp_sizes is not None:
-            stages = tuple(stage_tp_sizes)
-            if not stages or not all(isinstance(t, int) and t >= 1 for t in stages):
-                raise ValueError(f"stage_tp_sizes={stage_tp_sizes!r}: one TP size of at least 1 per pipeline stage")
-            if tp_size is not None or pp_size not in (1, len(stages)):
-                raise ValueError(
-                    f"stage_tp_sizes={list(stages)} gives every stage its TP size; leave tp_size unset and "
-                    f"pp_size at {len(stages)} (got tp_size={tp_size}, pp_size={pp_size})"
-                )
-        else:
-            if tp_size is None:
-                if world_size % (sp_size * pp_size):
-                    raise ValueError(
-                        f"world size {world_size} is not a multiple of pp_size x sp_size = {pp_size} x {sp_size}"
-                    )
-                tp_size = world_size // (sp_size * pp_size)
-            stages = (tp_size,) * pp_size
-        shape = cls(stages, sp_size)
-        if shape.world_size != world_size:
-            needs = (
-                f"sp_size x sum(stage_tp_sizes) = {sp_size} x {sum(stages)}"
-                if stage_tp_sizes is not None
-                else f"pp_size x sp_size x tp_size = {pp_size} x {sp_size} x {stages[0]}"
-            )
-            raise ValueError(
-                f"{_asked(tp_size=tp_size, sp_size=sp_size, pp_size=pp_size, stage_tp_sizes=stage_tp_sizes)} was "
-                f"asked for, but the process group has world size {world_size} (the mesh needs {needs} = "
-                f"{shape.world_size} ranks)"
-            )
-        return shape
-
-    @property
-    def world_size(self) -> int:
-        return self.sp * sum(self.stage_tp_sizes)
-
-    def _first(self, stage: int) -> int:
-        return self.sp * sum(self.stage_tp_sizes[:stage])
-
-    def global_rank(self, stage: int, sp: int, tp: int) -> int:
-        return self._first(stage) + sp * self.stage_tp_sizes[stage] + tp
-
-    def position(self, rank: int) -> tuple[int, int, int]:
-        """(stage, sp index, tp index) of a global rank."""
-        for stage, tp in enumerate(self.stage_tp_sizes):
-            offset = rank - self._first(stage)
-            if offset < self.sp * tp:
-                return stage, offset // tp, offset % tp
-        raise ValueError(f"rank {rank} is outside a mesh of {self.world_size} ranks")
-
-    def stage_ranks(self, stage: int) -> tuple[int, ...]:
-        return tuple(range(self._first(stage), self._first(stage + 1)))
-
-    def groups(self, dim: str) -> list[tuple[int, ...]]:
-        """Every group of ``dim``, in the order every rank creates them. ``pp`` joins the ranks at
-        the same (sp, tp) position of every stage; under variable TP only the positions every stage
-        has (tp index below the smallest stage's TP size), and a rank past them pipes through no group."""
-        stages = range(len(self.stage_tp_sizes))
-        if dim == "world":
-            return [tuple(range(self.world_size))]
-        if dim == "tp":
-            return [
-                tuple(self.global_rank(st, s, t) for t in range(self.stage_tp_sizes[st]))
-                for st in stages
-                for s in range(self.sp)
-            ]
-        if dim == "sp":
-            return [
-                tuple(self.global_rank(st, s, t) for s in range(self.sp))
-                for st in stages
-                for t in range(self.stage_tp_sizes[st])
-            ]
-        if dim == "pp":
-            return [
-                tuple(self.global_rank(st, s, t) for st in stages)
-                for s in range(self.sp)
-                for t in range(min(self.stage_tp_sizes))
-            ]
-        raise ValueError(f"unknown mesh dimension {dim!r}; the mesh has world, pp, tp, sp and ep")
-
-
 class Mesh:
     """Every dimension's group for this rank: ``mesh.tp``, ``mesh.sp``, ``mesh.pp``, ``mesh.ep``,
     ``mesh.world``, or ``mesh[name]``."""
@@ -151,10 +56,9 @@ class Mesh:
         return Dim(name, mine.index(self.rank), mine, self._groups.get(mine) if len(mine) > 1 else None)
 
     @classmethod
-    def dry_run(cls, **sizes) -> Mesh:
-        """Rank 0's view of a mesh with no processes (``hf-parallel plan``): sizes, no groups."""
-        shape = MeshShape.of(_requested_world(sizes), **sizes)
-        return cls(shape, 0, torch.device("cpu"), {})
+    def dry_run(cls, rank: int = 0, **sizes) -> Mesh:
+        """``rank``'s view of a mesh with no processes (``hf-parallel plan``): sizes, no groups."""
+        return cls(MeshShape.requested(**sizes), rank, torch.device("cpu"), {})
 
     def __getitem__(self, name: str) -> Dim:
         if name == "ep":
@@ -183,7 +87,12 @@ class Mesh:
 
     @property
     def num_stages(self) -> int:
-        return len(self.shape.stage_tp_sizes)
+        return self.shape.num_stages
+
+    @property
+    def leads_stage(self) -> bool:
+        """Whether this rank is its pipeline stage's first (it speaks for the stage)."""
+        return self.tp.rank == 0 and self.sp.rank == 0
 
     def stage_ranks(self, stage: int) -> tuple[int, ...]:
         return self.shape.stage_ranks(stage)
@@ -200,9 +109,8 @@ class Mesh:
         if self.world.group is None:
             return [value]
         everyone = [None] * self.world_size
-        first = self.tp.rank == 0 and self.sp.rank == 0
         with collective(f"{what} (rank {self.rank})"):
-            dist.all_gather_object(everyone, (self.stage, value if first else None), group=self.world.group)
+            dist.all_gather_object(everyone, (self.stage, value if self.leads_stage else None), group=self.world.group)
         firsts = dict(item for item in everyone if item[1] is not None)  # one first rank per stage
         return [firsts[stage] for stage in range(self.num_stages)]
 
@@ -256,16 +164,6 @@ def default_timeout() -> datetime.timedelta:
     return datetime.timedelta(seconds=timeout_seconds())
 
 
-def _asked(**sizes) -> str:
-    return ", ".join(f"{name}={value}" for name, value in sizes.items() if value not in (None, 1)) or "one rank"
-
-
-def _requested_world(sizes: dict) -> int:
-    if sizes.get("stage_tp_sizes") is not None:
-        return sizes.get("sp_size", 1) * sum(sizes["stage_tp_sizes"])
-    return (sizes.get("tp_size") or 1) * sizes.get("sp_size", 1) * sizes.get("pp_size", 1)
-
-
 def get_mesh(
     tp_size: int | None = None,
     *,
@@ -279,10 +177,9 @@ def get_mesh(
     sizes = dict(tp_size=tp_size, sp_size=sp_size, pp_size=pp_size, stage_tp_sizes=stage_tp_sizes)
     if not dist.is_initialized():
         if int(os.environ.get("WORLD_SIZE", "1")) == 1:
-            MeshShape.of(_requested_world(sizes), **sizes)  # malformed sizes: the same errors as under torchrun
-            if _requested_world(sizes) != 1:
+            if MeshShape.requested(**sizes).world_size != 1:  # malformed sizes: the same errors as under torchrun
                 raise ValueError(
-                    f"{_asked(**sizes)} was asked for, but this process was not started by torchrun "
+                    f"{asked(**sizes)} was asked for, but this process was not started by torchrun "
                     "(WORLD_SIZE is unset or 1)"
                 )
             return Mesh(MeshShape((1,)), 0, torch.device("cpu"), {})

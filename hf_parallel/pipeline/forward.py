@@ -1,4 +1,4 @@
-"""The pipelined forward that ``model(...)`` and ``model.generate(...)`` call on every rank.
+"""The pipelined forward that ``model(...)`` and ``model.generate(...)`` run on every rank.
 
 The batch is cut into micro-batches along its rows; each stage runs them one after the other, its
 sends asynchronous, so stage i computes micro-batch m while stage i+1 computes m-1 (GPipe's fill
@@ -11,26 +11,18 @@ same next token everywhere.
 from __future__ import annotations
 
 import copy
-import inspect
 
 import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from .stage import StageDone, StageRuntime
+from ..context import batch_inputs
+from .stage import Stage
 
 BATCH_KEYS = ("input_ids", "attention_mask", "position_ids", "inputs_embeds", "labels", "token_type_ids")
 
 
-def inputs_of(kwargs: dict) -> torch.Tensor:
-    """The batch's input_ids, or its inputs_embeds: [rows, tokens, ...]."""
-    for key in ("input_ids", "inputs_embeds"):
-        if kwargs.get(key) is not None:
-            return kwargs[key]
-    raise ValueError("a pipelined forward needs input_ids or inputs_embeds")
-
-
 def batch_size_of(kwargs: dict) -> int:
-    return inputs_of(kwargs).shape[0]
+    return batch_inputs(kwargs).shape[0]
 
 
 def split_batch(kwargs: dict, count: int) -> list[dict]:
@@ -54,16 +46,6 @@ def split_batch(kwargs: dict, count: int) -> list[dict]:
 def label_count(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
     """The tokens a causal LM loss averages over: labels shifted by one, ignored ones left out."""
     return (labels[..., 1:] != ignore_index).sum()
-
-
-def run_micro_batch(runtime: StageRuntime, index: int, kwargs: dict):
-    """The stage's part of one micro-batch: the model's output on the last stage, else None."""
-    runtime.micro_batch = index
-    runtime.shape = tuple(inputs_of(kwargs).shape[:2])
-    try:
-        return runtime.forward(**kwargs)
-    except StageDone:
-        return None
 
 
 def split_cache(cache, sizes: list[int]) -> list:
@@ -103,41 +85,34 @@ def default_micro_batches(rows: int, tokens: int, stages: int) -> int:
     return 1 if tokens == 1 else min(rows, stages)
 
 
-def pipelined_forward(runtime: StageRuntime):
-    """``model.forward`` for a pipeline stage (around ``runtime.forward``, the model's own)."""
-    signature = inspect.signature(runtime.forward)
-    link = runtime.link
-
-    def run(*args, **kwargs):
-        bound = signature.bind_partial(*args, **kwargs)
-        call = dict(bound.arguments)
-        call.update(call.pop("kwargs", {}))
-        if call.get("labels") is not None and torch.is_grad_enabled():
-            raise RuntimeError(
-                "a pipeline-parallel model's loss cannot be back-propagated from a plain forward (the stages "
-                "hold different layers): train with hf_parallel.pipeline.train_step(model, input_ids, labels, ...), "
-                "or compute the loss under torch.no_grad()"
-            )
-        tokens = inputs_of(call).shape[1]
-        count = runtime.micro_batches or default_micro_batches(batch_size_of(call), tokens, link.num_stages)
-        parts = split_batch(call, count)
-        cache = call.get("past_key_values")
-        if cache is not None and len(parts) > 1:
-            for part, micro in zip(parts, split_cache(cache, [batch_size_of(part) for part in parts])):
-                part["past_key_values"] = micro
-        if call.get("labels") is not None:
-            total = label_count(call["labels"])
-            for part in parts:
-                part["num_items_in_batch"] = total
-        outputs = [run_micro_batch(runtime, i, part) for i, part in enumerate(parts)]
-        link.flush()
-        logits = torch.cat([out.logits for out in outputs]) if link.is_last else None
-        logits = link.broadcast_from_last(logits)
-        loss = None
-        if call.get("labels") is not None:
-            loss = link.broadcast_from_last(sum(out.loss for out in outputs) if link.is_last else None)
-        if cache is not None and len(parts) > 1:
-            join_cache(cache, [part["past_key_values"] for part in parts])
-        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=cache)
-
-    return run
+def pipelined(kwargs: dict, stage: Stage, run) -> CausalLMOutputWithPast:
+    """One forward over the stages: ``run(part, micro_batch)`` runs the model's own forward on one
+    micro-batch (its output on the last stage, else None)."""
+    link = stage.link
+    if kwargs.get("labels") is not None and torch.is_grad_enabled():
+        raise RuntimeError(
+            "a pipeline-parallel model's loss cannot be back-propagated from a plain forward (the stages "
+            "hold different layers): train with hf_parallel.train_step(model, input_ids, labels, ...), "
+            "or compute the loss under torch.no_grad()"
+        )
+    tokens = batch_inputs(kwargs).shape[1]
+    count = stage.micro_batches or default_micro_batches(batch_size_of(kwargs), tokens, link.num_stages)
+    parts = split_batch(kwargs, count)
+    cache = kwargs.get("past_key_values")
+    if cache is not None and len(parts) > 1:
+        for part, micro in zip(parts, split_cache(cache, [batch_size_of(part) for part in parts])):
+            part["past_key_values"] = micro
+    if kwargs.get("labels") is not None:
+        total = label_count(kwargs["labels"])
+        for part in parts:
+            part["num_items_in_batch"] = total
+    outputs = [run(part, micro_batch=i) for i, part in enumerate(parts)]
+    link.flush()
+    logits = torch.cat([out.logits for out in outputs]) if link.is_last else None
+    logits = link.broadcast_from_last(logits)
+    loss = None
+    if kwargs.get("labels") is not None:
+        loss = link.broadcast_from_last(sum(out.loss for out in outputs) if link.is_last else None)
+    if cache is not None and len(parts) > 1:
+        join_cache(cache, [part["past_key_values"] for part in parts])
+    return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=cache)

@@ -18,18 +18,21 @@ import torch.distributed as dist
 
 from ..distributed.faults import collective
 from ..distributed.mesh import Mesh
+from ..distributed.tags import Tag
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.bool)
 MAX_DIMS = 6
-# one tag per kind of traffic: messages between the same pair of ranks are matched in order per tag
-FORWARD, BACKWARD, TIED = 1, 2, 3  # (saving.SAVE_TAG is 4)
 
 
-def header_of(tensor: torch.Tensor) -> torch.Tensor:
+def header_of(tensor: torch.Tensor, device) -> torch.Tensor:
     if tensor.dim() > MAX_DIMS or tensor.dtype not in DTYPES:
         raise ValueError(f"cannot send a {tensor.dtype} tensor of {tensor.dim()} dims between stages")
     shape = list(tensor.shape) + [0] * (MAX_DIMS - tensor.dim())
-    return torch.tensor([DTYPES.index(tensor.dtype), tensor.dim(), *shape], dtype=torch.int64)
+    return torch.tensor([DTYPES.index(tensor.dtype), tensor.dim(), *shape], dtype=torch.int64, device=device)
+
+
+def empty_header(device) -> torch.Tensor:
+    return torch.empty(2 + MAX_DIMS, dtype=torch.int64, device=device)
 
 
 def empty_from(header: torch.Tensor, device) -> torch.Tensor:
@@ -46,7 +49,7 @@ class StageLink:
         self.leads = mesh.tp.rank == 0  # the stage's first rank: the one that talks to other stages
         self._pending: list = []  # (work, buffer) of sends not yet known complete
         self.waited = 0.0  # seconds spent blocked on other stages (the pipeline bubble, measured)
-        self.wire = torch.device("cpu") if dist.get_backend() == "gloo" else mesh.device  # where messages live
+        self.wire = mesh.device  # where messages are sent from and received into: the groups' device
 
     @property
     def is_first(self) -> bool:
@@ -64,21 +67,21 @@ class StageLink:
     def _where(self, stage: int) -> str:
         return f"stage {stage} (rank {self.leader(stage)})"
 
-    def send(self, tensor: torch.Tensor, stage: int, what: str, tag: int = FORWARD) -> None:
+    def send(self, tensor: torch.Tensor, stage: int, what: str, tag: Tag = Tag.FORWARD) -> None:
         """Send ``tensor`` to ``stage``'s first rank, without waiting; only this stage's first rank sends."""
         if not self.leads:
             return
         data = tensor.detach().to(self.wire).contiguous()
-        for buffer in (header_of(data).to(self.wire), data):
+        for buffer in (header_of(data, self.wire), data):
             with collective(f"stage {self.stage} (rank {self.mesh.rank}) sending {what} to {self._where(stage)}"):
                 work = dist.isend(buffer, dst=self.leader(stage), tag=tag)
             self._pending.append((work, buffer, what, stage))
 
-    def recv(self, stage: int, what: str, tag: int = FORWARD) -> torch.Tensor:
+    def recv(self, stage: int, what: str, tag: Tag = Tag.FORWARD) -> torch.Tensor:
         """A tensor from ``stage``'s first rank, on every rank of this stage (broadcast over TP)."""
         waiting = f"stage {self.stage} (rank {self.mesh.rank}) waiting for {what} from {self._where(stage)}"
         start = time.perf_counter()
-        header = self._take(torch.empty(2 + MAX_DIMS, dtype=torch.int64, device=self.wire), stage, tag, waiting)
+        header = self._take(empty_header(self.wire), stage, tag, waiting)
         out = self._take(empty_from(header, self.wire), stage, tag, waiting)
         self.waited += time.perf_counter() - start
         return out.to(self.mesh.device)
@@ -104,8 +107,7 @@ class StageLink:
     def broadcast_from_last(self, tensor: torch.Tensor | None) -> torch.Tensor:
         """The last stage's ``tensor`` on every rank of the world (header first)."""
         source = self.mesh.stage_ranks(self.num_stages - 1)[0]  # the same rank for every rank
-        header = header_of(tensor) if self.mesh.rank == source else torch.empty(2 + MAX_DIMS, dtype=torch.int64)
-        header = header.to(self.wire)
+        header = header_of(tensor, self.wire) if self.mesh.rank == source else empty_header(self.wire)
         what = f"rank {self.mesh.rank} (stage {self.stage}) receiving the last stage's output from rank {source}"
         start = time.perf_counter()
         with collective(what):

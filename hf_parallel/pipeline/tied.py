@@ -13,45 +13,36 @@ import torch
 import torch.distributed as dist
 
 from ..distributed.faults import collective
-from .p2p import TIED
+from ..distributed.tags import Tag
 
 
 def full_tensor(local: torch.Tensor, layout, full_shape, tp) -> torch.Tensor:
     """The full tensor from every TP rank's shard, on every rank of the group."""
     if layout.is_replicated or tp.size == 1:
         return local
-    full = local.new_empty(full_shape)
+    pieces = []
     for rank in range(tp.size):
         piece = local.contiguous() if rank == tp.rank else local.new_empty(layout.local_shape(full_shape, rank))
         with collective(f"assembling a tied gradient from rank {tp.ranks[rank]}"):
             dist.broadcast(piece, group_src=rank, group=tp.group)
-        offset = 0
-        for index in layout.index(full_shape, rank):
-            size = full[index].shape[layout.dim]
-            full[index] = piece.narrow(layout.dim, offset, size)
-            offset += size
-    return full
+        pieces.append(piece)
+    return layout.assemble(local.new_empty(full_shape), pieces.__getitem__)
 
 
-def local_rows(full: torch.Tensor, layout, rank: int) -> torch.Tensor:
-    pieces = [full[index] for index in layout.index(tuple(full.shape), rank)]
-    return pieces[0].clone() if len(pieces) == 1 else torch.cat(pieces, dim=layout.dim)
-
-
-def sum_tied_gradients(model) -> None:
-    state = model._hf_parallel
-    runtime = state.pipeline
-    if runtime is None or not state.tied_across_stages:
+def sum_tied_gradients(model, state) -> None:
+    """Both copies of every tied weight get the sum of the two stages' gradients."""
+    stage, tp = state.stage, state.mesh.tp
+    if not stage.tied:
         return
-    link, tp = runtime.link, state.mesh.tp
+    link = stage.link
     other = link.num_stages - 1 if link.is_first else 0
-    for name in state.tied_across_stages:
-        entry = state.shard.params[name]
+    for name in stage.tied:
+        entry = state.plan.params[name]
         param = model.get_parameter(entry.name)
         grad = param.grad if param.grad is not None else torch.zeros_like(param)
         mine = full_tensor(grad, entry.layout, entry.full_shape, tp)
-        link.send(mine, other, f"the gradient of the tied {entry.name}", tag=TIED)
-        theirs = link.recv(other, f"the gradient of the tied {entry.name}", tag=TIED)
+        link.send(mine, other, f"the gradient of the tied {entry.name}", tag=Tag.TIED)
+        theirs = link.recv(other, f"the gradient of the tied {entry.name}", tag=Tag.TIED)
         total = mine + theirs if link.is_first else theirs + mine
-        param.grad = local_rows(total, entry.layout, tp.rank)
+        param.grad = entry.layout.extract(total, tp.rank, out=total.new_empty(param.shape))
     link.flush()

@@ -3,11 +3,10 @@
 The model's forward runs as written, on the whole batch, up to its first decoder layer: embeddings,
 positions (RoPE tables for every position) and the attention masks are built for the whole
 sequence, so global positions, padding, packed samples and sliding windows are the model's own.
-From the first decoder layer on, each rank holds its run of tokens (the first ``S % sp`` ranks one
-more, so no padding is needed), and each layer is handed its tokens' slice of the position tables;
-attention sees every token through ``ulysses.py``. Only a sequence shorter than sp is padded (to
-one token per rank): the padding comes last, is masked out of attention, and is dropped from
-gathered outputs and from the loss.
+From the first decoder layer on, each rank holds its run of tokens (``tokens.py``), and each layer
+is handed its tokens' slice of the position tables; attention sees every token through
+``ulysses.py``. Only a sequence shorter than sp is padded (to one token per rank): the padding comes
+last, is masked out of attention, and is dropped from gathered outputs and from the loss.
 
 With ``labels`` the logits stay split: labels are shifted on the whole sequence first (no label is
 lost at a boundary), each rank sums the cross-entropy of its tokens, and the sum over the group
@@ -17,6 +16,9 @@ divided by the batch's token count is the loss of one process. Without labels (i
 Every parameter is replicated over the sequence group and saw only its tokens, so its gradient is
 summed over the group; the split at the first layer passes back ``1/sp`` of the gathered gradient,
 the share of what came before it, so that sum is exact for the embeddings too.
+
+What changes per call (the token split, whether a loss follows) is the call's ``SequenceCall``
+(``context.py``), which the hooks here read; ``SequenceSplit`` is what stays.
 """
 
 from __future__ import annotations
@@ -24,18 +26,34 @@ from __future__ import annotations
 import copy
 import inspect
 import warnings
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from ..context import SequenceCall, current_call
 from ..distributed import comm
+from ..layers import repeated_layers
 from ..tensor import attention
-from ..tensor.discover import repeated_layers
-from ..tensor.layout import even_sizes, sizes_to_ranges
-from .ulysses import NAME, SequenceState
+from ..tensor.gradients import GradientSums
+from .tokens import token_range, token_sizes
 
 SERVED_IMPLEMENTATIONS = ("sdpa", "eager")
 POSITION_KWARGS = {"position_embeddings": -2, "position_ids": -1, "cache_position": 0}  # name -> its sequence dim
+
+
+@dataclass(frozen=True)
+class SequenceSplit:
+    """A model's sequence-parallel group: every sequence of a call is split over it."""
+
+    group: object
+    rank: int
+    size: int
+    inner: str  # the attention implementation the model was configured with (wrapped by Ulysses)
+    device: torch.device  # where the group's collectives receive
+
+    def call(self, tokens: int, keep_split: bool) -> SequenceCall:
+        return SequenceCall(self, token_sizes(tokens, self.size), tokens, keep_split)
 
 
 def check_sequence_parallel(model: nn.Module, sp: int) -> None:
@@ -73,103 +91,93 @@ def pad_sequence(x: torch.Tensor, dim: int, length: int, value=0, edge: bool = F
     return torch.cat([x, fill.expand(*[missing if d == dim % x.dim() else -1 for d in range(x.dim())])], dim)
 
 
-def parallelize_sequence(model: nn.Module, mesh, layer_list: str | None = None) -> None:
-    """Split ``model``'s sequence over ``mesh.sp`` (after tensor parallelism is installed).
-    ``layer_list``: the path of the layers' ModuleList, for a pipeline stage (whose other stages'
-    layers are stand-ins, so the module tree has no list of identical layers to find)."""
-    group, sp = mesh.sp.group, mesh.sp.size
-    state = SequenceState(group, getattr(model.config, "_attn_implementation", None) or "eager")
+def install_sequence(model: nn.Module, mesh, layers: list[nn.Module], gradients: GradientSums) -> SequenceSplit:
+    """Split ``model``'s sequences over ``mesh.sp`` (after tensor parallelism is installed): the
+    hooks on ``layers`` (the decoder layers, in order) and before the LM head, Ulysses attention,
+    and every gradient summed over the group."""
+    from .ulysses import NAME  # registers the wrapper with transformers' attention registry
+    split = SequenceSplit(
+        mesh.sp.group, mesh.sp.rank, mesh.sp.size, getattr(model.config, "_attn_implementation", None) or "eager",
+        mesh.device,
+    )  # fmt: skip
     for _, module in attention.outermost(model):  # a private config copy: model.config (and the save) keep theirs
         module.config = copy.copy(module.config)
         module.config._attn_implementation = NAME
-        module._hfp_sequence = state
-    if layer_list is not None:
-        layers = list(model.get_submodule(layer_list))
-    else:
-        layers = [model.get_submodule(path) for path in repeated_layers(model)]
 
-    def local(value, dim):
+    def local(value, dim, sequence: SequenceCall):
         if isinstance(value, (tuple, list)):
-            return type(value)(local(item, dim) for item in value)
+            return type(value)(local(item, dim, sequence) for item in value)
         if not isinstance(value, torch.Tensor) or value.dim() == 0:
             return value
-        start, stop = sizes_to_ranges(state.seq_sizes)[mesh.sp.rank]
-        return pad_sequence(value, dim, sum(state.seq_sizes), edge=True).narrow(dim, start, stop - start)
+        start, stop = token_range(sequence.sizes, split.rank)
+        return pad_sequence(value, dim, sum(sequence.sizes), edge=True).narrow(dim, start, stop - start)
 
     def enter_layer(module, args, kwargs):
-        kwargs = {k: local(v, POSITION_KWARGS[k]) if k in POSITION_KWARGS else v for k, v in kwargs.items()}
+        sequence = current_call().sequence
+        kwargs = {k: local(v, POSITION_KWARGS[k], sequence) if k in POSITION_KWARGS else v for k, v in kwargs.items()}
         if module is layers[0]:  # the sequence splits here
             hidden, *rest = args if args else (kwargs.pop("hidden_states"),)
-            hidden = pad_sequence(hidden, 1, sum(state.seq_sizes))
-            args = (comm.scatter_to(hidden, 1, state.seq_sizes, group, grad_scale=1 / sp), *rest)
+            hidden = pad_sequence(hidden, 1, sum(sequence.sizes))
+            args = (comm.scatter_to(hidden, 1, sequence.sizes, split.group, grad_scale=1 / split.size), *rest)
         return args, kwargs
 
     for layer in layers:
         layer.register_forward_pre_hook(enter_layer, with_kwargs=True)
 
     def gather_final(module, args, output):  # inference: whole logits, wherever logits_to_keep points
-        if state.keep_split:
+        sequence = current_call().sequence
+        if sequence.keep_split:
             return output
-        whole = comm.gather_to_use(output.last_hidden_state, 1, state.seq_sizes, group)
-        output.last_hidden_state = whole[:, : state.tokens]
+        whole = comm.gather_to_use(output.last_hidden_state, 1, sequence.sizes, split.group)
+        output.last_hidden_state = whole[:, : sequence.tokens]
         return output
 
     model.base_model.register_forward_hook(gather_final)
     for param in model.parameters():
-        comm.sum_gradient_over(param, group)
+        gradients.sum_over(param, split.group)
     model.generation_config.use_cache = False  # decode re-runs the sequence split: no KV cache of split tokens
-    model.forward = _sequence_forward(model, model.forward, state, mesh)
+    return split
 
 
-def _sequence_forward(model, forward, state, mesh):
-    signature = inspect.signature(forward)
-    group, sp = mesh.sp.group, mesh.sp.size
-    warned = []
-
-    def sequence_forward(*args, **kwargs):
-        bound = signature.bind_partial(*args, **kwargs)
-        inputs = dict(bound.arguments)
-        extra = inputs.pop("kwargs", {})
-        inputs = comm.broadcast_batch({**inputs, **extra}, group)  # every SP rank computes the same batch
-        if inputs.get("past_key_values") is not None:
-            raise ValueError(
-                "a sequence-parallel forward keeps no KV cache (each rank's cache would hold only its tokens); "
-                "generate() re-runs the whole sequence instead, or load with sp_size=1 to decode with a cache"
-            )
-        if inputs.get("use_cache") and not warned:
-            warnings.warn(
-                "sequence-parallel forward: use_cache=True is ignored (no KV cache of split tokens)", stacklevel=2
-            )
-            warned.append(True)
-        inputs["use_cache"] = False
-        labels = inputs.pop("labels", None)
-        count = inputs.pop("num_items_in_batch", None)  # the whole batch's, when this is one micro-batch
-        tokens = inputs.get("input_ids") if inputs.get("input_ids") is not None else inputs["inputs_embeds"]
-        state.tokens = tokens.shape[1]
-        state.seq_sizes = tuple(even_sizes(max(state.tokens, sp), sp))  # shorter than sp: padded to one per rank
-        state.keep_split = labels is not None
-        out = forward(**inputs)
-        if labels is not None:
-            out.loss = sequence_loss(model, out.logits, labels, state.seq_sizes, mesh, count)
-        return out
-
-    sequence_forward.__signature__ = signature
-    return sequence_forward
+def sequence_inputs(split: SequenceSplit, inputs: dict, warned: list) -> dict:
+    """A forward's keyword arguments as every rank of the group computes them: the batch of the
+    group's first rank, with no KV cache (each rank's would hold only its tokens)."""
+    inputs = comm.broadcast_batch(inputs, split.group, split.device)
+    if inputs.get("past_key_values") is not None:
+        raise ValueError(
+            "a sequence-parallel forward keeps no KV cache (each rank's cache would hold only its tokens); "
+            "generate() re-runs the whole sequence instead, or load with sp_size=1 to decode with a cache"
+        )
+    if inputs.get("use_cache") and not warned:
+        warnings.warn(
+            "sequence-parallel forward: use_cache=True is ignored (no KV cache of split tokens)", stacklevel=3
+        )
+        warned.append(True)
+    inputs["use_cache"] = False
+    return inputs
 
 
-def sequence_loss(
-    model, logits: torch.Tensor, labels: torch.Tensor, seq_sizes, mesh, count=None, ignore_index: int = -100
-):
+def sequence_loss(logits: torch.Tensor, labels: torch.Tensor, sequence: SequenceCall, count=None, ignore_index=-100):
     """The mean next-token cross-entropy of the whole batch, from this rank's logits: labels
     shifted on the whole sequence, this rank's sum over its tokens divided by the batch's count of
     labelled tokens (``count``: of a larger batch this is a micro-batch of), summed over the group
     (backward: each rank's own share)."""
+    split = sequence.split
     shifted = nn.functional.pad(labels, (0, 1), value=ignore_index)[:, 1:]
-    shifted = pad_sequence(shifted, 1, sum(seq_sizes), value=ignore_index)  # padding tokens carry no label
-    start, stop = sizes_to_ranges(seq_sizes)[mesh.sp.rank]
+    shifted = pad_sequence(shifted, 1, sum(sequence.sizes), value=ignore_index)  # padding tokens carry no label
+    start, stop = token_range(sequence.sizes, split.rank)
     local = shifted[:, start:stop].to(logits.device)
     count = (shifted != ignore_index).sum() if count is None else count
     total = nn.functional.cross_entropy(
         logits.float().reshape(-1, logits.shape[-1]), local.reshape(-1), ignore_index=ignore_index, reduction="sum"
     )
-    return comm.reduce_from(total / count, mesh.sp.group)
+    return comm.reduce_from(total / count, split.group)
+
+
+def decoder_layers(model: nn.Module, layer_list: str | None = None) -> list[nn.Module]:
+    """The layers the sequence is split at: the list a pipeline stage names (its other stages'
+    layers are stand-ins, so the module tree has no list of identical layers to find), else the
+    model's repeated layers."""
+    if layer_list is not None:
+        return list(model.get_submodule(layer_list))
+    return [model.get_submodule(path) for path in repeated_layers(model)]

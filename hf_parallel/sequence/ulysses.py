@@ -22,6 +22,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from ..context import current_call
 from ..distributed import comm
 from ..tensor.layout import even_sizes, sizes_to_ranges
 
@@ -47,17 +48,6 @@ def head_plan(num_heads: int, num_kv_heads: int, sp: int) -> HeadPlan:
     return HeadPlan(q_sizes, q_sizes, kv_heads)
 
 
-@dataclass
-class SequenceState:
-    """What the attention wrapper needs from the model's forward in progress."""
-
-    group: object
-    inner: str  # the attention implementation the model was configured with
-    seq_sizes: tuple[int, ...] = ()  # tokens per SP rank of the batch in flight
-    keep_split: bool = False  # the loss is computed on split logits (else the final hidden states are gathered)
-    tokens: int = 0  # the batch's sequence length (below sum(seq_sizes) only when padded to one token per rank)
-
-
 def _inner_function(module, name: str):
     if name == "eager":  # the model's own eager function (Gemma 2's soft-capping, ...)
         return sys.modules[type(module).__module__].eager_attention_forward
@@ -65,8 +55,9 @@ def _inner_function(module, name: str):
 
 
 def ulysses_attention(module, query, key, value, attention_mask, **kwargs):
-    state: SequenceState = module._hfp_sequence
-    group, seq = state.group, state.seq_sizes
+    """Registered as ``hf_parallel_ulysses``: the call's token split comes from its context."""
+    sequence = current_call().sequence
+    group, seq = sequence.split.group, sequence.sizes
     plan = head_plan(query.shape[1], key.shape[1], len(seq))
     query = comm.all_to_all(query, 1, 2, plan.q_sizes, seq, group)
     target = module
@@ -79,7 +70,7 @@ def ulysses_attention(module, query, key, value, attention_mask, **kwargs):
     value = comm.all_to_all(value, 1, 2, plan.kv_sizes, seq, group)
     if attention_mask is not None and attention_mask.shape[-1] < query.shape[2]:
         attention_mask = _mask_padding(attention_mask, query.shape[2])
-    out, _ = _inner_function(module, state.inner)(target, query, key, value, attention_mask, **kwargs)
+    out, _ = _inner_function(module, sequence.split.inner)(target, query, key, value, attention_mask, **kwargs)
     # [batch, seq, heads/sp, dim] -> [batch, seq/sp, heads, dim]; attention weights stay with the heads' ranks
     return comm.all_to_all(out, 1, 2, seq, plan.q_sizes, group), None
 

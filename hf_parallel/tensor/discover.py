@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from ..layers import repeated_layers
 from . import attention
 from .geometry import FUSED_QKV_NAMES, OUT_NAMES, QKV_NAMES, attention_geometry, is_conv1d, named, text_config
 from .rules import compile_pattern
@@ -145,18 +146,6 @@ def classify_mlp(linears: list[Projection], others, hidden: int) -> dict[str, st
         elif not scalars and _param_sizes(module) != {(hidden,)}:
             raise Unclassified(f"{path} ({type(module).__name__}) may act on the split intermediate activations")
     return rules
-
-
-def repeated_layers(model: nn.Module) -> list[str]:
-    """Paths of the repeated layers: children of outermost ModuleLists of one module class."""
-    found, lists = [], []
-    for path, module in model.named_modules():
-        if not isinstance(module, nn.ModuleList) or any(path.startswith(outer + ".") for outer in lists):
-            continue
-        if len(module) and len({type(child) for child in module}) == 1:
-            lists.append(path)
-            found += [f"{path}.{i}" for i in range(len(module))]
-    return found
 
 
 def classify_block(block: nn.Module, hidden: int, config, qkv_style) -> tuple[dict[str, str], list[str]]:

@@ -1,8 +1,10 @@
 """Layouts: how one full tensor maps onto per-rank shards along one dim.
 
-A layout is pure data (no torch.distributed). Loading reads ``index(rank)`` through safetensors
-``get_slice``; saving inverts it block by block with ``holders``. Because both sides use the same
-object, load-then-save is the identity by construction (property-tested in tests/test_layout.py).
+A layout is pure data (no torch.distributed). A rank's local tensor comes out of the full one with
+``extract`` (the loader, through safetensors ``get_slice``); the full tensor, or any box of it, goes
+back together from the ranks' local tensors with ``place`` / ``assemble`` (the save, block by block,
+and tied gradients across pipeline stages). Because both directions come from the same ranges,
+load-then-save is the identity by construction (property-tested in tests/test_layout.py).
 
 Every layout is a list, per rank, of half-open ranges along ``dim`` that the rank holds, in the
 order they appear in its local tensor. The named constructors below cover the shapes we need:
@@ -18,8 +20,12 @@ Ranges of different ranks may overlap (KV heads replicated over ranks); the copi
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
+
+import torch
 
 Range = tuple[int, int]
+Box = tuple[Range, ...]  # (start, stop) per dim of the full tensor
 
 
 @dataclass(frozen=True)
@@ -60,6 +66,49 @@ class Layout:
         self._check_fits(full_shape)
         lead = tuple(slice(None) for _ in range(self.dim))
         return [lead + (slice(start, stop),) for start, stop in self.ranges[rank]]
+
+    def extract(self, full, rank: int, *, shape=None, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``rank``'s local tensor from ``full``: a tensor, or anything the slices of ``index`` read
+        (a safetensors slice, whose ``shape`` is then given). Its pieces are copied into ``out``
+        (casting if ``out`` has another dtype); without ``out`` a single piece comes as it is read
+        (a view), several are concatenated."""
+        pieces = [full[index] for index in self.index(tuple(full.shape) if shape is None else shape, rank)]
+        if out is None:
+            return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=self.dim)
+        if len(pieces) == 1:
+            return out.copy_(pieces[0])
+        offset = 0
+        for piece in pieces:
+            out.narrow(self.dim, offset, piece.shape[self.dim]).copy_(piece)
+            offset += piece.shape[self.dim]
+        return out
+
+    def place(self, out: torch.Tensor | None, box: Box, fill: Callable[[int, torch.Tensor | None, Box], None]):
+        """Fill ``out``, the ``box`` of the full tensor, run by run from the lowest rank holding each
+        (``holders``): ``fill(rank, target, local_box)`` writes into ``target`` (a view of ``out``)
+        the ``local_box`` of that rank's local tensor. The inverse of ``extract``; what gathers
+        with communication (the save) sends and receives inside ``fill``, where a rank that only
+        sends has no ``out`` (its targets are None)."""
+        if self.dim is None:
+            fill(0, out, box)
+            return out
+        dim, (box_start, box_stop) = self.dim, box[self.dim]
+        for rank, start, stop, local_start in self.holders(box_start, box_stop):
+            local_box = box[:dim] + ((local_start, local_start + stop - start),) + box[dim + 1 :]
+            fill(rank, None if out is None else out.narrow(dim, start - box_start, stop - start), local_box)
+        return out
+
+    def assemble(
+        self, out: torch.Tensor, local_of: Callable[[int], torch.Tensor], box: Box | None = None
+    ) -> torch.Tensor:
+        """``out`` filled with the ``box`` of the full tensor (all of it by default) from the ranks'
+        local tensors, ``local_of(rank)``."""
+        box = tuple((0, n) for n in out.shape) if box is None else box
+
+        def copy(rank, target, local_box):
+            target.copy_(local_of(rank)[as_slices(local_box)])
+
+        return self.place(out, box, copy)
 
     def holders(self, start: int, stop: int) -> list[tuple[int, int, int, int]]:
         """Who supplies ``[start, stop)`` along ``dim``: ``(rank, full_start, full_stop, local_start)``
@@ -108,6 +157,14 @@ class Layout:
             return "replicated"
         sizes = ",".join(str(self.local_size(r)) for r in range(self.world_size))
         return f"{self.kind}(dim={self.dim}, sizes=[{sizes}])"
+
+
+def as_slices(box: Box) -> tuple[slice, ...]:
+    return tuple(slice(start, stop) for start, stop in box)
+
+
+def box_shape(box: Box) -> tuple[int, ...]:
+    return tuple(stop - start for start, stop in box)
 
 
 def even_sizes(total: int, world_size: int) -> list[int]:

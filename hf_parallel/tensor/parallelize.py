@@ -2,7 +2,8 @@
 
 ``shard_plan`` is pure bookkeeping (works on the meta device, reads no weight), so the dry run
 (`hf-parallel plan`) and the loader see exactly the same layouts. ``install`` runs after the
-local weights are in place.
+local weights are in place: every style's lifecycle (``styles.py``), then the attention modules
+set to their local heads.
 """
 
 from __future__ import annotations
@@ -16,11 +17,13 @@ from torch import nn
 from ..distributed.mesh import Mesh
 from . import attention
 from .geometry import FUSED_QKV_NAMES, OUT_NAMES, QKV_ROLES, ConfigIgnoredWarning, attention_geometry, is_conv1d, named
+from .gradients import GradientSums
 from .heads import HeadSplit, split_heads
 from .layout import Layout, replicated
 from .plan import tie_embedding_rules
 from .rules import Plan, Rule
-from .styles import Rowwise, ShardContext, in_dim, out_dim
+from .splits import ShardContext, in_dim, out_dim
+from .styles import Rowwise
 
 
 @dataclass
@@ -41,6 +44,12 @@ class ShardPlan:
     contexts: dict[str, ShardContext]  # module path -> context its style runs with
     layouts: dict[str, dict[str, Layout]]  # module path -> its parameters' layouts (full shapes)
     params: dict[str, ShardedParam]  # every name (aliases included) -> entry
+    gradients: GradientSums  # which gradients are summed over which group (styles, then the sequence split)
+
+    @property
+    def source(self) -> str:
+        """Where the plan's rules came from (a plans/ file, transformers, discovery, the user)."""
+        return self.plan.source
 
     def unique_params(self) -> list[ShardedParam]:
         seen, out = set(), []
@@ -80,16 +89,21 @@ def model_head_split(model: nn.Module, attention_paths: set[str], mesh: Mesh) ->
     return split_heads(geometry.num_heads, geometry.num_kv_heads, geometry.head_dim, mesh.tp.size)
 
 
-def shard_plan(model: nn.Module, plan: Plan, mesh: Mesh) -> ShardPlan:
-    rules = plan.assign(model)
+def shard_plan(model: nn.Module, plan: Plan, mesh: Mesh, held_elsewhere: frozenset[str] = frozenset()) -> ShardPlan:
+    """Every parameter's rule and layout on this rank of ``mesh``, checked before any weight is read.
+    ``held_elsewhere``: the modules another pipeline stage holds (``Plan.assign``)."""
+    rules = plan.assign(model, held_elsewhere)
     tie_embedding_rules(model, rules)
     modules = dict(model.named_modules())
     roots = {path: attention.attention_root(path, modules) for path in rules}
     in_attention = {path for path, root in roots.items() if root is not None}
     # heads matter only when attention is split: expert parallelism alone may use more ranks than heads
     heads = model_head_split(model, {roots[p] for p in in_attention}, mesh) if in_attention else None
-    kv_group = _kv_group(heads, mesh)
-    contexts = {path: ShardContext(mesh, heads if path in in_attention else None, kv_group) for path in rules}
+    kv_group, gradients = _kv_group(heads, mesh), GradientSums()
+    contexts = {
+        path: ShardContext(mesh, heads if path in in_attention else None, kv_group, gradients=gradients)
+        for path in rules
+    }
 
     layouts = {
         path: rule.style.layouts(modules[path], contexts[path], path) for path, rule in rules.items() if path in modules
@@ -126,7 +140,7 @@ def shard_plan(model: nn.Module, plan: Plan, mesh: Mesh) -> ShardPlan:
         _check_split(names[0], tuple(param.shape), layout, rule)
         for alias in names:
             params[alias] = ShardedParam(names[0], names, layout, rule, tuple(param.shape))
-    shard = ShardPlan(plan, mesh, heads, rules, contexts, layouts, params)
+    shard = ShardPlan(plan, mesh, heads, rules, contexts, layouts, params, gradients)
     warn_unsharded_matrices(model, shard)
     return shard
 
@@ -150,14 +164,14 @@ def _check_split(name: str, shape: tuple, layout: Layout, rule) -> None:
         )
 
 
-def install(model: nn.Module, shard: ShardPlan) -> None:
-    """Wrap forwards with collectives and give attention modules their local head counts."""
+def install(model: nn.Module, shard: ShardPlan, stand_ins: frozenset[str] = frozenset()) -> None:
+    """Wrap forwards with collectives and give attention modules their local head counts.
+    ``stand_ins``: modules that hold a weight tied to this pipeline stage's but that another stage
+    runs: they compute nothing here, so their styles are not installed."""
     modules = dict(model.named_modules())
     for path, rule in shard.rules.items():
-        if getattr(modules.get(path), "stand_in", False):  # holds a tied weight; another stage runs it
-            continue
-        if path in modules:  # parameter rules only set a layout; their module's style runs it
-            rule.style.install(modules[path], shard.contexts[path], path, shard.layouts.get(path, {}))
+        if path in modules and path not in stand_ins:  # parameter rules only set a layout; their module's style runs it
+            rule.style.install(modules[path], shard.contexts[path], shard.layouts.get(path, {}))
     for _, module in _attention_on_local_heads(modules, shard.rules, shard.heads, shard.mesh):
         attention.localize(module, shard.heads, shard.mesh.tp.rank)
 

@@ -65,9 +65,15 @@ def curated_plan_for(model_type: str):
     return _curated().get(model_type)
 
 
-def resolve_plan(model: nn.Module, tp_plan) -> Plan:
+def resolve_plan(model: nn.Module, tp_plan, ep_plan=None) -> Plan:
     """Turn ``tp_plan`` ("auto", "discover", a registered model_type name, a dict, or None: no
-    rules, every parameter replicated) into validated rules."""
+    rules, every parameter replicated) into validated rules. ``ep_plan="auto"``: experts spread
+    whole over the ranks (``with_expert_parallel``), their rules taken from the model's plan even
+    when ``tp_plan`` is None (which then keeps the rest replicated)."""
+    if ep_plan == "auto":
+        return with_expert_parallel(resolve_plan(model, tp_plan or "auto"), keep_tensor_parallel=bool(tp_plan))
+    if ep_plan is not None:
+        raise ValueError(f"ep_plan must be 'auto' (experts spread over the ranks) or None, got {ep_plan!r}")
     prefix = getattr(model, "base_model_prefix", "") or ""
     model_type = getattr(model.config, "model_type", None)
     curated = curated_plan_for(model_type)

@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from .styles import ParallelStyle, get_style
+from .registry import get_style
+from .styles import ParallelStyle
 
 _COMPONENT = re.compile(r"^(\*|[A-Za-z0-9_]+)$")
 
@@ -80,14 +81,16 @@ class Plan:
         self.used.update(hit.pattern for hit in hits if hit.style_name == rule.style_name)  # agreeing spellings
         return rule
 
-    def assign(self, model: nn.Module) -> dict[str, Rule]:
+    def assign(self, model: nn.Module, held_elsewhere: frozenset[str] = frozenset()) -> dict[str, Rule]:
         """Module (or parameter) path -> rule for everything a rule matches; warns about rules that
-        match nothing. Parameter rules (``experts.gate_up_proj``) split one 3-D parameter of a module."""
+        match nothing. Parameter rules (``experts.gate_up_proj``) split one 3-D parameter of a module.
+        ``held_elsewhere``: modules another pipeline stage holds (stand-ins here, with no children):
+        their rules count as used, and assign nothing."""
         assigned = {}
         for path, module in model.named_modules():
             rule = self.rule_for(path) if path else None
-            if getattr(module, "held_elsewhere", False):  # another pipeline stage's (it has no children):
-                continue  # its rule, looked up above, counts as used
+            if path in held_elsewhere:
+                continue
             if rule is not None:
                 assigned[path] = rule
             for name, _ in module.named_parameters(recurse=False):  # a rule may name one parameter

@@ -1,0 +1,97 @@
+"""This rank's model before any weight is read: built on the meta device, checked, cut to its
+pipeline stage, and every parameter's rule and layout decided. ``from_pretrained`` loads into it;
+``hf-parallel plan`` prints it, as any rank would see it, with no processes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from accelerate import init_empty_weights
+from torch import nn
+
+from .checkpoint.keys import FusedSource, checkpoint_sources
+from .distributed.mesh import Mesh
+from .pipeline.split import StageSplit, split_stages
+from .pipeline.stage import StageCut, cut_to_stage
+from .sequence.shard import check_sequence_parallel
+from .tensor.parallelize import ShardPlan, shard_plan
+from .tensor.plan import resolve_plan
+
+
+@dataclass
+class RankModel:
+    """A rank's empty model and everything decided about it."""
+
+    model: nn.Module  # parameters on the meta device (buffers such as RoPE tables real)
+    plan: ShardPlan  # every parameter's rule and layout on this rank
+    split: StageSplit | None = None  # the pipeline's stages, when there are several
+    cut: StageCut | None = None  # what this rank's stage holds in place of the others' modules
+    ignore_keys: frozenset[str] = frozenset()  # checkpoint keys the other stages read
+
+
+def resolve_dtype(dtype, config) -> torch.dtype:
+    if dtype in (None, "auto"):
+        dtype = getattr(config, "dtype", None) or torch.float32
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    return dtype
+
+
+def build_empty(auto_class, config, dtype: torch.dtype) -> nn.Module:
+    """The model with parameters on the meta device (buffers such as RoPE tables stay real)."""
+    with init_empty_weights(include_buffers=False):
+        model = auto_class.from_config(config, dtype=dtype)
+    model.tie_weights()  # accelerate's meta init re-creates parameters, which unties them
+    return model
+
+
+def keys_held_elsewhere(model: nn.Module, split: StageSplit, stage: int, keys) -> frozenset[str]:
+    """The checkpoint keys of the modules other stages hold (of the full model, before the cut):
+    this stage neither reads them nor calls them unexpected."""
+    direct, fused = checkpoint_sources(model, keys)
+    mine = split.owned(stage)
+
+    def elsewhere(name: str) -> bool:
+        owner = split.stage_of(name)
+        return owner is not None and owner != stage and not any(name.startswith(p + ".") for p in mine)
+
+    found = {key for name, key in direct.items() if elsewhere(name)}
+    for name, source in fused.items():
+        if elsewhere(name) and isinstance(source, FusedSource):
+            found.update(key for block in source.keys for key in block)
+    return frozenset(found)
+
+
+def build_rank_model(
+    auto_class,
+    config,
+    dtype: torch.dtype,
+    mesh: Mesh,
+    tp_plan="auto",
+    ep_plan=None,
+    stage_layers=None,
+    checkpoint_keys=None,
+) -> RankModel:
+    """Everything that can be refused is refused here, before any weight is read. ``checkpoint_keys``
+    (under pipeline stages): the checkpoint's keys, of which the other stages' are set aside."""
+    if stage_layers is not None and mesh.num_stages == 1:
+        raise ValueError(f"stage_layers={list(stage_layers)} needs pipeline stages: pass pp_size or stage_tp_sizes")
+    model = build_empty(auto_class, config, dtype)
+    if mesh.sp.size > 1:
+        check_sequence_parallel(model, mesh.sp.size)
+    built = RankModel(model, None)
+    if mesh.num_stages > 1:  # cut the meta model down to this stage before anything else sees it
+        if model.get_output_embeddings() is None:
+            raise ValueError(
+                f"pipeline stages need a model with an LM head (the last stage's logits are what every rank gets); "
+                f"{type(model).__name__} has none: load it with AutoModelForCausalLM, or without pp_size/stage_tp_sizes"
+            )
+        built.split = split_stages(model, mesh.num_stages, stage_layers)
+        if checkpoint_keys is not None:
+            built.ignore_keys = keys_held_elsewhere(model, built.split, mesh.stage, checkpoint_keys)
+        built.cut = cut_to_stage(model, built.split, mesh.stage)
+    held_elsewhere = built.cut.held_elsewhere if built.cut is not None else frozenset()
+    built.plan = shard_plan(model, resolve_plan(model, tp_plan, ep_plan), mesh, held_elsewhere)
+    return built

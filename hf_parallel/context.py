@@ -1,0 +1,69 @@
+"""The per-call context: what one forward of a parallel model needs beyond its arguments.
+
+The runtime (``runtime.py``) builds one ``Call`` for each micro-batch it runs and sets it for the
+duration of that forward; the hooks the sequence split and the pipeline stage installed read it with
+``current_call()``. Nothing per call is kept in a shared object between calls: a hook sees the call
+it runs in, and only that one. Tensor parallelism's hooks need no context.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class SequenceCall:
+    """The token split of this call's sequences over the sequence-parallel group."""
+
+    split: object  # the model's SequenceSplit (sequence/shard.py): its group, and the attention it wraps
+    sizes: tuple[int, ...]  # tokens per SP rank (sequence/tokens.py)
+    tokens: int  # the batch's sequence length (below sum(sizes) only when padded to one token per rank)
+    keep_split: bool  # a loss follows: logits stay split (else the final hidden states are gathered)
+
+
+@dataclass
+class StepRecord:
+    """What ``train_step`` keeps across the micro-batches of one step on a pipeline stage."""
+
+    inputs: dict = field(default_factory=dict)  # micro-batch -> received hidden states (leaves needing grad)
+    outputs: dict = field(default_factory=dict)  # micro-batch -> hidden states sent on (their graphs kept)
+
+
+@dataclass(frozen=True)
+class Call:
+    """One forward of one micro-batch."""
+
+    rows: int
+    tokens: int
+    micro_batch: int = 0
+    sequence: SequenceCall | None = None
+    training: StepRecord | None = None  # set by train_step on a pipeline stage
+
+
+_CURRENT: ContextVar[Call | None] = ContextVar("hf_parallel_call", default=None)
+
+
+def current_call() -> Call | None:
+    """The call in progress (None outside a forward the runtime runs)."""
+    return _CURRENT.get()
+
+
+@contextmanager
+def calling(call: Call):
+    token = _CURRENT.set(call)
+    try:
+        yield call
+    finally:
+        _CURRENT.reset(token)
+
+
+def batch_inputs(kwargs: dict) -> torch.Tensor:
+    """The batch's input_ids, or its inputs_embeds: [rows, tokens, ...]."""
+    for key in ("input_ids", "inputs_embeds"):
+        if kwargs.get(key) is not None:
+            return kwargs[key]
+    raise ValueError("a parallel forward needs input_ids or inputs_embeds")

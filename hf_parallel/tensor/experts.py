@@ -1,0 +1,109 @@
+"""Styles of mixture-of-experts modules: expert tensor parallelism (every expert split inside) and
+expert parallelism (whole experts spread over the ranks), with the parameter rule of stacked experts.
+
+transformers' experts forward takes (hidden states, expert ids, routing weights) on the whole batch
+of routed tokens; both styles keep that call and sum the ranks' partial outputs with one all-reduce.
+"""
+
+from __future__ import annotations
+
+from ..distributed import comm
+from .layout import chunks, even_sizes
+from .styles import Hooks, ParallelStyle
+
+# transformers' experts forward takes (hidden states, expert ids, routing weights); GPT-OSS names them
+# (hidden_states, router_indices, routing_weights)
+EXPERT_ARG_ROLES = {"hidden_states": 0, "top_k_index": 1, "router_indices": 1, "top_k_weights": 2, "routing_weights": 2}
+
+
+def _rewrite_expert_args(args: tuple, kwargs: dict, rewrite) -> tuple[tuple, dict]:
+    """Apply ``rewrite(role, value)`` to each experts-forward argument, passed by position or name."""
+    args = tuple(rewrite(role, value) if role < 3 else value for role, value in enumerate(args))
+    kwargs = {key: rewrite(EXPERT_ARG_ROLES[key], v) if key in EXPERT_ARG_ROLES else v for key, v in kwargs.items()}
+    return args, kwargs
+
+
+def _counted_once(module, attrs: list[str], rank: int):
+    """Whole parameters added inside a split computation (GPT-OSS's down_proj_bias, inside each
+    expert before the sum over ranks) count on rank 0 only: elsewhere the forward sees them times
+    zero (their gradient, all of it on rank 0, is summed over the group by the caller)."""
+    if rank == 0 or not attrs:
+        return None
+
+    def around(forward, *args, **kwargs):
+        params = {attr: module._parameters[attr] for attr in attrs}
+        module._parameters.update({attr: param * 0 for attr, param in params.items()})
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            module._parameters.update(params)
+
+    return around
+
+
+class MoETPExperts(ParallelStyle):
+    """Every expert split inside (its gate_up by columns, its down by rows, per parameter rules):
+    each rank computes every routed token's partial expert output; one all-reduce sums them.
+
+    The hidden states and routing weights enter through copy_to, whose backward sums their
+    gradients: each rank's share of the output depends on them through its own slice only."""
+
+    def localize(self, module, ctx, layouts):
+        """Set the module's sizes to the local ones; returns a remapping of expert ids, or None."""
+        if "gate_up_proj" in layouts and hasattr(module, "intermediate_dim"):
+            module.intermediate_dim = layouts["gate_up_proj"].local_size(ctx.rank) // 2
+        return None
+
+    def prepare(self, module, ctx, layouts):
+        group, remap = ctx.group, self.localize(module, ctx, layouts)
+
+        def rewrite(role, value):
+            if role == 1:
+                return value if remap is None else remap(value)
+            return comm.copy_to(value, group)
+
+        whole = [
+            attr
+            for attr, _ in module.named_parameters(recurse=False)
+            if attr not in layouts or layouts[attr].is_replicated
+        ]
+        for attr in whole:
+            ctx.gradients.sum_over(module.get_parameter(attr), group)
+        return Hooks(
+            pre=lambda args, kwargs: _rewrite_expert_args(args, kwargs, rewrite),
+            around=_counted_once(module, whole, ctx.rank),
+            post=lambda out: comm.reduce_from(out, group),
+        )
+
+
+class GroupedGemm(ParallelStyle):
+    """A stacked expert parameter [E, ...] under expert parallelism: each rank holds whole experts."""
+
+    def param_layout(self, owner, attr, ctx, name):
+        return chunks(0, even_sizes(owner.get_parameter(attr).shape[0], ctx.size))
+
+
+class MoEEPExperts(MoETPExperts):
+    """Expert parallelism: each rank holds E/ws whole experts (``grouped_gemm`` parameter rules).
+    The router stays replicated; its expert ids are remapped here to local ones, and ids of other
+    ranks' experts become transformers' EP sentinel (``num_experts``), which both its eager loop and
+    its grouped_mm kernel skip, so those tokens add zero. Collectives as for ``moe_tp_experts``."""
+
+    def layouts(self, module, ctx, name):
+        """Every stacked parameter (biases too, whether or not a rule names them) by whole experts."""
+        return {
+            attr: GroupedGemm().param_layout(module, attr, ctx, f"{name}.{attr}")
+            for attr, _ in module.named_parameters(recurse=False)
+        }
+
+    def localize(self, module, ctx, layouts):
+        layout = next(layout for layout in layouts.values() if layout.dim == 0)
+        ((start, stop),) = layout.ranges[ctx.rank]
+        local = stop - start
+        module.num_experts, module._is_expert_parallel = local, True
+
+        def remap(index):
+            index = index - start
+            return index.masked_fill((index < 0) | (index >= local), local)
+
+        return remap

@@ -1,0 +1,92 @@
+"""Workers of sequence parallelism against one process (test_sequence_parallel). Each runs inside a rank of a spawned gloo group (``distributed.run_ranks``)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from tp_workers import against_one_process
+
+
+def sequence_batches(vocab: int) -> dict:
+    """Batches for sequence parallelism: lengths that do not divide (37) and do (64), padding on
+    the left and on the right, two samples packed in one row (positions restarting at 0), and a
+    sequence shorter than the group (3 tokens)."""
+    gen = torch.Generator().manual_seed(7)
+
+    def ids(length, rows=2):
+        return torch.randint(3, vocab, (rows, length), generator=gen)
+
+    padded_ids, mask = ids(37), torch.ones(2, 37, dtype=torch.long)
+    mask[0, :6] = 0  # left padding
+    mask[1, 30:] = 0  # right padding
+    packed_ids = ids(37, rows=1)
+    # use_cache=False everywhere: with a cache, transformers' single-process mask ignores packed samples
+    # (their position_ids restart at 0) and lets the second attend to the first
+    return {
+        "len37": dict(input_ids=(x := ids(37)), labels=x, use_cache=False),
+        "len64": dict(input_ids=(y := ids(64)), labels=y, use_cache=False),
+        "padded": dict(
+            input_ids=padded_ids, attention_mask=mask, labels=padded_ids.masked_fill(mask == 0, -100), use_cache=False
+        ),
+        "packed": dict(
+            input_ids=packed_ids,
+            position_ids=torch.cat([torch.arange(20), torch.arange(17)]).unsqueeze(0),
+            labels=packed_ids,
+            use_cache=False,
+        ),
+        "len3": dict(input_ids=(z := ids(3)), labels=z, use_cache=False),
+    }
+
+
+def compare_sp(rank: int, world_size: int, cases: dict, tp_size: int, sp_size: int, save_root: str) -> dict:
+    """For each checkpoint: every batch's loss, this rank's logits and every parameter's gradient
+    under tp x sp against one process, the whole logits of an inference forward (no labels), greedy
+    generate, a save, and the weights after one SGD step."""
+    import transformers
+
+    import hf_parallel
+    from hf_parallel.distributed.mesh import get_mesh
+
+    results = {}
+    sp_rank = get_mesh(tp_size, sp_size=sp_size).sp.rank
+    for name, path in cases.items():
+        single = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        model = hf_parallel.AutoModelForCausalLM.from_pretrained(
+            path, tp_plan="auto" if tp_size > 1 else None, tp_size=tp_size, sp_size=sp_size, dtype=torch.float32
+        )
+        state = hf_parallel.parallel_state(model)
+        for batch_name, batch in sequence_batches(single.config.vocab_size).items():
+            single.zero_grad()
+            model.zero_grad()
+            want = single(**batch)
+            want.loss.backward()
+            got = model(**batch)
+            got.loss.backward()
+            seq = batch["input_ids"].shape[1]
+            sizes = [seq // sp_size + (r < seq % sp_size) for r in range(sp_size)]
+            start = sum(sizes[:sp_rank])
+            real = batch.get("attention_mask", torch.ones_like(batch["input_ids"])).bool().unsqueeze(-1)
+            local_logits = want.logits[:, start : start + sizes[sp_rank]]  # padding tokens are compared nowhere
+            local_real = real[:, start : start + sizes[sp_rank]]
+            grad_error, grad_scale = against_one_process(model, single, state)
+            with torch.no_grad():
+                whole = model(**{k: v for k, v in batch.items() if k != "labels"}).logits
+            results[f"{name}/{batch_name}"] = {
+                "loss": abs(got.loss.item() - want.loss.item()),
+                "logits": (got.logits - local_logits).masked_fill(~local_real, 0).abs().max().item()
+                if local_logits.numel()
+                else 0.0,
+                "local_tokens": got.logits.shape[1],
+                "whole_logits": (whole - want.logits).masked_fill(~real, 0).abs().max().item(),
+                "grads": grad_error,
+                "grad_scale": grad_scale,
+            }
+        prompt = sequence_batches(single.config.vocab_size)["len37"]["input_ids"][:, :9]
+        want_tokens = single.generate(prompt, max_new_tokens=6, do_sample=False)
+        results[f"{name}/generate"] = model.generate(prompt, max_new_tokens=6, do_sample=False).equal(want_tokens)
+        model.save_pretrained(os.path.join(save_root, name))
+        for opt_model in (single, model):
+            torch.optim.SGD(opt_model.parameters(), lr=0.5).step()
+        results[f"{name}/step"] = against_one_process(model, single, state, "data")[0]
+    return results

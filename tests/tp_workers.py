@@ -1,0 +1,215 @@
+"""Workers of the tensor- and expert-parallel comparisons against one process (test_tp_models, test_moe, test_encoders, test_smollm2, test_bad_input, test_verify). Each runs inside a rank of a spawned gloo group (``distributed.run_ranks``)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+PROMPT = [{"role": "user", "content": "Explain in detail how a bicycle works."}]
+
+
+# holds the first vocab row of every rank at TP=2, 3, 4 (vocab 101: 51; 34, 68; 26, 51, 76), where a
+# padding_idx left unshifted would silently drop the gradient
+INPUT_IDS = torch.tensor([[1, 51, 42, 34, 99, 68, 8], [3, 64, 26, 76, 31, 9, 50]])
+
+
+def _output_and_loss(model, encoder: bool):
+    """Causal LMs: logits and the LM loss. Encoders: the last hidden state and a loss on it."""
+    if encoder:
+        out = model(INPUT_IDS)
+        pooled = getattr(out, "pooler_output", None)
+        loss = out.last_hidden_state.square().mean() + (0 if pooled is None else pooled.square().mean())
+        return out.last_hidden_state, loss
+    out = model(INPUT_IDS, labels=INPUT_IDS)
+    return out.logits, out.loss
+
+
+def reference(path: str, encoder: bool = False):
+    """Single-process transformers: output and gradients of one step."""
+    import transformers
+
+    auto = transformers.AutoModel if encoder else transformers.AutoModelForCausalLM
+    model = auto.from_pretrained(path, dtype=torch.float32)
+    output, loss = _output_and_loss(model, encoder)
+    loss.backward()
+    grads = {name: p.grad for name, p in model.named_parameters()}
+    return output.detach(), grads
+
+
+def expected_slice(full: torch.Tensor, layout, rank: int) -> torch.Tensor:
+    """``rank``'s piece of a one-process tensor, by the layout the parallel model holds it in."""
+    return layout.extract(full, rank)
+
+
+def against_one_process(model, single, state, what: str = "grad") -> tuple[float, float]:
+    """Over every parameter, the largest difference between this rank's ``what`` (``"grad"`` or
+    ``"data"``) and its slice of one process's, and the largest value of those slices."""
+    error = scale = 0.0
+    for entry in state.plan.unique_params():
+        got = getattr(model.get_parameter(entry.name), what)
+        want = expected_slice(getattr(single.get_parameter(entry.name), what), entry.layout, state.mesh.tp.rank)
+        if got.numel():
+            error, scale = max(error, (got - want).abs().max().item()), max(scale, want.abs().max().item())
+    return error, scale
+
+
+def compare_tp(
+    rank: int, world_size: int, cases: dict, save_root: str | None, encoder: bool = False, distributed: bool = False
+) -> dict:
+    """For each case (checkpoint path, tp_plan[, reference path]): TP output/grads vs single process
+    (of the reference path, when the checkpoint is one transformers cannot read), collectives per
+    forward, and a save (``distributed``: per-rank files). ``encoder``: AutoModel and its last hidden
+    state instead of logits."""
+    import hf_parallel
+    from hf_parallel.distributed import comm
+
+    auto = hf_parallel.AutoModel if encoder else hf_parallel.AutoModelForCausalLM
+    results = {}
+    for name, (path, tp_plan, *reference_path) in cases.items():
+        ref_output, ref_grads = reference(reference_path[0] if reference_path else path, encoder)
+        model = auto.from_pretrained(path, tp_plan=tp_plan, dtype=torch.float32)
+        comm.COUNTS.clear()
+        with torch.no_grad():
+            model(INPUT_IDS)
+        counts = {op: comm.COUNTS[op] for op in ("all_reduce", "all_gather")}
+        output, loss = _output_and_loss(model, encoder)
+        loss.backward()
+        grad_error, missing = 0.0, []
+        state = hf_parallel.parallel_state(model)
+        for entry in state.plan.unique_params():
+            grad = model.get_parameter(entry.name).grad
+            if grad is None:
+                if ref_grads[entry.name] is not None:  # unused in this forward (cross-attention) is fine
+                    missing.append(entry.name)
+                continue
+            want = expected_slice(ref_grads[entry.name], entry.layout, rank)
+            grad_error = max(grad_error, (grad - want).abs().max().item() if grad.numel() else 0.0)
+        results[name] = {
+            "logits": (output.detach() - ref_output).abs().max().item(),
+            "grads": grad_error,
+            "missing_grads": missing,
+            "grad_scale": max(
+                (g.abs().max().item() for g in ref_grads.values() if g is not None and g.numel()), default=0.0
+            ),
+            "counts": counts,
+            "layers": model.config.num_hidden_layers,
+            "plan_source": state.plan.source,
+        }
+        if save_root is not None:
+            model.save_pretrained(os.path.join(save_root, name), distributed=distributed)
+    return results
+
+
+def compare_ep(rank: int, world_size: int, cases: dict, save_root: str) -> dict:
+    """compare_tp for expert parallelism (``ep_plan="auto"``, with or without tensor parallelism):
+    outputs and gradients vs one process, experts held per rank, and a save."""
+    import hf_parallel
+
+    results = {}
+    for name, (path, tp_plan) in cases.items():
+        ref_output, ref_grads = reference(path)
+        model = hf_parallel.AutoModelForCausalLM.from_pretrained(
+            path, tp_plan=tp_plan, ep_plan="auto", dtype=torch.float32
+        )
+        output, loss = _output_and_loss(model, False)
+        loss.backward()
+        state, errors, experts = hf_parallel.parallel_state(model), [0.0], {}
+        for entry in state.plan.unique_params():
+            grad = model.get_parameter(entry.name).grad
+            if grad is not None:
+                errors.append((grad - expected_slice(ref_grads[entry.name], entry.layout, rank)).abs().max().item())
+            if entry.name.endswith("experts.gate_up_proj"):
+                experts[entry.name] = model.get_parameter(entry.name).shape[0]
+        results[name] = {
+            "logits": (output.detach() - ref_output).abs().max().item(),
+            "grads": max(errors),
+            "experts": experts,
+        }
+        model.save_pretrained(os.path.join(save_root, name))
+    return results
+
+
+def generate_tokens(rank: int, world_size: int, path: str, max_new_tokens: int, save_dir: str | None) -> dict:
+    import transformers
+
+    import hf_parallel
+
+    model = hf_parallel.AutoModelForCausalLM.from_pretrained(path, tp_plan="auto", dtype=torch.float32)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    ids = tokenizer.apply_chat_template(PROMPT, add_generation_prompt=True, return_tensors="pt", return_dict=True)[
+        "input_ids"
+    ]
+    out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)
+    if save_dir is not None:
+        model.save_pretrained(save_dir)
+    local_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    return {"tokens": out[0, ids.shape[1] :].tolist(), "local_bytes": local_bytes}
+
+
+def load_expecting_error(rank: int, world_size: int, paths: list, kwargs: dict) -> dict:
+    """Rank r loads ``paths[r]``; returns the error it got (or None)."""
+    import hf_parallel
+
+    try:
+        hf_parallel.AutoModelForCausalLM.from_pretrained(paths[rank], tp_plan="auto", **kwargs)
+    except Exception as error:  # noqa: BLE001 - the test asserts the type by name
+        return {"type": type(error).__name__, "message": str(error)}
+    return {"type": None, "message": None}
+
+
+def expert_parallel_memory(rank: int, world_size: int, path: str, warm_path: str, ep: bool) -> dict:
+    """Peak and resident RSS above the pre-load baseline, over loading and one forward, with
+    experts spread over the ranks (``ep``) or every rank holding all of them. A tiny model of the
+    same family is loaded and run first, so code imported and initialised on first use (and the
+    process group) is in the baseline."""
+    import gc
+
+    from checkpoint_workers import benchmark_rss_readings
+
+    import hf_parallel
+
+    rss_bytes, peak_rss_bytes, reset_peak_rss = benchmark_rss_readings()
+
+    kwargs = dict(tp_plan=None, ep_plan="auto") if ep else dict(tp_plan=None)
+    warm = hf_parallel.AutoModelForCausalLM.from_pretrained(warm_path, dtype=torch.float32, **kwargs)
+    with torch.no_grad():
+        warm(INPUT_IDS)
+    del warm
+    gc.collect()
+    baseline = rss_bytes()
+    reset_peak_rss()
+    model = hf_parallel.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kwargs)
+    with torch.no_grad():
+        model(INPUT_IDS)
+    experts = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if ".experts." in n)
+    rest = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if ".experts." not in n)
+    return {
+        "peak": peak_rss_bytes() - baseline,
+        "resident": rss_bytes() - baseline,
+        "local_expert_bytes": experts,
+        "rest_bytes": rest,
+    }
+
+
+def verify_with_a_broken_layer(rank: int, world_size: int, path: str) -> dict | None:
+    """hf-parallel verify on a plan whose layer 1 output projection keeps each rank's partial sum
+    (a registered style that forgot its all-reduce): wrong numbers and no error, from layer 1 on."""
+    import torch.nn.functional as F
+
+    from hf_parallel import register_style
+    from hf_parallel.tensor.plan import curated_plan_for
+    from hf_parallel.tensor.styles import Hooks, Rowwise
+    from hf_parallel.verify import verify
+
+    class RowwiseWithoutSum(Rowwise):
+        def prepare(self, module, ctx, layouts):
+            return Hooks(around=lambda forward, x, *args, **kwargs: F.linear(x, module.weight))
+
+    register_style("rowwise_without_sum", RowwiseWithoutSum(), overwrite=True)
+    rules = {**curated_plan_for("llama")[0], "layers.1.self_attn.o_proj": "rowwise_without_sum"}
+    report = verify(path, tp_plan=rules)
+    if report is None:
+        return None
+    first = report.first_divergence
+    return {"first": first.name, "rows": {row.name: row.relative for row in report.rows}, "text": str(report)}
