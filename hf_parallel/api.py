@@ -80,9 +80,9 @@ def from_pretrained(
         model.generation_config = transformers.GenerationConfig.from_pretrained(path)
     except OSError:
         pass
-    runtime, stage, sequence = compose(model, mesh, built, micro_batches)
+    runtime = compose(model, mesh, built, micro_batches)
     model.eval()
-    attach(model, ParallelState(mesh, built.plan, source_keys, runtime, stage, sequence))
+    attach(model, ParallelState(mesh, built.plan, source_keys, runtime, runtime.stage, runtime.sequence))
     model.save_pretrained = functools.partial(save_pretrained, model)
     return model
 

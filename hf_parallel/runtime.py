@@ -81,11 +81,9 @@ class Runtime:
         return out
 
 
-def compose(
-    model: nn.Module, mesh, built, micro_batches: int | None = None
-) -> tuple[Runtime, Stage | None, SequenceSplit | None]:
+def compose(model: nn.Module, mesh, built, micro_batches: int | None = None) -> Runtime:
     """Install, in the order above, what runs around the forward of ``built`` (a ``RankModel``
-    whose weights are loaded); returns the runtime, the stage and the sequence split."""
+    whose weights are loaded); the runtime holds the stage and the sequence split it made."""
     install(model, built.plan, built.cut.stand_ins if built.cut is not None else frozenset())
     sequence = stage = None
     if mesh.sp.size > 1:
@@ -103,4 +101,4 @@ def compose(
             return runtime.forward(*args, **kwargs)
 
         model.forward = functools.wraps(model.forward)(forward)  # its signature: generate inspects it
-    return runtime, stage, sequence
+    return runtime

@@ -95,7 +95,3 @@ def checkpoint_sources(model: nn.Module, keys) -> tuple[dict[str, str], dict[str
             )
     return direct, fused
 
-
-def param_names_for_keys(model: nn.Module, keys) -> dict[str, str]:
-    """Model parameter/buffer name -> the checkpoint key that holds it (renamings only)."""
-    return checkpoint_sources(model, keys)[0]

@@ -28,9 +28,6 @@ class GradientSums:
             param.register_hook(lambda grad: comm.all_reduce(grad, group))
             summed.add(group)
 
-    def groups_of(self, param: nn.Parameter) -> set:
-        return set(self._groups.get(id(param), ()))
-
 
 def sum_replicated_pieces(param: nn.Parameter, layout: Layout, rank: int, group) -> None:
     """Sum, over the ranks sharing them, the gradient rows of pieces held by several ranks
