@@ -82,7 +82,7 @@ def from_pretrained(
         pass
     runtime = compose(model, mesh, built, micro_batches)
     model.eval()
-    attach(model, ParallelState(mesh, built.plan, source_keys, runtime, runtime.stage, runtime.sequence))
+    attach(model, ParallelState(mesh, built.plan, source_keys, runtime))
     model.save_pretrained = functools.partial(save_pretrained, model)
     return model
 

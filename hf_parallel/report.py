@@ -9,6 +9,7 @@ import transformers
 
 from .build import build_empty, build_rank_model, resolve_dtype
 from .distributed.mesh import Mesh
+from .distributed.shape import MeshShape
 from .pipeline.stage import tied_across_stages
 from .sequence.tokens import token_sizes
 from .sequence.ulysses import head_plan
@@ -70,7 +71,7 @@ def pipeline_report(path: str, config, dtype, auto_class, tp_plan, stage_tp_size
     itemsize = torch.empty((), dtype=dtype).element_size()
     stages = len(stage_tp_sizes)
     lines = [f"pipeline plan for {path} ({config.model_type}): {stages} stages, TP per stage {stage_tp_sizes}"]
-    shape = Mesh.dry_run(stage_tp_sizes=stage_tp_sizes).shape
+    shape = MeshShape.requested(stage_tp_sizes=stage_tp_sizes)
     full = sum(p.numel() for p in build_empty(auto_class, config, dtype).parameters()) * itemsize
     for stage, tp in enumerate(stage_tp_sizes):
         ranks = shape.stage_ranks(stage)

@@ -29,8 +29,16 @@ class ParallelState:
     plan: ShardPlan  # every parameter's rule and layout (tensor and expert parallelism)
     source_keys: dict  # parameter (or persistent buffer) name -> checkpoint key (or per-expert keys) it was read from
     runtime: Runtime  # what runs around the model's forward: the sequence split and the pipeline stage
-    stage: Stage | None = None  # this rank's pipeline stage, when there are several
-    sequence: SequenceSplit | None = None  # the sequence-parallel group, when sequences are split
+
+    @property
+    def stage(self) -> Stage | None:
+        """This rank's pipeline stage, when there are several (the runtime's)."""
+        return self.runtime.stage
+
+    @property
+    def sequence(self) -> SequenceSplit | None:
+        """The sequence-parallel group, when sequences are split (the runtime's)."""
+        return self.runtime.sequence
 
     def __repr__(self) -> str:
         stage = "" if self.stage is None else f", layers {self.stage.layers().start}-{self.stage.layers().stop - 1}"

@@ -94,4 +94,3 @@ def checkpoint_sources(model: nn.Module, keys) -> tuple[dict[str, str], dict[str
                 tuple(tuple(b[e] for e in range(count)) for b in blocks), _supported_fusion(converter)
             )
     return direct, fused
-

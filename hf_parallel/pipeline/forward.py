@@ -88,8 +88,8 @@ def default_micro_batches(rows: int, tokens: int, stages: int) -> int:
 def pipelined(kwargs: dict, stage: Stage, run) -> CausalLMOutputWithPast:
     """One forward over the stages: ``run(part, micro_batch)`` runs the model's own forward on one
     micro-batch (its output on the last stage, else None)."""
-    link = stage.link
-    if kwargs.get("labels") is not None and torch.is_grad_enabled():
+    link, labels = stage.link, kwargs.get("labels")
+    if labels is not None and torch.is_grad_enabled():
         raise RuntimeError(
             "a pipeline-parallel model's loss cannot be back-propagated from a plain forward (the stages "
             "hold different layers): train with hf_parallel.train_step(model, input_ids, labels, ...), "
@@ -102,8 +102,8 @@ def pipelined(kwargs: dict, stage: Stage, run) -> CausalLMOutputWithPast:
     if cache is not None and len(parts) > 1:
         for part, micro in zip(parts, split_cache(cache, [batch_size_of(part) for part in parts])):
             part["past_key_values"] = micro
-    if kwargs.get("labels") is not None:
-        total = label_count(kwargs["labels"])
+    if labels is not None:
+        total = label_count(labels)
         for part in parts:
             part["num_items_in_batch"] = total
     outputs = [run(part, micro_batch=i) for i, part in enumerate(parts)]
@@ -111,7 +111,7 @@ def pipelined(kwargs: dict, stage: Stage, run) -> CausalLMOutputWithPast:
     logits = torch.cat([out.logits for out in outputs]) if link.is_last else None
     logits = link.broadcast_from_last(logits)
     loss = None
-    if kwargs.get("labels") is not None:
+    if labels is not None:
         loss = link.broadcast_from_last(sum(out.loss for out in outputs) if link.is_last else None)
     if cache is not None and len(parts) > 1:
         join_cache(cache, [part["past_key_values"] for part in parts])

@@ -96,6 +96,7 @@ def install_sequence(model: nn.Module, mesh, layers: list[nn.Module], gradients:
     hooks on ``layers`` (the decoder layers, in order) and before the LM head, Ulysses attention,
     and every gradient summed over the group."""
     from .ulysses import NAME  # registers the wrapper with transformers' attention registry
+
     split = SequenceSplit(
         mesh.sp.group, mesh.sp.rank, mesh.sp.size, getattr(model.config, "_attn_implementation", None) or "eager",
         mesh.device,
