@@ -16,6 +16,7 @@ _EXPORTS = {  # public name -> the module that owns it
     "ParallelState": ".state",
     "parallel_state": ".state",
     "train_step": ".training.step",
+    "clip_grad_norm_": ".training.clipping",
     "consolidate": ".checkpoint.consolidate",
     "CheckpointError": ".checkpoint.errors",
     "RankFailure": ".distributed.faults",

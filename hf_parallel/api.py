@@ -18,6 +18,8 @@ from .checkpoint.saving import save_sharded
 from .distributed.mesh import get_mesh
 from .runtime import compose
 from .state import ParallelState, attach, parallel_state
+from .training.data_parallel import layers_to_shard, shard_data_parallel, unsharded
+from .training.trainer import from_distributed_config, install_trainer_seams
 
 
 def from_pretrained(
@@ -33,6 +35,9 @@ def from_pretrained(
     stage_tp_sizes=None,
     stage_layers=None,
     micro_batches: int | None = None,
+    fsdp_size: int = 1,
+    dp_replicate_size: int = 1,
+    distributed_config=None,
     device_map=None,
     allow_pickle: bool = False,
     **config_kwargs,
@@ -45,6 +50,10 @@ def from_pretrained(
     ``stage_tp_sizes=[2, 1]``: one stage per entry with its own TP size (the world is their sum).
     ``stage_layers``: layers per stage (default: balanced by parameters, embeddings and head
     included); ``micro_batches``: rows of a batch per forward are cut into this many (default one per stage).
+    ``fsdp_size``: data-parallel replicas whose parameters, gradients and optimizer state FSDP2
+    shards between them; ``dp_replicate_size``: copies of those (HSDP). Both outermost: the world is
+    dp_replicate x fsdp x pp x sp x tp. ``distributed_config``: transformers' ``DistributedConfig``
+    instead of the sizes (what it asks that hf_parallel cannot do is refused).
     ``allow_pickle``: accept a ``pytorch_model.bin`` checkpoint (loaded with ``weights_only=True``).
 
     The steps, each in its own module: the mesh (``distributed/mesh.py``) → this rank's empty model,
@@ -64,10 +73,15 @@ def from_pretrained(
         raise TypeError(
             f"from_pretrained() got keyword argument(s) that hf_parallel does not take and {type(config).__name__} "
             f"does not define: {', '.join(sorted(unknown))}. hf_parallel takes tp_plan, ep_plan, dtype, tp_size, "
-            "sp_size, pp_size, stage_tp_sizes, stage_layers, micro_batches, device_map and allow_pickle; any other "
-            "keyword must be a config attribute (it overrides the checkpoint's)"
+            "sp_size, pp_size, stage_tp_sizes, stage_layers, micro_batches, fsdp_size, dp_replicate_size, "
+            "distributed_config, device_map and allow_pickle; any other keyword must be a config attribute (it "
+            "overrides the checkpoint's)"
         )
-    mesh = get_mesh(tp_size, sp_size=sp_size, pp_size=pp_size, stage_tp_sizes=stage_tp_sizes)
+    sizes = dict(tp_size=tp_size, sp_size=sp_size, pp_size=pp_size, stage_tp_sizes=stage_tp_sizes,
+                 fsdp_size=fsdp_size, dp_replicate_size=dp_replicate_size)  # fmt: skip
+    if distributed_config is not None:
+        sizes, tp_plan, ep_plan = from_distributed_config(distributed_config, sizes, tp_plan, ep_plan)
+    mesh = get_mesh(**sizes)
     dtype = resolve_dtype(dtype, config)
     files = checkpoint_files(path, allow_pickle) if mesh.num_stages > 1 else None  # a stage sets the others' aside
     built = build_rank_model(
@@ -75,6 +89,8 @@ def from_pretrained(
         checkpoint_keys=files,
     )  # fmt: skip
     model = built.model
+    if mesh.shape.dp > 1:
+        layers_to_shard(model, mesh)  # refused before any weight is read
     source_keys = load_weights(model, path, built.plan, dtype, allow_pickle, ignore_keys=built.ignore_keys, files=files)
     try:
         model.generation_config = transformers.GenerationConfig.from_pretrained(path)
@@ -82,8 +98,12 @@ def from_pretrained(
         pass
     runtime = compose(model, mesh, built, micro_batches)
     model.eval()
-    attach(model, ParallelState(mesh, built.plan, source_keys, runtime))
+    state = ParallelState(mesh, built.plan, source_keys, runtime)
+    attach(model, state)
+    shard_data_parallel(model, state)
     model.save_pretrained = functools.partial(save_pretrained, model)
+    if mesh.world_size > 1:
+        install_trainer_seams(model, state)
     return model
 
 
@@ -107,6 +127,7 @@ def save_pretrained(
     is_main_process: bool = True,
     safe_serialization: bool = True,
     save_original_format: bool = True,
+    state_dict=None,
     **unsupported,
 ) -> None:
     """Call on every rank. By default each tensor is gathered to rank 0, which writes a standard
@@ -114,8 +135,11 @@ def save_pretrained(
     (the fast path; ``hf-parallel consolidate`` turns it into a standard checkpoint).
 
     transformers' ``is_main_process`` is accepted and has no effect (every rank must call; rank 0
-    writes); ``safe_serialization`` and ``save_original_format`` are accepted as True, which is what
-    hf_parallel always does. Any other keyword is refused, before anything is written."""
+    writes); ``safe_serialization`` and ``save_original_format`` are accepted as True and
+    ``state_dict`` as None (the Trainer's ``save_model`` passes them), which is what hf_parallel
+    always does. Any other keyword is refused, before anything is written."""
+    if state_dict is not None:
+        unsupported["state_dict"] = state_dict
     for name in unsupported:
         if name in REFUSED_SAVE_KEYWORDS:
             raise TypeError(f"save_pretrained({name}=...): {REFUSED_SAVE_KEYWORDS[name]}")
@@ -130,10 +154,11 @@ def save_pretrained(
             "save_pretrained(save_original_format=False): hf_parallel writes the checkpoint's own key names and layout"
         )
     state = parallel_state(model)
-    if distributed:
-        save_distributed(model, state, save_directory)
-    else:
-        save_sharded(model, state, save_directory, max_shard_size=max_shard_size)
+    with unsharded(model):
+        if distributed:
+            save_distributed(model, state, save_directory)
+        else:
+            save_sharded(model, state, save_directory, max_shard_size=max_shard_size)
 
 
 class _AutoDropIn:

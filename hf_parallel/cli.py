@@ -141,9 +141,10 @@ def cmd_plan(args) -> None:
 
     print(
         plan_report(
-            args.path, args.tp, tp_plan=tp_plan_arg(args.tp_plan), sp=args.sp, seq=args.seq, **pipeline_kwargs(args)
+            args.path, args.tp, tp_plan=tp_plan_arg(args.tp_plan), sp=args.sp, seq=args.seq, fsdp_size=args.fsdp,
+            dp_replicate_size=args.dp_replicate, nproc_per_node=args.nproc_per_node, **pipeline_kwargs(args),
         )
-    )
+    )  # fmt: skip
 
 
 def start_ranks(world_size: int, command: list[str]) -> int:
@@ -240,6 +241,9 @@ def main(argv=None) -> None:
     plan.add_argument("--sp", type=int, default=1, help="sequence-parallel size: heads before/after the all-to-all")
     plan.add_argument("--seq", type=int, help="with --sp: a sequence length, to show the tokens each rank holds")
     plan.add_argument("--tp-plan", default="auto", help="auto, discover, a model_type, or a TOML/JSON file of rules")
+    plan.add_argument("--fsdp", type=int, default=1, help="FSDP size: data-parallel replicas sharding the model")
+    plan.add_argument("--dp-replicate", type=int, default=1, help="HSDP replicas of the FSDP group")
+    plan.add_argument("--nproc-per-node", type=int, help="ranks per node: flag TP or SP groups that span nodes")
     add_pipeline_args(plan)
     plan.set_defaults(func=cmd_plan)
     check = sub.add_parser(

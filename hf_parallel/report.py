@@ -28,12 +28,21 @@ def plan_report(
     pp_size: int = 1,
     stage_tp_sizes=None,
     stage_layers=None,
+    fsdp_size: int = 1,
+    dp_replicate_size: int = 1,
+    nproc_per_node: int | None = None,
 ) -> str:
     config = transformers.AutoConfig.from_pretrained(path)
     dtype = resolve_dtype(dtype, config)
+    shape = MeshShape.requested(
+        tp_size=None if stage_tp_sizes else tp, sp_size=sp, pp_size=pp_size, stage_tp_sizes=stage_tp_sizes,
+        fsdp_size=fsdp_size, dp_replicate_size=dp_replicate_size,
+    )  # fmt: skip
+    mesh_text = mesh_lines(shape, nproc_per_node)
     if stage_tp_sizes is not None or pp_size > 1:
         stage_tp_sizes = list(stage_tp_sizes or [tp] * pp_size)
-        return pipeline_report(path, config, dtype, auto_class, tp_plan, stage_tp_sizes, stage_layers)
+        report = pipeline_report(path, config, dtype, auto_class, tp_plan, stage_tp_sizes, stage_layers)
+        return "\n".join([*mesh_text, report])
     built = build_rank_model(auto_class, config, dtype, Mesh.dry_run(tp_size=tp, sp_size=sp), tp_plan=tp_plan)
     model, shard = built.model, built.plan
     itemsize = torch.empty((), dtype=dtype).element_size()
@@ -62,7 +71,39 @@ def plan_report(
     lines.append(
         f"bytes per rank: {totals} (full model {sum(math.prod(e.full_shape) for e in shard.unique_params()) * itemsize})"
     )
-    return "\n".join(lines)
+    if shape.dp > 1:
+        fsdp = shape.dp_shard * shape.sp
+        lines.append(
+            f"at rest under FSDP2 (each TP shard split over fsdp x sp = {fsdp} ranks): about "
+            f"{[math.ceil(t / fsdp) for t in totals]} bytes per rank, the same again for gradients, twice for AdamW"
+        )
+    return "\n".join([*mesh_text, *lines])
+
+
+def mesh_lines(shape: MeshShape, nproc_per_node: int | None) -> list[str]:
+    """The mesh in one line and, given the ranks per node, every TP or SP group that would span
+    nodes (their collectives run in every layer: they belong on a node's fast links). Nothing for a
+    mesh without data-parallel replicas when no node size is given (the report's own lines say it)."""
+    if shape.dp == 1 and not nproc_per_node:
+        return []
+    lines = [
+        f"mesh: {shape} = {shape.world_size} ranks; one model replica = {shape.replica_size} ranks, "
+        f"{shape.dp} data-parallel replica(s), each with its own batch"
+    ]
+    if nproc_per_node:
+        for dim in ("tp", "sp"):
+            for ranks in shape.groups(dim):
+                nodes = sorted({rank // nproc_per_node for rank in ranks})
+                if len(nodes) > 1:
+                    lines.append(
+                        f"warning: {dim} group {list(ranks)} spans nodes {nodes} ({nproc_per_node} ranks per node): "
+                        f"its collectives run in every layer; shrink {dim} to fit a node and give the rest to "
+                        "fsdp_size / dp_replicate_size"
+                    )
+                    break
+        if len(lines) == 1:
+            lines.append(f"every tp and sp group stays inside a node of {nproc_per_node} ranks")
+    return lines
 
 
 def pipeline_report(path: str, config, dtype, auto_class, tp_plan, stage_tp_sizes, stage_layers) -> str:

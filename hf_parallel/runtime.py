@@ -40,11 +40,19 @@ class Runtime:
 
     def __init__(self, model: nn.Module, sequence: SequenceSplit | None, stage: Stage | None):
         self.sequence, self.stage = sequence, stage
-        own = model.forward
-        # weakly: the state keeps the runtime, and must not keep the model alive
-        self._own = weakref.WeakMethod(own) if inspect.ismethod(own) else (lambda: own)
-        self._signature = inspect.signature(own)
+        self.own = model.forward
+        self._signature = inspect.signature(model.forward)
         self._warned: list = []
+
+    @property
+    def own(self):
+        """The model's own forward, which ``run`` calls once per micro-batch."""
+        return self._own()
+
+    @own.setter
+    def own(self, forward) -> None:
+        # weakly: the state keeps the runtime, and must not keep the model alive
+        self._own = weakref.WeakMethod(forward) if inspect.ismethod(forward) else (lambda: forward)
 
     def inputs(self, args: tuple, kwargs: dict) -> dict:
         """A forward's arguments by name, as every rank of a sequence group computes them."""
@@ -73,7 +81,7 @@ class Runtime:
             sequence = self.sequence.call(tokens, keep_split=labels is not None)
         with calling(Call(rows, tokens, micro_batch, sequence, training)):
             try:
-                out = self._own()(**kwargs)
+                out = self.own(**kwargs)
             except StageDone:
                 return None
         if labels is not None:

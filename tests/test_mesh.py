@@ -9,7 +9,13 @@ from hypothesis import strategies as st
 from hf_parallel import Mesh
 from hf_parallel.distributed.mesh import MeshShape
 
-shapes = st.builds(MeshShape, st.lists(st.integers(1, 4), min_size=1, max_size=3).map(tuple), st.integers(1, 3))
+shapes = st.builds(
+    MeshShape,
+    st.lists(st.integers(1, 4), min_size=1, max_size=3).map(tuple),
+    st.integers(1, 3),
+    st.integers(1, 3),
+    st.integers(1, 2),
+)
 
 
 @given(shapes)
@@ -27,9 +33,24 @@ def test_every_rank_sits_once_in_each_dimension_at_its_position(shape):
     for ranks in shape.groups("pp"):  # a PP group: one rank per stage, at the same (sp, tp) position
         assert [shape.position(r)[0] for r in ranks] == list(range(len(shape.stage_tp_sizes)))
         assert len({shape.position(r)[1:] for r in ranks}) == 1
+    for ranks in shape.groups("model"):  # one replica: contiguous, every (stage, sp, tp) place once
+        assert list(ranks) == list(range(ranks[0], ranks[0] + shape.replica_size))
+        assert len({shape.replica(r) for r in ranks}) == 1
+    for dim in ("model", "dp", "dp_shard", "dp_replicate", "fsdp"):
+        members = sorted(r for ranks in shape.groups(dim) for r in ranks)
+        assert members == list(world), dim
+    for ranks in shape.groups("dp"):  # the same place of every replica
+        assert len({shape.position(r) for r in ranks}) == 1 and len(ranks) == shape.dp
+    for ranks in shape.groups("fsdp"):  # FSDP shards over dp_shard x sp: one stage and TP index, one HSDP copy
+        assert len(ranks) == shape.dp_shard * shape.sp
+        assert (
+            len({(shape.position(r)[0], shape.position(r)[2], shape.replica(r) // shape.dp_shard) for r in ranks}) == 1
+        )
+    for ranks in shape.groups("dp_replicate"):
+        assert len(ranks) == shape.dp_replicate and len({shape.position(r) for r in ranks}) == 1
     for rank in world:
-        assert shape.global_rank(*shape.position(rank)) == rank
-        assert rank in shape.stage_ranks(shape.position(rank)[0])
+        assert shape.global_rank(*shape.position(rank), shape.replica(rank)) == rank
+        assert rank in shape.stage_ranks(shape.position(rank)[0], shape.replica(rank))
 
 
 @pytest.mark.parametrize(
@@ -41,11 +62,26 @@ def test_every_rank_sits_once_in_each_dimension_at_its_position(shape):
         (3, dict(stage_tp_sizes=[2, 2]), r"sp_size x sum\(stage_tp_sizes\) = 1 x 4 = 4 ranks"),
         (3, dict(stage_tp_sizes=[2, 1], pp_size=3), "leave tp_size unset and pp_size at 2"),
         (3, dict(stage_tp_sizes=[2, 0]), "one TP size of at least 1 per pipeline stage"),
+        (6, dict(tp_size=2, fsdp_size=2), r"dp_replicate_size x fsdp_size x pp_size x sp_size x tp_size = 1 x 2 x "),
+        (
+            8,
+            dict(fsdp_size=3),
+            "world size 8 is not a multiple of dp_replicate_size x fsdp_size x pp_size x sp_size = 1 x 3 x 1 x 1",
+        ),
+        (4, dict(fsdp_size=0), "fsdp_size=0: every mesh dimension needs a whole number of ranks"),
     ],
 )
 def test_bad_shapes_are_clear_errors(world, sizes, message):
     with pytest.raises(ValueError, match=message):
         MeshShape.of(world, **sizes)
+
+
+def test_data_parallel_dimensions_are_outermost_and_print():
+    shape = MeshShape.of(16, tp_size=2, sp_size=2, fsdp_size=2, dp_replicate_size=2)
+    assert str(shape) == "tp=2 x sp=2 x fsdp=2 x dp_replicate=2"
+    assert shape.groups("tp")[0] == (0, 1) and shape.groups("model")[1] == (4, 5, 6, 7)
+    assert shape.groups("fsdp")[0] == (0, 2, 4, 6)  # SP folded into FSDP's shard group
+    assert shape.groups("dp_replicate")[0] == (0, 8)
 
 
 def test_a_dry_run_mesh_has_sizes_and_no_groups():

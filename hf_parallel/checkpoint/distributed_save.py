@@ -67,7 +67,7 @@ def save_distributed(model, state, out_dir: str) -> None:
         if owners[key] == mesh.stage and (tp.rank == 0 or not e.layout.is_replicated)
     }
     os.makedirs(out_dir, exist_ok=True)
-    if mesh.sp.rank != 0:  # a sequence-parallel replica of the TP shards its group's first rank writes
+    if mesh.holds_copy:  # a sequence- or data-parallel copy of the TP shards another rank writes
         mesh.barrier()
     else:
         with Staging(out_dir) as staging:

@@ -221,7 +221,7 @@ def save_sharded(model, state, out_dir: str, max_shard_size="50GB") -> None:
     owners = dict.fromkeys(specs, mesh.stage)
     if mesh.num_stages > 1:  # collective over the world: before the sequence-parallel replicas leave
         owners, specs = stage_owners(mesh, specs)
-    if mesh.sp.rank != 0:  # sequence-parallel replicas hold the same shards as the group rank 0 is in
+    if mesh.holds_copy:  # sequence-parallel and data-parallel copies of the shards the first replica saves
         mesh.barrier()
         return
 

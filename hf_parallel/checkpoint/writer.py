@@ -6,6 +6,7 @@ tensor's bytes are then appended straight from its storage, without a copy.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import math
 import os
@@ -70,7 +71,7 @@ class SafetensorsWriter:
                     f"got {tuple(block.shape)} {block.dtype}"
                 )
             written += block.numel()
-            self.file.write(block.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())  # no copy
+            self.file.write(host_bytes(block.detach().cpu().contiguous()))
         if written != math.prod(shape):
             raise RuntimeError(
                 f"writer expected {key} {tuple(shape)}, got {written} of its {math.prod(shape)} elements"
@@ -82,3 +83,10 @@ class SafetensorsWriter:
         self.file.flush()
         os.fsync(self.file.fileno())
         self.file.close()
+
+
+def host_bytes(tensor: torch.Tensor):
+    """A contiguous host tensor's bytes, as a buffer over its memory (no copy). Not ``.numpy()``:
+    that marks the storage unresizable for good, and FSDP frees its unsharded parameters by
+    resizing their storage to nothing."""
+    return (ctypes.c_char * tensor.nbytes).from_address(tensor.data_ptr()) if tensor.nbytes else b""

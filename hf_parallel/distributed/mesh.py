@@ -1,8 +1,9 @@
 """One mesh for every dimension: the process groups of pipeline stages, sequence and tensor parallelism.
 
-The mesh's shape (``shape.py``: ``pp x sp x tp``, a TP size per stage) says which ranks each group
-holds; this module creates the groups. Expert parallelism spreads experts over the ranks of the TP
-group, so ``ep`` is that group.
+The mesh's shape (``shape.py``: ``dp_replicate x dp_shard x pp x sp x tp``, a TP size per stage)
+says which ranks each group holds; this module creates the groups. Expert parallelism spreads
+experts over the ranks of the TP group, so ``ep`` is that group. ``model`` is one model replica's
+ranks; ``fsdp`` and ``dp_replicate`` are what FSDP2 shards and replicates over (``device_mesh``).
 
 Every process group is created here, once per mesh shape, in the same order on every rank
 (``new_group`` is collective over the whole world); everything else asks the mesh for a group by
@@ -23,7 +24,8 @@ from .faults import collective, timeout_seconds
 from .shape import MeshShape, asked
 from .shm import attach, channel_for
 
-DIMS = ("pp", "tp", "sp")  # the order a mesh prints in, and creates its groups in
+DIMS = ("pp", "tp", "sp", "model", "dp", "dp_shard", "dp_replicate", "fsdp")  # the order groups are created in
+FSDP_DIMS = ("dp_replicate", "fsdp")  # HSDP's two mesh dimensions: created even with one rank
 SHM_DIMS = ("tp", "sp")  # groups that carry activations: given a shared-memory channel on one host
 
 
@@ -49,6 +51,7 @@ class Mesh:
         self.shape, self.rank, self.device = shape, rank, device
         self._groups = groups  # ranks -> process group (only the groups this rank belongs to)
         self._subgroups: dict = {}
+        self._device_mesh = None
         self.dims = {dim: self._dim(dim, shape.groups(dim)) for dim in ("world", *DIMS)}
 
     def _dim(self, name: str, groups: list[tuple[int, ...]]) -> Dim:
@@ -71,7 +74,41 @@ class Mesh:
     sp = property(lambda self: self["sp"])
     pp = property(lambda self: self["pp"])
     ep = property(lambda self: self["ep"])
+    dp = property(lambda self: self["dp"])
+    fsdp = property(lambda self: self["fsdp"])
+    model = property(lambda self: self["model"])
     world = property(lambda self: self["world"])
+
+    @property
+    def replica(self) -> int:
+        """This rank's data-parallel replica (each replica sees its own batch)."""
+        return self.shape.replica(self.rank)
+
+    @property
+    def holds_copy(self) -> bool:
+        """Whether another rank (sequence index 0 of the first data-parallel replica) holds the same
+        shards as this one, so that saving leaves this rank out."""
+        return self.sp.rank != 0 or self.dp.rank != 0
+
+    def device_mesh(self):
+        """The ``torch.distributed`` DeviceMesh FSDP2 shards over: ``fsdp`` (1-D), or
+        ``(dp_replicate, fsdp)`` for HSDP; built from the mesh's own groups."""
+        from torch.distributed.device_mesh import DeviceMesh
+
+        if self._device_mesh is None:
+            shard = self["fsdp"].ranks
+            if self.shape.dp_replicate == 1:
+                self._device_mesh = DeviceMesh.from_group(
+                    self._groups[shard], self.device.type, mesh_dim_names=("fsdp",)
+                )
+            else:
+                rows = next(g for g in self.shape.groups("dp_replicate") if self.rank in g)
+                layout = [next(g for g in self.shape.groups("fsdp") if r in g) for r in rows]
+                self._device_mesh = DeviceMesh.from_group(
+                    [self._groups[rows], self._groups[shard]], self.device.type, mesh=layout,
+                    mesh_dim_names=("dp_replicate", "fsdp"),
+                )  # fmt: skip
+        return self._device_mesh
 
     @property
     def world_size(self) -> int:
@@ -95,7 +132,8 @@ class Mesh:
         return self.tp.rank == 0 and self.sp.rank == 0
 
     def stage_ranks(self, stage: int) -> tuple[int, ...]:
-        return self.shape.stage_ranks(stage)
+        """The ranks of ``stage`` in this rank's model replica."""
+        return self.shape.stage_ranks(stage, self.replica)
 
     def barrier(self) -> None:
         group = self.world.group
@@ -141,8 +179,10 @@ class Mesh:
         return dist.new_group(list(ranks), timeout=default_timeout())
 
     def __str__(self) -> str:
-        """``rank 3: pp 1/2, tp 1/2, sp 0/1``: this rank's stage, then its index in each group."""
-        where = {"pp": (self.stage, self.num_stages), **{d: (self[d].rank, self[d].size) for d in ("tp", "sp")}}
+        """``rank 3: pp 1/2, tp 1/2, sp 0/1``: this rank's stage, then its index in each group (and in
+        the data-parallel replicas, when there are several: ``dp 1/2``)."""
+        dims = ("tp", "sp", "dp") if self.dp.size > 1 else ("tp", "sp")
+        where = {"pp": (self.stage, self.num_stages), **{d: (self[d].rank, self[d].size) for d in dims}}
         return f"rank {self.rank}: " + ", ".join(f"{d} {i}/{n}" for d, (i, n) in where.items())
 
     __repr__ = __str__
@@ -170,11 +210,14 @@ def get_mesh(
     sp_size: int = 1,
     pp_size: int = 1,
     stage_tp_sizes=None,
+    fsdp_size: int = 1,
+    dp_replicate_size: int = 1,
     timeout: datetime.timedelta | None = None,
 ) -> Mesh:
     """The mesh of this shape over torchrun's ranks, joining (or creating) the default process
     group first: gloo on CPU, nccl on CUDA. Its groups are created on the first call."""
-    sizes = dict(tp_size=tp_size, sp_size=sp_size, pp_size=pp_size, stage_tp_sizes=stage_tp_sizes)
+    sizes = dict(tp_size=tp_size, sp_size=sp_size, pp_size=pp_size, stage_tp_sizes=stage_tp_sizes,
+                 fsdp_size=fsdp_size, dp_replicate_size=dp_replicate_size)  # fmt: skip
     if not dist.is_initialized():
         if int(os.environ.get("WORLD_SIZE", "1")) == 1:
             if MeshShape.requested(**sizes).world_size != 1:  # malformed sizes: the same errors as under torchrun
@@ -202,7 +245,7 @@ def _create(shape: MeshShape, timeout: datetime.timedelta) -> Mesh:
     with collective(f"creating the process groups of the mesh on rank {rank}"):
         for dim in ("world", *DIMS):  # the same order on every rank: new_group is collective over the world
             for ranks in shape.groups(dim):
-                if len(ranks) < 2 or ranks in groups:
+                if ranks in groups or (len(ranks) < 2 and not (shape.dp > 1 and dim in FSDP_DIMS)):
                     continue
                 group = (
                     dist.group.WORLD if len(ranks) == shape.world_size else dist.new_group(list(ranks), timeout=timeout)

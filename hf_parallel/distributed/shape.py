@@ -1,10 +1,13 @@
 """The shape of a mesh: its sizes, which global ranks each group holds, and its text. Pure data
 (no torch, no processes), so the CLI, the dry run and the mesh itself share one owner of these facts.
 
-The world is ``pp x sp x tp``: the ranks of one TP group are adjacent, TP groups sit inside SP
-groups, and each pipeline stage is a contiguous run of ranks. With a TP size per stage
-(``stage_tp_sizes``: variable tensor parallelism) stage i holds ``sp * stage_tp_sizes[i]`` ranks
-and the world is their sum.
+The world is ``dp_replicate x dp_shard x pp x sp x tp``. One *model replica* (``pp x sp x tp``)
+is a contiguous run of ranks: the ranks of one TP group are adjacent, TP groups sit inside SP
+groups, and each pipeline stage is a contiguous run of the replica's ranks. With a TP size per
+stage (``stage_tp_sizes``: variable tensor parallelism) stage i holds ``sp * stage_tp_sizes[i]``
+ranks and the replica is their sum. The data-parallel dimensions are outermost (slowest links):
+``dp_shard`` replicas are FSDP's shard group, ``dp_replicate`` copies of those are HSDP's
+replicas; every data-parallel rank sees its own batch, every rank of one replica the same one.
 """
 
 from __future__ import annotations
@@ -18,13 +21,23 @@ class MeshShape:
 
     stage_tp_sizes: tuple[int, ...]
     sp: int = 1
+    dp_shard: int = 1  # FSDP: replicas whose parameters, gradients and optimizer state are sharded between them
+    dp_replicate: int = 1  # HSDP: copies of the FSDP group, gradients all-reduced between them
 
     @classmethod
-    def of(cls, world_size: int | None, tp_size=None, sp_size=1, pp_size=1, stage_tp_sizes=None) -> MeshShape:
+    def of(
+        cls, world_size: int | None, tp_size=None, sp_size=1, pp_size=1, stage_tp_sizes=None, fsdp_size=1,
+        dp_replicate_size=1,
+    ) -> MeshShape:  # fmt: skip
         """The shape the user asked for, checked against ``world_size``; ``tp_size=None`` takes
         whatever the other dimensions leave of the world (``world_size=None``: no world to fill,
         ``tp_size=None`` counts as 1)."""
-        for name, value in (("tp_size", tp_size), ("sp_size", sp_size), ("pp_size", pp_size)):
+        sizes = dict(tp_size=tp_size, sp_size=sp_size, pp_size=pp_size, stage_tp_sizes=stage_tp_sizes,
+                     fsdp_size=fsdp_size, dp_replicate_size=dp_replicate_size)  # fmt: skip
+        for name, value in (
+            ("tp_size", tp_size), ("sp_size", sp_size), ("pp_size", pp_size), ("fsdp_size", fsdp_size),
+            ("dp_replicate_size", dp_replicate_size),
+        ):  # fmt: skip
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name}={value!r}: every mesh dimension needs a whole number of ranks, at least 1")
         if stage_tp_sizes is not None:
@@ -40,34 +53,52 @@ class MeshShape:
             if tp_size is None and world_size is None:
                 tp_size = 1
             elif tp_size is None:
-                if world_size % (sp_size * pp_size):
-                    raise ValueError(
-                        f"world size {world_size} is not a multiple of pp_size x sp_size = {pp_size} x {sp_size}"
-                    )
-                tp_size = world_size // (sp_size * pp_size)
+                others = dp_replicate_size * fsdp_size * pp_size * sp_size
+                if world_size % others:
+                    names, values = "pp_size x sp_size", f"{pp_size} x {sp_size}"
+                    if dp_replicate_size * fsdp_size > 1:
+                        names = f"dp_replicate_size x fsdp_size x {names}"
+                        values = f"{dp_replicate_size} x {fsdp_size} x {values}"
+                    raise ValueError(f"world size {world_size} is not a multiple of {names} = {values}")
+                tp_size = world_size // others
             stages = (tp_size,) * pp_size
-        shape = cls(stages, sp_size)
+        shape = cls(stages, sp_size, fsdp_size, dp_replicate_size)
         if world_size is not None and shape.world_size != world_size:
-            needs = (
-                f"sp_size x sum(stage_tp_sizes) = {sp_size} x {sum(stages)}"
+            names, values = (
+                ("sp_size x sum(stage_tp_sizes)", f"{sp_size} x {sum(stages)}")
                 if stage_tp_sizes is not None
-                else f"pp_size x sp_size x tp_size = {pp_size} x {sp_size} x {stages[0]}"
+                else ("pp_size x sp_size x tp_size", f"{pp_size} x {sp_size} x {stages[0]}")
             )
+            if shape.dp > 1:
+                names, values = (
+                    f"dp_replicate_size x fsdp_size x {names}",
+                    f"{dp_replicate_size} x {fsdp_size} x {values}",
+                )
+            needs = f"{names} = {values}"
             raise ValueError(
-                f"{asked(tp_size=tp_size, sp_size=sp_size, pp_size=pp_size, stage_tp_sizes=stage_tp_sizes)} was "
-                f"asked for, but the process group has world size {world_size} (the mesh needs {needs} = "
-                f"{shape.world_size} ranks)"
+                f"{asked(**{**sizes, 'tp_size': tp_size})} was asked for, but the process group has world size "
+                f"{world_size} (the mesh needs {needs} = {shape.world_size} ranks)"
             )
         return shape
 
     @classmethod
-    def requested(cls, tp_size=None, sp_size=1, pp_size=1, stage_tp_sizes=None) -> MeshShape:
+    def requested(cls, **sizes) -> MeshShape:
         """The shape these sizes ask for, before any process exists (``tp_size=None`` counts as 1)."""
-        return cls.of(None, tp_size=tp_size, sp_size=sp_size, pp_size=pp_size, stage_tp_sizes=stage_tp_sizes)
+        return cls.of(None, **sizes)
+
+    @property
+    def replica_size(self) -> int:
+        """Ranks of one model replica: every pipeline stage, sequence and tensor shard once."""
+        return self.sp * sum(self.stage_tp_sizes)
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel replicas: each sees its own batch."""
+        return self.dp_shard * self.dp_replicate
 
     @property
     def world_size(self) -> int:
-        return self.sp * sum(self.stage_tp_sizes)
+        return self.dp * self.replica_size
 
     @property
     def num_stages(self) -> int:
@@ -77,51 +108,94 @@ class MeshShape:
         """``tp=2 x sp=2``, or ``pp=2 (tp per stage [2, 1])``: the layout, as every message names it."""
         stages = self.stage_tp_sizes
         text = f"tp={stages[0]}" if len(stages) == 1 else f"pp={len(stages)} (tp per stage {list(stages)})"
-        return text + (f" x sp={self.sp}" if self.sp > 1 else "")
+        text += f" x sp={self.sp}" if self.sp > 1 else ""
+        text += f" x fsdp={self.dp_shard}" if self.dp_shard > 1 else ""
+        return text + (f" x dp_replicate={self.dp_replicate}" if self.dp_replicate > 1 else "")
 
     def _first(self, stage: int) -> int:
         return self.sp * sum(self.stage_tp_sizes[:stage])
 
-    def global_rank(self, stage: int, sp: int, tp: int) -> int:
-        return self._first(stage) + sp * self.stage_tp_sizes[stage] + tp
+    def global_rank(self, stage: int, sp: int, tp: int, replica: int = 0) -> int:
+        """The rank at this place of data-parallel replica ``replica`` (``replicate x dp_shard + shard``)."""
+        return replica * self.replica_size + self._first(stage) + sp * self.stage_tp_sizes[stage] + tp
+
+    def replica(self, rank: int) -> int:
+        """Which data-parallel replica a global rank belongs to."""
+        return rank // self.replica_size
 
     def position(self, rank: int) -> tuple[int, int, int]:
-        """(stage, sp index, tp index) of a global rank."""
+        """(stage, sp index, tp index) of a global rank, inside its replica."""
+        offset_in_replica = rank % self.replica_size
         for stage, tp in enumerate(self.stage_tp_sizes):
-            offset = rank - self._first(stage)
+            offset = offset_in_replica - self._first(stage)
             if offset < self.sp * tp:
                 return stage, offset // tp, offset % tp
         raise ValueError(f"rank {rank} is outside a mesh of {self.world_size} ranks")
 
-    def stage_ranks(self, stage: int) -> tuple[int, ...]:
-        return tuple(range(self._first(stage), self._first(stage + 1)))
+    def stage_ranks(self, stage: int, replica: int = 0) -> tuple[int, ...]:
+        start = replica * self.replica_size
+        return tuple(range(start + self._first(stage), start + self._first(stage + 1)))
 
     def groups(self, dim: str) -> list[tuple[int, ...]]:
         """Every group of ``dim``, in the order every rank creates them. ``pp`` joins the ranks at
         the same (sp, tp) position of every stage; under variable TP only the positions every stage
-        has (tp index below the smallest stage's TP size), and a rank past them pipes through no group."""
-        stages = range(len(self.stage_tp_sizes))
+        has (tp index below the smallest stage's TP size), and a rank past them pipes through no group.
+        ``model``: one replica's ranks; ``dp``: the ranks at one place of every replica, ``dp_shard``
+        and ``dp_replicate`` its two parts; ``fsdp``: what FSDP shards over, the ``dp_shard`` replicas
+        times the sequence group (SP folded in, as torchtitan folds its context dimension)."""
+        stages, replicas = range(len(self.stage_tp_sizes)), range(self.dp)
+        places = [(st, s, t) for st in stages for s in range(self.sp) for t in range(self.stage_tp_sizes[st])]
         if dim == "world":
             return [tuple(range(self.world_size))]
+        if dim == "model":
+            return [tuple(range(r * self.replica_size, (r + 1) * self.replica_size)) for r in replicas]
         if dim == "tp":
             return [
-                tuple(self.global_rank(st, s, t) for t in range(self.stage_tp_sizes[st]))
+                tuple(self.global_rank(st, s, t, r) for t in range(self.stage_tp_sizes[st]))
+                for r in replicas
                 for st in stages
                 for s in range(self.sp)
             ]
         if dim == "sp":
             return [
-                tuple(self.global_rank(st, s, t) for s in range(self.sp))
+                tuple(self.global_rank(st, s, t, r) for s in range(self.sp))
+                for r in replicas
                 for st in stages
                 for t in range(self.stage_tp_sizes[st])
             ]
         if dim == "pp":
             return [
-                tuple(self.global_rank(st, s, t) for st in stages)
+                tuple(self.global_rank(st, s, t, r) for st in stages)
+                for r in replicas
                 for s in range(self.sp)
                 for t in range(min(self.stage_tp_sizes))
             ]
-        raise ValueError(f"unknown mesh dimension {dim!r}; the mesh has world, pp, tp, sp and ep")
+        if dim == "dp":
+            return [tuple(self.global_rank(*place, r) for r in replicas) for place in places]
+        if dim == "dp_shard":
+            return [
+                tuple(self.global_rank(*place, rep * self.dp_shard + sh) for sh in range(self.dp_shard))
+                for rep in range(self.dp_replicate)
+                for place in places
+            ]
+        if dim == "dp_replicate":
+            return [
+                tuple(self.global_rank(*place, rep * self.dp_shard + sh) for rep in range(self.dp_replicate))
+                for sh in range(self.dp_shard)
+                for place in places
+            ]
+        if dim == "fsdp":
+            return [
+                tuple(self.global_rank(st, s, t, rep * self.dp_shard + sh) for sh in range(self.dp_shard)
+                      for s in range(self.sp))
+                for rep in range(self.dp_replicate)
+                for st in stages
+                for t in range(self.stage_tp_sizes[st])
+            ]  # fmt: skip
+        raise ValueError(
+            f"unknown mesh dimension {dim!r}; the mesh has world, model, pp, tp, sp, dp, dp_shard, dp_replicate, "
+            "fsdp and ep"
+        )
 
 
 def asked(**sizes) -> str:

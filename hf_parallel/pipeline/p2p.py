@@ -62,7 +62,7 @@ class StageLink:
     def leader(self, stage: int) -> int:
         """The rank of ``stage`` this rank talks to: its TP group's first, at this rank's SP index
         (every stage has the same SP size, so a stage's token shards go to the same shards)."""
-        return self.mesh.shape.global_rank(stage, self.mesh.sp.rank, 0)
+        return self.mesh.shape.global_rank(stage, self.mesh.sp.rank, 0, self.mesh.replica)
 
     def _where(self, stage: int) -> str:
         return f"stage {stage} (rank {self.leader(stage)})"
@@ -105,15 +105,15 @@ class StageLink:
                 work.wait()
 
     def broadcast_from_last(self, tensor: torch.Tensor | None) -> torch.Tensor:
-        """The last stage's ``tensor`` on every rank of the world (header first)."""
-        source = self.mesh.stage_ranks(self.num_stages - 1)[0]  # the same rank for every rank
+        """The last stage's ``tensor`` on every rank of this model replica (header first)."""
+        source = self.mesh.stage_ranks(self.num_stages - 1)[0]  # the same rank for every rank of the replica
         header = header_of(tensor, self.wire) if self.mesh.rank == source else empty_header(self.wire)
         what = f"rank {self.mesh.rank} (stage {self.stage}) receiving the last stage's output from rank {source}"
         start = time.perf_counter()
         with collective(what):
-            dist.broadcast(header, src=source, group=self.mesh.world.group)
+            dist.broadcast(header, src=source, group=self.mesh.model.group)
         out = tensor.detach().to(self.wire).contiguous() if self.mesh.rank == source else empty_from(header, self.wire)
         with collective(what):
-            dist.broadcast(out, src=source, group=self.mesh.world.group)
+            dist.broadcast(out, src=source, group=self.mesh.model.group)
         self.waited += time.perf_counter() - start
         return out.to(self.mesh.device)

@@ -29,6 +29,13 @@ def full_tensor(local: torch.Tensor, layout, full_shape, tp) -> torch.Tensor:
     return layout.assemble(local.new_empty(full_shape), pieces.__getitem__)
 
 
+def reshard_like(whole: torch.Tensor, sharded) -> torch.Tensor:
+    """This rank's FSDP slice of ``whole`` (which every rank of the FSDP group holds), as ``sharded``."""
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(whole, sharded.device_mesh, sharded.placements, src_data_rank=None)
+
+
 def sum_tied_gradients(model, state) -> None:
     """Both copies of every tied weight get the sum of the two stages' gradients."""
     stage, tp = state.stage, state.mesh.tp
@@ -40,9 +47,11 @@ def sum_tied_gradients(model, state) -> None:
         entry = state.plan.params[name]
         param = model.get_parameter(entry.name)
         grad = param.grad if param.grad is not None else torch.zeros_like(param)
-        mine = full_tensor(grad, entry.layout, entry.full_shape, tp)
+        sharded = hasattr(grad, "full_tensor")  # FSDP's slice: whole over the data-parallel ranks first
+        mine = full_tensor(grad.full_tensor() if sharded else grad, entry.layout, entry.full_shape, tp)
         link.send(mine, other, f"the gradient of the tied {entry.name}", tag=Tag.TIED)
         theirs = link.recv(other, f"the gradient of the tied {entry.name}", tag=Tag.TIED)
         total = mine + theirs if link.is_first else theirs + mine
-        param.grad = entry.layout.extract(total, tp.rank, out=total.new_empty(param.shape))
+        summed = entry.layout.extract(total, tp.rank, out=total.new_empty(param.shape))
+        param.grad = reshard_like(summed, grad) if sharded else summed
     link.flush()

@@ -4,9 +4,16 @@ A parameter every rank of a group holds whole, but that saw only part of the dat
 (its heads, its tokens, its experts' share), must have its gradient summed over that group. A
 model keeps one ``GradientSums``: it is the one record of which parameter is summed over which
 group, so a parameter summed over TP and over SP gets one hook for each, and never two for one.
+
+FSDP2 (``training/data_parallel.py``) replaces every parameter by its shard and computes with a
+new, unsharded parameter it creates at the first all-gather; ``carry_over`` moves the record's
+hooks onto those, leaving out the sums FSDP's own reduce-scatter now does (the sequence group,
+folded into the FSDP group).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -19,36 +26,62 @@ class GradientSums:
     """Which groups each parameter's gradient is summed over, with one backward hook per pair."""
 
     def __init__(self):
-        self._groups: dict[int, set] = {}  # id(parameter) -> the groups its gradient is summed over
+        self._sums: dict[int, list[tuple[object, Callable]]] = {}  # id(parameter) -> (group, hook), in order
 
     def sum_over(self, param: nn.Parameter, group) -> None:
         """Sum ``param``'s gradient over ``group`` in backward (each rank saw part of the data)."""
-        summed = self._groups.setdefault(id(param), set())
-        if group is not None and group not in summed:
-            param.register_hook(lambda grad: comm.all_reduce(grad, group))
-            summed.add(group)
+        if group is not None and all(g is not group for g, _ in self._sums.get(id(param), ())):
+            self._add(param, group, lambda grad: comm.all_reduce(grad, group))
 
+    def sum_pieces(self, param: nn.Parameter, layout: Layout, rank: int, group) -> None:
+        """Sum, over the ranks sharing them, the gradient rows of pieces held by several ranks
+        (a replicated KV head: each replica saw only its share of the query heads)."""
+        counts = layout.replica_counts(rank)
+        if group is None or layout.dim is None or max(counts, default=1) == 1:
+            return
+        offsets = [sum(stop - start for start, stop in layout.ranges[rank][:i]) for i in range(len(counts))]
+        shared = [
+            (offset, stop - start)
+            for offset, (start, stop), count in zip(offsets, layout.ranges[rank], counts)
+            if count > 1
+        ]
 
-def sum_replicated_pieces(param: nn.Parameter, layout: Layout, rank: int, group) -> None:
-    """Sum, over the ranks sharing them, the gradient rows of pieces held by several ranks
-    (a replicated KV head: each replica saw only its share of the query heads)."""
-    counts = layout.replica_counts(rank)
-    if group is None or layout.dim is None or max(counts, default=1) == 1:
-        return
-    offsets = [sum(stop - start for start, stop in layout.ranges[rank][:i]) for i in range(len(counts))]
-    shared = [
-        (offset, stop - start)
-        for offset, (start, stop), count in zip(offsets, layout.ranges[rank], counts)
-        if count > 1
-    ]
+        def hook(grad):
+            grad = grad.clone()
+            summed = comm.all_reduce(torch.cat([grad.narrow(layout.dim, o, n) for o, n in shared], layout.dim), group)
+            done = 0
+            for offset, length in shared:
+                grad.narrow(layout.dim, offset, length).copy_(summed.narrow(layout.dim, done, length))
+                done += length
+            return grad
 
-    def hook(grad):
-        grad = grad.clone()
-        summed = comm.all_reduce(torch.cat([grad.narrow(layout.dim, o, n) for o, n in shared], layout.dim), group)
-        done = 0
-        for offset, length in shared:
-            grad.narrow(layout.dim, offset, length).copy_(summed.narrow(layout.dim, done, length))
-            done += length
-        return grad
+        self._add(param, None, hook)
 
-    param.register_hook(hook)
+    def _add(self, param: nn.Parameter, group, hook: Callable) -> None:
+        self._sums.setdefault(id(param), []).append((group, hook))
+        param.register_hook(hook)
+
+    def carry_over(self, model: nn.Module, names: dict[int, str], done_by_fsdp) -> None:
+        """Re-register every sum on the parameters FSDP2 computes with. ``names``: id of each
+        parameter before ``fully_shard`` -> its name; sums over ``done_by_fsdp`` (a group) are dropped.
+        FSDP creates a module's unsharded parameter at its first all-gather and keeps it, so a
+        forward pre-hook (after FSDP's own, which all-gathers) hooks each one once."""
+        by_owner: dict[nn.Module, list[tuple[str, list[Callable]]]] = {}
+        for key, sums in self._sums.items():
+            hooks = [hook for group, hook in sums if group is not done_by_fsdp or group is None]
+            if hooks and key in names:
+                owner, _, attr = names[key].rpartition(".")
+                by_owner.setdefault(model.get_submodule(owner), []).append((attr, hooks))
+        self._sums = {}
+        hooked: set[int] = set()
+
+        def pre_forward(module, args):
+            for attr, hooks in by_owner[module]:
+                param = getattr(module, attr)
+                if id(param) not in hooked and param.requires_grad:
+                    hooked.add(id(param))
+                    for hook in hooks:
+                        param.register_hook(hook)
+
+        for owner in by_owner:
+            owner.register_forward_pre_hook(pre_forward)

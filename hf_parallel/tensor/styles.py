@@ -26,7 +26,6 @@ from torch import nn
 
 from ..distributed import comm
 from .geometry import is_conv1d
-from .gradients import sum_replicated_pieces
 from .layout import Layout, chunks, even_sizes, per_rank
 from .splits import (
     GROUPED_MM_UNIT,
@@ -149,7 +148,7 @@ class Colwise(ParallelStyle):
     def prepare(self, module, ctx, layouts):
         group, sizes = ctx.group, local_sizes(layouts["weight"])
         for attr, param_layout in layouts.items():
-            sum_replicated_pieces(getattr(module, attr), param_layout, ctx.rank, ctx.kv_group)
+            ctx.gradients.sum_pieces(getattr(module, attr), param_layout, ctx.rank, ctx.kv_group)
         if is_conv1d(module):
             module.nf = sizes[ctx.rank]  # Conv1D reshapes its output to nf features
         return Hooks(
@@ -291,7 +290,7 @@ class ShardedRMSNorm(ParallelStyle):
                 for (start, stop), count in zip(layout.ranges[ctx.rank], layout.replica_counts(ctx.rank))
             ]
         )
-        sum_replicated_pieces(module.weight, layout, ctx.rank, ctx.kv_group)
+        ctx.gradients.sum_pieces(module.weight, layout, ctx.rank, ctx.kv_group)
 
         def around(forward, hidden_states):
             dtype = hidden_states.dtype

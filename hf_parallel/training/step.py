@@ -5,12 +5,19 @@ The loss of every micro-batch is its summed token loss over the whole batch's to
 mean loss over the batch. Without pipeline stages the micro-batches run one after the other
 (gradient accumulation, through the model's forward: TP and SP as in any forward); on pipeline
 stages they run on the GPipe or 1F1B schedule (``pipeline/schedule.py``).
+
+With data-parallel replicas (``fsdp_size``, ``dp_replicate_size``) every rank passes the same
+global batch and each replica trains on its own contiguous rows; FSDP averages the replicas'
+gradients, so each replica's loss is normalised by the global token count over the replicas
+(``num_items_in_batch = tokens / dp``): the gradients are one process's on the whole batch.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
+from ..distributed.faults import collective
 from ..pipeline.forward import label_count, split_batch
 from ..pipeline.schedule import run_schedule
 from ..state import parallel_state
@@ -21,20 +28,37 @@ def train_step(
 ) -> torch.Tensor:
     """Forward and backward of one batch; gradients accumulate in ``.grad`` as ``loss.backward()``
     would leave them in one process. Returns the batch's mean loss on every rank. Works on any
-    hf_parallel model (one stage: gradient accumulation over micro-batches)."""
+    hf_parallel model (one stage: gradient accumulation over micro-batches). With data-parallel
+    replicas, every rank passes the whole batch (its rows a multiple of the replicas)."""
     state = parallel_state(model)
+    dp = state.mesh.dp
     call = dict(input_ids=input_ids, labels=labels, attention_mask=attention_mask, use_cache=False, **kwargs)
+    total = label_count(call["labels"])
+    if dp.size > 1:
+        rows = call["labels"].shape[0]
+        if rows % dp.size:
+            raise ValueError(
+                f"train_step: a batch of {rows} rows cannot be shared by the {dp.size} data-parallel replicas "
+                f"({state.mesh.shape}); pass a multiple of {dp.size} rows (every rank the same batch)"
+            )
+        call = split_batch(call, dp.size)[dp.rank]
+        total = total / dp.size  # FSDP averages the replicas' gradients
     if state.stage is not None:  # the batch every rank of a sequence group computes, once for all micro-batches
         call = state.runtime.inputs((), call)
     parts = split_batch(call, micro_batches)
-    total = label_count(call["labels"])
     for part in parts:
         part["num_items_in_batch"] = total
     if state.stage is not None:
-        return run_schedule(model, state, parts, schedule)
-    losses = []
-    for part in parts:
-        loss = model(**part).loss
-        loss.backward()
-        losses.append(loss.detach())
-    return sum(losses)
+        loss = run_schedule(model, state, parts, schedule)
+    else:
+        losses = []
+        for part in parts:
+            loss = model(**part).loss
+            loss.backward()
+            losses.append(loss.detach())
+        loss = sum(losses)
+    if dp.size > 1:  # the replicas' mean: the loss over the whole batch
+        with collective(f"averaging the loss over the data-parallel replicas (rank {state.mesh.rank})"):
+            dist.all_reduce(loss, group=dp.group)
+        loss = loss / dp.size
+    return loss

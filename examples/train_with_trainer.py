@@ -1,0 +1,47 @@
+"""Fine-tune with transformers' own Trainer, unchanged, on a parallel model.
+
+    torchrun --nproc-per-node 2 examples/train_with_trainer.py                 # FSDP=2
+    FSDP=1 python examples/train_with_trainer.py                               # one process, the same losses
+    FSDP=1 TP=2 torchrun --nproc-per-node 2 examples/train_with_trainer.py     # TP=2
+    FSDP=2 TP=2 torchrun --nproc-per-node 4 examples/train_with_trainer.py     # FSDP=2 x TP=2
+
+The Trainer hands every data-parallel rank its own rows and the ranks of one model replica the
+same ones, clips with the global gradient norm and saves a standard checkpoint (and, with
+``save_strategy="steps"``, every rank's own optimizer state for ``resume_from_checkpoint``).
+"""
+
+import os
+
+import torch
+import transformers
+
+from hf_parallel import AutoModelForCausalLM, parallel_state
+from hf_parallel.default_model import default_checkpoint
+
+path = os.environ.get("MODEL") or default_checkpoint()  # the embedded SmolLM2-135M-Instruct
+fsdp, tp = int(os.environ.get("FSDP", "2")), int(os.environ.get("TP", "1"))
+model = AutoModelForCausalLM.from_pretrained(
+    path, fsdp_size=fsdp, tp_size=tp, tp_plan="auto" if tp > 1 else None, dtype=torch.float32
+)
+tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+texts = ["Tensor parallelism splits every layer.", "FSDP shards what each rank keeps between layers."] * 8
+rows = [tokenizer(text, padding="max_length", max_length=16, truncation=True) for text in texts]
+dataset = [
+    {"input_ids": row["input_ids"], "attention_mask": row["attention_mask"], "labels": row["input_ids"]} for row in rows
+]
+args = transformers.TrainingArguments(
+    output_dir=os.environ.get("OUT", "trainer_output"),
+    per_device_train_batch_size=4 // fsdp,  # a global batch of 4 rows, whatever the layout
+    max_steps=int(os.environ.get("STEPS", "3")),
+    learning_rate=1e-5,
+    max_grad_norm=1.0,
+    logging_steps=1,
+    save_strategy="no",
+    report_to=[],
+    use_cpu=not torch.cuda.is_available(),
+)
+trainer = transformers.Trainer(model=model, args=args, train_dataset=dataset)
+trainer.train()
+trainer.save_model(os.path.join(args.output_dir, "final"))  # every rank calls; a standard checkpoint
+losses = [round(entry["loss"], 4) for entry in trainer.state.log_history if "loss" in entry]
+print(f"{parallel_state(model).mesh}: losses {losses}")

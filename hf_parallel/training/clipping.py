@@ -1,0 +1,89 @@
+"""``clip_grad_norm_``: the norm of the whole model's gradient, over every shard, then clipping.
+
+Each rank holds pieces of the gradient: TP and expert shards, FSDP's slices of those, a pipeline
+stage's layers. Some pieces are held by several ranks (a replicated norm on every TP rank, a KV
+head on the ranks that replicate it, a tied embedding on the first and the last stage, every
+parameter on each sequence rank without FSDP, every slice on each HSDP replica). Clipping with
+the local norm is the classic silent error; here every element counts once: each rank weights
+its squares by one over the number of ranks holding the same element, and the world sums them.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from ..distributed.faults import collective
+from ..state import parallel_state
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def _piece_weights(layout, rank: int, local_shape: tuple[int, ...], rows: slice | None) -> torch.Tensor | float:
+    """1 / holders of each element of ``rank``'s TP shard (broadcastable), cut to FSDP's ``rows``."""
+    counts = layout.replica_counts(rank)
+    if layout.is_replicated or max(counts, default=1) == 1:
+        return 1.0
+    weights = torch.cat(
+        [torch.full((stop - start,), 1.0 / count) for (start, stop), count in zip(layout.ranges[rank], counts)]
+    )
+    weights = weights.reshape([-1 if d == layout.dim else 1 for d in range(len(local_shape))])
+    return weights if rows is None or layout.dim != 0 else weights[rows]
+
+
+def _fsdp_rows(full_rows: int, shard_rows: int, index: int, size: int) -> slice:
+    """The dim-0 rows FSDP2 gives shard ``index`` of ``size`` (``torch.chunk``'s split)."""
+    chunk = math.ceil(full_rows / size)
+    return slice(min(index * chunk, full_rows), min(index * chunk, full_rows) + shard_rows)
+
+
+def grad_norm_squares(model, state) -> torch.Tensor:
+    """This rank's share of the squared gradient norm (fp64), each element weighted by one over
+    the number of ranks of the world that hold it."""
+    mesh, stage, sequence = state.mesh, state.stage, state.sequence
+    tied = set(stage.tied) if stage is not None else set()
+    total = torch.zeros((), dtype=torch.float64, device=mesh.device)
+    for name, param in model.named_parameters():
+        if param.grad is None:
+            continue
+        grad = _local(param.grad).double()
+        entry = state.plan.params.get(name)
+        sharded = hasattr(param, "to_local")  # FSDP's slice of this rank's TP shard
+        weight: torch.Tensor | float = 1.0 / mesh.shape.dp_replicate if sharded else 1.0
+        if sequence is not None and not sharded:
+            weight /= sequence.size
+        if name in tied:
+            weight /= 2
+        if entry is None or entry.layout.is_replicated:
+            weight /= mesh.tp.size
+        else:
+            local_shape = tuple(param.shape)
+            rows = _fsdp_rows(local_shape[0], grad.shape[0], mesh.fsdp.rank, mesh.fsdp.size) if sharded else None
+            weight = weight * _piece_weights(entry.layout, mesh.tp.rank, local_shape, rows)
+        total += (grad.pow(2) * weight).sum() if isinstance(weight, torch.Tensor) else grad.pow(2).sum() * weight
+    return total
+
+
+def clip_grad_norm_(model, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """Clip every gradient of a parallel model so their global 2-norm is at most ``max_norm``;
+    returns that global norm before clipping, the same on every rank (what one process's
+    ``torch.nn.utils.clip_grad_norm_`` returns for the whole model). ``max_norm=inf``: the norm only."""
+    if norm_type != 2.0:
+        raise ValueError(f"clip_grad_norm_(norm_type={norm_type}): hf_parallel computes the global 2-norm only")
+    state = parallel_state(model)
+    squares = grad_norm_squares(model, state)
+    world = state.mesh.world.group
+    if world is not None:
+        with collective(f"summing the gradient norm over the world (rank {state.mesh.rank})"):
+            dist.all_reduce(squares, group=world)
+    norm = squares.sqrt().float()
+    if max_norm != float("inf"):
+        coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for param in model.parameters():
+            if param.grad is not None:
+                _local(param.grad).mul_(coefficient.to(param.grad.dtype))
+    return norm

@@ -1,0 +1,80 @@
+"""The data dimensions: FSDP2 (``fully_shard``) over ``dp_shard`` x ``sp``, HSDP over ``dp_replicate``.
+
+Applied once after loading, in torchtitan's order: every decoder layer, then the root (embeddings,
+final norm, head). The TP shards are plain tensors, so FSDP sees each rank's TP shard as the
+whole parameter and shards it further over the data-parallel ranks at the same TP position.
+
+The sequence dimension is folded into FSDP's shard group (torchtitan's ``dp_shard_cp``): each
+sequence rank saw other tokens, so the gradient sum SP needs is exactly FSDP's reduce-scatter, and
+the per-parameter SP all-reduce disappears (``GradientSums.carry_over`` drops it). FSDP divides
+by the data-parallel size only (SP is a sum; data-parallel ranks average, as the Trainer's loss
+scaling and a plain ``loss.backward()`` expect); on gloo, which has no AVG, as SUM then divide.
+Pipeline stages keep parameters unsharded between micro-batches (``reshard_after_forward=False``).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+from torch import nn
+
+from ..layers import find_layer_list
+
+
+def layers_to_shard(model: nn.Module, mesh) -> nn.ModuleList:
+    """The decoder layers FSDP wraps one by one; a model without them is refused (checked before
+    any weight is read)."""
+    try:
+        return model.get_submodule(find_layer_list(model))
+    except (ValueError, AttributeError) as error:
+        raise ValueError(
+            f"fsdp_size={mesh.shape.dp_shard}, dp_replicate_size={mesh.shape.dp_replicate}: "
+            f"{type(model).__name__} has no list of repeated layers to shard one by one ({error})"
+        ) from None
+
+
+def shard_data_parallel(model: nn.Module, state) -> None:
+    """FSDP2 over the mesh's data dimensions (nothing to do with one data-parallel replica)."""
+    mesh = state.mesh
+    if mesh.shape.dp == 1:
+        return
+    from torch.distributed.fsdp import fully_shard
+
+    layer_list = layers_to_shard(model, mesh)
+    names = {id(param): name for name, param in model.named_parameters()}
+    device_mesh = mesh.device_mesh()
+    keep = state.stage is not None  # pipeline stages run several micro-batches per step
+    wrapped = [layer for layer in layer_list if any(True for _ in layer.parameters())]
+    for layer in wrapped:
+        fully_shard(layer, mesh=device_mesh, reshard_after_forward=not keep)
+    fully_shard(model, mesh=device_mesh, reshard_after_forward=not keep)
+    for module in (*wrapped, model):
+        if mesh.device.type == "cpu":  # gloo has neither AVG nor PREMUL_SUM: SUM, then divide
+            module.set_force_sum_reduction_for_comms(True)
+        if mesh.sp.size > 1:  # FSDP would divide by its groups' sizes, SP's included: SP is a sum
+            # (not set otherwise: with a one-rank shard group, torch 2.13 divides a set factor twice)
+            module.set_gradient_divide_factor(float(mesh.shape.dp))
+    if keep:  # a stage runs its micro-batches through its own forward, not model(): FSDP's root hooks go on that
+        from torch.distributed.fsdp import register_fsdp_forward_method
+
+        model.stage_forward = state.runtime.own
+        register_fsdp_forward_method(model, "stage_forward")
+        state.runtime.own = model.stage_forward
+    sequence = state.sequence
+    state.plan.gradients.carry_over(model, names, done_by_fsdp=None if sequence is None else sequence.group)
+
+
+@contextmanager
+def unsharded(model: nn.Module):
+    """Every FSDP-managed parameter whole (this rank's TP shard) for the duration: what saving
+    reads. Collective over the data-parallel groups; nothing to do without FSDP."""
+    from torch.distributed.fsdp import FSDPModule
+
+    managed = [module for module in model.modules() if isinstance(module, FSDPModule)]
+    for module in managed:
+        module.unshard()
+    try:
+        yield
+    finally:
+        for module in managed:
+            module.reshard()

@@ -1,0 +1,72 @@
+"""Per-rank training state, so a run can stop and resume with the losses an uninterrupted run gives.
+
+The gathered checkpoint (``save_pretrained``) is the model for everyone else; resuming needs each
+rank's exact local shards (TP, EP, FSDP slices) and its optimizer's state for them, which no rank
+holds for another. Each rank writes its own two files and reads back only those: no rank ever holds
+more than its shard, and the bits come back exactly.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from ..checkpoint.files import resume_file_names
+from ..state import parallel_state
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def _files(model, directory: str) -> tuple[str, str]:
+    mesh = parallel_state(model).mesh
+    return tuple(os.path.join(directory, name) for name in resume_file_names(mesh.rank, mesh.world_size))
+
+
+def save_training_state(model, optimizer, directory: str) -> None:
+    """This rank's parameter shards and optimizer state under ``directory`` (every rank calls)."""
+    weights, optimizer_file = _files(model, directory)
+    os.makedirs(directory, exist_ok=True)
+    save_file({name: _local(p.detach()).contiguous() for name, p in model.named_parameters()}, weights)
+    state = optimizer.state_dict()
+    state["state"] = {
+        index: {key: _local(value) if isinstance(value, torch.Tensor) else value for key, value in entry.items()}
+        for index, entry in state["state"].items()
+    }
+    torch.save(state, optimizer_file)
+
+
+def load_training_state(model, optimizer, directory: str) -> None:
+    """What ``save_training_state`` wrote for this rank, back into ``model`` and ``optimizer``
+    (either may be None)."""
+    weights, optimizer_file = _files(model, directory)
+    for path in (weights, optimizer_file):
+        if not os.path.isfile(path):
+            raise FileNotFoundError(
+                f"{path} is missing: resuming needs the per-rank training state a checkpoint of the same layout "
+                f"({parallel_state(model).mesh.shape}) wrote"
+            )
+    if model is not None:
+        saved = load_file(weights)
+        params = dict(model.named_parameters())
+        if saved.keys() != params.keys():
+            raise ValueError(
+                f"{weights} holds other parameters than the model: {sorted(saved.keys() ^ params.keys())[:5]}"
+            )
+        with torch.no_grad():
+            for name, param in params.items():
+                _local(param).copy_(saved[name])
+    if optimizer is not None:
+        optimizer.load_state_dict(torch.load(optimizer_file, weights_only=True))
+        for group in optimizer.param_groups:  # FSDP's parameters are DTensors: so must their moments be
+            for param in group["params"]:
+                if hasattr(param, "to_local") and param in optimizer.state:
+                    entry = optimizer.state[param]
+                    for key, value in entry.items():
+                        if isinstance(value, torch.Tensor) and not hasattr(value, "to_local") and value.dim():
+                            entry[key] = type(param).from_local(
+                                value, param.device_mesh, param.placements, shape=param.shape, stride=param.stride()
+                            )

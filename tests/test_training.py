@@ -1,0 +1,295 @@
+"""Training at every layout against one process: data-parallel dimensions (FSDP2, HSDP) beside TP,
+SP and PP, the global gradient norm, transformers' Trainer unchanged, and resuming.
+
+Each layout runs 5 AdamW steps clipped to a norm below the gradients' (so clipping acts every
+step) on a global batch of 4 rows; one process runs the same steps on the same batches.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from conftest import once_per_world_size
+
+LOSS_TOLERANCE = NORM_TOLERANCE = WEIGHT_TOLERANCE = 1e-5
+
+LOOP_CASES = {  # world size -> case -> (checkpoint, layout, loop)
+    2: {
+        "fsdp2": ("llama", dict(fsdp_size=2, tp_plan=None), "train_step"),
+        "fsdp2_plain_loop": ("llama", dict(fsdp_size=2, tp_plan=None), "plain"),
+        "fsdp2_tied": ("llama_tied_kvrep", dict(distributed_config=dict(fsdp_size=2), tp_plan=None), "train_step"),
+    },
+    4: {
+        "fsdp2_tp2": ("llama", dict(fsdp_size=2, tp_size=2), "train_step"),
+        "fsdp2_tp2_plain_loop": ("llama", dict(fsdp_size=2, tp_size=2), "plain"),
+        "fsdp2_tp2_moe": ("qwen2_moe", dict(fsdp_size=2, tp_size=2), "train_step"),
+        "fsdp2_tp2_tied": ("llama_tied_kvrep", dict(fsdp_size=2, tp_size=2), "train_step"),
+        "replicate2_tp2": ("llama", dict(dp_replicate_size=2, tp_size=2), "train_step"),
+        "replicate2_fsdp2": ("llama", dict(dp_replicate_size=2, fsdp_size=2, tp_plan=None), "train_step"),
+        "sp2_fsdp2": ("llama", dict(sp_size=2, fsdp_size=2, tp_plan=None), "train_step"),
+        "sp2_fsdp2_moe": ("qwen2_moe", dict(sp_size=2, fsdp_size=2, tp_plan=None), "train_step"),
+        "pp2_fsdp2": ("llama", dict(pp_size=2, fsdp_size=2, tp_plan=None), "train_step"),
+        "pp2_fsdp2_tied": ("llama_tied_kvrep", dict(pp_size=2, fsdp_size=2, tp_plan=None), "train_step"),
+        "tp4_kv_replicated": ("llama_tied_kvrep", dict(tp_size=4), "train_step"),  # clipping counts KV copies once
+    },
+}
+
+
+ARCHS = ("llama", "llama_tied_kvrep", "qwen2_moe")
+
+
+@pytest.fixture(scope="module")
+def paths(tiny_root):
+    from tiny_models import make_checkpoint
+
+    return {name: make_checkpoint(name, tiny_root) for name in ARCHS}
+
+
+@pytest.fixture(scope="module")
+def references(paths):
+    import training_workers
+
+    return {name: training_workers.one_process(path) for name, path in paths.items()}
+
+
+def layout(sizes: dict) -> dict:
+    """from_pretrained's keywords, a ``distributed_config`` given as its fields made transformers' own."""
+    if "distributed_config" not in sizes:
+        return sizes
+    from transformers.distributed import DistributedConfig
+
+    return {**sizes, "distributed_config": DistributedConfig(**sizes["distributed_config"])}
+
+
+@pytest.fixture(scope="module")
+def loop_runs(paths, tmp_path_factory):
+    import training_workers
+    from distributed import run_ranks
+
+    def run(world_size):
+        root = str(tmp_path_factory.mktemp(f"train{world_size}"))
+        cases = {
+            name: (paths[arch], layout(sizes), loop) for name, (arch, sizes, loop) in LOOP_CASES[world_size].items()
+        }
+        results = run_ranks(world_size, training_workers.train, cases, root, out_dir=os.path.join(root, "results"))
+        return results, root
+
+    return once_per_world_size(run)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world_size,case", [(w, c) for w, cases in LOOP_CASES.items() for c in cases])
+def test_steps_match_one_process(loop_runs, references, world_size, case):
+    """Losses, clipped global gradient norms and the gathered final weights of 5 steps equal one
+    process's on the same global batches, on every rank."""
+    import training_workers
+
+    results, root = loop_runs(world_size)
+    arch = LOOP_CASES[world_size][case][0]
+    want = references[arch]
+    for rank, result in enumerate(results):
+        got = result[case]
+        assert max(abs(a - b) for a, b in zip(got["losses"], want["losses"])) < LOSS_TOLERANCE, (rank, got, want)
+        assert max(abs(a - b) for a, b in zip(got["norms"], want["norms"])) < NORM_TOLERANCE, (rank, got, want)
+    assert min(want["norms"]) > training_workers.MAX_NORM  # clipping acted on every step
+    assert training_workers.saved_against(want["weights"], os.path.join(root, case)) < WEIGHT_TOLERANCE
+
+
+@pytest.mark.distributed
+def test_a_batch_the_replicas_cannot_share_is_refused(loop_runs):
+    results, _ = loop_runs(2)
+    error = results[0]["fsdp2"]["uneven"]
+    assert error is not None and "3 rows" in error and "2 data-parallel replicas" in error, error
+
+
+TRAINER_CASES = {  # world size -> case -> layout (transformers' Trainer, unchanged)
+    2: {
+        "tp2": dict(tp_size=2),
+        "fsdp2": dict(fsdp_size=2, tp_plan=None),
+        "pp2": dict(pp_size=2, tp_plan=None),
+        "unplaced": dict(tp_size=2),
+    },
+    4: {
+        "fsdp2_tp2": dict(fsdp_size=2, tp_size=2),
+        "replicate2_tp2": dict(dp_replicate_size=2, tp_size=2),
+        "sp2_fsdp2": dict(sp_size=2, fsdp_size=2, tp_plan=None),
+        "sp2_tp2": dict(sp_size=2, tp_size=2),
+    },
+}
+GLOBAL_BATCH = 4
+
+
+@pytest.fixture(scope="module")
+def trainer_reference(paths, tmp_path_factory):
+    import training_workers
+
+    return training_workers.one_process_trainer(paths["llama"], GLOBAL_BATCH, str(tmp_path_factory.mktemp("trainer1")))
+
+
+@pytest.fixture(scope="module")
+def trainer_runs(paths, tmp_path_factory):
+    import training_workers
+    from distributed import run_ranks
+
+    def run(world_size):
+        root = str(tmp_path_factory.mktemp(f"trainer{world_size}"))
+        results = run_ranks(
+            world_size, training_workers.trainer_cases, paths["llama"], TRAINER_CASES[world_size], GLOBAL_BATCH, root,
+            out_dir=os.path.join(root, "results"),
+        )  # fmt: skip
+        return results, root
+
+    return once_per_world_size(run)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    "world_size,case", [(w, c) for w, cases in TRAINER_CASES.items() for c in cases if c not in ("pp2", "unplaced")]
+)
+def test_trainer_matches_one_process(trainer_runs, trainer_reference, world_size, case):
+    """Trainer(model=parallel model) logs one process's losses and grad norms (same global batch),
+    wraps nothing around the model, and its save_model writes a checkpoint plain transformers
+    loads with one process's trained weights and logits."""
+    import torch
+    import training_workers
+    import transformers
+    from tp_workers import INPUT_IDS
+
+    results, root = trainer_runs(world_size)
+    want = trainer_reference
+    for rank, result in enumerate(results):
+        got = result[case]
+        assert not got["wrapped"].startswith("DistributedDataParallel"), got["wrapped"]
+        assert len(got["losses"]) == training_workers.STEPS
+        assert max(abs(a - b) for a, b in zip(got["losses"], want["losses"])) < LOSS_TOLERANCE, (rank, got, want)
+        assert max(abs(a - b) for a, b in zip(got["norms"], want["norms"])) < NORM_TOLERANCE, (rank, got, want)
+    saved = os.path.join(root, case, "final")
+    assert training_workers.saved_against(want["weights"], saved) < WEIGHT_TOLERANCE
+    model = transformers.AutoModelForCausalLM.from_pretrained(saved, dtype=torch.float32)
+    single = transformers.AutoModelForCausalLM.from_config(model.config, dtype=torch.float32)
+    single.load_state_dict(want["weights"])
+    with torch.no_grad():
+        assert (model(INPUT_IDS).logits - single(INPUT_IDS).logits).abs().max().item() < 1e-4
+
+
+@pytest.mark.distributed
+def test_trainer_refuses_pipeline_stages(trainer_runs):
+    results, _ = trainer_runs(2)
+    error = results[0]["pp2"]
+    assert error is not None and "pipeline stages" in error and "hf_parallel.train_step" in error, error
+
+
+@pytest.mark.distributed
+def test_trainer_refuses_a_trainable_parameter_hf_parallel_did_not_place(trainer_runs):
+    results, _ = trainer_runs(2)
+    error = results[0]["unplaced"]
+    assert error is not None and error.startswith("model.norm.extra_scale: trainable parameter(s) added after"), error
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world_size,sizes", [(4, dict(fsdp_size=2, tp_size=2))])
+def test_trainer_resumes_where_it_stopped(paths, tmp_path, world_size, sizes):
+    """save_strategy="steps" + train(resume_from_checkpoint=...) continues with the losses and
+    norms of an uninterrupted run; each rank's checkpoint holds only its own state."""
+    import training_workers
+    from distributed import run_ranks
+
+    results = run_ranks(
+        world_size, training_workers.trainer_resume, paths["llama"], sizes, GLOBAL_BATCH, str(tmp_path / "run"),
+        out_dir=str(tmp_path / "results"),
+    )  # fmt: skip
+    for result in results:
+        assert result["resumed"] == result["uninterrupted"], result
+    files = results[0]["files"]
+    for rank in range(world_size):
+        assert f"optimizer-rank-{rank:05d}-of-{world_size:05d}.pt" in files, files
+        assert f"training-state-rank-{rank:05d}-of-{world_size:05d}.safetensors" in files, files
+    assert "model.safetensors" in files and "optimizer.pt" not in files, files
+
+
+@pytest.mark.parametrize(
+    "given, sizes",
+    [
+        (dict(tp_size=2, fsdp_size=2), dict(tp_size=2, fsdp_size=2, dp_replicate_size=1, pp_size=1)),
+        (dict(fsdp_size=2), dict(tp_size=1, fsdp_size=2, dp_replicate_size=1, pp_size=1)),
+        (dict(tp_size=2, dp_replicate_size=2), dict(tp_size=2, fsdp_size=1, dp_replicate_size=2, pp_size=1)),
+    ],
+)
+def test_transformers_distributed_config_gives_the_mesh_sizes(given, sizes):
+    from transformers.distributed import DistributedConfig
+
+    from hf_parallel.training.trainer import from_distributed_config
+
+    got, tp_plan, ep_plan = from_distributed_config(DistributedConfig(**given), {}, "auto", None)
+    assert {k: got[k] for k in sizes} == sizes and tp_plan == "auto" and ep_plan is None
+
+
+@pytest.mark.parametrize(
+    "given, sizes, message",
+    [
+        (dict(fsdp_size=2, fsdp_cpu_offload=True), {}, r"fsdp_cpu_offload=True\) is not supported"),
+        (dict(tp_size=2, enable_sequence_parallel=True), {}, "use sp_size=N"),
+        (dict(fsdp_size=2), dict(tp_size=2), r"distributed_config=..., tp_size=...\): give the sizes once"),
+        (dict(tp_size=2, fsdp_size=2, ep_size=4), {}, "ep_size must equal tp_size"),
+    ],
+)
+def test_what_hf_parallel_cannot_honour_in_a_distributed_config_is_refused(given, sizes, message):
+    from transformers.distributed import DistributedConfig
+
+    from hf_parallel.training.trainer import from_distributed_config
+
+    with pytest.raises(ValueError, match=message):
+        from_distributed_config(DistributedConfig(**given), sizes, "auto", None)
+
+
+def test_the_plan_dry_run_shows_the_data_dimensions_and_groups_that_span_nodes(paths):
+    from hf_parallel.report import plan_report
+
+    text = plan_report(paths["llama"], 4, fsdp_size=2, dp_replicate_size=2, nproc_per_node=2).splitlines()
+    assert text[0].startswith("mesh: tp=4 x fsdp=2 x dp_replicate=2 = 16 ranks; one model replica = 4 ranks, 4 data")
+    assert text[1].startswith("warning: tp group [0, 1, 2, 3] spans nodes [0, 1] (2 ranks per node)")
+    assert any(line.startswith("at rest under FSDP2 (each TP shard split over fsdp x sp = 2 ranks)") for line in text)
+    fits = plan_report(paths["llama"], 2, sp=2, fsdp_size=2, nproc_per_node=4).splitlines()
+    assert fits[1] == "every tp and sp group stays inside a node of 4 ranks"
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_the_readme_trainer_example_matches_one_process(smollm2, tmp_path):
+    """examples/train_with_trainer.py on the real SmolLM2: FSDP=2 under torchrun logs the losses the
+    same script logs in one process (the same global batch of 4 rows)."""
+    import re
+    import subprocess
+    import sys
+
+    script = os.path.join(
+        os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "train_with_trainer.py"
+    )
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MODEL": smollm2, "STEPS": "2"}
+    runs = {}
+    for name, launcher, fsdp in (
+        ("one", [], "1"),
+        ("fsdp2", ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"], "2"),
+    ):
+        done = subprocess.run(
+            [sys.executable, *launcher, script], capture_output=True, text=True, timeout=600,
+            env={**env, "FSDP": fsdp, "OUT": str(tmp_path / name)},
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+        runs[name] = re.findall(r"rank \d: [^:]*: losses \[([\d., ]+)\]", done.stdout)
+        assert os.path.isfile(tmp_path / name / "final" / "model.safetensors")
+    assert len(runs["fsdp2"]) == 2 and len(set(runs["fsdp2"])) == 1, runs
+    one = [float(x) for x in runs["one"][0].split(",")]
+    parallel = [float(x) for x in runs["fsdp2"][0].split(",")]
+    assert len(one) == 2 and max(abs(a - b) for a, b in zip(one, parallel)) <= 2e-4, runs
+
+
+def test_a_model_without_repeated_layers_is_refused_for_fsdp():
+    from torch import nn
+
+    from hf_parallel import Mesh
+    from hf_parallel.training.data_parallel import layers_to_shard
+
+    with pytest.raises(ValueError, match="fsdp_size=2, dp_replicate_size=1: Linear has no list of repeated layers"):
+        layers_to_shard(nn.Linear(2, 2), Mesh.dry_run(fsdp_size=2))

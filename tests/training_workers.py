@@ -1,0 +1,185 @@
+"""Workers of data-parallel training against one process (test_training). Each runs inside a rank
+of a spawned gloo group (``distributed.run_ranks``); the reference runs in one process."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+STEPS, MAX_NORM, LR = 5, 0.5, 1e-3
+
+
+def training_batch(vocab: int, step: int, rows: int = 4) -> dict:
+    """The global batch of one step: ``rows`` rows, a few labels ignored."""
+    generator = torch.Generator().manual_seed(100 + step)
+    ids = torch.randint(3, vocab, (rows, 10), generator=generator)
+    labels = ids.clone()
+    labels[0, :3] = -100
+    return {"input_ids": ids, "labels": labels}
+
+
+def one_process(path: str, steps: int = STEPS) -> dict:
+    """Losses, gradient norms and final weights of ``steps`` AdamW steps with clipping in one process."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses, norms = [], []
+    for step in range(steps):
+        loss = model(**training_batch(model.config.vocab_size, step)).loss
+        loss.backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM).item())
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return {"losses": losses, "norms": norms, "weights": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+
+
+def train(rank: int, world_size: int, cases: dict, save_root: str) -> dict:
+    """For each case (checkpoint, layout, loop): the same steps on a parallel model (``loop``:
+    ``train_step`` on the global batch, or a plain ``loss.backward()`` on this data-parallel
+    replica's rows), clipped with ``hf_parallel.clip_grad_norm_``; the trained model saved."""
+    import hf_parallel
+
+    results = {}
+    for name, (path, sizes, loop) in cases.items():
+        model = hf_parallel.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **sizes)
+        model.train()
+        dp = hf_parallel.parallel_state(model).mesh.dp
+        optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+        losses, norms = [], []
+        for step in range(STEPS):
+            batch = training_batch(model.config.vocab_size, step)
+            if loop == "train_step":
+                loss = hf_parallel.train_step(model, **batch, micro_batches=2)
+            else:  # each replica its rows, the loss over the global token count (FSDP averages replicas)
+                rows = batch["input_ids"].shape[0] // dp.size
+                mine = {k: v[dp.rank * rows : (dp.rank + 1) * rows] for k, v in batch.items()}
+                tokens = (batch["labels"][:, 1:] != -100).sum()
+                loss = model(**mine, num_items_in_batch=tokens / dp.size).loss
+                loss.backward()
+                loss = loss.detach()
+                if dp.group is not None:  # the logged loss: the replicas' mean
+                    torch.distributed.all_reduce(loss, group=dp.group)
+                    loss /= dp.size
+            norms.append(hf_parallel.clip_grad_norm_(model, MAX_NORM).item())
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+        model.save_pretrained(os.path.join(save_root, name))
+        results[name] = {"losses": losses, "norms": norms}
+        if dp.size > 1 and loop == "train_step":  # rows the replicas cannot share: refused before any forward
+            try:
+                hf_parallel.train_step(model, **training_batch(model.config.vocab_size, 0, rows=dp.size + 1))
+                results[name]["uneven"] = None
+            except ValueError as error:
+                results[name]["uneven"] = str(error)
+    return results
+
+
+def saved_against(weights: dict, save_dir: str) -> float:
+    """The largest difference between a saved checkpoint, loaded by plain transformers, and
+    ``weights`` (one process's state dict)."""
+    import transformers
+
+    saved = transformers.AutoModelForCausalLM.from_pretrained(save_dir, dtype=torch.float32).state_dict()
+    assert saved.keys() == weights.keys(), f"{save_dir}: {sorted(saved.keys() ^ weights.keys())}"
+    return max((saved[k] - weights[k]).abs().max().item() for k in saved)
+
+
+def trainer_dataset(vocab: int, rows: int) -> list[dict]:
+    return [
+        {"input_ids": ids, "labels": ids}
+        for ids in torch.randint(3, vocab, (rows, 10), generator=torch.Generator().manual_seed(5))
+    ]
+
+
+def trainer_arguments(output_dir: str, batch_size: int, **overrides):
+    import transformers
+
+    settings = dict(
+        output_dir=output_dir, per_device_train_batch_size=batch_size, max_steps=STEPS, learning_rate=LR,
+        max_grad_norm=MAX_NORM, lr_scheduler_type="constant", logging_steps=1, save_strategy="no", report_to=[],
+        train_sampling_strategy="sequential", use_cpu=True, seed=0, disable_tqdm=True,
+    )  # fmt: skip
+    return transformers.TrainingArguments(**{**settings, **overrides})
+
+
+def trainer_history(trainer) -> dict:
+    logged = [entry for entry in trainer.state.log_history if "loss" in entry]
+    return {"losses": [e["loss"] for e in logged], "norms": [e["grad_norm"] for e in logged]}
+
+
+def one_process_trainer(path: str, batch_size: int, output_dir: str) -> dict:
+    """transformers' Trainer in one process on the global batch: losses, norms, final weights."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    data = trainer_dataset(model.config.vocab_size, batch_size * STEPS)
+    trainer = transformers.Trainer(model=model, args=trainer_arguments(output_dir, batch_size), train_dataset=data)
+    trainer.train()
+    return {**trainer_history(trainer), "weights": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+
+
+def trainer_cases(rank: int, world_size: int, path: str, cases: dict, global_batch: int, root: str) -> dict:
+    """transformers' Trainer, unchanged, on a parallel model at each layout of ``cases``; the
+    trained model saved with ``trainer.save_model()``. A layout of ``None`` loads on pipeline stages
+    and records the Trainer's refusal."""
+    import transformers
+
+    import hf_parallel
+
+    results = {}
+    for name, sizes in cases.items():
+        if name == "unplaced":  # a parameter added after loading: in no gradient sum, refused by name
+            model = hf_parallel.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **sizes)
+            model.model.norm.extra_scale = torch.nn.Parameter(torch.ones(1))
+            data = trainer_dataset(model.config.vocab_size, global_batch)
+            trainer = transformers.Trainer(
+                model=model, args=trainer_arguments(os.path.join(root, name), 1), train_dataset=data
+            )
+            try:
+                trainer.train()
+                results[name] = None
+            except ValueError as error:
+                results[name] = str(error)
+            continue
+        if name == "pp2":
+            model = hf_parallel.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **sizes)
+            try:
+                transformers.Trainer(model=model, args=trainer_arguments(os.path.join(root, name), 1))
+                results[name] = None
+            except ValueError as error:
+                results[name] = str(error)
+            continue
+        model = hf_parallel.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **sizes)
+        dp = hf_parallel.parallel_state(model).mesh.dp.size
+        data = trainer_dataset(model.config.vocab_size, global_batch * STEPS)
+        trainer = transformers.Trainer(
+            model=model, args=trainer_arguments(os.path.join(root, name), global_batch // dp), train_dataset=data
+        )
+        trainer.train()
+        trainer.save_model(os.path.join(root, name, "final"))
+        results[name] = {**trainer_history(trainer), "wrapped": type(trainer.model_wrapped).__name__}
+    return results
+
+
+def trainer_resume(rank: int, world_size: int, path: str, sizes: dict, global_batch: int, output_dir: str) -> dict:
+    """An uninterrupted Trainer run checkpointing at step 3, then a fresh model and Trainer resumed
+    from that checkpoint: the logged steps 4-5 of both, and what the checkpoint holds."""
+    import transformers
+
+    import hf_parallel
+
+    runs = {}
+    for run in ("uninterrupted", "resumed"):
+        model = hf_parallel.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **sizes)
+        dp = hf_parallel.parallel_state(model).mesh.dp.size
+        data = trainer_dataset(model.config.vocab_size, global_batch * STEPS)
+        args = trainer_arguments(output_dir, global_batch // dp, save_strategy="steps", save_steps=3)
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=data)
+        trainer.train(resume_from_checkpoint=os.path.join(output_dir, "checkpoint-3") if run == "resumed" else None)
+        runs[run] = trainer_history(trainer)
+    return {**runs, "files": sorted(os.listdir(os.path.join(output_dir, "checkpoint-3")))}
