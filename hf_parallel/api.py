@@ -18,7 +18,7 @@ from .checkpoint.saving import save_sharded
 from .distributed.mesh import get_mesh
 from .runtime import compose
 from .state import ParallelState, attach, parallel_state
-from .training.data_parallel import layers_to_shard, shard_data_parallel, unsharded
+from .training.data_parallel import layers_to_shard, return_freed_blocks_to_the_os, shard_data_parallel, unsharded
 from .training.trainer import from_distributed_config, install_trainer_seams
 
 
@@ -91,6 +91,8 @@ def from_pretrained(
     model = built.model
     if mesh.shape.dp > 1:
         layers_to_shard(model, mesh)  # refused before any weight is read
+        if mesh.device.type == "cpu":
+            return_freed_blocks_to_the_os()
     source_keys = load_weights(model, path, built.plan, dtype, allow_pickle, ignore_keys=built.ignore_keys, files=files)
     try:
         model.generation_config = transformers.GenerationConfig.from_pretrained(path)
