@@ -66,3 +66,23 @@ def test_pipeline_benchmark_runs_every_configuration(tiny_paths, tmp_path):
     assert 0 <= table["hf_parallel PP=2 M=2"]["bubble_measured"] <= 1
     assert table["hf_parallel PP=2 M=2"]["bubble_theory"] == 1 / 3
     assert "best PP vs TP" in done.stdout and "best PP vs transformers' PP" in done.stdout
+
+
+def test_training_benchmark_runs_every_configuration(tiny_paths, tmp_path):
+    command = [sys.executable, os.path.join(ROOT, "benchmarks", "training.py"), "--model", tiny_paths["llama"]]
+    command += ["--rows", "4", "--seq", "8", "--steps", "1", "--out", str(tmp_path)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    table = json.loads((tmp_path / "training.json").read_text())["table"]
+    assert set(table) == {
+        "one process",
+        "hf_parallel FSDP=2",
+        "hf_parallel TP=2",
+        "transformers FSDP=2",
+        "transformers TP=2",
+    }
+    for name in ("one process", "hf_parallel FSDP=2", "hf_parallel TP=2"):
+        row = table[name]
+        assert row["tokens_per_s"] > 0 and row["peak_rss_mib"] > 0, (name, row)
+        assert row["loss_error"] < 1e-5, (name, row)  # the same losses as one process
+    assert "per-rank peak RSS, hf_parallel FSDP=2 / one process" in done.stdout

@@ -19,7 +19,8 @@ from ..distributed.faults import collective
 from ..state import parallel_state
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a tensor: FSDP's slice of a DTensor, or the tensor itself."""
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
@@ -50,7 +51,7 @@ def grad_norm_squares(model, state) -> torch.Tensor:
     for name, param in model.named_parameters():
         if param.grad is None:
             continue
-        grad = _local(param.grad).double()
+        grad = local_tensor(param.grad).double()
         entry = state.plan.params.get(name)
         sharded = hasattr(param, "to_local")  # FSDP's slice of this rank's TP shard
         weight: torch.Tensor | float = 1.0 / mesh.shape.dp_replicate if sharded else 1.0
@@ -85,5 +86,5 @@ def clip_grad_norm_(model, max_norm: float, norm_type: float = 2.0) -> torch.Ten
         coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         for param in model.parameters():
             if param.grad is not None:
-                _local(param.grad).mul_(coefficient.to(param.grad.dtype))
+                local_tensor(param.grad).mul_(coefficient.to(param.grad.dtype))
     return norm

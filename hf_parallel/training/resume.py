@@ -15,10 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from ..checkpoint.files import resume_file_names
 from ..state import parallel_state
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+from .clipping import local_tensor
 
 
 def _files(model, directory: str) -> tuple[str, str]:
@@ -30,10 +27,10 @@ def save_training_state(model, optimizer, directory: str) -> None:
     """This rank's parameter shards and optimizer state under ``directory`` (every rank calls)."""
     weights, optimizer_file = _files(model, directory)
     os.makedirs(directory, exist_ok=True)
-    save_file({name: _local(p.detach()).contiguous() for name, p in model.named_parameters()}, weights)
+    save_file({name: local_tensor(p.detach()).contiguous() for name, p in model.named_parameters()}, weights)
     state = optimizer.state_dict()
     state["state"] = {
-        index: {key: _local(value) if isinstance(value, torch.Tensor) else value for key, value in entry.items()}
+        index: {key: local_tensor(value) if isinstance(value, torch.Tensor) else value for key, value in entry.items()}
         for index, entry in state["state"].items()
     }
     torch.save(state, optimizer_file)
@@ -58,7 +55,7 @@ def load_training_state(model, optimizer, directory: str) -> None:
             )
         with torch.no_grad():
             for name, param in params.items():
-                _local(param).copy_(saved[name])
+                local_tensor(param).copy_(saved[name])
     if optimizer is not None:
         optimizer.load_state_dict(torch.load(optimizer_file, weights_only=True))
         for group in optimizer.param_groups:  # FSDP's parameters are DTensors: so must their moments be
@@ -67,6 +64,6 @@ def load_training_state(model, optimizer, directory: str) -> None:
                     entry = optimizer.state[param]
                     for key, value in entry.items():
                         if isinstance(value, torch.Tensor) and not hasattr(value, "to_local") and value.dim():
-                            entry[key] = type(param).from_local(
+                            entry[key] = type(param).fromlocal_tensor(
                                 value, param.device_mesh, param.placements, shape=param.shape, stride=param.stride()
                             )

@@ -3,9 +3,12 @@ own their placement, and a few methods where it has none.
 
 The seams (transformers 5.23): a model that says ``is_distributed_loading_by_transformers`` is
 not wrapped in DDP nor moved, every rank joins ``save_model``, and grad accumulation defers
-FSDP's reduction; its ``tp_size`` (here: the ranks of one model replica, which share a batch)
-and ``config.distributed_config.dp_size`` make accelerate hand every data-parallel rank its own
-batch and the replica's ranks the same one, and make the loss normalised by the global token count.
+FSDP's reduction (``config.distributed_config`` says how many replicas there are). Accelerate's
+data loader reads its ``DeviceMesh``: given one of ``dp x replica`` (``batch_mesh``), it hands every
+data-parallel rank its own rows and a replica's ranks the same ones. The Trainer's loss scaling
+(``num_items_in_batch`` summed over all ranks, the loss times the number of ranks) then gives the
+global token mean once FSDP averages the replicas: the replica's over-count cancels. (The other
+route, ``model.tp_size`` -> accelerate's ``ParallelismConfig``, is refused by accelerate on CPU.)
 
 Where the Trainer has no seam, ``install_trainer_seams`` wraps the method, for hf_parallel's
 models only (any other model takes the Trainer's own path unchanged):
@@ -164,7 +167,9 @@ def _wrap_trainer() -> None:
     Trainer.__init__ = __init__
 
     def wrap(name, replacement):
-        original = getattr(Trainer, name)
+        original = getattr(Trainer, name, None)
+        if original is None:  # a transformers without this step (the seams are those of 5.23)
+            return
 
         @functools.wraps(original)
         def method(self, *args, **kwargs):
