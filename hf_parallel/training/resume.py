@@ -64,6 +64,6 @@ def load_training_state(model, optimizer, directory: str) -> None:
                     entry = optimizer.state[param]
                     for key, value in entry.items():
                         if isinstance(value, torch.Tensor) and not hasattr(value, "to_local") and value.dim():
-                            entry[key] = type(param).fromlocal_tensor(
+                            entry[key] = type(param).from_local(
                                 value, param.device_mesh, param.placements, shape=param.shape, stride=param.stride()
                             )
