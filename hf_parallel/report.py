@@ -40,8 +40,7 @@ def plan_report(
     )  # fmt: skip
     mesh_text = mesh_lines(shape, nproc_per_node)
     if stage_tp_sizes is not None or pp_size > 1:
-        stage_tp_sizes = list(stage_tp_sizes or [tp] * pp_size)
-        report = pipeline_report(path, config, dtype, auto_class, tp_plan, stage_tp_sizes, stage_layers)
+        report = pipeline_report(path, config, dtype, auto_class, tp_plan, shape, stage_layers)
         return "\n".join([*mesh_text, report])
     built = build_rank_model(auto_class, config, dtype, Mesh.dry_run(tp_size=tp, sp_size=sp), tp_plan=tp_plan)
     model, shard = built.model, built.plan
@@ -106,13 +105,13 @@ def mesh_lines(shape: MeshShape, nproc_per_node: int | None) -> list[str]:
     return lines
 
 
-def pipeline_report(path: str, config, dtype, auto_class, tp_plan, stage_tp_sizes, stage_layers) -> str:
+def pipeline_report(path: str, config, dtype, auto_class, tp_plan, shape: MeshShape, stage_layers) -> str:
     """Per stage: its ranks, layers and modules, each rank's bytes; and what one token costs to
     send between stages (its hidden state, forward, and its gradient back in training)."""
     itemsize = torch.empty((), dtype=dtype).element_size()
+    stage_tp_sizes = list(shape.stage_tp_sizes)
     stages = len(stage_tp_sizes)
     lines = [f"pipeline plan for {path} ({config.model_type}): {stages} stages, TP per stage {stage_tp_sizes}"]
-    shape = MeshShape.requested(stage_tp_sizes=stage_tp_sizes)
     full = sum(p.numel() for p in build_empty(auto_class, config, dtype).parameters()) * itemsize
     for stage, tp in enumerate(stage_tp_sizes):
         ranks = shape.stage_ranks(stage)

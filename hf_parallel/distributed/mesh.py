@@ -102,7 +102,7 @@ class Mesh:
                     self._groups[shard], self.device.type, mesh_dim_names=("fsdp",)
                 )
             else:
-                rows = next(g for g in self.shape.groups("dp_replicate") if self.rank in g)
+                rows = self["dp_replicate"].ranks
                 layout = [next(g for g in self.shape.groups("fsdp") if r in g) for r in rows]
                 self._device_mesh = DeviceMesh.from_group(
                     [self._groups[rows], self._groups[shard]], self.device.type, mesh=layout,

@@ -68,7 +68,7 @@ class GradientSums:
         forward pre-hook (after FSDP's own, which all-gathers) hooks each one once."""
         by_owner: dict[nn.Module, list[tuple[str, list[Callable]]]] = {}
         for key, sums in self._sums.items():
-            hooks = [hook for group, hook in sums if group is not done_by_fsdp or group is None]
+            hooks = [hook for group, hook in sums if done_by_fsdp is None or group is not done_by_fsdp]
             if hooks and key in names:
                 owner, _, attr = names[key].rpartition(".")
                 by_owner.setdefault(model.get_submodule(owner), []).append((attr, hooks))

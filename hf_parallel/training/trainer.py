@@ -93,7 +93,7 @@ def batch_mesh(mesh):
         return None
     if mesh.dp.size == 1:
         return DeviceMesh.from_group(mesh.model.group, mesh.device.type, mesh_dim_names=("tp",))
-    layout = [list(range(r * mesh.model.size, (r + 1) * mesh.model.size)) for r in range(mesh.dp.size)]
+    layout = mesh.shape.groups("model")  # one row per replica
     return DeviceMesh.from_group(
         [mesh.dp.group, mesh.model.group], mesh.device.type, mesh=layout, mesh_dim_names=("dp_shard", "tp")
     )
