@@ -11,6 +11,7 @@ import os
 
 import transformers
 
+from .adapters.seams import watch
 from .build import build_rank_model, resolve_dtype
 from .checkpoint.distributed_save import save_distributed
 from .checkpoint.loading import checkpoint_files, load_weights
@@ -103,6 +104,7 @@ def from_pretrained(
     state = ParallelState(mesh, built.plan, source_keys, runtime)
     attach(model, state)
     shard_data_parallel(model, state)
+    watch(model, state)
     model.save_pretrained = functools.partial(save_pretrained, model)
     if mesh.world_size > 1:
         install_trainer_seams(model, state)

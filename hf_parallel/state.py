@@ -7,18 +7,21 @@ The state is kept beside the model (a weak mapping: it goes with the model), not
 
 from __future__ import annotations
 
+import sys
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from torch import nn
+
+from .adapters.placement import Adapters
 
 if TYPE_CHECKING:
     from .distributed.mesh import Mesh
     from .pipeline.stage import Stage
     from .runtime import Runtime
     from .sequence.shard import SequenceSplit
-    from .tensor.parallelize import ShardPlan
+    from .tensor.parallelize import ShardedParam, ShardPlan
 
 
 @dataclass
@@ -29,6 +32,12 @@ class ParallelState:
     plan: ShardPlan  # every parameter's rule and layout (tensor and expert parallelism)
     source_keys: dict  # parameter (or persistent buffer) name -> checkpoint key (or per-expert keys) it was read from
     runtime: Runtime  # what runs around the model's forward: the sequence split and the pipeline stage
+    adapters: Adapters = field(default_factory=Adapters)  # peft's adapters added since, placed like their modules
+
+    def entry(self, name: str) -> ShardedParam | None:
+        """The layout and full shape of the parameter called ``name`` in the model: loaded, an
+        adapter added since, or a loaded one peft moved under ``base_layer``; None: not placed."""
+        return self.plan.params.get(name) or self.adapters.entry(name, self.plan.params)
 
     @property
     def stage(self) -> Stage | None:
@@ -55,11 +64,27 @@ def attach(model: nn.Module, state: ParallelState) -> None:
     _STATES[model] = state
 
 
-def parallel_state(model: nn.Module) -> ParallelState:
-    """The parallel state of a model ``hf_parallel.from_pretrained`` loaded."""
+def parallel_model(model: nn.Module) -> nn.Module:
+    """The model ``hf_parallel.from_pretrained`` loaded: ``model``, or the one a peft wrapper
+    (``PeftModel``, ``LoraModel``) holds."""
     try:
-        return _STATES[model]
-    except (KeyError, TypeError):
-        raise ValueError(
-            f"{type(model).__name__} was not loaded by hf_parallel.from_pretrained, so it has no parallel state"
-        ) from None
+        if model in _STATES:
+            return model
+    except TypeError:
+        pass
+    peft = sys.modules.get("peft")
+    if peft is not None:
+        from peft.tuners.tuners_utils import BaseTuner
+
+        if isinstance(model, peft.PeftModel):
+            return parallel_model(model.base_model)
+        if isinstance(model, BaseTuner):
+            return parallel_model(model.model)
+    raise ValueError(
+        f"{type(model).__name__} was not loaded by hf_parallel.from_pretrained, so it has no parallel state"
+    )
+
+
+def parallel_state(model: nn.Module) -> ParallelState:
+    """The parallel state of a model ``hf_parallel.from_pretrained`` loaded (or of a peft model around it)."""
+    return _STATES[parallel_model(model)]

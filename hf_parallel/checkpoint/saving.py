@@ -10,6 +10,7 @@ half-written file with a final name, nor destroys a previous checkpoint's files.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from contextlib import nullcontext
@@ -205,6 +206,50 @@ def received_blocks(spec, source: int, key: str, wire: Scratch):
         yield buffer
 
 
+def gathered(model, mesh, targets: dict, specs: dict, owners: dict, keys):
+    """Per key, its row blocks as rank 0 gathers them (an iterator consumed block by block); the
+    other ranks send their parts here, in the same order, and yield None. ``targets``: key ->
+    (sharded parameter, box); ``owners``: key -> the pipeline stage that holds it."""
+    scratch = (Scratch(), Scratch(mesh.device))  # (the block, assembled on the host; what arrives)
+    for key in keys:
+        if owners[key] != mesh.stage:
+            leader = mesh.stage_ranks(owners[key])[0]
+            yield received_blocks(specs[key], leader, key, scratch[1]) if mesh.is_main else None
+            continue
+        entry, box = targets[key]
+        local = tensor_of(model, entry.name)
+        blocks = (
+            gather_block(local, entry.layout, block, mesh.tp, entry.name, scratch)
+            for block in row_blocks(entry.full_shape, box, local.dtype)
+        )
+        if mesh.is_main:
+            yield (as_written(block, box) for block in blocks)
+            continue
+        for block in blocks:
+            if block is not None:  # this stage's first rank, not rank 0: on to rank 0
+                with collective(f"sending {key} from rank {mesh.rank} to rank 0"):
+                    dist.send(as_written(block, box).to(mesh.device).contiguous(), dst=0, tag=Tag.SAVE)
+        yield None
+
+
+def gathered_tensors(model, state, entries: list[ShardedParam]) -> dict[str, torch.Tensor] | None:
+    """Each entry's whole tensor (small ones: adapters) on rank 0, by its name, gathered as the
+    save gathers (every stage's, on every rank's call); None on the other ranks."""
+    mesh = state.mesh
+    targets = {entry.name: (entry, None) for entry in entries}
+    specs = {entry.name: (entry.full_shape, tensor_of(model, entry.name).dtype) for entry in entries}
+    owners = dict.fromkeys(specs, mesh.stage)
+    if mesh.num_stages > 1:
+        owners, specs = stage_owners(mesh, specs)
+    if mesh.holds_copy:
+        return None
+    full = {}
+    for key, blocks in zip(specs, gathered(model, mesh, targets, specs, owners, list(specs))):
+        if blocks is not None:
+            full[key] = torch.cat([block.clone() for block in blocks])
+    return full if mesh.is_main else None
+
+
 def save_sharded(model, state, out_dir: str, max_shard_size="50GB") -> None:
     """Gather every parameter of ``model`` (split as its parallel ``state`` says) under its
     checkpoint name and write a standard HF checkpoint. Each pipeline stage gathers its own tensors
@@ -225,36 +270,13 @@ def save_sharded(model, state, out_dir: str, max_shard_size="50GB") -> None:
         mesh.barrier()
         return
 
-    def gathered(keys):
-        """Per key, its row blocks as rank 0 gathers them (consumed by the writer one by one);
-        the other ranks send their parts here, in the same order."""
-        scratch = (Scratch(), Scratch(mesh.device))  # (the block, assembled on the host; what arrives)
-        for key in keys:
-            if owners[key] != mesh.stage:
-                leader = mesh.stage_ranks(owners[key])[0]
-                yield received_blocks(specs[key], leader, key, scratch[1]) if mesh.is_main else None
-                continue
-            entry, box = targets[key]
-            local = tensor_of(model, entry.name)
-            blocks = (
-                gather_block(local, entry.layout, block, mesh.tp, entry.name, scratch)
-                for block in row_blocks(entry.full_shape, box, local.dtype)
-            )
-            if mesh.is_main:
-                yield (as_written(block, box) for block in blocks)
-                continue
-            for block in blocks:
-                if block is not None:  # this stage's first rank, not rank 0: on to rank 0
-                    with collective(f"sending {key} from rank {mesh.rank} to rank 0"):
-                        dist.send(as_written(block, box).to(mesh.device).contiguous(), dst=0, tag=Tag.SAVE)
-            yield None
-
     if mesh.is_main:
         os.makedirs(out_dir, exist_ok=True)
     progress = tqdm(total=sum(nbytes(*spec) for spec in specs.values()), desc="Saving", unit="B", unit_scale=True,
                     disable=not mesh.is_main, leave=False)  # fmt: skip
     with Staging(out_dir) if mesh.is_main else nullcontext() as staging:
-        write_standard(staging, specs, gathered, max_shard_size, progress)
+        write_standard(staging, specs, functools.partial(gathered, model, mesh, targets, specs, owners),
+                       max_shard_size, progress)  # fmt: skip
         if staging:
             remove_stale(out_dir, set(staging.commit()))
             save_config(model, out_dir)

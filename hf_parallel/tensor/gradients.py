@@ -33,6 +33,13 @@ class GradientSums:
         if group is not None and all(g is not group for g, _ in self._sums.get(id(param), ())):
             self._add(param, group, lambda grad: comm.all_reduce(grad, group))
 
+    def average_over(self, param: nn.Parameter, group) -> None:
+        """Average ``param``'s gradient over ``group``: a parameter FSDP does not manage (an adapter
+        added after loading), replicated on the data-parallel replicas, as FSDP averages its own."""
+        if group is not None and all(g is not group for g, _ in self._sums.get(id(param), ())):
+            size = torch.distributed.get_world_size(group)
+            self._add(param, group, lambda grad: comm.all_reduce(grad, group) / size)
+
     def sum_pieces(self, param: nn.Parameter, layout: Layout, rank: int, group) -> None:
         """Sum, over the ranks sharing them, the gradient rows of pieces held by several ranks
         (a replicated KV head: each replica saw only its share of the query heads)."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from torch import nn
 
@@ -45,6 +45,7 @@ class ShardPlan:
     layouts: dict[str, dict[str, Layout]]  # module path -> its parameters' layouts (full shapes)
     params: dict[str, ShardedParam]  # every name (aliases included) -> entry
     gradients: GradientSums  # which gradients are summed over which group (styles, then the sequence split)
+    hooks: dict = field(default_factory=dict)  # module path -> the Hooks its style installed (``install``)
 
     @property
     def source(self) -> str:
@@ -171,7 +172,7 @@ def install(model: nn.Module, shard: ShardPlan, stand_ins: frozenset[str] = froz
     modules = dict(model.named_modules())
     for path, rule in shard.rules.items():
         if path in modules and path not in stand_ins:  # parameter rules only set a layout; their module's style runs it
-            rule.style.install(modules[path], shard.contexts[path], shard.layouts.get(path, {}))
+            shard.hooks[path] = rule.style.install(modules[path], shard.contexts[path], shard.layouts.get(path, {}))
     for _, module in _attention_on_local_heads(modules, shard.rules, shard.heads, shard.mesh):
         attention.localize(module, shard.heads, shard.mesh.tp.rank)
 

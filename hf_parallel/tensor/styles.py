@@ -42,17 +42,57 @@ from .splits import (
 
 
 class Hooks(NamedTuple):
-    """What runs around a module's forward, in this order; None: nothing at that point."""
+    """What runs around a module's forward, in this order; None: nothing at that point.
+
+    ``pre`` and ``post`` are the collectives at the module's edges, ``around`` its local compute:
+    when an adapter wraps the module (peft's LoRA), the edges move to the wrapper, so the adapter's
+    own product joins the same collectives, and ``around`` stays on the module (``adapters/``)."""
 
     pre: Callable | None = None  # (args, kwargs) -> (args, kwargs)
     around: Callable | None = None  # (forward, *args, **kwargs) -> output, in place of forward(*args, **kwargs)
     post: Callable | None = None  # (output) -> output
+
+    @property
+    def edges(self) -> Hooks:
+        return Hooks(self.pre, None, self.post)
+
+    @property
+    def compute(self) -> Hooks:
+        return Hooks(None, self.around, None)
+
+
+class AdapterSplit(NamedTuple):
+    """How a low-rank adapter pair (y += B A x) on a module of a style splits over TP, following
+    the module: ``side="out"``: B's rows split as the module's output (A whole); ``"in"``: A's
+    columns as its input (B whole); None: both whole. ``sum_whole``: the whole matrices' gradients
+    are summed over TP (each rank saw part of the product: its rows of the output, its inputs)."""
+
+    side: str | None
+    sum_whole: bool
+
+
+def apply_hooks(module: nn.Module, hooks: Hooks) -> None:
+    """``module.forward``: its class's forward wrapped with ``hooks`` (replacing an earlier wrapping)."""
+    module.__dict__.pop("forward", None)
+    pre, around, post = hooks
+    if pre is None and around is None and post is None:
+        return
+    forward = module.forward
+
+    def parallel_forward(*args, **kwargs):
+        if pre is not None:
+            args, kwargs = pre(args, kwargs)
+        out = forward(*args, **kwargs) if around is None else around(forward, *args, **kwargs)
+        return out if post is None else post(out)
+
+    module.forward = parallel_forward
 
 
 class ParallelStyle:
     """Base: replicated parameters, forward unchanged."""
 
     shards_heads = False  # True: the attention module around it must run on local heads
+    adapters: AdapterSplit | None = None  # None: a LoRA adapter on such a module is refused
 
     def layouts(self, module: nn.Module, ctx: ShardContext, name: str) -> dict[str, Layout]:
         return {}
@@ -67,20 +107,11 @@ class ParallelStyle:
         run on them, and return the hooks around that forward."""
         return Hooks()
 
-    def install(self, module: nn.Module, ctx: ShardContext, layouts: dict[str, Layout]) -> None:
+    def install(self, module: nn.Module, ctx: ShardContext, layouts: dict[str, Layout]) -> Hooks:
         """``prepare``, then the module's forward wrapped with its hooks (the same for every style)."""
-        pre, around, post = self.prepare(module, ctx, layouts)
-        if pre is None and around is None and post is None:
-            return
-        forward = module.forward
-
-        def parallel_forward(*args, **kwargs):
-            if pre is not None:
-                args, kwargs = pre(args, kwargs)
-            out = forward(*args, **kwargs) if around is None else around(forward, *args, **kwargs)
-            return out if post is None else post(out)
-
-        module.forward = parallel_forward
+        hooks = self.prepare(module, ctx, layouts)
+        apply_hooks(module, hooks)
+        return hooks
 
     def __repr__(self) -> str:
         return type(self).__name__
@@ -96,11 +127,13 @@ def _matmul(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 class Replicated(ParallelStyle):
-    pass
+    adapters = AdapterSplit(None, sum_whole=False)
 
 
 class ReplicatedWithGradAllReduce(ParallelStyle):
     """Weights replicated, but each rank sees only its heads or tokens: sum the gradients."""
+
+    adapters = AdapterSplit(None, sum_whole=True)
 
     def prepare(self, module, ctx, layouts):
         for param in module.parameters(recurse=False):
@@ -112,6 +145,7 @@ class Colwise(ParallelStyle):
     """Y_r = copy_to(X) W_r^T + b_r; the output stays sharded on its last dim."""
 
     gather_output = False
+    adapters = AdapterSplit("out", sum_whole=True)
     fused_layout = None  # packed_layout / grouped_qkv_layout for a dim made of blocks; None: plain split
 
     @property
@@ -173,6 +207,7 @@ class Rowwise(ParallelStyle):
     """Y = reduce_from(X_r W_r^T) + b; the bias is added once, after the sum."""
 
     split_input = False
+    adapters = AdapterSplit("in", sum_whole=True)
     fused_layout = None
 
     def _layout(self, module, ctx, name) -> Layout:
@@ -197,15 +232,19 @@ class Rowwise(ParallelStyle):
         return dim_layout(dim, param.shape[dim], ctx.unaligned(GROUPED_MM_UNIT), name, self.fused_layout)
 
     def prepare(self, module, ctx, layouts):
-        group, sizes, split_input = ctx.group, local_sizes(layouts["weight"]), self.split_input
+        group, sizes = ctx.group, local_sizes(layouts["weight"])
 
-        def around(forward, x, *args, **kwargs):
-            if split_input:
-                x = comm.scatter_to(x, -1, sizes, group)
-            y = comm.reduce_from(_matmul(module, x), group)
+        def split(args, kwargs):
+            return (comm.scatter_to(args[0], -1, sizes, group), *args[1:]), kwargs
+
+        def partial_product(forward, x, *args, **kwargs):
+            return _matmul(module, x)
+
+        def reduce(y):
+            y = comm.reduce_from(y, group)
             return y if module.bias is None else y + module.bias
 
-        return Hooks(around=around)
+        return Hooks(pre=split if self.split_input else None, around=partial_product, post=reduce)
 
 
 class RowwiseSplitInput(Rowwise):
@@ -218,6 +257,8 @@ class PackedRowwise(Rowwise):
 
 class EmbeddingRowwise(ParallelStyle):
     """Vocab-parallel lookup: each rank embeds the ids in its vocab range, zeros the rest, all-reduce."""
+
+    adapters = AdapterSplit(None, sum_whole=False)  # an adapter's lookup is whole: it takes every id
 
     def layouts(self, module, ctx, name):
         return {"weight": chunks(0, even_sizes(module.weight.shape[0], ctx.size))}
@@ -241,6 +282,8 @@ class EmbeddingRowwise(ParallelStyle):
 
 class EmbeddingColwise(ParallelStyle):
     """Hidden-dim-parallel lookup: each rank embeds its slice of the hidden dim, then all-gather."""
+
+    adapters = AdapterSplit("out", sum_whole=True)
 
     def layouts(self, module, ctx, name):
         return {"weight": chunks(1, even_sizes(module.weight.shape[1], ctx.size))}

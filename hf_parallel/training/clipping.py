@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ..distributed.faults import collective
-from ..state import parallel_state
+from ..state import parallel_model, parallel_state
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
@@ -52,9 +52,10 @@ def grad_norm_squares(model, state) -> torch.Tensor:
         if param.grad is None:
             continue
         grad = local_tensor(param.grad).double()
-        entry = state.plan.params.get(name)
+        entry = state.entry(name)
         sharded = hasattr(param, "to_local")  # FSDP's slice of this rank's TP shard
-        weight: torch.Tensor | float = 1.0 / mesh.shape.dp_replicate if sharded else 1.0
+        # FSDP's slices are copied on the HSDP replicas; anything else (an adapter) on every replica
+        weight: torch.Tensor | float = 1.0 / (mesh.shape.dp_replicate if sharded else mesh.dp.size)
         if sequence is not None and not sharded:
             weight /= sequence.size
         if name in tied:
@@ -75,6 +76,7 @@ def clip_grad_norm_(model, max_norm: float, norm_type: float = 2.0) -> torch.Ten
     ``torch.nn.utils.clip_grad_norm_`` returns for the whole model). ``max_norm=inf``: the norm only."""
     if norm_type != 2.0:
         raise ValueError(f"clip_grad_norm_(norm_type={norm_type}): hf_parallel computes the global 2-norm only")
+    model = parallel_model(model)
     state = parallel_state(model)
     squares = grad_norm_squares(model, state)
     world = state.mesh.world.group

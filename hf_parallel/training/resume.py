@@ -23,11 +23,16 @@ def _files(model, directory: str) -> tuple[str, str]:
     return tuple(os.path.join(directory, name) for name in resume_file_names(mesh.rank, mesh.world_size))
 
 
+def _trainable(model) -> dict:
+    """What training changes: the trainable parameters (a LoRA run's adapters, not the frozen base)."""
+    return {name: p for name, p in model.named_parameters() if p.requires_grad}
+
+
 def save_training_state(model, optimizer, directory: str) -> None:
-    """This rank's parameter shards and optimizer state under ``directory`` (every rank calls)."""
+    """This rank's trainable parameter shards and optimizer state under ``directory`` (every rank calls)."""
     weights, optimizer_file = _files(model, directory)
     os.makedirs(directory, exist_ok=True)
-    save_file({name: local_tensor(p.detach()).contiguous() for name, p in model.named_parameters()}, weights)
+    save_file({name: local_tensor(p.detach()).contiguous() for name, p in _trainable(model).items()}, weights)
     state = optimizer.state_dict()
     state["state"] = {
         index: {key: local_tensor(value) if isinstance(value, torch.Tensor) else value for key, value in entry.items()}
@@ -48,7 +53,7 @@ def load_training_state(model, optimizer, directory: str) -> None:
             )
     if model is not None:
         saved = load_file(weights)
-        params = dict(model.named_parameters())
+        params = _trainable(model)
         if saved.keys() != params.keys():
             raise ValueError(
                 f"{weights} holds other parameters than the model: {sorted(saved.keys() ^ params.keys())[:5]}"

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from ..distributed.faults import collective
 from ..pipeline.forward import label_count, split_batch
 from ..pipeline.schedule import run_schedule
+from ..adapters.seams import place_and_check
 from ..state import parallel_state
 
 
@@ -31,6 +32,7 @@ def train_step(
     hf_parallel model (one stage: gradient accumulation over micro-batches). With data-parallel
     replicas, every rank passes the whole batch (its rows a multiple of the replicas)."""
     state = parallel_state(model)
+    place_and_check(model)  # adapters added since loading placed, any other new trainable parameter refused
     dp = state.mesh.dp
     call = dict(input_ids=input_ids, labels=labels, attention_mask=attention_mask, use_cache=False, **kwargs)
     total = label_count(call["labels"])

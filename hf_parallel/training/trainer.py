@@ -13,9 +13,10 @@ route, ``model.tp_size`` -> accelerate's ``ParallelismConfig``, is refused by ac
 Where the Trainer has no seam, ``install_trainer_seams`` wraps the method, for hf_parallel's
 models only (any other model takes the Trainer's own path unchanged):
 - the gradient norm and clipping take every shard (``clipping.py``), not the local norm;
-- the broadcast of "replicated" trainable parameters from rank 0 is replaced by a check: a parallel
-  model's parameters are shards (rank 0's would overwrite the others'), and one it did not place
-  is refused by name;
+- the broadcast of "replicated" trainable parameters from rank 0 is replaced by placing them: a
+  parallel model's parameters are shards (rank 0's would overwrite the others'); peft's adapters
+  are placed like their modules (``adapters/``), and any other one hf_parallel did not place is
+  refused by name;
 - a model on pipeline stages is refused when the Trainer is built (one forward and one backward
   per batch cannot drive a schedule): ``hf_parallel.train_step`` trains it;
 - checkpoints for resuming hold every rank's own parameter shards and optimizer state
@@ -29,6 +30,7 @@ import functools
 import os
 from dataclasses import dataclass
 
+from ..adapters.seams import place_and_check
 from ..state import parallel_state
 
 
@@ -118,19 +120,6 @@ def _is_parallel(model) -> bool:
     return True
 
 
-def refuse_unplaced(model) -> None:
-    """A trainable parameter hf_parallel did not place (added after loading) is in no gradient sum
-    (TP, SP, FSDP): refused by name before the first step, never trained wrong."""
-    placed = parallel_state(model).plan.params
-    unplaced = [name for name, param in model.named_parameters() if param.requires_grad and name not in placed]
-    if unplaced:
-        raise ValueError(
-            f"{', '.join(unplaced[:5])}: trainable parameter(s) added after hf_parallel.from_pretrained placed the "
-            "model, so no TP, SP or data-parallel gradient sum covers them; add them to the checkpoint (or freeze "
-            "them with requires_grad=False)"
-        )
-
-
 @functools.cache
 def _wrap_trainer() -> None:
     import torch
@@ -186,7 +175,7 @@ def _wrap_trainer() -> None:
             clip_grad_norm_(self.model, float("inf")) if grad_norm is None else grad_norm
         ),
     )
-    wrap("_sync_replicated_trainable_parameters", lambda self, model: refuse_unplaced(self.model))
+    wrap("_sync_replicated_trainable_parameters", lambda self, model: place_and_check(self.model))
 
     def save_state(self, output_dir):
         save_training_state(self.model, self.optimizer, output_dir)

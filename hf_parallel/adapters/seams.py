@@ -1,0 +1,192 @@
+"""How hf_parallel learns what peft (or a user) does to a loaded model, and answers peft's own calls.
+
+- torch's global module registration hook (every submodule ``setattr`` / ``add_module``) says when
+  peft puts a wrapper where one of the model's modules was, or puts the module back (``unload``,
+  ``merge_and_unload``): its hooks move (``placement.wrap`` / ``unwrap``). Any other module added to
+  the model is watched: a trainable parameter in it is refused by name on its first forward that
+  records gradients.
+- ``place_and_check``: before gradients are used (``train_step``, the Trainer, a save), every
+  adapter placed, and any trainable parameter hf_parallel did not place refused by name.
+- ``PeftModel.save_pretrained`` on a parallel model gathers every adapter (every stage's) to rank 0,
+  which writes peft's standard adapter; every rank calls it. peft itself is never imported here
+  until a peft wrapper appears.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+
+import torch
+from torch import nn
+from torch.nn.modules.module import register_module_module_registration_hook
+
+from ..state import parallel_model, parallel_state
+from . import placement
+
+_WATCHED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> (weakref to its state, its path)
+
+
+def watch(model: nn.Module, state) -> None:
+    """Follow every module of ``model`` (loaded by hf_parallel, with ``state``) as peft changes it."""
+    _install_registration_hook()
+    ref = weakref.ref(state)
+    for path, module in model.named_modules():
+        _WATCHED[module] = (ref, path)
+
+
+@functools.cache
+def _install_registration_hook() -> None:
+    register_module_module_registration_hook(_on_registered)
+
+
+def _on_registered(parent: nn.Module, name: str, module):
+    watched = _WATCHED.get(parent)
+    if watched is None or not isinstance(module, nn.Module):
+        return None
+    state = watched[0]()
+    if state is None:
+        return None
+    path = f"{watched[1]}.{name}" if watched[1] else name
+    known = _WATCHED.get(module)
+    if hasattr(module, "get_base_layer") and hasattr(module, "lora_A"):  # peft's LoRA layer around a module
+        base = module.get_base_layer()
+        if _WATCHED.get(base, (None, None))[1] == path:
+            _wrap_peft()
+            placement.wrap(state, path, base, module)
+            _WATCHED[module] = (watched[0], path)
+            return None
+    if known is not None and known[1] == path:  # one of the model's own modules put back
+        placement.unwrap(state, path, module)
+        return None
+    module.register_forward_pre_hook(_refuse_trainable(watched[0], path))
+    for sub, child in module.named_modules():
+        _WATCHED.setdefault(child, (watched[0], f"{path}.{sub}" if sub else path))
+    return None
+
+
+def _refuse_trainable(state_ref, path: str):
+    """A forward pre-hook for a module added to the model after loading: refuse, when gradients
+    are recorded, the trainable parameters in it that hf_parallel did not place."""
+
+    def hook(module, args):
+        state = state_ref()
+        if state is None or not torch.is_grad_enabled():
+            return
+        unplaced = [
+            f"{path}.{name}"
+            for name, param in module.named_parameters()
+            if param.requires_grad and state.entry(f"{path}.{name}") is None
+        ]
+        if unplaced:
+            raise ValueError(_unplaced_message(unplaced))
+
+    return hook
+
+
+def _unplaced_message(names: list[str]) -> str:
+    return (
+        f"{', '.join(names[:5])}: trainable parameter(s) added after hf_parallel.from_pretrained placed the model, "
+        "in no TP, SP or data-parallel gradient sum (hf_parallel places peft's LoRA adapters, nothing else it did "
+        "not load); add them to the checkpoint, or freeze them with requires_grad=False"
+    )
+
+
+def place_and_check(model: nn.Module) -> None:
+    """Every adapter placed, and every trainable parameter placed by hf_parallel or refused by name
+    (every rank of the model calls it: placing broadcasts)."""
+    model = parallel_model(model)
+    state = parallel_state(model)
+    placement.place(state, state.adapters.pending(model))
+    unplaced = [name for name, p in model.named_parameters() if p.requires_grad and state.entry(name) is None]
+    if unplaced:
+        raise ValueError(_unplaced_message(unplaced))
+
+
+def _merge_on_shards(merge, tuner, *args, **kwargs):
+    """peft merges each adapter into its base's weight in place: on a TP shard its slice of
+    B A is that shard's (``placement``); FSDP's slices of the shards are DTensors it cannot add to."""
+    state = parallel_state(tuner)
+    if state.mesh.shape.dp > 1:
+        raise ValueError(
+            f"merging adapters into a model sharded by FSDP ({state.mesh.shape}): save the adapter, load the "
+            "base without fsdp_size / dp_replicate_size, load the adapter onto it and merge there"
+        )
+    place_and_check(tuner)
+    return merge(tuner, *args, **kwargs)
+
+
+def _for_parallel_models(cls, name: str, replacement) -> None:
+    """``cls.name`` runs ``replacement(original, self, ...)`` on hf_parallel's models, as before on any other."""
+    original = getattr(cls, name)
+
+    @functools.wraps(original)
+    def method(self, *args, **kwargs):
+        try:
+            parallel_model(self)
+        except ValueError:
+            return original(self, *args, **kwargs)
+        return replacement(original, self, *args, **kwargs)
+
+    setattr(cls, name, method)
+
+
+@functools.cache
+def _wrap_peft() -> None:
+    from peft import PeftModel
+    from peft.tuners.tuners_utils import BaseTuner
+
+    _for_parallel_models(PeftModel, "save_pretrained", save_adapters)
+    _for_parallel_models(BaseTuner, "merge_adapter", _merge_on_shards)
+    _for_parallel_models(
+        BaseTuner,
+        "_unload_and_optionally_merge",
+        lambda unload, tuner, merge=True, *args, **kwargs: (
+            _merge_on_shards(unload, tuner, merge, *args, **kwargs) if merge else unload(tuner, merge, *args, **kwargs)
+        ),
+    )
+
+
+def save_adapters(save, peft_model, save_directory: str, *args, is_main_process: bool = True, **kwargs) -> None:
+    """peft's ``save`` on rank 0 with every adapter matrix gathered whole; the other ranks send
+    theirs. ``is_main_process`` is accepted and has no effect: rank 0 writes."""
+    from ..checkpoint.saving import gathered_tensors
+
+    if kwargs.get("state_dict") is not None:
+        raise TypeError("save_pretrained(state_dict=...): hf_parallel gathers the adapters' own shards to save them")
+    model = parallel_model(peft_model)
+    state = parallel_state(model)
+    place_and_check(model)
+    entries = [state.adapters.entries[name] for name in sorted(state.adapters.entries)]
+    full = gathered_tensors(model, state, entries)
+    if full is not None:
+        prefix = next(name for name, module in peft_model.named_modules() if module is model)
+        kwargs["state_dict"] = {f"{prefix}.{name}": tensor for name, tensor in full.items()}
+        save(peft_model, save_directory, *args, is_main_process=True, **kwargs)
+        if state.mesh.num_stages > 1:
+            write_every_stage(peft_model, save_directory, kwargs["state_dict"], kwargs.get("selected_adapters"))
+    state.mesh.barrier()
+
+
+def write_every_stage(peft_model, save_directory: str, gathered: dict, selected) -> None:
+    """peft keeps only the adapters of the layers rank 0 holds (it walks its own modules): on
+    pipeline stages each adapter's file is written again with every stage's matrices, under
+    peft's own key names, replacing the file peft wrote only once complete."""
+    import os
+
+    from peft.mapping import PEFT_TYPE_TO_TUNER_MAPPING
+    from safetensors.torch import save_file
+
+    for adapter in selected or list(peft_model.peft_config):
+        tuner = PEFT_TYPE_TO_TUNER_MAPPING[peft_model.peft_config[adapter].peft_type]
+        mine = {
+            tuner._remove_adapter_name_from_key(key, adapter): tensor.contiguous()
+            for key, tensor in gathered.items()
+            if f".{adapter}." in key or key.endswith(f".{adapter}")
+        }
+        directory = save_directory if adapter == "default" else os.path.join(save_directory, adapter)
+        path = os.path.join(directory, "adapter_model.safetensors")
+        if not os.path.isfile(path):
+            raise ValueError(f"{path}: hf_parallel writes adapters of pipeline stages as safetensors only")
+        save_file(mine, path + ".tmp", metadata={"format": "pt"})
+        os.replace(path + ".tmp", path)
