@@ -17,10 +17,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..adapters.seams import place_and_check
 from ..distributed.faults import collective
 from ..pipeline.forward import label_count, split_batch
 from ..pipeline.schedule import run_schedule
-from ..adapters.seams import place_and_check
 from ..state import parallel_state
 
 
