@@ -35,9 +35,9 @@ class ParallelState:
     adapters: Adapters = field(default_factory=Adapters)  # peft's adapters added since, placed like their modules
 
     def entry(self, name: str) -> ShardedParam | None:
-        """The layout and full shape of the parameter called ``name`` in the model: loaded, an
-        adapter added since, or a loaded one peft moved under ``base_layer``; None: not placed."""
-        return self.plan.params.get(name) or self.adapters.entry(name, self.plan.params)
+        """The layout and full shape of the parameter called ``name`` (as loaded, or an adapter
+        added since); None: hf_parallel did not place it."""
+        return self.plan.params.get(name) or self.adapters.entries.get(name)
 
     @property
     def stage(self) -> Stage | None:

@@ -8,6 +8,7 @@ import os
 
 import torch
 
+LLAMA = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 LR, EPS = 1e-3, 1e-6  # AdamW's first step is lr * g / (|g| + eps): eps bounds how much a gradient's last bits move it
 RANK = 4
 
@@ -114,3 +115,87 @@ def parallel(rank: int, world_size: int, cases: dict, root: str) -> dict:
             "other_logits": other_logits.tolist(), "merged_logits": merged_logits, "merge_error": merge_error,
         }  # fmt: skip
     return results
+
+
+def refusals(rank: int, world_size: int, paths: dict, root: str) -> dict:
+    """At TP=2: peft's own ``get_peft_model`` (its initial adapter saved), and what is refused by name
+    instead of trained wrong: DoRA on a split module, a LoRA on fused MoE experts, peft's
+    ``modules_to_save`` copy, a parameter and a module added by hand."""
+    import peft
+
+    import hf_parallel
+
+    def load(name="llama"):
+        return hf_parallel.AutoModelForCausalLM.from_pretrained(paths[name], dtype=torch.float32, tp_size=2)
+
+    def error_of(run) -> str | None:
+        try:
+            run()
+        except ValueError as error:
+            return str(error)
+        return None
+
+    out = {}
+    torch.manual_seed(0)
+    peft.get_peft_model(load(), lora_config(LLAMA)).save_pretrained(os.path.join(root, "initial"))
+    data = batch(101)
+
+    def forward_with_grad(model):
+        return lambda: model(**data).loss
+
+    out["dora"] = error_of(lambda: peft.get_peft_model(load(), lora_config(["q_proj"], use_dora=True)))
+    out["experts"] = error_of(
+        lambda: peft.get_peft_model(load("qwen3_moe"), lora_config([], target_parameters=["mlp.experts.gate_up_proj"]))
+    )
+    copied = peft.get_peft_model(load(), lora_config(["q_proj"], modules_to_save=["lm_head"]))
+    out["modules_to_save"] = error_of(lambda: hf_parallel.train_step(copied, **data, micro_batches=1))
+    by_hand = load()
+    by_hand.model.layers[0].mlp.scale = torch.nn.Parameter(torch.ones(1))
+    out["parameter"] = error_of(lambda: hf_parallel.train_step(by_hand, **data, micro_batches=1))
+    module = load()
+    module.model.norm = torch.nn.Sequential(module.model.norm, torch.nn.Linear(72, 72))
+    with torch.no_grad():  # inference records no gradient: nothing to refuse
+        module(**data)
+    out["module"] = error_of(forward_with_grad(module))
+    return out
+
+
+def one_process_trainer(path: str, adapter: str, global_batch: int, output_dir: str) -> dict:
+    """transformers' Trainer in one process with the adapter loaded by plain peft."""
+    import peft
+    import training_workers
+    import transformers
+
+    base = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model = peft.PeftModel.from_pretrained(base, adapter, is_trainable=True)
+    data = training_workers.trainer_dataset(base.config.vocab_size, global_batch * training_workers.STEPS)
+    args = training_workers.trainer_arguments(output_dir, global_batch)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=data)
+    trainer.train()
+    trainer.save_model(os.path.join(output_dir, "final"))
+    return training_workers.trainer_history(trainer)
+
+
+def trainer(rank: int, world_size: int, path: str, adapter: str, sizes: dict, global_batch: int, root: str) -> dict:
+    """transformers' Trainer, unchanged, on a PeftModel around a parallel model; ``save_model``
+    writes the adapter; then a run resumed from its step-3 checkpoint."""
+    import peft
+    import training_workers
+    import transformers
+
+    import hf_parallel
+
+    runs = {}
+    for run in ("uninterrupted", "resumed"):
+        model = hf_parallel.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **sizes)
+        lora = peft.PeftModel.from_pretrained(model, adapter, is_trainable=True)
+        dp = hf_parallel.parallel_state(lora).mesh.dp.size
+        data = training_workers.trainer_dataset(model.config.vocab_size, global_batch * training_workers.STEPS)
+        args = training_workers.trainer_arguments(root, global_batch // dp, save_strategy="steps", save_steps=3)
+        trainer = transformers.Trainer(model=lora, args=args, train_dataset=data)
+        checkpoint = os.path.join(root, "checkpoint-3") if run == "resumed" else None
+        trainer.train(resume_from_checkpoint=checkpoint)
+        runs[run] = training_workers.trainer_history(trainer)
+        if run == "uninterrupted":
+            trainer.save_model(os.path.join(root, "final"))
+    return {**runs, "files": sorted(os.listdir(os.path.join(root, "checkpoint-3")))}

@@ -18,7 +18,8 @@ from conftest import once_per_world_size
 
 pytest.importorskip("peft")
 
-LLAMA = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+from adapter_workers import LLAMA
+
 TARGETS = {
     "llama": LLAMA,
     "qwen3": LLAMA,
@@ -175,3 +176,82 @@ def batch_ids(model) -> torch.Tensor:
     import adapter_workers
 
     return adapter_workers.batch(model.config.vocab_size)["input_ids"]
+
+
+@pytest.fixture(scope="module")
+def refused(paths, tmp_path_factory):
+    import adapter_workers
+    from distributed import run_ranks
+
+    root = str(tmp_path_factory.mktemp("lora_refused"))
+    return run_ranks(2, adapter_workers.refusals, paths, root, out_dir=os.path.join(root, "r")), root
+
+
+@pytest.mark.distributed
+def test_get_peft_model_on_a_parallel_model_gives_one_process_adapter(refused, references):
+    """peft's get_peft_model, unchanged, on the TP=2 model: with the same seed, the adapter it makes
+    (saved gathered) is bit for bit the one one process makes."""
+    _, root = refused
+    _, ref_dir = references("llama")
+    from safetensors.torch import load_file
+
+    want = load_file(os.path.join(ref_dir, "adapter", "adapter_model.safetensors"))
+    got = load_file(os.path.join(root, "initial", "adapter_model.safetensors"))
+    assert sorted(got) == sorted(want)
+    for key in want:
+        assert torch.equal(got[key], want[key]), key
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    "what, names",
+    [
+        ("dora", ["model.layers.0.self_attn.q_proj", "DoRA", "leave it out of target_modules"]),
+        ("experts", ["model.layers.0.mlp.experts", "moe_tp_experts", "has no adapter split"]),
+        ("modules_to_save", ["lm_head.modules_to_save.default.weight", "trainable parameter(s) added after"]),
+        ("parameter", ["model.layers.0.mlp.scale", "trainable parameter(s) added after"]),
+        ("module", ["model.norm.1.weight, model.norm.1.bias:", "trainable parameter(s) added after"]),
+    ],
+)
+def test_what_cannot_be_placed_is_refused_by_name(refused, what, names):
+    """Never a wrong result: an adapter that cannot follow its module, a trainable copy peft makes, a
+    parameter or module added by hand; each refused, naming it, before a gradient is used."""
+    results, _ = refused
+    for result in results:
+        error = result[what]
+        assert error is not None, what
+        for name in names:
+            assert name in error, (what, error)
+
+
+@pytest.mark.distributed
+def test_trainer_trains_lora_on_tp_and_fsdp(paths, references, tmp_path):
+    """transformers' Trainer, unchanged, on a PeftModel around a TP=2 x FSDP=2 model: one process's
+    losses and grad norms; save_model writes the adapter (one process's trained adapter, loaded by
+    plain peft); a run resumed from the step-3 checkpoint logs the uninterrupted steps 4-5."""
+    import adapter_workers
+    import training_workers
+    from distributed import run_ranks
+    from safetensors.torch import load_file
+
+    global_batch = 4
+    _, ref_dir = references("llama")
+    adapter = os.path.join(ref_dir, "adapter")
+    want = adapter_workers.one_process_trainer(paths["llama"], adapter, global_batch, str(tmp_path / "one"))
+    root = str(tmp_path / "run")
+    results = run_ranks(
+        4, adapter_workers.trainer, paths["llama"], adapter, dict(tp_size=2, fsdp_size=2), global_batch, root,
+        out_dir=str(tmp_path / "r"),
+    )  # fmt: skip
+    for result in results:
+        got = result["uninterrupted"]
+        assert len(got["losses"]) == training_workers.STEPS
+        assert max(abs(a - b) for a, b in zip(got["losses"], want["losses"])) < 1e-5, (got, want)
+        assert max(abs(a - b) for a, b in zip(got["norms"], want["norms"])) < 1e-5, (got, want)
+        assert result["resumed"] == result["uninterrupted"], result
+    assert "adapter_model.safetensors" in results[0]["files"], results[0]["files"]
+    saved = load_file(os.path.join(root, "final", "adapter_model.safetensors"))
+    one = load_file(os.path.join(str(tmp_path / "one"), "final", "adapter_model.safetensors"))
+    assert sorted(saved) == sorted(one)
+    for key in one:
+        assert_close(saved[key], one[key], 1e-4, key)

@@ -53,17 +53,11 @@ class AdapterSite:
 
 class Adapters:
     """The adapters of one parallel model: their sites, and an entry (layout, full shape) for each
-    placed adapter parameter and each parameter peft moved under ``base_layer``."""
+    placed adapter parameter, by its name in the model."""
 
     def __init__(self):
         self.sites: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # wrapper -> AdapterSite
         self.entries: dict[str, ShardedParam] = {}
-        self.aliases: dict[str, str] = {}  # "<path>.base_layer.weight" -> "<path>.weight"
-
-    def entry(self, name: str, planned: dict[str, ShardedParam]) -> ShardedParam | None:
-        if name in self.entries:
-            return self.entries[name]
-        return planned.get(self.aliases.get(name, ""))
 
     def pending(self, model: nn.Module) -> list[nn.Module]:
         """The wrappers with adapters not yet placed, in module order (the same on every rank of a stage)."""
@@ -213,8 +207,6 @@ def wrap(state, path: str, base: nn.Module, wrapper: nn.Module) -> None:
     """peft put ``wrapper`` where ``base`` was: the base's edges move to the wrapper, its compute stays."""
     site = site_for(state, path, base)
     state.adapters.sites[wrapper] = site
-    for attr, _ in base.named_parameters(recurse=False):
-        state.adapters.aliases[f"{path}.base_layer.{attr}"] = f"{path}.{attr}"
     apply_hooks(base, site.hooks.compute)
     edges = site.hooks.edges
 

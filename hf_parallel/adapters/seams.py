@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import functools
+import sys
 import weakref
 
 import torch
@@ -30,6 +31,8 @@ _WATCHED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> (
 def watch(model: nn.Module, state) -> None:
     """Follow every module of ``model`` (loaded by hf_parallel, with ``state``) as peft changes it."""
     _install_registration_hook()
+    if "peft" in sys.modules:  # else when peft's first layer appears (a script imports peft first)
+        _wrap_peft()
     ref = weakref.ref(state)
     for path, module in model.named_modules():
         _WATCHED[module] = (ref, path)
@@ -65,6 +68,20 @@ def _on_registered(parent: nn.Module, name: str, module):
     return None
 
 
+def named_entries(model: nn.Module, state, prefix: str = ""):
+    """(name, parameter, entry) for every parameter of ``model`` (each once): the entry found by
+    the module that holds it under the path it had when loaded (peft's ``base_layer`` moved it),
+    or by its name (an adapter); None: hf_parallel did not place it."""
+    seen: set[int] = set()
+    for name, module in model.named_modules(prefix=prefix):
+        watched = _WATCHED.get(module)
+        path = watched[1] if watched is not None else name
+        for attr, param in module.named_parameters(recurse=False):
+            if id(param) not in seen:
+                seen.add(id(param))
+                yield f"{name}.{attr}" if name else attr, param, state.entry(f"{path}.{attr}" if path else attr)
+
+
 def _refuse_trainable(state_ref, path: str):
     """A forward pre-hook for a module added to the model after loading: refuse, when gradients
     are recorded, the trainable parameters in it that hf_parallel did not place."""
@@ -73,11 +90,7 @@ def _refuse_trainable(state_ref, path: str):
         state = state_ref()
         if state is None or not torch.is_grad_enabled():
             return
-        unplaced = [
-            f"{path}.{name}"
-            for name, param in module.named_parameters()
-            if param.requires_grad and state.entry(f"{path}.{name}") is None
-        ]
+        unplaced = [n for n, p, entry in named_entries(module, state, path) if p.requires_grad and entry is None]
         if unplaced:
             raise ValueError(_unplaced_message(unplaced))
 
@@ -98,7 +111,7 @@ def place_and_check(model: nn.Module) -> None:
     model = parallel_model(model)
     state = parallel_state(model)
     placement.place(state, state.adapters.pending(model))
-    unplaced = [name for name, p in model.named_parameters() if p.requires_grad and state.entry(name) is None]
+    unplaced = [name for name, p, entry in named_entries(model, state) if p.requires_grad and entry is None]
     if unplaced:
         raise ValueError(_unplaced_message(unplaced))
 
@@ -114,6 +127,27 @@ def _merge_on_shards(merge, tuner, *args, **kwargs):
         )
     place_and_check(tuner)
     return merge(tuner, *args, **kwargs)
+
+
+def _refuse_unsplittable(update_layer, layer, adapter_name, *args, **kwargs):
+    """peft's ``update_layer`` (it builds and initialises an adapter) for a layer around one of the
+    model's modules: an adapter that cannot follow the module's split is refused first, by name
+    (peft's own initialisation of DoRA would fail on the shard with a bare size mismatch)."""
+    base = layer.get_base_layer()
+    watched = _WATCHED.get(base)
+    state = watched[0]() if watched is not None else None
+    if state is not None:
+        site = placement.site_for(state, watched[1], base)
+        config = kwargs.get("config", args[2] if len(args) > 2 else None)
+        variant = layer.resolve_lora_variant(config=config) if config is not None else None
+        if site.split.side is not None and (variant is not None or getattr(config, "lora_bias", False)):
+            used = type(variant).__name__ if variant is not None else "lora_bias"
+            raise ValueError(
+                f"{watched[1]}: adapter {adapter_name!r} uses a LoRA variant ({used}; DoRA and the like), which "
+                f"hf_parallel cannot split like its "
+                f"{site.rule.style_name} shards; use plain LoRA on it or leave it out of target_modules"
+            )
+    return update_layer(layer, adapter_name, *args, **kwargs)
 
 
 def _for_parallel_models(cls, name: str, replacement) -> None:
@@ -134,7 +168,12 @@ def _for_parallel_models(cls, name: str, replacement) -> None:
 @functools.cache
 def _wrap_peft() -> None:
     from peft import PeftModel
+    from peft.tuners.lora import layer as lora_layers
     from peft.tuners.tuners_utils import BaseTuner
+
+    for cls in vars(lora_layers).values():
+        if isinstance(cls, type) and issubclass(cls, lora_layers.LoraLayer) and "update_layer" in vars(cls):
+            _wrap_update_layer(cls)
 
     _for_parallel_models(PeftModel, "save_pretrained", save_adapters)
     _for_parallel_models(BaseTuner, "merge_adapter", _merge_on_shards)
@@ -145,6 +184,16 @@ def _wrap_peft() -> None:
             _merge_on_shards(unload, tuner, merge, *args, **kwargs) if merge else unload(tuner, merge, *args, **kwargs)
         ),
     )
+
+
+def _wrap_update_layer(cls) -> None:
+    original = cls.update_layer
+
+    @functools.wraps(original)
+    def update_layer(self, adapter_name, *args, **kwargs):
+        return _refuse_unsplittable(original, self, adapter_name, *args, **kwargs)
+
+    cls.update_layer = update_layer
 
 
 def save_adapters(save, peft_model, save_directory: str, *args, is_main_process: bool = True, **kwargs) -> None:

@@ -15,6 +15,7 @@ import math
 import torch
 import torch.distributed as dist
 
+from ..adapters.seams import named_entries
 from ..distributed.faults import collective
 from ..state import parallel_model, parallel_state
 
@@ -48,11 +49,10 @@ def grad_norm_squares(model, state) -> torch.Tensor:
     mesh, stage, sequence = state.mesh, state.stage, state.sequence
     tied = set(stage.tied) if stage is not None else set()
     total = torch.zeros((), dtype=torch.float64, device=mesh.device)
-    for name, param in model.named_parameters():
+    for name, param, entry in named_entries(model, state):
         if param.grad is None:
             continue
         grad = local_tensor(param.grad).double()
-        entry = state.entry(name)
         sharded = hasattr(param, "to_local")  # FSDP's slice of this rank's TP shard
         # FSDP's slices are copied on the HSDP replicas; anything else (an adapter) on every replica
         weight: torch.Tensor | float = 1.0 / (mesh.shape.dp_replicate if sharded else mesh.dp.size)

@@ -13,6 +13,7 @@ import os
 import torch
 from safetensors.torch import load_file, save_file
 
+from ..adapters.seams import place_and_check
 from ..checkpoint.files import resume_file_names
 from ..state import parallel_state
 from .clipping import local_tensor
@@ -52,6 +53,7 @@ def load_training_state(model, optimizer, directory: str) -> None:
                 f"({parallel_state(model).mesh.shape}) wrote"
             )
     if model is not None:
+        place_and_check(model)  # adapters added since loading: cut to the slices this rank saved
         saved = load_file(weights)
         params = _trainable(model)
         if saved.keys() != params.keys():
