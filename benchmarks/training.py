@@ -1,7 +1,7 @@
 """A training step at world 2: hf_parallel FSDP=2 and TP=2 beside transformers' own
 ``DistributedConfig(fsdp_size=2)`` and ``(tp_size=2)``, and one process, on the same cores.
 
-    python benchmarks/training.py [--model llama-1gb] [--rows 4] [--seq 64] [--steps 2]
+    python benchmarks/training.py [--model llama-1gb] [--rows 4] [--seq 64] [--steps 2] [--lora R]
 
 Every configuration trains the same model in fp32 (AdamW's master weights are the weights) on
 the same global batch of ``rows`` x ``seq`` random tokens: each data-parallel rank takes its rows,
@@ -11,6 +11,11 @@ the ranks of one model replica (TP) the same ones. A step is forward, backward a
 ones. Per configuration: tokens/s of the global batch, per-rank peak RSS (the kernel's high-water
 mark over load and training) and the losses, which must equal one process's.
 Writes ``training.json``; prints ratios and the issue's targets.
+
+``--lora R``: a LoRA fine-tuning step instead (peft's adapters of rank R on every attention and MLP
+projection, the base frozen, AdamW on the adapters): one process, hf_parallel TP=2 and
+transformers' TP=2 with peft (its error reported as such), each adapter made by
+``peft.get_peft_model`` with the same seed. Writes ``training-lora.json``.
 """
 
 from __future__ import annotations
@@ -33,6 +38,8 @@ KINDS = {  # configuration -> ranks
     "transformers FSDP=2": 2,
     "transformers TP=2": 2,
 }
+LORA_KINDS = {kind: KINDS[kind] for kind in ("one process", "hf_parallel TP=2", "transformers TP=2")}
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 def load(kind: str, path: str):
@@ -61,13 +68,19 @@ def worker(kind: str, args) -> None:
     from pipeline import checkpoint
 
     model = load(kind, checkpoint(args.model))
+    if args.lora:
+        import peft
+
+        torch.manual_seed(0)
+        config = peft.LoraConfig(r=args.lora, lora_alpha=2 * args.lora, target_modules=LORA_TARGETS)
+        model = peft.get_peft_model(model, config)
     model.train()
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     data_parallel = world if "FSDP" in kind else 1  # TP ranks share a batch
     ids = torch.randint(3, model.config.vocab_size, (args.rows, args.seq), generator=torch.Generator().manual_seed(0))
     rows = args.rows // data_parallel
     mine = ids[(rank % data_parallel) * rows : (rank % data_parallel + 1) * rows]
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
     losses, seconds = [], []
     for step in range(1 + args.steps):
         if dist.is_initialized():
@@ -100,6 +113,7 @@ def launch(kind: str, args) -> list[dict] | str:
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": HERE}
     worker_args = [os.path.abspath(__file__), "--worker", kind, "--out", args.out, "--model", args.model]
     worker_args += ["--rows", str(args.rows), "--seq", str(args.seq), "--steps", str(args.steps)]
+    worker_args += ["--lora", str(args.lora)] if args.lora else []
     command = [sys.executable, *worker_args]
     if nproc > 1:
         command = [
@@ -113,7 +127,7 @@ def launch(kind: str, args) -> list[dict] | str:
     print(f"  {kind} x{nproc} ({threads} thread(s) each) ...", flush=True)
     done = subprocess.run(command, env=env, capture_output=True, text=True)
     if done.returncode != 0:
-        errors = [line for line in done.stderr.splitlines() if "Error" in line or "error" in line]
+        errors = [line for line in done.stderr.splitlines() if "Error:" in line and "ChildFailedError" not in line]
         return (errors[-1] if errors else f"exit {done.returncode}").strip()[:300]
     name = kind.replace(" ", "_")
     return [json.load(open(os.path.join(args.out, f"training-{name}-rank{r}.json"))) for r in range(nproc)]
@@ -125,6 +139,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=4)
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--lora", type=int, help="LoRA rank: a LoRA fine-tuning step (peft) instead of full training")
     parser.add_argument("--only", nargs="+", choices=list(KINDS), help=argparse.SUPPRESS)
     parser.add_argument("--out", default=os.path.join(HERE, "results"))
     parser.add_argument("--worker", help=argparse.SUPPRESS)
@@ -135,7 +150,7 @@ def main() -> None:
     from pipeline import checkpoint
 
     checkpoint(args.model)  # build it once, before any timing
-    runs = {kind: launch(kind, args) for kind in (args.only or KINDS)}
+    runs = {kind: launch(kind, args) for kind in (args.only or (LORA_KINDS if args.lora else KINDS))}
     single = runs.get("one process")
     table = {}
     for kind, ranks in runs.items():
@@ -150,7 +165,8 @@ def main() -> None:
             if not isinstance(single, list)
             else max(abs(a - b) for r in ranks for a, b in zip(r["losses"], single[0]["losses"])),
         }
-    print(f"\ntraining step, {args.rows} x {args.seq} tokens, {args.model} in fp32 + AdamW, {os.cpu_count()} cores")
+    what = f"LoRA r={args.lora} step" if args.lora else "training step"
+    print(f"\n{what}, {args.rows} x {args.seq} tokens, {args.model} in fp32 + AdamW, {os.cpu_count()} cores")
     print(f"{'configuration':<22} {'tokens/s':>9} {'peak RSS/rank MiB':>18} {'loss - 1 process':>17}")
     for kind, row in table.items():
         if "failed" in row:
@@ -164,7 +180,7 @@ def main() -> None:
             return None
         return table[a][key] / table[b][key]
 
-    checks = [
+    checks = lora_checks(ratio) if args.lora else [
         ("per-rank peak RSS, hf_parallel FSDP=2 / one process <= 0.55",
          ratio("hf_parallel FSDP=2", "one process", "peak_rss_mib"), lambda r: r <= 0.55),
         ("step time, hf_parallel FSDP=2 / transformers FSDP=2 <= 1.0",
@@ -183,8 +199,20 @@ def main() -> None:
         else:
             verdict = "" if target is None else (" met" if target(value) else " MISSED")
             print(f"{text}: {value:.2f}{verdict}")
-    with open(os.path.join(args.out, "training.json"), "w") as f:
+    with open(os.path.join(args.out, "training-lora.json" if args.lora else "training.json"), "w") as f:
         json.dump({"args": vars(args), "table": table, "ratios": {t: v for t, v, _ in checks}}, f, indent=1)
+
+
+def lora_checks(ratio) -> list:
+    return [
+        ("step time, hf_parallel TP=2 / transformers TP=2 with peft",
+         ratio("transformers TP=2", "hf_parallel TP=2", "tokens_per_s"), lambda r: r <= 1.0),
+        ("step time, hf_parallel TP=2 / one process", ratio("one process", "hf_parallel TP=2", "tokens_per_s"), None),
+        ("per-rank peak RSS, hf_parallel TP=2 / one process",
+         ratio("hf_parallel TP=2", "one process", "peak_rss_mib"), None),
+        ("per-rank peak RSS, hf_parallel TP=2 / transformers TP=2 with peft",
+         ratio("hf_parallel TP=2", "transformers TP=2", "peak_rss_mib"), None),
+    ]  # fmt: skip
 
 
 if __name__ == "__main__":

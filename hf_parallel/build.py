@@ -8,7 +8,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from accelerate import init_empty_weights
 from torch import nn
 
 from .checkpoint.keys import FusedSource, checkpoint_sources
@@ -41,6 +40,8 @@ def resolve_dtype(dtype, config) -> torch.dtype:
 
 def build_empty(auto_class, config, dtype: torch.dtype) -> nn.Module:
     """The model with parameters on the meta device (buffers such as RoPE tables stay real)."""
+    from accelerate import init_empty_weights  # here, not at import: accelerate pulls in botocore (~14 MB)
+
     with init_empty_weights(include_buffers=False):
         model = auto_class.from_config(config, dtype=dtype)
     model.tie_weights()  # accelerate's meta init re-creates parameters, which unties them

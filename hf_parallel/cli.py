@@ -137,12 +137,13 @@ def tp_plan_arg(value: str):
 
 
 def cmd_plan(args) -> None:
-    from .report import plan_report
+    from .report import parse_lora, plan_report
 
     print(
         plan_report(
             args.path, args.tp, tp_plan=tp_plan_arg(args.tp_plan), sp=args.sp, seq=args.seq, fsdp_size=args.fsdp,
-            dp_replicate_size=args.dp_replicate, nproc_per_node=args.nproc_per_node, **pipeline_kwargs(args),
+            dp_replicate_size=args.dp_replicate, nproc_per_node=args.nproc_per_node,
+            lora=parse_lora(args.lora) if args.lora else None, **pipeline_kwargs(args),
         )
     )  # fmt: skip
 
@@ -244,6 +245,7 @@ def main(argv=None) -> None:
     plan.add_argument("--fsdp", type=int, default=1, help="FSDP size: data-parallel replicas sharding the model")
     plan.add_argument("--dp-replicate", type=int, default=1, help="HSDP replicas of the FSDP group")
     plan.add_argument("--nproc-per-node", type=int, help="ranks per node: flag TP or SP groups that span nodes")
+    plan.add_argument("--lora", help="r=N,target=name[,name...]: each LoRA adapter's split and bytes per rank")
     add_pipeline_args(plan)
     plan.set_defaults(func=cmd_plan)
     check = sub.add_parser(

@@ -31,6 +31,7 @@ def plan_report(
     fsdp_size: int = 1,
     dp_replicate_size: int = 1,
     nproc_per_node: int | None = None,
+    lora: dict | None = None,
 ) -> str:
     config = transformers.AutoConfig.from_pretrained(path)
     dtype = resolve_dtype(dtype, config)
@@ -65,6 +66,8 @@ def plan_report(
             f"{name:<48} {rule_text:<34} {rule.style_name if rule else 'replicated':<24} {entry.layout.describe():<36} {shown} / {nbytes}"
         )
     lines += [f"left replicated by discovery: {note}" for note in shard.plan.notes]
+    if lora is not None:
+        lines += lora_lines(model, shard, tp, lora, dtype)
     if sp > 1:
         lines += sequence_lines(model, shard, tp, sp, seq)
     lines.append(
@@ -77,6 +80,63 @@ def plan_report(
             f"{[math.ceil(t / fsdp) for t in totals]} bytes per rank, the same again for gradients, twice for AdamW"
         )
     return "\n".join([*mesh_text, *lines])
+
+
+def parse_lora(text: str) -> dict:
+    """``r=8,target=q_proj,v_proj`` (``hf-parallel plan --lora``): the rank and the target module names."""
+    spec: dict[str, list[str]] = {}
+    key = None
+    for token in filter(None, text.split(",")):
+        if "=" in token:
+            key, token = token.split("=", 1)
+            spec[key] = []
+        if key is None:
+            raise ValueError(f"--lora {text!r}: expected r=N,target=name[,name...]")
+        spec[key].append(token)
+    if set(spec) != {"r", "target"} or len(spec["r"]) != 1 or not spec["r"][0].isdigit():
+        raise ValueError(f"--lora {text!r}: expected r=N,target=name[,name...] (e.g. r=8,target=q_proj,v_proj)")
+    return {"r": int(spec["r"][0]), "target": spec["target"]}
+
+
+def lora_lines(model, shard, tp: int, lora: dict, dtype) -> list[str]:
+    """Each targeted module's adapter pair (peft's name matching: the module's name or its last
+    parts): how A and B split, following the module, and their bytes per rank."""
+    from .adapters.placement import adapter_layout, site_for
+    from .tensor.geometry import is_conv1d
+
+    r, targets = lora["r"], lora["target"]
+    # peft keeps 16-bit models' adapters in fp32 (autocast_adapter_dtype)
+    itemsize = 4 if dtype in (torch.float16, torch.bfloat16) else torch.empty((), dtype=dtype).element_size()
+    lines = [f"LoRA r={r} on {', '.join(targets)} ({itemsize}-byte adapter weights; each pair follows its module):"]
+    totals, count = [0] * tp, 0
+    for path, module in model.named_modules():
+        if not any(path == t or path.endswith(f".{t}") for t in targets) or f"{path}.weight" not in shard.params:
+            continue
+        site = site_for(shard, path, module)
+        full = shard.params[f"{path}.weight"].full_shape
+        in_features, out_features = (
+            (full[0], full[1]) if is_conv1d(module) or isinstance(module, torch.nn.Embedding) else (full[1], full[0])
+        )
+        pairs = {
+            "A": ((r, in_features), adapter_layout(site, "in", 2, tp)),
+            "B": ((out_features, r), adapter_layout(site, "out", 2, tp)),
+        }
+        nbytes = [
+            sum(math.prod(layout.local_shape(shape, rank)) for shape, layout in pairs.values()) * itemsize
+            for rank in range(tp)
+        ]
+        totals, count = [t + n for t, n in zip(totals, nbytes)], count + 1
+        described = "  ".join(
+            f"{name} {'x'.join(map(str, shape))} {layout.describe()}"
+            + (" (gradient summed over TP)" if layout.is_replicated and site.split.sum_whole and tp > 1 else "")
+            for name, (shape, layout) in pairs.items()
+        )
+        style = site.rule.style_name if site.rule is not None else "replicated"
+        lines.append(f"  {path:<46} {style:<24} {described} / {nbytes}")
+    if not count:
+        raise ValueError(f"--lora: no module of the model is named {', '.join(targets)} (peft would refuse it too)")
+    lines.append(f"  {count} adapter pairs, bytes per rank {totals}; AdamW adds twice that, gradients once")
+    return lines
 
 
 def mesh_lines(shape: MeshShape, nproc_per_node: int | None) -> list[str]:

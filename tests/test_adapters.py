@@ -255,3 +255,33 @@ def test_trainer_trains_lora_on_tp_and_fsdp(paths, references, tmp_path):
     assert sorted(saved) == sorted(one)
     for key in one:
         assert_close(saved[key], one[key], 1e-4, key)
+
+
+def test_plan_shows_each_adapter_split(tiny_paths):
+    """``hf-parallel plan --lora``: each adapter pair splits as its module (tiny Llama, 9/3 heads at
+    tp=2 in whole KV groups: q rows 48/24, k 16/8), the whole matrix's gradient summed over TP."""
+    from hf_parallel.report import parse_lora, plan_report
+
+    text = plan_report(tiny_paths["llama"], 2, lora=parse_lora("r=4,target=q_proj,k_proj,o_proj"))
+    lines = {line.split()[0]: line for line in text.splitlines() if line.startswith("  model.layers.0.")}
+    q, k, o = (lines[f"model.layers.0.self_attn.{name}"] for name in ("q_proj", "k_proj", "o_proj"))
+    assert "A 4x72 replicated (gradient summed over TP)" in q and "B 72x4 chunks(dim=0, sizes=[48,24])" in q, q
+    assert "B 24x4 chunks(dim=0, sizes=[16,8])" in k, k
+    assert "A 4x72 chunks(dim=1, sizes=[48,24])" in o and "B 72x4 replicated (gradient summed over TP)" in o, o
+    assert q.endswith(f"/ [{(4 * 72 + 48 * 4) * 4}, {(4 * 72 + 24 * 4) * 4}]"), q  # fp32 A + B rows
+    assert "6 adapter pairs" in text
+
+
+@pytest.mark.parametrize("text", ["r=8", "target=q_proj", "r=x,target=q_proj", "q_proj,r=8"])
+def test_plan_lora_argument_is_checked(text):
+    from hf_parallel.report import parse_lora
+
+    with pytest.raises(ValueError, match="expected r=N,target=name"):
+        parse_lora(text)
+
+
+def test_plan_lora_refuses_targets_the_model_lacks(tiny_paths):
+    from hf_parallel.report import parse_lora, plan_report
+
+    with pytest.raises(ValueError, match="no module of the model is named qkv_proj"):
+        plan_report(tiny_paths["llama"], 2, lora=parse_lora("r=4,target=qkv_proj"))

@@ -10,7 +10,7 @@ import pytest
 
 def _loaded_after(code: str) -> set[str]:
     """The heavy packages a fresh interpreter holds after running ``code``."""
-    probe = code + "\nimport sys; print(sorted({m for m in ('torch', 'transformers', 'numpy') if m in sys.modules}))"
+    probe = code + "\nimport sys; print(sorted({m for m in ('torch', 'transformers', 'numpy', 'peft') if m in sys.modules}))"
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     return set(ast.literal_eval(done.stdout.strip().splitlines()[-1]))
 
@@ -30,6 +30,11 @@ def test_entry_points_import_neither_torch_nor_transformers(code):
 def test_pure_modules_import_no_transformers():
     code = "import hf_parallel.tensor.layout, hf_parallel.sequence.tokens, hf_parallel.tensor.heads"
     assert "transformers" not in _loaded_after(code)
+
+
+def test_peft_is_imported_only_when_a_peft_model_is_used():
+    code = "import hf_parallel.api, hf_parallel.training.step, hf_parallel.training.trainer, hf_parallel.report"
+    assert "peft" not in _loaded_after(code)
 
 
 def test_public_names_resolve_lazily():

@@ -87,9 +87,9 @@ def adapter_params(wrapper: nn.Module, adapter: str) -> list[tuple[str, nn.Param
     return out
 
 
-def site_for(state, path: str, base: nn.Module) -> AdapterSite:
-    """How adapters on the module at ``path`` split, from its rule; refused by name where they cannot."""
-    plan = state.plan
+def site_for(plan, path: str, base: nn.Module) -> AdapterSite:
+    """How adapters on the module at ``path`` split, from its rule in ``plan`` (a ``ShardPlan``);
+    refused by name where they cannot."""
     rule = plan.rules.get(path)
     split = WHOLE if rule is None else rule.style.adapters
     if split is None:
@@ -103,13 +103,13 @@ def site_for(state, path: str, base: nn.Module) -> AdapterSite:
     return AdapterSite(path, base, rule, split, layout, kv_group, plan.hooks.get(path, Hooks()))
 
 
-def adapter_layout(site: AdapterSite, side: str, param: nn.Parameter, world_size: int) -> Layout:
+def adapter_layout(site: AdapterSite, side: str, ndim: int, world_size: int) -> Layout:
     """The layout of one adapter matrix: the base's ranges on its split side (A's columns, B's rows),
     whole otherwise. peft sizes most adapters whole; one it sized from a local weight (GPT-2's
     Conv1D) already has the local extent, and is kept as it is."""
     if side != site.split.side or site.layout is None:
         return replicated(world_size)
-    return Layout(1 if side == "in" and param.dim() == 2 else 0, site.layout.ranges, site.layout.kind)
+    return Layout(1 if side == "in" and ndim == 2 else 0, site.layout.ranges, site.layout.kind)
 
 
 def place(state, wrappers: list[nn.Module]) -> None:
@@ -134,7 +134,7 @@ def place(state, wrappers: list[nn.Module]) -> None:
             placed = []
             for sub, param, side in adapter_params(wrapper, adapter):
                 name = f"{site.path}.{sub}"
-                layout = adapter_layout(site, side, param, mesh.tp.size)
+                layout = adapter_layout(site, side, param.dim(), mesh.tp.size)
                 full_shape = list(param.shape)
                 if not layout.is_replicated:
                     base_full = state.plan.params[f"{site.path}.weight"].full_shape
@@ -194,7 +194,7 @@ def cut_loaded(state, wrapper: nn.Module):
         extent = state.plan.params[f"{site.path}.weight"].full_shape[site.layout.dim]
         for adapter in adapter_names(module):
             for sub, param, side in adapter_params(module, adapter):
-                layout, value = adapter_layout(site, side, param, size), state_dict.get(prefix + sub)
+                layout, value = adapter_layout(site, side, param.dim(), size), state_dict.get(prefix + sub)
                 if layout.is_replicated or value is None or value.dim() <= layout.dim:
                     continue
                 if value.shape[layout.dim] == extent and param.shape[layout.dim] == layout.local_size(rank):
@@ -205,7 +205,7 @@ def cut_loaded(state, wrapper: nn.Module):
 
 def wrap(state, path: str, base: nn.Module, wrapper: nn.Module) -> None:
     """peft put ``wrapper`` where ``base`` was: the base's edges move to the wrapper, its compute stays."""
-    site = site_for(state, path, base)
+    site = site_for(state.plan, path, base)
     state.adapters.sites[wrapper] = site
     apply_hooks(base, site.hooks.compute)
     edges = site.hooks.edges

@@ -137,7 +137,7 @@ def _refuse_unsplittable(update_layer, layer, adapter_name, *args, **kwargs):
     watched = _WATCHED.get(base)
     state = watched[0]() if watched is not None else None
     if state is not None:
-        site = placement.site_for(state, watched[1], base)
+        site = placement.site_for(state.plan, watched[1], base)
         config = kwargs.get("config", args[2] if len(args) > 2 else None)
         variant = layer.resolve_lora_variant(config=config) if config is not None else None
         if site.split.side is not None and (variant is not None or getattr(config, "lora_bias", False)):
