@@ -46,6 +46,7 @@ class AdapterSite:
     rule: object | None  # its plan rule (None: replicated, no rule)
     split: AdapterSplit
     layout: Layout | None  # the base weight's TP layout, which the split side follows
+    extent: int | None  # the base weight's full size along that split
     kv_group: object | None  # ranks replicating this rank's KV head (their B rows are summed)
     hooks: Hooks  # what the base's style installed
     placed: dict[str, list[str]] = field(default_factory=dict)  # adapter -> its parameters' names, once placed
@@ -99,8 +100,16 @@ def site_for(plan, path: str, base: nn.Module) -> AdapterSite:
             "layers follow their split)"
         )
     layout = plan.layouts.get(path, {}).get("weight") if split.side is not None else None
+    extent = plan.params[f"{path}.weight"].full_shape[layout.dim] if layout is not None else None
     kv_group = plan.contexts[path].kv_group if rule is not None else None
-    return AdapterSite(path, base, rule, split, layout, kv_group, plan.hooks.get(path, Hooks()))
+    return AdapterSite(path, base, rule, split, layout, extent, kv_group, plan.hooks.get(path, Hooks()))
+
+
+def variant_refused(path: str, adapter: str, variant: str, style: str) -> ValueError:
+    return ValueError(
+        f"{path}: adapter {adapter!r} uses a LoRA variant ({variant}; DoRA and the like), which hf_parallel cannot "
+        f"split like its {style} shards; use plain LoRA on it or leave it out of target_modules"
+    )
 
 
 def adapter_layout(site: AdapterSite, side: str, ndim: int, world_size: int) -> Layout:
@@ -116,52 +125,53 @@ def place(state, wrappers: list[nn.Module]) -> None:
     """Cut the unplaced adapters of ``wrappers`` to this rank's slices, make their whole copies
     equal over the groups that share them, and register their gradient sums (every rank of a
     stage calls it on the same wrappers: it broadcasts)."""
-    mesh, gradients = state.mesh, state.plan.gradients
+    mesh = state.mesh
     whole, every = [], []
     for wrapper in wrappers:
         site = state.adapters.sites[wrapper]
         for adapter in adapter_names(wrapper):
             if adapter in site.placed:
                 continue
-            if site.split.side is not None and (
-                getattr(wrapper, "lora_variant", {}).get(adapter) is not None
-                or getattr(wrapper, "lora_bias", {}).get(adapter)
-            ):
-                raise ValueError(
-                    f"{site.path}: adapter {adapter!r} uses a LoRA variant (DoRA, lora_bias), which hf_parallel "
-                    f"cannot split like {site.rule.style_name}; use plain LoRA on it or leave it out of target_modules"
-                )
-            placed = []
+            variant = getattr(wrapper, "lora_variant", {}).get(adapter)
+            if site.split.side is not None and (variant is not None or getattr(wrapper, "lora_bias", {}).get(adapter)):
+                used = type(variant).__name__ if variant is not None else "lora_bias"
+                raise variant_refused(site.path, adapter, used, site.rule.style_name)
+            site.placed[adapter] = []
             for sub, param, side in adapter_params(wrapper, adapter):
-                name = f"{site.path}.{sub}"
-                layout = adapter_layout(site, side, param.dim(), mesh.tp.size)
-                full_shape = list(param.shape)
-                if not layout.is_replicated:
-                    base_full = state.plan.params[f"{site.path}.weight"].full_shape
-                    extent = base_full[site.layout.dim]
-                    local = layout.local_size(mesh.tp.rank)
-                    if param.shape[layout.dim] == extent:
-                        param.data = layout.extract(param.data, mesh.tp.rank).contiguous()
-                    elif param.shape[layout.dim] != local:
-                        raise ValueError(
-                            f"{name} {tuple(param.shape)}: dim {layout.dim} is neither the base's {extent} nor this "
-                            f"rank's {local}"
-                        )
-                    full_shape[layout.dim] = extent
-                    gradients.sum_pieces(param, layout, mesh.tp.rank, site.kv_group)
-                else:
-                    whole.append(param)
-                    if site.split.sum_whole:
-                        gradients.sum_over(param, mesh.tp.group)
-                gradients.sum_over(param, mesh.sp.group)
-                gradients.average_over(param, mesh.dp.group)
+                entry = place_matrix(state, site, f"{site.path}.{sub}", param, side)
+                state.adapters.entries[entry.name] = entry
+                site.placed[adapter].append(entry.name)
                 every.append(param)
-                state.adapters.entries[name] = ShardedParam(name, (name,), layout, site.rule, tuple(full_shape))
-                placed.append(name)
-            site.placed[adapter] = placed
+                if entry.layout.is_replicated:
+                    whole.append(param)
     with torch.no_grad():
         for tensors, dim in ((whole, mesh.tp), (every, mesh.sp), (every, mesh.dp)):
             broadcast_from_first(tensors, dim)
+
+
+def place_matrix(state, site: AdapterSite, name: str, param: nn.Parameter, side: str) -> ShardedParam:
+    """One adapter matrix cut to this rank's slice (when its side is split) and its gradient sums:
+    TP as its place needs, SP, the data-parallel replicas' average."""
+    mesh, gradients = state.mesh, state.plan.gradients
+    layout = adapter_layout(site, side, param.dim(), mesh.tp.size)
+    full_shape = list(param.shape)
+    if layout.is_replicated:
+        if site.split.sum_whole:
+            gradients.sum_over(param, mesh.tp.group)
+    else:
+        local = layout.local_size(mesh.tp.rank)
+        if param.shape[layout.dim] == site.extent:
+            param.data = layout.extract(param.data, mesh.tp.rank).contiguous()
+        elif param.shape[layout.dim] != local:
+            raise ValueError(
+                f"{name} {tuple(param.shape)}: dim {layout.dim} is neither its module's {site.extent} "
+                f"nor this rank's {local}"
+            )
+        full_shape[layout.dim] = site.extent
+        gradients.sum_pieces(param, layout, mesh.tp.rank, site.kv_group)
+    gradients.sum_over(param, mesh.sp.group)
+    gradients.average_over(param, mesh.dp.group)
+    return ShardedParam(name, (name,), layout, site.rule, tuple(full_shape))
 
 
 def broadcast_from_first(tensors: list[torch.Tensor], dim) -> None:
@@ -191,13 +201,12 @@ def cut_loaded(state, wrapper: nn.Module):
         site = state.adapters.sites.get(module)
         if site is None or site.split.side is None:
             return
-        extent = state.plan.params[f"{site.path}.weight"].full_shape[site.layout.dim]
         for adapter in adapter_names(module):
             for sub, param, side in adapter_params(module, adapter):
                 layout, value = adapter_layout(site, side, param.dim(), size), state_dict.get(prefix + sub)
                 if layout.is_replicated or value is None or value.dim() <= layout.dim:
                     continue
-                if value.shape[layout.dim] == extent and param.shape[layout.dim] == layout.local_size(rank):
+                if value.shape[layout.dim] == site.extent and param.shape[layout.dim] == layout.local_size(rank):
                     state_dict[prefix + sub] = layout.extract(value, rank).contiguous()
 
     return hook

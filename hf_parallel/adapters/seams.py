@@ -142,11 +142,7 @@ def _refuse_unsplittable(update_layer, layer, adapter_name, *args, **kwargs):
         variant = layer.resolve_lora_variant(config=config) if config is not None else None
         if site.split.side is not None and (variant is not None or getattr(config, "lora_bias", False)):
             used = type(variant).__name__ if variant is not None else "lora_bias"
-            raise ValueError(
-                f"{watched[1]}: adapter {adapter_name!r} uses a LoRA variant ({used}; DoRA and the like), which "
-                f"hf_parallel cannot split like its "
-                f"{site.rule.style_name} shards; use plain LoRA on it or leave it out of target_modules"
-            )
+            raise placement.variant_refused(watched[1], adapter_name, used, site.rule.style_name)
     return update_layer(layer, adapter_name, *args, **kwargs)
 
 
