@@ -42,6 +42,7 @@ CASES = {  # world size -> case -> (checkpoint, layout)
     },
     3: {
         "tp3_smollm2": ("smollm2", dict(tp_size=3)),
+        "tp3_qwen3": ("qwen3", dict(tp_size=3)),  # 8/4 heads in uneven whole KV groups: q 4/2/2, kv 2/1/1
         "vtp_2_1": ("pp_llama", dict(stage_tp_sizes=[2, 1])),
     },
     4: {
