@@ -119,7 +119,8 @@ def parallel(rank: int, world_size: int, cases: dict, root: str) -> dict:
 
 def refusals(rank: int, world_size: int, paths: dict, root: str) -> dict:
     """At TP=2: peft's own ``get_peft_model`` (its initial adapter saved), and what is refused by name
-    instead of trained wrong: DoRA on a split module, a LoRA on fused MoE experts, peft's
+    instead of trained wrong: DoRA on a split module, a LoRA on fused MoE experts, another peft
+    tuner (IA3) on a split module, peft's
     ``modules_to_save`` copy, a parameter and a module added by hand."""
     import peft
 
@@ -146,6 +147,9 @@ def refusals(rank: int, world_size: int, paths: dict, root: str) -> dict:
     out["dora"] = error_of(lambda: peft.get_peft_model(load(), lora_config(["q_proj"], use_dora=True)))
     out["experts"] = error_of(
         lambda: peft.get_peft_model(load("qwen3_moe"), lora_config([], target_parameters=["mlp.experts.gate_up_proj"]))
+    )
+    out["ia3"] = error_of(
+        lambda: peft.get_peft_model(load(), peft.IA3Config(target_modules=["q_proj"], feedforward_modules=[]))
     )
     copied = peft.get_peft_model(load(), lora_config(["q_proj"], modules_to_save=["lm_head"]))
     out["modules_to_save"] = error_of(lambda: hf_parallel.train_step(copied, **data, micro_batches=1))

@@ -209,6 +209,7 @@ def test_get_peft_model_on_a_parallel_model_gives_one_process_adapter(refused, r
     [
         ("dora", ["model.layers.0.self_attn.q_proj", "DoRA", "leave it out of target_modules"]),
         ("experts", ["model.layers.0.mlp.experts", "moe_tp_experts", "has no adapter split"]),
+        ("ia3", ["model.layers.0.self_attn.q_proj", "ia3.layer.Linear around a module split by colwise", "LoraConfig"]),
         ("modules_to_save", ["lm_head.modules_to_save.default.weight", "trainable parameter(s) added after"]),
         ("parameter", ["model.layers.0.mlp.scale", "trainable parameter(s) added after"]),
         ("module", ["model.norm.1.weight, model.norm.1.bias:", "trainable parameter(s) added after"]),

@@ -52,13 +52,22 @@ def _on_registered(parent: nn.Module, name: str, module):
         return None
     path = f"{watched[1]}.{name}" if watched[1] else name
     known = _WATCHED.get(module)
-    if hasattr(module, "get_base_layer") and hasattr(module, "lora_A"):  # peft's LoRA layer around a module
+    if hasattr(module, "get_base_layer"):  # a peft layer around one of the model's modules
         base = module.get_base_layer()
         if _WATCHED.get(base, (None, None))[1] == path:
-            _wrap_peft()
-            placement.wrap(state, path, base, module)
-            _WATCHED[module] = (watched[0], path)
-            return None
+            site = placement.site_for(state.plan, path, base)  # refuses modules whose split adapters cannot follow
+            if not hasattr(module, "lora_A") and site.split != placement.WHOLE:
+                raise ValueError(
+                    f"{path}: {type(module).__module__}.{type(module).__name__} around a module split by "
+                    f"{site.rule.style_name}: "
+                    "hf_parallel places LoRA adapters on split modules, not this kind; use LoraConfig, or leave "
+                    "it out of target_modules"
+                )
+            if hasattr(module, "lora_A"):
+                _wrap_peft()
+                placement.wrap(state, path, base, module)
+                _WATCHED[module] = (watched[0], path)
+                return None
     if known is not None and known[1] == path:  # one of the model's own modules put back
         placement.unwrap(state, path, module)
         return None
