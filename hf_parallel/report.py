@@ -102,7 +102,7 @@ def lora_lines(model, shard, tp: int, lora: dict, dtype) -> list[str]:
     """Each targeted module's adapter pair (peft's name matching: the module's name or its last
     parts): how A and B split, following the module, and their bytes per rank."""
     from .adapters.placement import adapter_layout, site_for
-    from .tensor.geometry import is_conv1d
+    from .tensor.splits import in_dim, out_dim
 
     r, targets = lora["r"], lora["target"]
     # peft keeps 16-bit models' adapters in fp32 (autocast_adapter_dtype)
@@ -114,9 +114,10 @@ def lora_lines(model, shard, tp: int, lora: dict, dtype) -> list[str]:
             continue
         site = site_for(shard, path, module)
         full = shard.params[f"{path}.weight"].full_shape
-        in_features, out_features = (
-            (full[0], full[1]) if is_conv1d(module) or isinstance(module, torch.nn.Embedding) else (full[1], full[0])
-        )
+        if isinstance(module, torch.nn.Embedding):  # [vocab, dim]: an adapter maps ids to the hidden dim
+            in_features, out_features = full
+        else:
+            in_features, out_features = full[in_dim(module)], full[out_dim(module)]
         pairs = {
             "A": ((r, in_features), adapter_layout(site, "in", 2, tp)),
             "B": ((out_features, r), adapter_layout(site, "out", 2, tp)),

@@ -85,6 +85,15 @@ def parallel_model(model: nn.Module) -> nn.Module:
     )
 
 
+def is_parallel(model: nn.Module) -> bool:
+    """Whether ``model`` (or the model a peft wrapper holds) was loaded by hf_parallel."""
+    try:
+        parallel_model(model)
+    except ValueError:
+        return False
+    return True
+
+
 def parallel_state(model: nn.Module) -> ParallelState:
     """The parallel state of a model ``hf_parallel.from_pretrained`` loaded (or of a peft model around it)."""
     return _STATES[parallel_model(model)]

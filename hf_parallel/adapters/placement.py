@@ -212,9 +212,9 @@ def cut_loaded(state, wrapper: nn.Module):
     return hook
 
 
-def wrap(state, path: str, base: nn.Module, wrapper: nn.Module) -> None:
-    """peft put ``wrapper`` where ``base`` was: the base's edges move to the wrapper, its compute stays."""
-    site = site_for(state.plan, path, base)
+def wrap(state, site: AdapterSite, wrapper: nn.Module) -> None:
+    """peft put ``wrapper`` where ``site.base`` was: the base's edges move to the wrapper, its compute stays."""
+    base = site.base
     state.adapters.sites[wrapper] = site
     apply_hooks(base, site.hooks.compute)
     edges = site.hooks.edges

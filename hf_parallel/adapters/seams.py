@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.nn.modules.module import register_module_module_registration_hook
 
-from ..state import parallel_model, parallel_state
+from ..state import is_parallel, parallel_model, parallel_state
 from . import placement
 
 _WATCHED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> (weakref to its state, its path)
@@ -56,18 +56,18 @@ def _on_registered(parent: nn.Module, name: str, module):
         base = module.get_base_layer()
         if _WATCHED.get(base, (None, None))[1] == path:
             site = placement.site_for(state.plan, path, base)  # refuses modules whose split adapters cannot follow
-            if not hasattr(module, "lora_A") and site.split != placement.WHOLE:
+            if hasattr(module, "lora_A"):
+                _wrap_peft()
+                placement.wrap(state, site, module)
+                _WATCHED[module] = (watched[0], path)
+                return None
+            if site.split != placement.WHOLE:
                 raise ValueError(
                     f"{path}: {type(module).__module__}.{type(module).__name__} around a module split by "
                     f"{site.rule.style_name}: "
                     "hf_parallel places LoRA adapters on split modules, not this kind; use LoraConfig, or leave "
                     "it out of target_modules"
                 )
-            if hasattr(module, "lora_A"):
-                _wrap_peft()
-                placement.wrap(state, path, base, module)
-                _WATCHED[module] = (watched[0], path)
-                return None
     if known is not None and known[1] == path:  # one of the model's own modules put back
         placement.unwrap(state, path, module)
         return None
@@ -161,11 +161,9 @@ def _for_parallel_models(cls, name: str, replacement) -> None:
 
     @functools.wraps(original)
     def method(self, *args, **kwargs):
-        try:
-            parallel_model(self)
-        except ValueError:
-            return original(self, *args, **kwargs)
-        return replacement(original, self, *args, **kwargs)
+        if is_parallel(self):
+            return replacement(original, self, *args, **kwargs)
+        return original(self, *args, **kwargs)
 
     setattr(cls, name, method)
 

@@ -30,13 +30,13 @@ class GradientSums:
 
     def sum_over(self, param: nn.Parameter, group) -> None:
         """Sum ``param``'s gradient over ``group`` in backward (each rank saw part of the data)."""
-        if group is not None and all(g is not group for g, _ in self._sums.get(id(param), ())):
+        if self._new(param, group):
             self._add(param, group, lambda grad: comm.all_reduce(grad, group))
 
     def average_over(self, param: nn.Parameter, group) -> None:
         """Average ``param``'s gradient over ``group``: a parameter FSDP does not manage (an adapter
         added after loading), replicated on the data-parallel replicas, as FSDP averages its own."""
-        if group is not None and all(g is not group for g, _ in self._sums.get(id(param), ())):
+        if self._new(param, group):
             size = torch.distributed.get_world_size(group)
             self._add(param, group, lambda grad: comm.all_reduce(grad, group) / size)
 
@@ -63,6 +63,10 @@ class GradientSums:
             return grad
 
         self._add(param, None, hook)
+
+    def _new(self, param: nn.Parameter, group) -> bool:
+        """Whether ``group`` is a group and ``param`` has no sum over it yet."""
+        return group is not None and all(g is not group for g, _ in self._sums.get(id(param), ()))
 
     def _add(self, param: nn.Parameter, group, hook: Callable) -> None:
         self._sums.setdefault(id(param), []).append((group, hook))

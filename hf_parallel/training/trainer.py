@@ -31,7 +31,7 @@ import os
 from dataclasses import dataclass
 
 from ..adapters.seams import place_and_check
-from ..state import parallel_state
+from ..state import is_parallel, parallel_state
 
 
 @dataclass(frozen=True)
@@ -112,14 +112,6 @@ def install_trainer_seams(model, state) -> None:
     _wrap_trainer()
 
 
-def _is_parallel(model) -> bool:
-    try:
-        parallel_state(model)
-    except ValueError:
-        return False
-    return True
-
-
 @functools.cache
 def _wrap_trainer() -> None:
     import torch
@@ -133,7 +125,7 @@ def _wrap_trainer() -> None:
 
     @functools.wraps(original_init)
     def __init__(self, model=None, args=None, *rest, **kwargs):
-        if model is None or not _is_parallel(model):
+        if model is None or not is_parallel(model):
             return original_init(self, model, args, *rest, **kwargs)
         if parallel_state(model).stage is not None:
             raise ValueError(
@@ -162,7 +154,7 @@ def _wrap_trainer() -> None:
 
         @functools.wraps(original)
         def method(self, *args, **kwargs):
-            if _is_parallel(self.model):
+            if is_parallel(self.model):
                 return replacement(self, *args, **kwargs)
             return original(self, *args, **kwargs)
 
