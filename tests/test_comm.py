@@ -39,19 +39,21 @@ def test_gloo_transport_gives_the_same_model_results(tiny_paths, tmp_path, monke
 
 
 @pytest.mark.parametrize(
-    "phase, how, shm, names",
+    "phase, how, env, names",
     [
-        ("load", "hangs", "1", "comparing checkpoint headers across ranks"),
-        ("save", "dies", "1", "receiving model.embed_tokens.weight from rank 1 on rank 0"),
-        ("forward", "hangs", "0", "all-reduce of (2, 7, "),
+        ("load", "hangs", {}, "comparing checkpoint headers across ranks"),
+        ("save", "dies", {"HF_PARALLEL_SHARED_SAVE": "0"}, "receiving model.embed_tokens.weight from rank 1 on rank 0"),
+        ("save", "dies", {}, "checking that every rank sees the save's files"),
+        ("forward", "hangs", {"HF_PARALLEL_SHM": "0"}, "all-reduce of (2, 7, "),
     ],
 )
 def test_a_rank_that_dies_or_hangs_fails_the_others_clearly_and_in_bounded_time(
-    tiny_paths, tmp_path, monkeypatch, phase, how, shm, names
+    tiny_paths, tmp_path, monkeypatch, phase, how, env, names
 ):
     """Over gloo (loading, saving, and the forward without shared memory) as over shared memory:
     the surviving rank gets a RankFailure naming what it was doing, within HF_PARALLEL_TIMEOUT."""
-    monkeypatch.setenv("HF_PARALLEL_SHM", shm)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
     timeout = 3.0
     rank0, _ = run_ranks(
         2,
@@ -66,7 +68,8 @@ def test_a_rank_that_dies_or_hangs_fails_the_others_clearly_and_in_bounded_time(
     assert rank0["type"] == "RankFailure" and rank0["is_timeout"], rank0
     assert names in rank0["message"] and "HF_PARALLEL_TIMEOUT=3s" in rank0["message"], rank0["message"]
     assert rank0["seconds"] < timeout + 5
-    assert not os.path.exists(tmp_path / "saved" / "model.safetensors")  # a failed save writes nothing final
+    saved = tmp_path / "saved"  # a failed save writes nothing final, and leaves nothing behind
+    assert not saved.exists() or os.listdir(saved) == [], os.listdir(saved)
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])

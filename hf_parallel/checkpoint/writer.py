@@ -10,7 +10,10 @@ import ctypes
 import json
 import math
 import os
+import time
+from collections import Counter
 from collections.abc import Iterable
+from contextlib import contextmanager
 
 import torch
 
@@ -38,25 +41,46 @@ def nbytes(shape, dtype: torch.dtype) -> int:
     return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
 
 
+TIMES: Counter = Counter()  # save phase -> seconds on this rank (gather, write, fsync, rename): the benchmark's profile
+
+
+@contextmanager
+def timed(phase: str):
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        TIMES[phase] += time.perf_counter() - start
+
+
+def safetensors_header(specs: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> tuple[bytes, dict[str, int]]:
+    """A file's leading bytes (length, JSON header, padding) and where each tensor's bytes start in
+    the file, tensors in the order of ``specs``."""
+    header, offset, starts = {}, 0, {}
+    for key, (shape, dtype) in specs.items():
+        size = nbytes(shape, dtype)
+        header[key] = {
+            "dtype": SAFETENSORS_DTYPES[dtype],
+            "shape": list(shape),
+            "data_offsets": [offset, offset + size],
+        }
+        starts[key] = offset
+        offset += size
+    header["__metadata__"] = {"format": "pt"}
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    lead = len(raw).to_bytes(8, "little") + raw
+    return lead, {key: len(lead) + start for key, start in starts.items()}
+
+
 class SafetensorsWriter:
     """Writes one safetensors file tensor by tensor, in the order the header was declared."""
 
     def __init__(self, path: str, specs: dict[str, tuple[tuple[int, ...], torch.dtype]]):
-        header, offset = {}, 0
-        for key, (shape, dtype) in specs.items():
-            size = nbytes(shape, dtype)
-            header[key] = {
-                "dtype": SAFETENSORS_DTYPES[dtype],
-                "shape": list(shape),
-                "data_offsets": [offset, offset + size],
-            }
-            offset += size
-        header["__metadata__"] = {"format": "pt"}
-        raw = json.dumps(header, separators=(",", ":")).encode()
-        raw += b" " * (-len(raw) % 8)
+        lead, _ = safetensors_header(specs)
         self.pending = list(specs.items())
         self.file = open(path, "wb")
-        self.file.write(len(raw).to_bytes(8, "little") + raw)
+        self.file.write(lead)
 
     def write(self, key: str, tensor: torch.Tensor | Iterable[torch.Tensor]) -> None:
         """``tensor``, or its row blocks in order (shards along dim 0), each written as it comes."""
@@ -71,7 +95,8 @@ class SafetensorsWriter:
                     f"got {tuple(block.shape)} {block.dtype}"
                 )
             written += block.numel()
-            self.file.write(host_bytes(block.detach().cpu().contiguous()))
+            with timed("write"):
+                self.file.write(host_bytes(block.detach().cpu().contiguous()))
         if written != math.prod(shape):
             raise RuntimeError(
                 f"writer expected {key} {tuple(shape)}, got {written} of its {math.prod(shape)} elements"
@@ -80,9 +105,20 @@ class SafetensorsWriter:
     def close(self) -> None:
         if self.pending:
             raise RuntimeError(f"safetensors file closed with {len(self.pending)} tensor(s) unwritten")
-        self.file.flush()
-        os.fsync(self.file.fileno())
+        with timed("fsync"):
+            self.file.flush()
+            os.fsync(self.file.fileno())
         self.file.close()
+
+
+def pwrite_tensor(fd: int, tensor: torch.Tensor, offset: int) -> None:
+    """``tensor``'s bytes into file ``fd`` at ``offset`` (other ranks may be writing elsewhere in it)."""
+    tensor = tensor.detach().cpu().contiguous()
+    data = memoryview(host_bytes(tensor)).cast("B")
+    with timed("write"):
+        while data:
+            written = os.pwrite(fd, data, offset)
+            data, offset = data[written:], offset + written
 
 
 def host_bytes(tensor: torch.Tensor):

@@ -92,7 +92,7 @@ class ShmChannel:
         return [part.view(x.dtype).view(x.shape) for part in parts]
 
 
-def _host_id() -> str:
+def host_id() -> str:
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             return socket.gethostname() + ":" + f.read().strip()
@@ -108,7 +108,7 @@ def attach(group, rank: int, world_size: int, timeout: float) -> ShmChannel | No
         and os.path.isdir("/dev/shm")
     )
     hosts = [None] * world_size
-    dist.all_gather_object(hosts, (usable, _host_id()), group=group)
+    dist.all_gather_object(hosts, (usable, host_id()), group=group)
     if not all(ok for ok, _ in hosts) or len({host for _, host in hosts}) != 1 or not hosts[0][1]:
         return None
     names = [f"/dev/shm/hf_parallel-{os.getpid()}-{uuid.uuid4().hex}" if rank == 0 else None]
