@@ -121,10 +121,11 @@ def worker(implementation: str, path: str, seqs: list[int], cap: int, out: str) 
         shutdown()
 
 
-def configuration(path: str, implementation: str, sp: int, args) -> dict[int, dict]:
+def configuration(path: str, implementation: str, sp: int, args, gloo: bool = False) -> dict[int, dict]:
+    """One configuration's rows; ``gloo``: its collectives over gloo, not shared memory (the A/B)."""
     from hf_parallel.cli import start_ranks
 
-    out = os.path.join(args.out, f"long_context_{implementation}_sp{sp}")
+    out = os.path.join(args.out, f"long_context_{implementation}_sp{sp}" + ("_gloo" if gloo else ""))
     os.makedirs(out, exist_ok=True)
     command = [sys.executable, __file__, "--worker", implementation, path, "--out", out, "--cap-mib", str(args.cap_mib)]
     command += ["--seqs", *map(str, args.seqs)]
@@ -132,7 +133,9 @@ def configuration(path: str, implementation: str, sp: int, args) -> dict[int, di
         env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK")}
         code = subprocess.run(command, env=env).returncode
     else:
+        os.environ["HF_PARALLEL_SHM"] = "0" if gloo else "1"  # inherited by the ranks
         code = start_ranks(sp, command)
+        os.environ.pop("HF_PARALLEL_SHM")
     if code:
         raise SystemExit(f"sp={sp} failed with exit status {code}")
     ranks = []
@@ -184,10 +187,15 @@ def report(results: dict[str, dict], cap: int) -> tuple[list[str], dict]:
         )
     if ours and longest["one process"]:
         checks.append(("longest sequence at SP=2", longest["hf_parallel SP=2"] / longest["one process"], 1.8, False))
+    gloo = results.get("hf_parallel SP=2 over gloo", {})
+    for seq in sorted(s for s in ours if s in gloo and s >= 4096):
+        speedup = ours[seq]["tokens_per_s"] / gloo[seq]["tokens_per_s"]
+        checks.append((f"tokens/s at SP=2 (seq {seq}), shared memory over gloo", speedup, 1.15, False))
     for name, value, bound, at_most in checks:
         met = value <= bound if at_most else value >= bound
         verdict = "met" if met else "NOT met"
-        lines.append(f"- {name}: {value:.2f} x one process, target {'<=' if at_most else '>='} {bound}: {verdict}")
+        against = "" if "over gloo" in name else " x one process"
+        lines.append(f"- {name}: {value:.2f}{against}, target {'<=' if at_most else '>='} {bound}: {verdict}")
     return lines, {"longest": longest, "checks": [list(c) for c in checks]}
 
 
@@ -209,6 +217,8 @@ def main() -> None:
     results = {"one process": configuration(path, "transformers", 1, args)}
     for sp in args.sp:
         results[f"hf_parallel SP={sp}"] = configuration(path, "hf_parallel", sp, args)
+        if sp == 2:  # the all-to-alls over gloo (HF_PARALLEL_SHM=0), as before they had shared memory
+            results["hf_parallel SP=2 over gloo"] = configuration(path, "hf_parallel", sp, args, gloo=True)
         if args.deepspeed:
             results[f"DeepSpeed Ulysses SP={sp}"] = configuration(path, "deepspeed", sp, args)
     lines, summary = report(results, args.cap_mib * MiB)

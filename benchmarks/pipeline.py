@@ -112,9 +112,10 @@ def checkpoint(name: str) -> str:
     return CHECKPOINTS[name]()
 
 
-def launch(kind: str, nproc: int, args, micro: int = 0) -> list[dict]:
+def launch(kind: str, nproc: int, args, micro: int = 0, gloo: bool = False) -> list[dict]:
+    """``gloo``: stages exchange over gloo instead of shared memory (HF_PARALLEL_SHM=0, the A/B)."""
     threads = max(1, (os.cpu_count() or 1) // nproc)
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": HERE}
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": HERE, "HF_PARALLEL_SHM": "0" if gloo else "1"}
     worker_args = [os.path.abspath(__file__), "--worker", kind, "--micro", str(micro), "--out", args.out]
     worker_args += ["--model", args.model, "--batch", str(args.batch), "--prompt-len", str(args.prompt_len)]
     worker_args += ["--new-tokens", str(args.new_tokens), "--pp", str(args.pp), "--dtype", args.dtype]
@@ -167,6 +168,7 @@ def main() -> None:
     runs[f"transformers PP={args.pp}"] = launch("transformers_pp", args.pp, args)
     for micro in args.micro_batches:
         runs[f"hf_parallel PP={args.pp} M={micro or 'auto'}"] = launch("hf_parallel_pp", args.pp, args, micro)
+    runs[f"hf_parallel PP={args.pp} M=auto over gloo"] = launch("hf_parallel_pp", args.pp, args, 0, gloo=True)
     reference = runs["one process"][0]["tokens"] if runs["one process"] else None
     table = {}
     for name, ranks in runs.items():
@@ -181,7 +183,7 @@ def main() -> None:
             "bubble_measured": max(r["bubble"] for r in ranks) if ranks[0]["bubble"] is not None else None,
         }
         if name.startswith("hf_parallel PP"):
-            micro = name.rsplit("M=", 1)[1]
+            micro = name.rsplit("M=", 1)[1].split()[0]
             micro = int(micro) if micro != "auto" else None
             table[name]["bubble_theory"] = None if micro is None else (args.pp - 1) / (micro + args.pp - 1)
     print(
@@ -189,21 +191,21 @@ def main() -> None:
         f"{os.cpu_count()} cores"
     )
     print(
-        f"{'configuration':<28} {'tokens/s':>9} {'peak RSS/rank MiB':>18} {'rows = 1 process':>17} {'bubble (measured / theory)':>28}"
+        f"{'configuration':<36} {'tokens/s':>9} {'peak RSS/rank MiB':>18} {'rows = 1 process':>17} {'bubble (measured / theory)':>28}"
     )
     for name, row in table.items():
         if row is None:
-            print(f"{name:<28} failed")
+            print(f"{name:<36} failed")
             continue
         bubble = ""
         if row["bubble_measured"] is not None:
             theory = row["bubble_theory"]
             bubble = f"{row['bubble_measured']:.2f} / " + ("-" if theory is None else f"{theory:.2f}")
         rows = f"{row['rows_same']}/{args.batch}"
-        print(f"{name:<28} {row['tokens_per_s']:>9.1f} {row['peak_rss_mib']:>18.0f} {rows:>17} {bubble:>28}")
+        print(f"{name:<36} {row['tokens_per_s']:>9.1f} {row['peak_rss_mib']:>18.0f} {rows:>17} {bubble:>28}")
     tp, theirs = table.get(f"hf_parallel TP={args.pp}"), table.get(f"transformers PP={args.pp}")
     best = max(
-        (row for name, row in table.items() if name.startswith("hf_parallel PP") and row),
+        (row for name, row in table.items() if name.startswith("hf_parallel PP") and "gloo" not in name and row),
         key=lambda r: r["tokens_per_s"],
         default=None,
     )
@@ -212,6 +214,10 @@ def main() -> None:
             f"\nbest PP vs TP: throughput {best['tokens_per_s'] / tp['tokens_per_s']:.2f}x (target >= 0.8), "
             f"peak RSS {best['peak_rss_mib'] / tp['peak_rss_mib']:.2f}x (target <= 1.1)"
         )
+    piped, gloo = table.get(f"hf_parallel PP={args.pp} M=auto"), table.get(f"hf_parallel PP={args.pp} M=auto over gloo")
+    if piped and gloo:
+        ratio = piped["tokens_per_s"] / gloo["tokens_per_s"]
+        print(f"PP M=auto, shared-memory pipes over gloo: throughput {ratio:.2f}x (target >= 1.1 on a prefill)")
     if best and theirs:
         print(
             f"best PP vs transformers' PP: throughput {best['tokens_per_s'] / theirs['tokens_per_s']:.2f}x (target >= 1.5)"

@@ -99,18 +99,24 @@ def peer_fails_during(rank: int, world_size: int, phase: str, how: str, path: st
     return {**result, "seconds": time.monotonic() - start}
 
 
-def sequence_comm_properties(rank: int, world_size: int) -> dict:
+def sequence_comm_properties(rank: int, world_size: int, transport: str = "shm") -> dict:
     """The sequence-parallel collectives on random uneven shapes (hypothesis, derandomized so every
     rank draws the same examples in the same order; errors are returned, not raised, so no rank
-    leaves a collective the others are in)."""
+    leaves a collective the others are in). ``transport``: the shared-memory channel, gloo, or a
+    channel of 1 KB slots (most pieces then travel in several windows)."""
     from hypothesis import Phase, given, settings
     from hypothesis import strategies as st
 
-    from hf_parallel.distributed import comm
+    from hf_parallel.distributed import comm, shm
     from hf_parallel.distributed.mesh import get_mesh
     from hf_parallel.tensor.layout import even_sizes, sizes_to_ranges
 
     group = get_mesh().tp.group
+    if transport == "gloo":
+        shm._CHANNELS.pop(group)
+    elif transport == "windows":
+        shm.attach(group, rank, world_size, timeout=30.0, slot_bytes=1024)
+    channel, steps = shm.channel_for(group), shm.channel_for(group) and shm.channel_for(group).seq
     worst = {"all_to_all": 0.0, "all_to_all_backward": 0.0, "scatter_backward": 0.0}
 
     def seeded(shape, seed):
@@ -139,6 +145,7 @@ def sequence_comm_properties(rank: int, world_size: int) -> dict:
             )
 
     check()
+    worst["shm_steps"] = 0 if channel is None else channel.seq - steps
     mine = {
         "ids": torch.arange(6).view(2, 3),
         "rest": [torch.ones(4, dtype=torch.bfloat16), 5, None],
@@ -161,6 +168,39 @@ def sequence_comm_properties(rank: int, world_size: int) -> dict:
     except RuntimeError as error:
         worst["gather_backward_refused"] = str(error)
     return worst
+
+
+def pipe_messages(rank: int, world_size: int) -> dict:
+    """Two ranks' shared-memory pipes (4 slots of 1 KB) both ways: messages of every size from
+    empty to several slots, more of them than the ring holds (queued, never blocking the sender),
+    arrive whole and in order."""
+    from hf_parallel.distributed.mesh import get_mesh
+    from hf_parallel.distributed.shm import attach_pipes, drain
+
+    get_mesh()  # joins the process group
+    pipes = attach_pipes([(0, 1), (1, 0)], rank, world_size, timeout=30.0, slots=4, slot_bytes=1024)
+    gen = torch.Generator().manual_seed(0)
+    messages = [
+        torch.randn(n, generator=gen).to(dtype)
+        for n in (0, 1, 255, 256, 257, 1000, 3000)
+        for dtype in (torch.float32, torch.bfloat16, torch.int64)
+    ]
+    received = []
+    for sender, receiver in ((0, 1), (1, 0)):
+        pipe = pipes[(sender, receiver)]
+        for message in messages:
+            if rank == sender:
+                pipe.send(message)
+            else:
+                received.append(pipe.recv(torch.empty_like(message), "a test message"))
+        if rank == sender:
+            drain(30.0, "the test's messages")
+    return {
+        "pipes": sorted(pipes),
+        "equal": len(received) == len(messages) and all(torch.equal(a, b) for a, b in zip(received, messages)),
+        "count": len(received),
+        "of": len(messages),
+    }
 
 
 def mesh_groups(rank: int, world_size: int, sizes: dict) -> dict:

@@ -72,9 +72,14 @@ def test_a_rank_that_dies_or_hangs_fails_the_others_clearly_and_in_bounded_time(
     assert not saved.exists() or os.listdir(saved) == [], os.listdir(saved)
 
 
-@pytest.mark.parametrize("world_size", [2, 3, 4])
-def test_sequence_parallel_collectives_on_uneven_shapes(world_size, tmp_path):
-    for out in run_ranks(world_size, comm_workers.sequence_comm_properties, out_dir=str(tmp_path)):
+@pytest.mark.parametrize(
+    "world_size, transport", [(2, "shm"), (3, "windows"), (4, "shm"), (2, "gloo"), (3, "gloo"), (2, "windows")]
+)
+def test_sequence_parallel_collectives_on_uneven_shapes(world_size, transport, tmp_path):
+    """Over shared memory (pieces straight from their views, or in windows when a piece is larger
+    than a slot's part) and over gloo: the same exact data movement."""
+    for out in run_ranks(world_size, comm_workers.sequence_comm_properties, transport, out_dir=str(tmp_path)):
+        assert (out["shm_steps"] > 0) == (transport != "gloo"), out["shm_steps"]
         assert out["all_to_all"] == 0.0 and out["all_to_all_backward"] == 0.0  # pure data movement: exact
         assert out["scatter_backward"] == 0.0  # dX = grad_scale x the gathered dY
         assert out["broadcast"] is True
@@ -91,3 +96,9 @@ def test_every_collective_receives_on_the_groups_device(tmp_path, monkeypatch):
         for helper, got in out.items():
             assert got["ops"] > 0 and got["devices"] == ["cpu"], (rank, helper, got)
             assert got["right"], (rank, helper, got)
+
+
+def test_shared_memory_pipes_carry_messages_whole_and_in_order(tmp_path):
+    for out in run_ranks(2, comm_workers.pipe_messages, out_dir=str(tmp_path)):
+        assert out["pipes"] == [[0, 1], [1, 0]], out["pipes"]
+        assert out["equal"] and out["count"] == out["of"], out

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from .faults import collective, timeout_seconds
 from .shape import MeshShape, asked
-from .shm import attach, channel_for
+from .shm import attach, attach_pipes, channel_for
 
 DIMS = ("pp", "tp", "sp", "model", "dp", "dp_shard", "dp_replicate", "fsdp")  # the order groups are created in
 FSDP_DIMS = ("dp_replicate", "fsdp")  # HSDP's two mesh dimensions: created even with one rank
@@ -52,6 +52,7 @@ class Mesh:
         self._groups = groups  # ranks -> process group (only the groups this rank belongs to)
         self._subgroups: dict = {}
         self._device_mesh = None
+        self.pipes: dict = {}  # (sender, receiver) -> ShmPipe between adjacent stages' first ranks on one host
         self.dims = {dim: self._dim(dim, shape.groups(dim)) for dim in ("world", *DIMS)}
 
     def _dim(self, name: str, groups: list[tuple[int, ...]]) -> Dim:
@@ -261,4 +262,7 @@ def _create(shape: MeshShape, timeout: datetime.timedelta) -> Mesh:
             if d.group is not None and channel_for(d.group) is None:
                 with collective(f"setting up shared-memory collectives for {dim} on rank {rank}"):
                     attach(d.group, d.rank, d.size, timeout=timeout.total_seconds())
+        if shape.num_stages > 1:
+            with collective(f"setting up shared-memory pipes between pipeline stages on rank {rank}"):
+                mesh.pipes = attach_pipes(shape.stage_links(), rank, shape.world_size, timeout.total_seconds())
     return mesh

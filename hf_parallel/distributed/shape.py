@@ -119,6 +119,17 @@ class MeshShape:
         """The rank at this place of data-parallel replica ``replica`` (``replicate x dp_shard + shard``)."""
         return replica * self.replica_size + self._first(stage) + sp * self.stage_tp_sizes[stage] + tp
 
+    def stage_links(self) -> list[tuple[int, int]]:
+        """``(sender, receiver)``: every pair of adjacent stages' first ranks that exchange hidden
+        states (forward) and their gradients (backward), at each SP index of each replica."""
+        links = []
+        for replica in range(self.dp):
+            for sp in range(self.sp):
+                for stage in range(self.num_stages - 1):
+                    a, b = self.global_rank(stage, sp, 0, replica), self.global_rank(stage + 1, sp, 0, replica)
+                    links += [(a, b), (b, a)]
+        return links
+
     def replica(self, rank: int) -> int:
         """Which data-parallel replica a global rank belongs to."""
         return rank // self.replica_size

@@ -19,6 +19,7 @@ import platform
 import socket
 import time
 import uuid
+from collections import deque
 
 import numpy as np
 import torch
@@ -28,6 +29,7 @@ from .faults import RankFailure
 
 FLAG_STRIDE = 8  # int64s per flag: one 64-byte cache line each
 SLOT_BYTES = int(os.environ.get("HF_PARALLEL_SHM_SLOT_MB", "8")) << 20
+PIPE_SLOT_BYTES = 1 << 20  # a pipe's ring: 8 slots of 1 MiB (a larger message streams through it)
 _CHANNELS: dict = {}  # process group -> ShmChannel
 
 
@@ -51,29 +53,68 @@ class ShmChannel:
         return self.memory[start : start + self.slot_bytes]
 
     def _wait(self, seq: int) -> None:
-        spins, deadline = 0, None
-        while self.flags.min() < seq:
-            spins += 1
-            if spins % 256 == 0:
-                os.sched_yield()  # oversubscribed cores: let the rank we wait for run
-                if deadline is None:
-                    deadline = time.monotonic() + self.timeout
-                elif time.monotonic() > deadline:
-                    late = [r for r in range(self.world_size) if self.flags[r] < seq]
-                    raise RankFailure(
-                        f"hf_parallel: rank(s) {late} did not reach collective #{seq} within {self.timeout:.0f}s "
-                        "(a rank died, hangs, or ranks issued different collectives); set HF_PARALLEL_TIMEOUT to change"
-                    )
+        def late() -> str:
+            ranks = [r for r in range(self.world_size) if self.flags[r] < seq]
+            return f"rank(s) {ranks} did not reach collective #{seq}"
+
+        wait_until(lambda: self.flags.min() >= seq, self.timeout, late, spin_only=True)
+
+    def _round(self, write) -> list[torch.Tensor]:
+        """One step of the protocol: ``write(my slot)``, publish, wait for every rank; every rank's
+        slot of this step (read them before the next call)."""
+        self.seq += 1
+        parity = self.seq % 2
+        write(self._slot(parity, self.rank))
+        self.flags[self.rank] = self.seq
+        self._wait(self.seq)
+        return [self._slot(parity, r) for r in range(self.world_size)]
 
     def exchange(self, payload: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's ``payload`` (uint8, same size on all ranks). Read the views before the next call."""
         n = payload.numel()
-        self.seq += 1
-        parity = self.seq % 2
-        self._slot(parity, self.rank)[:n].copy_(payload)
-        self.flags[self.rank] = self.seq
-        self._wait(self.seq)
-        return [self._slot(parity, r)[:n] for r in range(self.world_size)]
+        return [slot[:n] for slot in self._round(lambda slot: slot[:n].copy_(payload))]
+
+    def all_to_all(self, sends: list[torch.Tensor], receives: list[torch.Tensor], largest: int) -> None:
+        """``sends[j]`` into rank j's ``receives[this rank]`` (any shapes, strides and sizes; same
+        dtype): a slot holds one part per rank. ``largest``, the largest piece in bytes between any
+        two ranks, the same on every rank, says how many steps: one when it fits a part (each piece
+        copied straight from its view into the slot and out into its place), else byte windows."""
+        receives[self.rank].copy_(sends[self.rank])
+        part = self.slot_bytes // self.world_size // 64 * 64
+        if largest <= part:
+
+            def typed(slot, rank, like):
+                return slot[rank * part : rank * part + like.nbytes].view(like.dtype).view(like.shape)
+
+            def write(slot):
+                for rank, send in enumerate(sends):
+                    if rank != self.rank:
+                        typed(slot, rank, send).copy_(send)
+
+            slots = self._round(write)
+            for rank, receive in enumerate(receives):
+                if rank != self.rank:
+                    receive.copy_(typed(slots[rank], self.rank, receive))
+            return
+        sends = [send.contiguous().reshape(-1).view(torch.uint8) for send in sends]
+        flat = [receive.new_empty(receive.shape).reshape(-1).view(torch.uint8) for receive in receives]
+        for step in range(-(-largest // part)):
+            window = slice(step * part, (step + 1) * part)
+
+            def write(slot):
+                for rank, send in enumerate(sends):
+                    piece = send[window]
+                    if rank != self.rank and piece.numel():
+                        slot[rank * part : rank * part + piece.numel()].copy_(piece)
+
+            slots = self._round(write)
+            for rank, receive in enumerate(flat):
+                piece = receive[window]
+                if rank != self.rank and piece.numel():
+                    piece.copy_(slots[rank][self.rank * part : self.rank * part + piece.numel()])
+        for rank, receive in enumerate(receives):
+            if rank != self.rank:
+                receive.copy_(flat[rank].view(receive.dtype).view(receive.shape))
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum in rank order on every rank, so all ranks get bitwise the same result."""
@@ -92,6 +133,36 @@ class ShmChannel:
         return [part.view(x.dtype).view(x.shape) for part in parts]
 
 
+def wait_until(ready, timeout: float, late, spin_only: bool = False) -> None:
+    """Spin until ``ready()``, yielding the core (oversubscribed cores: let the rank we wait for
+    run); past a millisecond, nap between looks unless ``spin_only`` (a pipeline stage may wait a
+    whole stage's forward). Past ``timeout`` seconds: RankFailure with ``late()``'s account."""
+    spins, start = 0, None
+    while not ready():
+        spins += 1
+        if spins % 256 == 0:
+            os.sched_yield()
+            now = time.monotonic()
+            if start is None:
+                start = now
+            elif now - start > timeout:
+                raise RankFailure(
+                    f"hf_parallel: {late()} within {timeout:.0f}s (a rank died, hangs, or ranks issued different "
+                    "collectives); set HF_PARALLEL_TIMEOUT to change"
+                )
+            elif not spin_only and now - start > 1e-3:
+                time.sleep(50e-6)
+
+
+def usable() -> bool:
+    """Whether this rank may use shared memory at all: x86 (ordered stores), /dev/shm, not turned off."""
+    return (
+        os.environ.get("HF_PARALLEL_SHM", "1") != "0"
+        and platform.machine() in ("x86_64", "AMD64")
+        and os.path.isdir("/dev/shm")
+    )
+
+
 def host_id() -> str:
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
@@ -100,15 +171,10 @@ def host_id() -> str:
         return ""
 
 
-def attach(group, rank: int, world_size: int, timeout: float) -> ShmChannel | None:
+def attach(group, rank: int, world_size: int, timeout: float, slot_bytes: int = SLOT_BYTES) -> ShmChannel | None:
     """Collective over ``group``: map a shared-memory channel if every rank can, else None (gloo)."""
-    usable = (
-        os.environ.get("HF_PARALLEL_SHM", "1") != "0"
-        and platform.machine() in ("x86_64", "AMD64")
-        and os.path.isdir("/dev/shm")
-    )
     hosts = [None] * world_size
-    dist.all_gather_object(hosts, (usable, host_id()), group=group)
+    dist.all_gather_object(hosts, (usable(), host_id()), group=group)
     if not all(ok for ok, _ in hosts) or len({host for _, host in hosts}) != 1 or not hosts[0][1]:
         return None
     names = [f"/dev/shm/hf_parallel-{os.getpid()}-{uuid.uuid4().hex}" if rank == 0 else None]
@@ -118,13 +184,13 @@ def attach(group, rank: int, world_size: int, timeout: float) -> ShmChannel | No
     if rank == 0:
         try:
             with open(path, "wb") as f:
-                f.truncate(ShmChannel.size(world_size))
+                f.truncate(ShmChannel.size(world_size, slot_bytes))
         except OSError:
             path = None
     dist.all_gather_object(created, path is not None, group=group)  # also a barrier: the file exists
     if created[0]:
         try:
-            channel = ShmChannel(path, rank, world_size, timeout)
+            channel = ShmChannel(path, rank, world_size, timeout, slot_bytes)
         except (OSError, RuntimeError):  # e.g. /dev/shm too small: every rank falls back to gloo
             channel = None
     mapped = [None] * world_size
@@ -139,3 +205,115 @@ def attach(group, rank: int, world_size: int, timeout: float) -> ShmChannel | No
 
 def channel_for(group) -> ShmChannel | None:
     return _CHANNELS.get(group)
+
+
+class ShmPipe:
+    """One direction between two ranks of one host (a pipeline stage's sends to the next): a ring of
+    ``slots`` the sender fills and the receiver empties, counted by two counters on cache lines of
+    their own; a message larger than a slot takes several, in order, matched in order as gloo
+    matches one tag. A send never waits, as gloo's ``isend`` does not: what the ring cannot take
+    yet stays queued (views of the message, which must not change until ``drain``) and moves in
+    whenever this rank waits on a pipe. So two stages sending to each other never wait on each
+    other's full rings (1F1B's forwards one way, gradients the other)."""
+
+    def __init__(self, path: str, timeout: float, slots: int = 8, slot_bytes: int = PIPE_SLOT_BYTES):
+        self.timeout, self.slots, self.slot_bytes = timeout, slots, slot_bytes
+        self.memory = torch.from_file(path, shared=True, size=self.size(slots, slot_bytes), dtype=torch.uint8)
+        self.counters = np.frombuffer(self.memory[: 2 * FLAG_STRIDE * 8].numpy(), dtype=np.int64)[::FLAG_STRIDE]
+        self.written = self.taken = 0  # this end's own count (the other end's is read from memory)
+        self.queued: deque = deque()  # pieces sent but not yet in the ring
+
+    @staticmethod
+    def size(slots: int = 8, slot_bytes: int = PIPE_SLOT_BYTES) -> int:
+        return 2 * FLAG_STRIDE * 8 + slots * slot_bytes
+
+    def _slot(self, count: int) -> torch.Tensor:
+        start = 2 * FLAG_STRIDE * 8 + (count % self.slots) * self.slot_bytes
+        return self.memory[start : start + self.slot_bytes]
+
+    def _pieces(self, flat: torch.Tensor):
+        for start in range(0, max(flat.numel(), 1), self.slot_bytes):
+            yield flat[start : start + self.slot_bytes]
+
+    def send(self, data: torch.Tensor) -> None:
+        """Queue ``data`` (contiguous, on the CPU) and move what fits into the ring."""
+        self.queued.extend(self._pieces(data.reshape(-1).view(torch.uint8)))
+        _SENDING.add(self)
+        self.push()
+
+    def push(self) -> bool:
+        """Move queued pieces into the ring while it has room; whether some are left."""
+        while self.queued and self.written - self.counters[1] < self.slots:
+            piece = self.queued.popleft()
+            self._slot(self.written)[: piece.numel()].copy_(piece)
+            self.written += 1
+            self.counters[0] = self.written
+        if not self.queued:
+            _SENDING.discard(self)
+        return bool(self.queued)
+
+    def recv(self, out: torch.Tensor, what: str) -> torch.Tensor:
+        """The next message, into ``out`` (contiguous, on the CPU, of the message's size)."""
+
+        def arrived() -> bool:
+            push_all()
+            return self.counters[0] > self.taken
+
+        for piece in self._pieces(out.reshape(-1).view(torch.uint8)):
+            wait_until(arrived, self.timeout, lambda: f"{what}: nothing arrived")
+            piece.copy_(self._slot(self.taken)[: piece.numel()])
+            self.taken += 1
+            self.counters[1] = self.taken
+        return out
+
+
+_SENDING: set = set()  # pipes of this process with queued pieces
+
+
+def push_all() -> bool:
+    """Move every pipe's queued pieces that fit; whether some are left."""
+    return any([pipe.push() for pipe in list(_SENDING)])
+
+
+def drain(timeout: float, what: str) -> None:
+    """Wait until every piece this process sent is in its ring (the messages may change after)."""
+    wait_until(lambda: not push_all(), timeout, lambda: f"{what}: the receiving stage took nothing")
+
+
+def attach_pipes(links: list[tuple[int, int]], rank: int, world_size: int, timeout: float, **ring) -> dict:
+    """Collective over the world: a pipe for every ``(sender, receiver)`` of ``links`` (the same list
+    on every rank) whose two ranks share a host; this rank's, by link. The sender creates the file,
+    the receiver maps it, then the name goes (the mappings outlive it). ``ring``: ShmPipe's sizes."""
+    everyone = [None] * world_size
+    dist.all_gather_object(everyone, (usable(), host_id(), uuid.uuid4().hex))
+    token = everyone[0][2]
+
+    def one_host(a: int, b: int) -> bool:
+        (usable_a, host_a, _), (usable_b, host_b, _) = everyone[a], everyone[b]
+        return usable_a and usable_b and bool(host_a) and host_a == host_b
+
+    shared = [(a, b) for a, b in links if one_host(a, b)]
+    path = {link: f"/dev/shm/hf_parallel-{token}-{link[0]}-{link[1]}" for link in shared}
+    pipes, created, mapped = {}, [None] * world_size, [None] * world_size
+    mine = [link for link in shared if link[0] == rank]
+    for link in mine:
+        try:
+            with open(path[link], "wb") as f:
+                f.truncate(ShmPipe.size(**ring))
+            pipes[link] = ShmPipe(path[link], timeout, **ring)
+        except (OSError, RuntimeError):  # e.g. /dev/shm full: this link stays on gloo
+            pass
+    dist.all_gather_object(created, sorted(pipes))
+    made = {tuple(link) for links_of in created for link in links_of}
+    for link in shared:
+        if link[1] == rank and link in made:
+            try:
+                pipes[link] = ShmPipe(path[link], timeout, **ring)
+            except (OSError, RuntimeError):
+                pass
+    dist.all_gather_object(mapped, sorted(pipes))
+    both = [tuple(link) for links_of in mapped for link in links_of]
+    for link in mine:
+        if os.path.exists(path[link]):
+            os.unlink(path[link])
+    return {link: pipe for link, pipe in pipes.items() if both.count(link) == 2}

@@ -16,8 +16,9 @@ import time
 import torch
 import torch.distributed as dist
 
-from ..distributed.faults import collective
+from ..distributed.faults import collective, timeout_seconds
 from ..distributed.mesh import Mesh
+from ..distributed.shm import drain
 from ..distributed.tags import Tag
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.bool)
@@ -67,11 +68,20 @@ class StageLink:
     def _where(self, stage: int) -> str:
         return f"stage {stage} (rank {self.leader(stage)})"
 
+    def _pipe(self, sender: int, receiver: int, tag: Tag):
+        """The shared-memory pipe for hidden states and their gradients between stages on one host."""
+        return self.mesh.pipes.get((sender, receiver)) if tag in (Tag.FORWARD, Tag.BACKWARD) else None
+
     def send(self, tensor: torch.Tensor, stage: int, what: str, tag: Tag = Tag.FORWARD) -> None:
         """Send ``tensor`` to ``stage``'s first rank, without waiting; only this stage's first rank sends."""
         if not self.leads:
             return
         data = tensor.detach().to(self.wire).contiguous()
+        pipe = self._pipe(self.mesh.rank, self.leader(stage), tag)
+        if pipe is not None:
+            pipe.send(header_of(data, self.wire))
+            pipe.send(data)
+            return
         for buffer in (header_of(data, self.wire), data):
             with collective(f"stage {self.stage} (rank {self.mesh.rank}) sending {what} to {self._where(stage)}"):
                 work = dist.isend(buffer, dst=self.leader(stage), tag=tag)
@@ -88,7 +98,10 @@ class StageLink:
 
     def _take(self, buffer: torch.Tensor, stage: int, tag: int, waiting: str) -> torch.Tensor:
         """Fill ``buffer`` on this stage's first rank from ``stage``'s, then on the rest of its TP group."""
-        if self.leads:
+        pipe = self._pipe(self.leader(stage), self.mesh.rank, tag)
+        if pipe is not None and self.leads:
+            pipe.recv(buffer, waiting)
+        elif self.leads:
             with collective(waiting):
                 dist.recv(buffer, src=self.leader(stage), tag=tag)
         tp = self.mesh.tp
@@ -99,6 +112,8 @@ class StageLink:
 
     def flush(self) -> None:
         """Wait until every send of this rank has completed."""
+        if self.mesh.pipes:
+            drain(timeout_seconds(), f"stage {self.stage} (rank {self.mesh.rank}) sending to the next stages")
         pending, self._pending = self._pending, []
         for work, _, what, stage in pending:
             with collective(f"stage {self.stage} (rank {self.mesh.rank}) sending {what} to {self._where(stage)}"):
