@@ -35,6 +35,11 @@ def shm_collectives(rank: int, world_size: int) -> dict:
     big = torch.full((3 << 20,), float(rank + 1))  # 12 MB: more than a slot, so gloo carries it
     out["big_sum"] = comm.all_reduce(big, mesh.tp.group)[:: 1 << 20].tolist()
     out["big_used_shm"] = channel.seq != seq
+    source = world_size - 1  # a broadcast from the last rank: header and bytes in one step
+    sent = torch.arange(6, dtype=torch.bfloat16).view(2, 3) + source
+    got = channel.broadcast(sent if rank == source else None, source)
+    out["broadcast"] = [str(got.dtype), got.float().tolist()]
+    out["big_broadcast"] = channel.broadcast(big if rank == source else None, source)  # past a slot: None
     return out
 
 

@@ -20,6 +20,9 @@ def test_shared_memory_collectives_match_gloo(world_size, tmp_path):
         assert out["gather"] == [sum(([float(r)] * (r + 1) for r in range(world_size)), [])] * 2
         assert out["big_sum"] == [float(sum(range(1, world_size + 1)))] * 3
         assert not out["big_used_shm"]
+        assert out["broadcast"] == ["torch.bfloat16", [[world_size - 1.0 + i for i in (0, 1, 2)],
+                                                       [world_size - 1.0 + i for i in (3, 4, 5)]]]  # fmt: skip
+        assert out["big_broadcast"] is None  # every rank learns together that gloo carries it
         for key in ("reduce_torch.float32_values", "reduce_torch.bfloat16_values"):
             assert out[key] == ranks[0][key], "every rank must hold bitwise the same sum"
 

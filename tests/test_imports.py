@@ -10,7 +10,10 @@ import pytest
 
 def _loaded_after(code: str) -> set[str]:
     """The heavy packages a fresh interpreter holds after running ``code``."""
-    probe = code + "\nimport sys; print(sorted({m for m in ('torch', 'transformers', 'numpy', 'peft') if m in sys.modules}))"
+    probe = (
+        code
+        + "\nimport sys; print(sorted({m for m in ('torch', 'transformers', 'numpy', 'peft') if m in sys.modules}))"
+    )
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     return set(ast.literal_eval(done.stdout.strip().splitlines()[-1]))
 

@@ -14,7 +14,8 @@ op is the identity, so the same model code runs as TP=1 in a plain process.
 
 ``scatter_to`` takes a gradient scale: a split of an input every rank computed alike, whose
 parameters' gradients are then summed over the group, passes back ``1/p`` of the gathered gradient.
-``broadcast_batch`` sends a nested batch from the group's first rank (shapes and dtypes first).
+``broadcast_batch`` sends a nested batch from the group's first rank (shapes and dtypes first; in
+shared memory, one step each, when the group has a channel).
 
 Splits and gathers take per-rank ``sizes`` so uneven shards (vocab 49152 over 5 ranks, 9 heads
 over 2) need no padding in the caller. Collectives are counted in ``COUNTS`` so tests and
@@ -25,6 +26,7 @@ of one host the payload travels through shared memory (``shm.py``), otherwise th
 from __future__ import annotations
 
 import math
+import pickle
 from collections import Counter
 
 import torch
@@ -42,7 +44,10 @@ def _count(op: str, tensor: torch.Tensor) -> None:
 
 
 def _world(group) -> int:
-    return 1 if group is None else dist.get_world_size(group)
+    if group is None:
+        return 1
+    channel = channel_for(group)  # a dict lookup: asking torch costs ~5 us, a few thousand times per token
+    return channel.world_size if channel is not None else dist.get_world_size(group)
 
 
 def _shm(group, x: torch.Tensor):
@@ -209,29 +214,43 @@ class _GatherToUse(torch.autograd.Function):
         )
 
 
+def _direct(x: torch.Tensor) -> bool:
+    """No gradient can reach ``x``: the forward op alone, without autograd's bookkeeping (~10 us a
+    call, ~100 calls per decoded token)."""
+    return not (x.requires_grad and torch.is_grad_enabled())
+
+
 def copy_to(x, group):
     """Y = X on every rank; dX = sum_r dY_r. Input of a column-parallel layer."""
-    return x if _world(group) == 1 else _CopyTo.apply(x, group)
+    return x if _world(group) == 1 or _direct(x) else _CopyTo.apply(x, group)
 
 
 def reduce_from(x, group):
     """Y = sum_r X_r; dX_r = dY. Output of a row-parallel layer."""
-    return x if _world(group) == 1 else _ReduceFrom.apply(x, group)
+    if _world(group) == 1:
+        return x
+    return all_reduce(x, group) if _direct(x) else _ReduceFrom.apply(x, group)
 
 
 def all_reduce_sum(x, group):
     """Y = sum_r X_r consumed by every rank's own branch; dX_r = sum_r dY_r."""
-    return x if _world(group) == 1 else _AllReduceSum.apply(x, group)
+    if _world(group) == 1:
+        return x
+    return all_reduce(x, group) if _direct(x) else _AllReduceSum.apply(x, group)
 
 
 def gather_from(x, dim, sizes, group):
     """Y = [X_1 .. X_p] along dim; dX_r = dY_r."""
-    return x if _world(group) == 1 else _GatherFrom.apply(x, dim, tuple(sizes), group)
+    if _world(group) == 1:
+        return x
+    return all_gather(x, dim, sizes, group) if _direct(x) else _GatherFrom.apply(x, dim, tuple(sizes), group)
 
 
 def scatter_to(x, dim, sizes, group, grad_scale: float = 1.0):
     """Y_r = X_r (this rank's piece); dX = grad_scale * [dY_1 .. dY_p]."""
-    return x if _world(group) == 1 else _ScatterTo.apply(x, dim, tuple(sizes), group, grad_scale)
+    if _world(group) == 1:
+        return x
+    return split(x, dim, sizes, group) if _direct(x) else _ScatterTo.apply(x, dim, tuple(sizes), group, grad_scale)
 
 
 def all_to_all(x, split_dim: int, cat_dim: int, split_sizes, cat_sizes, group):
@@ -240,12 +259,16 @@ def all_to_all(x, split_dim: int, cat_dim: int, split_sizes, cat_sizes, group):
     dX = the same exchange of dY with the dims and sizes swapped (the exact inverse)."""
     if _world(group) == 1:
         return x
+    if _direct(x):
+        return all_to_all_raw(x, split_dim, cat_dim, split_sizes, cat_sizes, group)
     return _AllToAll.apply(x, split_dim, cat_dim, tuple(split_sizes), tuple(cat_sizes), group)
 
 
 def gather_to_use(x, dim, sizes, group):
     """Y = [X_1 .. X_p] along dim, for use without gradients (backward is refused with a reason)."""
-    return x if _world(group) == 1 else _GatherToUse.apply(x, dim, tuple(sizes), group)
+    if _world(group) == 1:
+        return x
+    return all_gather(x, dim, sizes, group) if _direct(x) else _GatherToUse.apply(x, dim, tuple(sizes), group)
 
 
 def broadcast_batch(batch, group, device: torch.device):
@@ -268,17 +291,35 @@ def broadcast_batch(batch, group, device: torch.device):
         return ("value", value)
 
     first = dist.get_global_rank(group, 0)
-    layout = [describe(batch)]
-    with collective("broadcasting the batch's structure over the sequence-parallel group"):
-        dist.broadcast_object_list(layout, src=first, group=group)
     mine = dist.get_rank(group) == 0
+    channel = channel_for(group) if device.type == "cpu" else None
+
+    def shared(tensor: torch.Tensor | None, what: str) -> torch.Tensor | None:
+        """Through shared memory in one step, when the group has it and the tensor fits a slot."""
+        return None if channel is None else channel.broadcast(tensor, 0, what)
+
+    what = "broadcasting the batch's structure over the sequence-parallel group"
+    layout = describe(batch)
+    pickled = shared(torch.frombuffer(bytearray(pickle.dumps(layout)), dtype=torch.uint8) if mine else None, what)
+    if pickled is not None:
+        layout = layout if mine else pickle.loads(pickled.numpy().tobytes())
+    else:
+        boxed = [layout]
+        with collective(what):
+            dist.broadcast_object_list(boxed, src=first, group=group)
+        layout = boxed[0]
 
     def build(spec):
         kind, *rest = spec
         if kind == "tensor":
             shape, dtype = rest
-            tensor = leaves.pop(0).to(device).contiguous() if mine else torch.empty(shape, dtype=dtype, device=device)
-            with collective(f"broadcasting a batch tensor of {shape}"):
+            what = f"broadcasting a batch tensor of {shape}"
+            tensor = leaves.pop(0).to(device).contiguous() if mine else None
+            received = shared(tensor, what)
+            if received is not None:
+                return received
+            tensor = tensor if mine else torch.empty(shape, dtype=dtype, device=device)
+            with collective(what):
                 dist.broadcast(tensor, src=first, group=group)
             return tensor
         if kind == "dict":
@@ -288,4 +329,4 @@ def broadcast_batch(batch, group, device: torch.device):
             return items if kind == "list" else tuple(items)
         return rest[0]
 
-    return build(layout[0])
+    return build(layout)

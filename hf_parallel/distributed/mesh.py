@@ -26,7 +26,7 @@ from .shm import attach, attach_pipes, channel_for
 
 DIMS = ("pp", "tp", "sp", "model", "dp", "dp_shard", "dp_replicate", "fsdp")  # the order groups are created in
 FSDP_DIMS = ("dp_replicate", "fsdp")  # HSDP's two mesh dimensions: created even with one rank
-SHM_DIMS = ("tp", "sp")  # groups that carry activations: given a shared-memory channel on one host
+SHM_DIMS = ("tp", "sp", "model")  # groups that carry activations or logits: a shared-memory channel on one host
 
 
 @dataclass(frozen=True)

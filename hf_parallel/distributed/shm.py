@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from .faults import RankFailure
+from .headers import DTYPES, HEADER_LENGTH, MAX_DIMS, empty_from, header_of
 
 FLAG_STRIDE = 8  # int64s per flag: one 64-byte cache line each
 SLOT_BYTES = int(os.environ.get("HF_PARALLEL_SHM_SLOT_MB", "8")) << 20
@@ -52,21 +53,21 @@ class ShmChannel:
         start = self.header + (parity * self.world_size + rank) * self.slot_bytes
         return self.memory[start : start + self.slot_bytes]
 
-    def _wait(self, seq: int) -> None:
+    def _wait(self, seq: int, what: str = "") -> None:
         def late() -> str:
             ranks = [r for r in range(self.world_size) if self.flags[r] < seq]
-            return f"rank(s) {ranks} did not reach collective #{seq}"
+            return f"rank(s) {ranks} did not reach collective #{seq}" + (f" ({what})" if what else "")
 
         wait_until(lambda: self.flags.min() >= seq, self.timeout, late, spin_only=True)
 
-    def _round(self, write) -> list[torch.Tensor]:
+    def _round(self, write, what: str = "") -> list[torch.Tensor]:
         """One step of the protocol: ``write(my slot)``, publish, wait for every rank; every rank's
-        slot of this step (read them before the next call)."""
+        slot of this step (read them before the next call). ``what`` names it in a RankFailure."""
         self.seq += 1
         parity = self.seq % 2
         write(self._slot(parity, self.rank))
         self.flags[self.rank] = self.seq
-        self._wait(self.seq)
+        self._wait(self.seq, what)
         return [self._slot(parity, r) for r in range(self.world_size)]
 
     def exchange(self, payload: torch.Tensor) -> list[torch.Tensor]:
@@ -116,16 +117,40 @@ class ShmChannel:
             if rank != self.rank:
                 receive.copy_(flat[rank].view(receive.dtype).view(receive.shape))
 
+    def broadcast(self, x: torch.Tensor | None, src: int, what: str = "") -> torch.Tensor | None:
+        """Rank ``src``'s ``x`` (None elsewhere) on every rank, header and bytes in one step; None on
+        every rank when it does not fit a slot or a header (the caller goes through gloo)."""
+        header_bytes = HEADER_LENGTH * 8
+        fits = (
+            x is not None and header_bytes + x.nbytes <= self.slot_bytes and x.dtype in DTYPES and x.dim() <= MAX_DIMS
+        )
+
+        def write(slot):
+            if x is None:
+                return
+            header = header_of(x, "cpu") if fits else torch.full((HEADER_LENGTH,), -1, dtype=torch.int64)
+            slot[:header_bytes].view(torch.int64).copy_(header)
+            if fits:
+                slot[header_bytes : header_bytes + x.nbytes].view(x.dtype).view(x.shape).copy_(x)
+
+        slot = self._round(write, what)[src]
+        header = slot[:header_bytes].view(torch.int64)
+        if int(header[0]) < 0:
+            return None
+        if x is not None:
+            return x
+        out = empty_from(header, "cpu")
+        return out.copy_(slot[header_bytes : header_bytes + out.nbytes].view(out.dtype).view(out.shape))
+
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum in rank order on every rank, so all ranks get bitwise the same result."""
         parts = self.exchange(x.contiguous().reshape(-1).view(torch.uint8))
         parts = [part.view(x.dtype).view(x.shape) for part in parts]
-        if x.dtype in (torch.bfloat16, torch.float16):
-            return torch.stack(parts).sum(0, dtype=torch.float32).to(x.dtype)
-        out = parts[0].clone()  # a tensor of its own, not a view: callers may add to it in place
+        low = x.dtype in (torch.bfloat16, torch.float16)  # accumulated in fp32, rounded once
+        out = parts[0].to(torch.float32) if low else parts[0].clone()  # its own tensor: callers may add in place
         for part in parts[1:]:
             out += part
-        return out
+        return out.to(x.dtype) if low else out
 
     def all_gather(self, x: torch.Tensor) -> list[torch.Tensor]:
         """Views of every rank's ``x`` in shared memory: consume them before the next collective."""

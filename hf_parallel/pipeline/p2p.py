@@ -2,7 +2,7 @@
 next receives and broadcasts within its TP group (MindSpeed's VTP scheme), so adjacent stages may
 have different TP sizes: a stage's output is replicated over its TP group, any one copy will do.
 
-Every tensor is preceded by a fixed-size header (dtype, rank, shape), so a receiver never guesses
+Every tensor is preceded by its header (``distributed/headers.py``), so a receiver never guesses
 a shape. Sends are asynchronous (``isend``): a stage goes on with its next micro-batch while the
 last one is in flight; ``flush`` waits for them (and keeps their buffers alive until then). A
 receive that does not complete within ``HF_PARALLEL_TIMEOUT`` raises ``RankFailure`` naming this
@@ -17,28 +17,10 @@ import torch
 import torch.distributed as dist
 
 from ..distributed.faults import collective, timeout_seconds
+from ..distributed.headers import empty_from, empty_header, header_of
 from ..distributed.mesh import Mesh
-from ..distributed.shm import drain
+from ..distributed.shm import channel_for, drain
 from ..distributed.tags import Tag
-
-DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.bool)
-MAX_DIMS = 6
-
-
-def header_of(tensor: torch.Tensor, device) -> torch.Tensor:
-    if tensor.dim() > MAX_DIMS or tensor.dtype not in DTYPES:
-        raise ValueError(f"cannot send a {tensor.dtype} tensor of {tensor.dim()} dims between stages")
-    shape = list(tensor.shape) + [0] * (MAX_DIMS - tensor.dim())
-    return torch.tensor([DTYPES.index(tensor.dtype), tensor.dim(), *shape], dtype=torch.int64, device=device)
-
-
-def empty_header(device) -> torch.Tensor:
-    return torch.empty(2 + MAX_DIMS, dtype=torch.int64, device=device)
-
-
-def empty_from(header: torch.Tensor, device) -> torch.Tensor:
-    dtype, ndim, *shape = header.tolist()
-    return torch.empty(shape[:ndim], dtype=DTYPES[dtype], device=device)
 
 
 class StageLink:
@@ -122,9 +104,16 @@ class StageLink:
     def broadcast_from_last(self, tensor: torch.Tensor | None) -> torch.Tensor:
         """The last stage's ``tensor`` on every rank of this model replica (header first)."""
         source = self.mesh.stage_ranks(self.num_stages - 1)[0]  # the same rank for every rank of the replica
-        header = header_of(tensor, self.wire) if self.mesh.rank == source else empty_header(self.wire)
+        mine = tensor.detach().cpu().contiguous() if self.mesh.rank == source else None
         what = f"rank {self.mesh.rank} (stage {self.stage}) receiving the last stage's output from rank {source}"
         start = time.perf_counter()
+        channel = channel_for(self.mesh.model.group) if self.wire.type == "cpu" else None
+        if channel is not None:  # one host: header and bytes in one shared-memory step
+            out = channel.broadcast(mine, self.mesh.model.ranks.index(source), what)
+            if out is not None:
+                self.waited += time.perf_counter() - start
+                return out.to(self.mesh.device)
+        header = header_of(tensor, self.wire) if self.mesh.rank == source else empty_header(self.wire)
         with collective(what):
             dist.broadcast(header, src=source, group=self.mesh.model.group)
         out = tensor.detach().to(self.wire).contiguous() if self.mesh.rank == source else empty_from(header, self.wire)
