@@ -45,8 +45,7 @@ def test_gloo_transport_gives_the_same_model_results(tiny_paths, tmp_path, monke
     "phase, how, env, names",
     [
         ("load", "hangs", {}, "comparing checkpoint headers across ranks"),
-        ("save", "dies", {"HF_PARALLEL_SHARED_SAVE": "0"}, "receiving model.embed_tokens.weight from rank 1 on rank 0"),
-        ("save", "dies", {}, "checking that every rank sees the save's files"),
+        ("save", "dies", {}, "receiving model.embed_tokens.weight from rank 1 on rank 0"),
         ("forward", "hangs", {"HF_PARALLEL_SHM": "0"}, "all-reduce of (2, 7, "),
     ],
 )

@@ -60,6 +60,24 @@ def pp_results(pp_paths, tmp_path_factory):
 @pytest.mark.parametrize("layout,name", CASES)
 def test_pipeline_matches_one_process(pp_results, pp_paths, layout, name):
     results, save_root = pp_results(layout)
+    check_against_one_process(results, save_root, pp_paths, layout, name)
+
+
+@pytest.mark.distributed
+def test_pipeline_over_gloo_matches_one_process(pp_paths, tmp_path, monkeypatch):
+    """Stages on several hosts talk over gloo (forced: HF_PARALLEL_SHM=0): sends and receives, the
+    TP broadcast inside a stage, the last stage's output, the tied gradients, the save's blocks."""
+    import pipeline_workers
+
+    monkeypatch.setenv("HF_PARALLEL_SHM", "0")  # inherited by the spawned ranks
+    world, sizes, _, kwargs = LAYOUTS["vtp21"]
+    save_root = str(tmp_path / "saved")
+    cases = {"pp_tied": (pp_paths["pp_tied"], kwargs)}
+    results = run_ranks(world, pipeline_workers.compare_pp, cases, sizes, save_root, out_dir=str(tmp_path / "out"))
+    check_against_one_process(results, save_root, pp_paths, "vtp21 over gloo", "pp_tied")
+
+
+def check_against_one_process(results, save_root, pp_paths, layout, name):
     for rank, result in enumerate(results):
         got = result[name]
         where = f"{layout}/{name} rank {rank} (stage {got['stage']}, layers {got['layers']})"

@@ -63,37 +63,31 @@ def receive_into(target: torch.Tensor, wire: Scratch, what: str, **source) -> No
 
 
 def gather_block(
-    local: torch.Tensor,
-    layout: Layout,
-    box: Box,
-    tp: Dim,
-    name: str,
-    scratch: tuple[Scratch, Scratch],
-    dest: int = 0,
+    local: torch.Tensor, layout: Layout, box: Box, tp: Dim, name: str, scratch: tuple[Scratch, Scratch]
 ) -> torch.Tensor | None:
-    """The ``box`` of the full tensor on the TP group's rank ``dest`` (None elsewhere), in
+    """The ``box`` of the full tensor on the TP group's first rank (None elsewhere), in
     ``scratch[0]`` (host memory, where the writer reads it). Every rank sends only its runs of the
-    box (``Layout.place``); ``dest`` places each as it arrives (``receive_into``, with
+    box (``Layout.place``); the first rank places each as it arrives (``receive_into``, with
     ``scratch[1]`` on the groups' device)."""
-    mine = tp.rank == dest
+    first = tp.rank == 0
     if layout.is_replicated or tp.size == 1:
-        return local.detach()[as_slices(box)].cpu() if mine else None
+        return local.detach()[as_slices(box)].cpu() if first else None
     wire = scratch[1].device
 
     def fill(rank: int, target: torch.Tensor | None, local_box: Box) -> None:
         if rank == tp.rank:
             part = local.detach()[as_slices(local_box)]
-            if mine:
+            if first:
                 target.copy_(part)
                 return
-            with collective(f"sending {name} from rank {tp.ranks[rank]} to rank {tp.ranks[dest]}"):
-                dist.send(part.to(wire).contiguous(), group_dst=dest, group=tp.group)
-        elif mine:
-            what = f"receiving {name} from rank {tp.ranks[rank]} on rank {tp.ranks[dest]}"
+            with collective(f"sending {name} from rank {tp.ranks[rank]} to rank {tp.ranks[0]}"):
+                dist.send(part.to(wire).contiguous(), group_dst=0, group=tp.group)
+        elif first:
+            what = f"receiving {name} from rank {tp.ranks[rank]} on rank {tp.ranks[0]}"
             receive_into(target, scratch[1], what, group_src=rank, group=tp.group)
 
     with timed("gather"):
-        return layout.place(scratch[0].take(box_shape(box), local.dtype) if mine else None, box, fill)
+        return layout.place(scratch[0].take(box_shape(box), local.dtype) if first else None, box, fill)
 
 
 def row_blocks(full_shape, box: Box | None, dtype: torch.dtype) -> list[Box]:
@@ -145,12 +139,7 @@ def write_standard(staging: Staging, specs: dict, tensors, max_shard_size, progr
                 progress.update(nbytes(*specs[key]))
         if writer is not None:
             writer.close()
-    if staging:
-        write_index(staging, index)
-
-
-def write_index(staging: Staging, index: dict | None) -> None:
-    if index is not None:
+    if staging and index is not None:
         with open(staging.new_file(INDEX_FILE), "w") as f:
             json.dump(index, f, indent=2, sort_keys=True)
 
@@ -213,7 +202,10 @@ def received_blocks(spec, source: int, key: str, wire: Scratch):
     shape, dtype = spec
     for block in row_blocks(shape, None, dtype):
         buffer = wire.take(box_shape(block), dtype)
-        with collective(f"receiving {key} from rank {source} (its pipeline stage's first rank) on rank 0"):
+        with (
+            timed("gather"),
+            collective(f"receiving {key} from rank {source} (its pipeline stage's first rank) on rank 0"),
+        ):
             dist.recv(buffer, src=source, tag=Tag.SAVE)
         yield buffer
 
@@ -264,11 +256,8 @@ def gathered_tensors(model, state, entries: list[ShardedParam]) -> dict[str, tor
 
 def save_sharded(model, state, out_dir: str, max_shard_size="50GB") -> None:
     """Gather every parameter of ``model`` (split as its parallel ``state`` says) under its
-    checkpoint name and write a standard HF checkpoint: where every rank sees the files, each
-    writes its own runs (``shared_files.py``); elsewhere each pipeline stage gathers its tensors on
-    its first rank, which sends them on to rank 0, which writes."""
-    from .shared_files import files_shared, stage_files, sync_files, write_own_runs
-
+    checkpoint name and write a standard HF checkpoint. Each pipeline stage gathers its own tensors
+    on its first rank, which sends them on to rank 0."""
     mesh = state.mesh
     targets = checkpoint_tensors(model, state)
     specs = {
@@ -281,30 +270,20 @@ def save_sharded(model, state, out_dir: str, max_shard_size="50GB") -> None:
     owners = dict.fromkeys(specs, mesh.stage)
     if mesh.num_stages > 1:  # collective over the world: before the sequence-parallel replicas leave
         owners, specs = stage_owners(mesh, specs)
+    if mesh.holds_copy:  # sequence-parallel and data-parallel copies of the shards the first replica saves
+        mesh.barrier()
+        return
+
     if mesh.is_main:
         os.makedirs(out_dir, exist_ok=True)
-    shared = files_shared(mesh, out_dir)  # collective over the world
-    files, index = plan_files(specs, max_shard_size)
+    progress = tqdm(total=sum(nbytes(*spec) for spec in specs.values()), desc="Saving", unit="B", unit_scale=True,
+                    disable=not mesh.is_main, leave=False)  # fmt: skip
     with Staging(out_dir) if mesh.is_main else nullcontext() as staging:
-        staged = stage_files(mesh, staging, files, specs) if shared else None
-        if mesh.holds_copy:  # sequence-parallel and data-parallel copies of the shards the first replica saves
-            for _ in range(2 if shared else 1):
-                mesh.barrier()
-            return
-        progress = tqdm(total=sum(nbytes(*spec) for spec in specs.values()), desc="Saving", unit="B",
-                        unit_scale=True, disable=not mesh.is_main, leave=False)  # fmt: skip
-        if shared:
-            write_own_runs(model, mesh, targets, specs, owners, staged, progress)
-            mesh.barrier()  # every rank's bytes are in the files; a rank that died makes this raise
-            if staging:
-                sync_files(staged)
-                write_index(staging, index)
-        else:
-            write_standard(staging, specs, functools.partial(gathered, model, mesh, targets, specs, owners),
-                           max_shard_size, progress)  # fmt: skip
+        write_standard(staging, specs, functools.partial(gathered, model, mesh, targets, specs, owners),
+                       max_shard_size, progress)  # fmt: skip
         if staging:
             with timed("rename"):
                 remove_stale(out_dir, set(staging.commit()))
             save_config(model, out_dir)
-        progress.close()
+    progress.close()
     mesh.barrier()

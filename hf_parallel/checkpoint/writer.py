@@ -7,8 +7,10 @@ tensor's bytes are then appended straight from its storage, without a copy.
 from __future__ import annotations
 
 import ctypes
+import errno
 import json
 import math
+import mmap
 import os
 import time
 from collections import Counter
@@ -53,10 +55,9 @@ def timed(phase: str):
         TIMES[phase] += time.perf_counter() - start
 
 
-def safetensors_header(specs: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> tuple[bytes, dict[str, int]]:
-    """A file's leading bytes (length, JSON header, padding) and where each tensor's bytes start in
-    the file, tensors in the order of ``specs``."""
-    header, offset, starts = {}, 0, {}
+def safetensors_header(specs: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> bytes:
+    """A file's leading bytes (length, JSON header, padding), tensors in the order of ``specs``."""
+    header, offset = {}, 0
     for key, (shape, dtype) in specs.items():
         size = nbytes(shape, dtype)
         header[key] = {
@@ -64,22 +65,88 @@ def safetensors_header(specs: dict[str, tuple[tuple[int, ...], torch.dtype]]) ->
             "shape": list(shape),
             "data_offsets": [offset, offset + size],
         }
-        starts[key] = offset
         offset += size
     header["__metadata__"] = {"format": "pt"}
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
-    lead = len(raw).to_bytes(8, "little") + raw
-    return lead, {key: len(lead) + start for key, start in starts.items()}
+    return len(raw).to_bytes(8, "little") + raw
+
+
+ALIGN = 4096  # O_DIRECT's unit for offsets, lengths and buffer addresses
+WINDOW = 16 << 20  # bytes gathered in the aligned buffer before each write
+
+
+class DirectFile:
+    """A file written front to back straight to the disk (``O_DIRECT``), through one page-aligned
+    buffer that is filled and written window by window, the last window padded and the file then
+    cut to its size. Buffered writes first allocate page-cache pages for every byte (on the VM this
+    was measured on, 1 GB took 1.0-1.5 s to reach the page cache and 0.16 s to flush; written
+    directly, 0.2 s), and the checkpoint being saved is rarely read back by the process saving it
+    (DeepSpeed's FastPersist writes checkpoints the same way). Where the file system refuses
+    ``O_DIRECT`` (tmpfs), or with ``HF_PARALLEL_DIRECT_IO=0``, the same windows go through the page
+    cache."""
+
+    def __init__(self, path: str, size_hint: int = WINDOW):
+        self.path = path
+        self.direct = hasattr(os, "O_DIRECT") and os.environ.get("HF_PARALLEL_DIRECT_IO", "1") != "0"
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+        try:
+            self.fd = os.open(path, flags | (os.O_DIRECT if self.direct else 0), 0o666)
+        except OSError:
+            self.direct, self.fd = False, os.open(path, flags, 0o666)
+        self.buffer = mmap.mmap(-1, max(ALIGN, min(WINDOW, -(-size_hint // ALIGN) * ALIGN)))
+        self.view = memoryview(self.buffer)
+        self.filled, self.offset = 0, 0  # bytes in the buffer; where the buffer goes in the file
+
+    def write(self, data) -> None:
+        data = memoryview(data).cast("B")
+        while data:
+            count = min(len(data), len(self.buffer) - self.filled)
+            self.view[self.filled : self.filled + count] = data[:count]
+            self.filled, data = self.filled + count, data[count:]
+            if self.filled == len(self.buffer):
+                self._write_out(self.filled)
+
+    def _write_out(self, length: int) -> None:
+        with timed("write"):
+            try:
+                pwrite_all(self.fd, self.view[:length], self.offset)
+            except OSError as error:  # O_DIRECT opened but refused here: through the page cache instead
+                if not self.direct or error.errno != errno.EINVAL:
+                    raise
+                os.close(self.fd)
+                self.direct, self.fd = False, os.open(self.path, os.O_WRONLY)
+                pwrite_all(self.fd, self.view[:length], self.offset)
+        self.offset, self.filled = self.offset + self.filled, 0
+
+    def close(self) -> None:
+        """Write what is left (padded to the unit), cut the file to its size, and sync it."""
+        size = self.offset + self.filled
+        if self.filled:
+            padded = -(-self.filled // ALIGN) * ALIGN
+            self.view[self.filled : padded] = bytes(padded - self.filled)
+            self._write_out(padded)
+        with timed("fsync"):
+            os.ftruncate(self.fd, size)
+            os.fsync(self.fd)
+        os.close(self.fd)
+        self.view.release()
+        self.buffer.close()
+
+
+def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    while data:
+        written = os.pwrite(fd, data, offset)
+        data, offset = data[written:], offset + written
 
 
 class SafetensorsWriter:
     """Writes one safetensors file tensor by tensor, in the order the header was declared."""
 
     def __init__(self, path: str, specs: dict[str, tuple[tuple[int, ...], torch.dtype]]):
-        lead, _ = safetensors_header(specs)
+        lead = safetensors_header(specs)
         self.pending = list(specs.items())
-        self.file = open(path, "wb")
+        self.file = DirectFile(path, len(lead) + sum(nbytes(*spec) for spec in specs.values()))
         self.file.write(lead)
 
     def write(self, key: str, tensor: torch.Tensor | Iterable[torch.Tensor]) -> None:
@@ -95,8 +162,7 @@ class SafetensorsWriter:
                     f"got {tuple(block.shape)} {block.dtype}"
                 )
             written += block.numel()
-            with timed("write"):
-                self.file.write(host_bytes(block.detach().cpu().contiguous()))
+            self.file.write(host_bytes(block.detach().cpu().contiguous()))
         if written != math.prod(shape):
             raise RuntimeError(
                 f"writer expected {key} {tuple(shape)}, got {written} of its {math.prod(shape)} elements"
@@ -105,20 +171,7 @@ class SafetensorsWriter:
     def close(self) -> None:
         if self.pending:
             raise RuntimeError(f"safetensors file closed with {len(self.pending)} tensor(s) unwritten")
-        with timed("fsync"):
-            self.file.flush()
-            os.fsync(self.file.fileno())
         self.file.close()
-
-
-def pwrite_tensor(fd: int, tensor: torch.Tensor, offset: int) -> None:
-    """``tensor``'s bytes into file ``fd`` at ``offset`` (other ranks may be writing elsewhere in it)."""
-    tensor = tensor.detach().cpu().contiguous()
-    data = memoryview(host_bytes(tensor)).cast("B")
-    with timed("write"):
-        while data:
-            written = os.pwrite(fd, data, offset)
-            data, offset = data[written:], offset + written
 
 
 def host_bytes(tensor: torch.Tensor):
