@@ -73,7 +73,7 @@ def safetensors_header(specs: dict[str, tuple[tuple[int, ...], torch.dtype]]) ->
 
 
 ALIGN = 4096  # O_DIRECT's unit for offsets, lengths and buffer addresses
-WINDOW = 16 << 20  # bytes gathered in the aligned buffer before each write
+WINDOW = 4 << 20  # bytes gathered in the aligned buffer before each write (memory the save adds)
 
 
 class DirectFile:
