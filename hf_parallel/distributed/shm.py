@@ -10,6 +10,12 @@ Two slot sets alternate by sequence parity, so a rank never overwrites a slot an
 be reading (it cannot publish call n+2 before everyone has published n+1, i.e. finished reading n).
 Payloads larger than a slot go through gloo, chosen identically on every rank (same sizes).
 Relies on x86's ordered stores (data before the flag); other CPUs keep gloo.
+
+The same step carries more than sums: an all-to-all (SP's Ulysses exchange, uneven pieces copied
+straight from their views into a slot's part per rank, in byte windows when a piece is larger), and
+a broadcast with its header in one step (the SP batch, the last pipeline stage's output). Between
+pipeline stages, where only two ranks talk and the sender must not wait, ``ShmPipe`` is a ring per
+direction instead (``attach_pipes``).
 """
 
 from __future__ import annotations
