@@ -112,7 +112,7 @@ class DirectFile:
             try:
                 pwrite_all(self.fd, self.view[:length], self.offset)
             except OSError as error:  # O_DIRECT opened but refused here: through the page cache instead
-                if not self.direct or error.errno != errno.EINVAL:
+                if not self.direct or error.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
                     raise
                 os.close(self.fd)
                 self.direct, self.fd = False, os.open(self.path, os.O_WRONLY)
