@@ -58,6 +58,7 @@ def test_pipeline_benchmark_runs_every_configuration(tiny_paths, tmp_path):
         "transformers PP=2",
         "hf_parallel PP=2 M=auto",
         "hf_parallel PP=2 M=2",
+        "hf_parallel PP=2 M=auto over gloo",  # the A/B of the stages' shared-memory pipes
     }
     for name, row in table.items():
         assert row is not None and row["tokens_per_s"] > 0, (name, row)
@@ -66,6 +67,24 @@ def test_pipeline_benchmark_runs_every_configuration(tiny_paths, tmp_path):
     assert 0 <= table["hf_parallel PP=2 M=2"]["bubble_measured"] <= 1
     assert table["hf_parallel PP=2 M=2"]["bubble_theory"] == 1 / 3
     assert "best PP vs TP" in done.stdout and "best PP vs transformers' PP" in done.stdout
+    assert "shared-memory pipes over gloo" in done.stdout
+
+
+def test_save_and_import_benchmarks_run(tiny_paths, tmp_path):
+    """save.py: every configuration saves (with and without O_DIRECT) and reports its ratio and
+    rank 0's profile; imports.py: both entry points measured."""
+    command = [sys.executable, os.path.join(ROOT, "benchmarks", "save.py"), "--model", tiny_paths["llama"]]
+    command += ["--rounds", "1", "--dir", str(tmp_path / "saves"), "--out", str(tmp_path)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    table = json.loads((tmp_path / "save.json").read_text())["table"]
+    assert all(row is not None and row["median"] > 0 for row in table.values()), table
+    assert "target hf_parallel VTP [2,1] <= 1.2x one process" in done.stdout
+    assert all("write" in row["profiles"][0] for name, row in table.items() if name.startswith("hf_parallel"))
+    imports = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "imports.py"), "--runs", "1"], capture_output=True, text=True
+    )
+    assert imports.returncode == 0 and "import RSS, hf_parallel over transformers" in imports.stdout, imports.stderr
 
 
 def test_training_benchmark_runs_every_configuration(tiny_paths, tmp_path):
