@@ -104,7 +104,10 @@ class ShmChannel:
                     receive.copy_(typed(slots[rank], self.rank, receive))
             return
         sends = [send.contiguous().reshape(-1).view(torch.uint8) for send in sends]
-        flat = [receive.new_empty(receive.shape).reshape(-1).view(torch.uint8) for receive in receives]
+        flat = [  # where the windows land (this rank's own piece was copied above)
+            None if rank == self.rank else receive.new_empty(receive.shape).reshape(-1).view(torch.uint8)
+            for rank, receive in enumerate(receives)
+        ]
         for step in range(-(-largest // part)):
             window = slice(step * part, (step + 1) * part)
 
@@ -116,8 +119,8 @@ class ShmChannel:
 
             slots = self._round(write)
             for rank, receive in enumerate(flat):
-                piece = receive[window]
-                if rank != self.rank and piece.numel():
+                piece = None if receive is None else receive[window]
+                if piece is not None and piece.numel():
                     piece.copy_(slots[rank][self.rank * part : self.rank * part + piece.numel()])
         for rank, receive in enumerate(receives):
             if rank != self.rank:
@@ -194,6 +197,11 @@ def usable() -> bool:
     )
 
 
+def one_host(ranks: list[tuple[bool, str]]) -> bool:
+    """Whether ranks that reported ``(usable(), host_id())`` may share memory: all can, on one known host."""
+    return all(ok for ok, _ in ranks) and len({host for _, host in ranks}) == 1 and bool(ranks[0][1])
+
+
 def host_id() -> str:
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
@@ -206,7 +214,7 @@ def attach(group, rank: int, world_size: int, timeout: float, slot_bytes: int = 
     """Collective over ``group``: map a shared-memory channel if every rank can, else None (gloo)."""
     hosts = [None] * world_size
     dist.all_gather_object(hosts, (usable(), host_id()), group=group)
-    if not all(ok for ok, _ in hosts) or len({host for _, host in hosts}) != 1 or not hosts[0][1]:
+    if not one_host(hosts):
         return None
     names = [f"/dev/shm/hf_parallel-{os.getpid()}-{uuid.uuid4().hex}" if rank == 0 else None]
     dist.broadcast_object_list(names, src=dist.get_global_rank(group, 0), group=group)
@@ -318,12 +326,7 @@ def attach_pipes(links: list[tuple[int, int]], rank: int, world_size: int, timeo
     everyone = [None] * world_size
     dist.all_gather_object(everyone, (usable(), host_id(), uuid.uuid4().hex))
     token = everyone[0][2]
-
-    def one_host(a: int, b: int) -> bool:
-        (usable_a, host_a, _), (usable_b, host_b, _) = everyone[a], everyone[b]
-        return usable_a and usable_b and bool(host_a) and host_a == host_b
-
-    shared = [(a, b) for a, b in links if one_host(a, b)]
+    shared = [(a, b) for a, b in links if one_host([everyone[a][:2], everyone[b][:2]])]
     path = {link: f"/dev/shm/hf_parallel-{token}-{link[0]}-{link[1]}" for link in shared}
     pipes, created, mapped = {}, [None] * world_size, [None] * world_size
     mine = [link for link in shared if link[0] == rank]

@@ -104,7 +104,7 @@ class StageLink:
     def broadcast_from_last(self, tensor: torch.Tensor | None) -> torch.Tensor:
         """The last stage's ``tensor`` on every rank of this model replica (header first)."""
         source = self.mesh.stage_ranks(self.num_stages - 1)[0]  # the same rank for every rank of the replica
-        mine = tensor.detach().cpu().contiguous() if self.mesh.rank == source else None
+        mine = tensor.detach().to(self.wire).contiguous() if self.mesh.rank == source else None
         what = f"rank {self.mesh.rank} (stage {self.stage}) receiving the last stage's output from rank {source}"
         start = time.perf_counter()
         channel = channel_for(self.mesh.model.group) if self.wire.type == "cpu" else None
@@ -113,10 +113,10 @@ class StageLink:
             if out is not None:
                 self.waited += time.perf_counter() - start
                 return out.to(self.mesh.device)
-        header = header_of(tensor, self.wire) if self.mesh.rank == source else empty_header(self.wire)
+        header = header_of(mine, self.wire) if mine is not None else empty_header(self.wire)
         with collective(what):
             dist.broadcast(header, src=source, group=self.mesh.model.group)
-        out = tensor.detach().to(self.wire).contiguous() if self.mesh.rank == source else empty_from(header, self.wire)
+        out = mine if mine is not None else empty_from(header, self.wire)
         with collective(what):
             dist.broadcast(out, src=source, group=self.mesh.model.group)
         self.waited += time.perf_counter() - start
