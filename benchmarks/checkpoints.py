@@ -8,7 +8,7 @@ import os
 import torch
 import transformers
 
-from hf_parallel.default_model import cache_root, default_checkpoint
+from hf_parallel.commands.default_model import cache_root, default_checkpoint
 
 # ~0.5 B parameters: 16 layers of hidden 1536 / MLP 4096, 12 query and 4 KV heads, untied 32k vocab
 LLAMA_1GB = dict(

@@ -123,7 +123,7 @@ def worker(implementation: str, path: str, seqs: list[int], cap: int, out: str) 
 
 def configuration(path: str, implementation: str, sp: int, args, gloo: bool = False) -> dict[int, dict]:
     """One configuration's rows; ``gloo``: its collectives over gloo, not shared memory (the A/B)."""
-    from hf_parallel.cli import start_ranks
+    from hf_parallel.commands.cli import start_ranks
 
     out = os.path.join(args.out, f"long_context_{implementation}_sp{sp}" + ("_gloo" if gloo else ""))
     os.makedirs(out, exist_ok=True)

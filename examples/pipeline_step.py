@@ -14,7 +14,7 @@ import torch
 import transformers
 
 import hf_parallel
-from hf_parallel.default_model import default_checkpoint
+from hf_parallel.commands.default_model import default_checkpoint
 
 path = os.environ.get("MODEL") or default_checkpoint()  # the embedded SmolLM2-135M-Instruct
 stage_tp = [int(n) for n in os.environ.get("STAGE_TP", "2,1").split(",")]

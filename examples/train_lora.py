@@ -16,7 +16,7 @@ import torch
 import transformers
 
 from hf_parallel import AutoModelForCausalLM, parallel_state
-from hf_parallel.default_model import default_checkpoint
+from hf_parallel.commands.default_model import default_checkpoint
 
 path = os.environ.get("MODEL") or default_checkpoint()  # the embedded SmolLM2-135M-Instruct
 tp = int(os.environ.get("TP", "2"))

@@ -11,15 +11,20 @@ import os
 
 import transformers
 
+from .adapters.placement import Adapters
 from .adapters.seams import watch
 from .build import build_rank_model, resolve_dtype
 from .checkpoint.distributed_save import save_distributed
 from .checkpoint.loading import checkpoint_files, load_weights
 from .checkpoint.saving import save_sharded
 from .distributed.mesh import get_mesh
-from .runtime import compose
+from .pipeline.stage import install_stage
+from .runtime import Runtime
+from .sequence.shard import install_sequence
 from .state import ParallelState, attach, parallel_state
-from .training.data_parallel import layers_to_shard, return_freed_blocks_to_the_os, shard_data_parallel, unsharded
+from .tensor.gradients import GradientSums
+from .tensor.parallelize import install
+from .training.data_parallel import shard_data_parallel, unsharded
 from .training.trainer import from_distributed_config, install_trainer_seams
 
 
@@ -57,10 +62,50 @@ def from_pretrained(
     instead of the sizes (what it asks that hf_parallel cannot do is refused).
     ``allow_pickle``: accept a ``pytorch_model.bin`` checkpoint (loaded with ``weights_only=True``).
 
-    The steps, each in its own module: the mesh (``distributed/mesh.py``) → this rank's empty model,
-    checked, cut to its stage, every layout decided (``build.py``) → each rank reads its slices
-    (``checkpoint/loading.py``) → what runs around the forward (``runtime.py``) → the state
-    ``parallel_state(model)`` returns."""
+    The steps a model goes through after its empty build, in this order, each owning what it sets up
+    and none rewriting an earlier one's (long for its keywords; the body is one line a step)."""
+    config = _read_config(path, device_map, config_kwargs)
+    sizes = dict(tp_size=tp_size, sp_size=sp_size, pp_size=pp_size, stage_tp_sizes=stage_tp_sizes,
+                 fsdp_size=fsdp_size, dp_replicate_size=dp_replicate_size)  # fmt: skip
+    if distributed_config is not None:
+        sizes, tp_plan, ep_plan = from_distributed_config(distributed_config, sizes, tp_plan, ep_plan)
+    mesh = get_mesh(**sizes)  # every process group, created once
+    dtype = resolve_dtype(dtype, config)
+    files = checkpoint_files(path, allow_pickle) if mesh.num_stages > 1 else None  # a stage sets the others' aside
+    # 1. layouts: this rank's empty model, cut to its stage, every parameter's layout; all refusals
+    built = build_rank_model(auto_class, config, dtype, mesh, tp_plan, ep_plan, stage_layers, files)
+    model, cut = built.model, built.cut
+    # 2. load: each rank reads its slices
+    source_keys = load_weights(model, path, built.layout, dtype, allow_pickle, built.ignore_keys, files=files)
+    _read_generation_config(model, path)
+    # 3. tensor (and expert) parallelism: each module's collectives; gradient sums recorded
+    gradients = GradientSums()
+    hooks = install(model, built.layout, gradients, cut.kept_for_tied_weights if cut is not None else frozenset())
+    # 4. the sequence split (Ulysses)
+    sequence = install_sequence(model, mesh, built.split, gradients) if mesh.sp.size > 1 else None
+    # 5. the pipeline stage: receive, send, stop
+    stage = install_stage(model, built.split, cut, built.layout, mesh, micro_batches) if cut is not None else None
+    # 6. the data dimensions (FSDP2 / HSDP), then every gradient sum registered once
+    stage_forward = None
+    if mesh.shape.dp > 1:
+        stage_forward = shard_data_parallel(model, mesh, gradients, sequence, keep_unsharded=stage is not None)
+    else:
+        gradients.register(model)
+    # 7. the runtime around the forward, and the state every later call reads
+    runtime = Runtime(model, sequence, stage, own=stage_forward)
+    model.eval()
+    state = ParallelState(mesh, built.layout, source_keys, runtime, gradients, hooks, Adapters())
+    attach(model, state)
+    model.save_pretrained = functools.partial(save_pretrained, model)
+    # 8. adapters (peft) and the Trainer's seams, each installed when its library is first imported
+    watch(model, state)
+    if mesh.world_size > 1:
+        install_trainer_seams(model, state)
+    return model
+
+
+def _read_config(path: str, device_map, config_kwargs: dict):
+    """The checkpoint's config with the user's overrides; what cannot apply refused by name."""
     if device_map is not None:
         raise ValueError(
             "tp_plan and device_map cannot be combined: tensor parallelism places every shard on its own rank"
@@ -78,37 +123,14 @@ def from_pretrained(
             "distributed_config, device_map and allow_pickle; any other keyword must be a config attribute (it "
             "overrides the checkpoint's)"
         )
-    sizes = dict(tp_size=tp_size, sp_size=sp_size, pp_size=pp_size, stage_tp_sizes=stage_tp_sizes,
-                 fsdp_size=fsdp_size, dp_replicate_size=dp_replicate_size)  # fmt: skip
-    if distributed_config is not None:
-        sizes, tp_plan, ep_plan = from_distributed_config(distributed_config, sizes, tp_plan, ep_plan)
-    mesh = get_mesh(**sizes)
-    dtype = resolve_dtype(dtype, config)
-    files = checkpoint_files(path, allow_pickle) if mesh.num_stages > 1 else None  # a stage sets the others' aside
-    built = build_rank_model(
-        auto_class, config, dtype, mesh, tp_plan=tp_plan, ep_plan=ep_plan, stage_layers=stage_layers,
-        checkpoint_keys=files,
-    )  # fmt: skip
-    model = built.model
-    if mesh.shape.dp > 1:
-        layers_to_shard(model, mesh)  # refused before any weight is read
-        if mesh.device.type == "cpu":
-            return_freed_blocks_to_the_os()
-    source_keys = load_weights(model, path, built.plan, dtype, allow_pickle, ignore_keys=built.ignore_keys, files=files)
+    return config
+
+
+def _read_generation_config(model, path: str) -> None:
     try:
         model.generation_config = transformers.GenerationConfig.from_pretrained(path)
     except OSError:
         pass
-    runtime = compose(model, mesh, built, micro_batches)
-    model.eval()
-    state = ParallelState(mesh, built.plan, source_keys, runtime)
-    attach(model, state)
-    shard_data_parallel(model, state)
-    watch(model, state)
-    model.save_pretrained = functools.partial(save_pretrained, model)
-    if mesh.world_size > 1:
-        install_trainer_seams(model, state)
-    return model
 
 
 # transformers' save_pretrained keywords that cannot mean anything here, and why

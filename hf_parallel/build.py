@@ -11,12 +11,14 @@ import torch
 from torch import nn
 
 from .checkpoint.keys import FusedSource, checkpoint_sources
+from .compat.accelerate import init_empty_weights
 from .distributed.mesh import Mesh
 from .pipeline.split import StageSplit, split_stages
 from .pipeline.stage import StageCut, cut_to_stage
 from .sequence.shard import check_sequence_parallel
-from .tensor.parallelize import ShardPlan, shard_plan
+from .tensor.parallelize import ModelLayout, model_layout
 from .tensor.plan import resolve_plan
+from .training.data_parallel import layers_to_shard, return_freed_blocks_to_the_os
 
 
 @dataclass
@@ -24,7 +26,7 @@ class RankModel:
     """A rank's empty model and everything decided about it."""
 
     model: nn.Module  # parameters on the meta device (buffers such as RoPE tables real)
-    plan: ShardPlan  # every parameter's rule and layout on this rank
+    layout: ModelLayout  # every parameter's rule and layout on this rank
     split: StageSplit | None = None  # the pipeline's stages, when there are several
     cut: StageCut | None = None  # what this rank's stage holds in place of the others' modules
     ignore_keys: frozenset[str] = frozenset()  # checkpoint keys the other stages read
@@ -38,11 +40,23 @@ def resolve_dtype(dtype, config) -> torch.dtype:
     return dtype
 
 
+def refuse_quantized(config) -> None:
+    """A quantized checkpoint's weights would load without their scales (silently wrong logits, and a
+    save of the unscaled values): refused by its method, before any weight is read."""
+    quantization = getattr(config, "quantization_config", None)
+    if not quantization:
+        return
+    method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization.quant_method
+    raise ValueError(
+        f"{type(config).__name__} has a quantization_config (quant_method={str(method)!r}): hf_parallel does not "
+        "read quantized checkpoints yet (no format: FP8 block scales, compressed-tensors, MXFP4, GPTQ, AWQ, "
+        "bitsandbytes, ...); load a dequantized (bf16 / fp32) copy of the checkpoint"
+    )
+
+
 def build_empty(auto_class, config, dtype: torch.dtype) -> nn.Module:
     """The model with parameters on the meta device (buffers such as RoPE tables stay real)."""
-    from accelerate import init_empty_weights  # here, not at import: accelerate pulls in botocore (~14 MB)
-
-    with init_empty_weights(include_buffers=False):
+    with init_empty_weights():
         model = auto_class.from_config(config, dtype=dtype)
     model.tie_weights()  # accelerate's meta init re-creates parameters, which unties them
     return model
@@ -79,9 +93,14 @@ def build_rank_model(
     (under pipeline stages): the checkpoint's keys, of which the other stages' are set aside."""
     if stage_layers is not None and mesh.num_stages == 1:
         raise ValueError(f"stage_layers={list(stage_layers)} needs pipeline stages: pass pp_size or stage_tp_sizes")
+    refuse_quantized(config)
     model = build_empty(auto_class, config, dtype)
     if mesh.sp.size > 1:
         check_sequence_parallel(model, mesh.sp.size)
+    if mesh.shape.dp > 1:
+        layers_to_shard(model, mesh)  # FSDP wraps them one by one: a model without them is refused here
+        if mesh.device.type == "cpu":
+            return_freed_blocks_to_the_os()  # before the load allocates: FSDP frees gathered layers to the OS
     built = RankModel(model, None)
     if mesh.num_stages > 1:  # cut the meta model down to this stage before anything else sees it
         if model.get_output_embeddings() is None:
@@ -94,5 +113,5 @@ def build_rank_model(
             built.ignore_keys = keys_held_elsewhere(model, built.split, mesh.stage, checkpoint_keys)
         built.cut = cut_to_stage(model, built.split, mesh.stage)
     held_elsewhere = built.cut.held_elsewhere if built.cut is not None else frozenset()
-    built.plan = shard_plan(model, resolve_plan(model, tp_plan, ep_plan), mesh, held_elsewhere)
+    built.layout = model_layout(model, resolve_plan(model, tp_plan, ep_plan), mesh, held_elsewhere)
     return built

@@ -1,22 +1,13 @@
-"""The parallel runtime of a loaded model: what runs around its forward, composed in one order.
+"""The parallel runtime of a loaded model: what runs around its forward, once every step of
+``api.from_pretrained`` (tensor parallelism, the sequence split, the pipeline stage, FSDP) is in place.
 
-``compose`` installs, once the local weights are in place, innermost first:
-
-1. tensor (and expert) parallelism: each module's style wraps that module's forward with its
-   collectives (``tensor/parallelize.install``); modules another pipeline stage runs are skipped;
-2. the sequence split (``sp_size``): hooks on the decoder layers (each gets its tokens' slice of the
-   positions, the first splits the hidden states), the gather before the LM head, Ulysses attention
-   through transformers' registry, every gradient summed over SP (``sequence/shard.py``);
-3. the pipeline stage: the receive before the stage's first layer, the send after its last, the
-   stop on entering the next stage's (``pipeline/stage.py``).
-
-Each call of ``model.forward`` (so ``generate``) then goes through ``Runtime.forward``: the batch is
+Each call of ``model.forward`` (so ``generate``) goes through ``Runtime.forward``: the batch is
 broadcast over SP (every rank of a sequence group computes the same batch), cut into micro-batches
 for the pipeline (``pipeline/forward.py``), and each micro-batch runs the model's own forward under
-a ``Call`` (``context.py``) that the hooks of steps 2 and 3 read: its rows and tokens, the SP token
-split, its micro-batch index, train_step's record. The SP loss is computed per micro-batch; the
-last stage's logits and loss are broadcast to every rank. A model with neither SP nor pipeline
-stages keeps its own forward: tensor parallelism needs no per-call context.
+a ``Call`` (``context.py``) that the sequence split's and the stage's hooks read: its rows and
+tokens, the SP token split, its micro-batch index, train_step's record. The SP loss is computed per
+micro-batch; the last stage's logits and loss are broadcast to every rank. A model with neither SP
+nor pipeline stages keeps its own forward: tensor parallelism needs no per-call context.
 """
 
 from __future__ import annotations
@@ -29,30 +20,34 @@ from torch import nn
 
 from .context import Call, StepRecord, batch_inputs, calling
 from .pipeline.forward import pipelined
-from .pipeline.p2p import StageLink
-from .pipeline.stage import Stage, StageDone, install_links, tied_across_stages
-from .sequence.shard import SequenceSplit, decoder_layers, install_sequence, sequence_inputs, sequence_loss
-from .tensor.parallelize import install
+from .pipeline.stage import Stage, StageDone
+from .sequence.shard import SequenceSplit, sequence_inputs, sequence_loss
 
 
 class Runtime:
     """Runs the model's own forward on a sequence split and a pipeline stage (either may be None)."""
 
-    def __init__(self, model: nn.Module, sequence: SequenceSplit | None, stage: Stage | None):
+    def __init__(self, model: nn.Module, sequence: SequenceSplit | None, stage: Stage | None, own=None):
+        """``own``: the forward ``run`` calls once per micro-batch (default the model's; under FSDP on a
+        pipeline stage, the one FSDP's root hooks are on). With a sequence split or a stage, ``model.forward``
+        becomes ``self.forward``."""
         self.sequence, self.stage = sequence, stage
-        self.own = model.forward
+        own = own or model.forward
+        # weakly: the state keeps the runtime, and must not keep the model alive
+        self._own = weakref.WeakMethod(own) if inspect.ismethod(own) else (lambda: own)
         self._signature = inspect.signature(model.forward)
         self._warned: list = []
+        if sequence is not None or stage is not None:
+
+            def forward(*args, **kwargs):
+                return self.forward(*args, **kwargs)
+
+            model.forward = functools.wraps(model.forward)(forward)  # its signature: generate inspects it
 
     @property
     def own(self):
         """The model's own forward, which ``run`` calls once per micro-batch."""
         return self._own()
-
-    @own.setter
-    def own(self, forward) -> None:
-        # weakly: the state keeps the runtime, and must not keep the model alive
-        self._own = weakref.WeakMethod(forward) if inspect.ismethod(forward) else (lambda: forward)
 
     def inputs(self, args: tuple, kwargs: dict) -> dict:
         """A forward's arguments by name, as every rank of a sequence group computes them."""
@@ -87,26 +82,3 @@ class Runtime:
         if labels is not None:
             out.loss = sequence_loss(out.logits, labels, sequence, count)
         return out
-
-
-def compose(model: nn.Module, mesh, built, micro_batches: int | None = None) -> Runtime:
-    """Install, in the order above, what runs around the forward of ``built`` (a ``RankModel``
-    whose weights are loaded); the runtime holds the stage and the sequence split it made."""
-    install(model, built.plan, built.cut.stand_ins if built.cut is not None else frozenset())
-    sequence = stage = None
-    if mesh.sp.size > 1:
-        layer_list = built.split.layer_list if built.split is not None else None
-        sequence = install_sequence(model, mesh, decoder_layers(model, layer_list), built.plan.gradients)
-    if built.split is not None:
-        stage = Stage(
-            built.split, StageLink(mesh), built.cut, tied_across_stages(model, built.plan, built.cut), micro_batches
-        )
-        install_links(model, stage.split, stage.link)
-    runtime = Runtime(model, sequence, stage)
-    if sequence is not None or stage is not None:
-
-        def forward(*args, **kwargs):
-            return runtime.forward(*args, **kwargs)
-
-        model.forward = functools.wraps(model.forward)(forward)  # its signature: generate inspects it
-    return runtime

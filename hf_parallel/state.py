@@ -9,19 +9,20 @@ from __future__ import annotations
 
 import sys
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from torch import nn
 
-from .adapters.placement import Adapters
-
 if TYPE_CHECKING:
+    from .adapters.placement import Adapters
     from .distributed.mesh import Mesh
     from .pipeline.stage import Stage
     from .runtime import Runtime
     from .sequence.shard import SequenceSplit
-    from .tensor.parallelize import ShardedParam, ShardPlan
+    from .tensor.gradients import GradientSums
+    from .tensor.parallelize import ModelLayout, ShardedParam
+    from .tensor.styles import Hooks
 
 
 @dataclass
@@ -29,15 +30,17 @@ class ParallelState:
     """How a model is split over the mesh, and what it was loaded from."""
 
     mesh: Mesh  # every process group, and this rank's place in them
-    plan: ShardPlan  # every parameter's rule and layout (tensor and expert parallelism)
+    layout: ModelLayout  # every parameter's rule and layout (tensor and expert parallelism)
     source_keys: dict  # parameter (or persistent buffer) name -> checkpoint key (or per-expert keys) it was read from
     runtime: Runtime  # what runs around the model's forward: the sequence split and the pipeline stage
-    adapters: Adapters = field(default_factory=Adapters)  # peft's adapters added since, placed like their modules
+    gradients: GradientSums  # which gradient is summed over which group (TP styles, SP, adapters record here)
+    hooks: dict[str, Hooks]  # module path -> the hooks its TP style installed (adapters move them)
+    adapters: Adapters  # peft's adapters added since, placed like their modules
 
     def entry(self, name: str) -> ShardedParam | None:
         """The layout and full shape of the parameter called ``name`` (as loaded, or an adapter
         added since); None: hf_parallel did not place it."""
-        return self.plan.params.get(name) or self.adapters.entries.get(name)
+        return self.layout.params.get(name) or self.adapters.entries.get(name)
 
     @property
     def stage(self) -> Stage | None:
@@ -52,8 +55,8 @@ class ParallelState:
     def __repr__(self) -> str:
         stage = "" if self.stage is None else f", layers {self.stage.layers().start}-{self.stage.layers().stop - 1}"
         return (
-            f"ParallelState({self.mesh} of {self.mesh.shape}{stage}; plan from {self.plan.source}, "
-            f"{len(self.plan.unique_params())} parameters)"
+            f"ParallelState({self.mesh} of {self.mesh.shape}{stage}; plan from {self.layout.source}, "
+            f"{len(self.layout.unique_params())} parameters)"
         )
 
 

@@ -121,8 +121,9 @@ def refusals(rank: int, world_size: int, paths: dict, root: str) -> dict:
     """At TP=2: peft's own ``get_peft_model`` (its initial adapter saved), and what is refused by name
     instead of trained wrong: DoRA on a split module, a LoRA on fused MoE experts, another peft
     tuner (IA3) on a split module, peft's
-    ``modules_to_save`` copy, a parameter and a module added by hand."""
-    import peft
+    ``modules_to_save`` copy, a parameter and a module added by hand. DoRA is tried first with peft
+    imported after loading (its seams go in when it is imported), then with peft imported first."""
+    import sys
 
     import hf_parallel
 
@@ -136,7 +137,11 @@ def refusals(rank: int, world_size: int, paths: dict, root: str) -> dict:
             return str(error)
         return None
 
-    out = {}
+    out = {"peft_before_load": "peft" in sys.modules}
+    loaded_first = load()
+    import peft
+
+    out["dora_after_load"] = error_of(lambda: peft.get_peft_model(loaded_first, lora_config(["q_proj"], use_dora=True)))
     torch.manual_seed(0)
     peft.get_peft_model(load(), lora_config(LLAMA)).save_pretrained(os.path.join(root, "initial"))
     data = batch(101)

@@ -29,7 +29,7 @@ def count_bytes_read(rank: int, world_size: int, path: str) -> dict:
     model = hf_parallel.AutoModelForCausalLM.from_pretrained(path, tp_plan="auto", dtype=torch.float32)
     state = hf_parallel.parallel_state(model)
     rows = {}
-    for entry in state.plan.unique_params():
+    for entry in state.layout.unique_params():
         key = state.source_keys[entry.name]
         param = model.get_parameter(entry.name)
         full = 1
@@ -123,5 +123,5 @@ def save_memory(rank: int, world_size: int, path: str, out: str) -> dict:
     model.save_pretrained(os.path.join(out, "saved"))
     added = peak_rss_bytes() - before
     model.save_pretrained(os.path.join(out, "distributed"), distributed=True)  # for consolidation
-    largest = max(math.prod(entry.full_shape) * 4 for entry in hf_parallel.parallel_state(model).plan.unique_params())
+    largest = max(math.prod(entry.full_shape) * 4 for entry in hf_parallel.parallel_state(model).layout.unique_params())
     return {"added": added, "largest_full_tensor": largest}

@@ -63,6 +63,6 @@ def tp_results(tiny_paths, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def smollm2():
-    from hf_parallel.default_model import default_checkpoint
+    from hf_parallel.commands.default_model import default_checkpoint
 
     return default_checkpoint()

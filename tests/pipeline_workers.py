@@ -36,7 +36,7 @@ def compare_pp(rank: int, world_size: int, cases: dict, sizes: dict, save_root: 
         state = hf_parallel.parallel_state(model)
         read = {  # bytes read, and the layers whose keys were read at all
             "bytes": sum(BYTES_READ.values()),
-            "local": sum(model.get_parameter(e.name).nbytes for e in state.plan.unique_params()),
+            "local": sum(model.get_parameter(e.name).nbytes for e in state.layout.unique_params()),
             "layers": sorted({int(k.split(".layers.")[1].split(".")[0]) for k in BYTES_READ if ".layers." in k}),
         }
         model.save_pretrained(os.path.join(save_root, name, "gathered"))
@@ -78,8 +78,8 @@ def compare_pp(rank: int, world_size: int, cases: dict, sizes: dict, save_root: 
         out["tied"] = [  # the full tied weight after the step, as this stage holds it
             full_tensor(
                 model.get_parameter(n).detach(),
-                state.plan.params[n].layout,
-                state.plan.params[n].full_shape,
+                state.layout.params[n].layout,
+                state.layout.params[n].full_shape,
                 state.mesh.tp,
             )
             .sum()
@@ -89,8 +89,8 @@ def compare_pp(rank: int, world_size: int, cases: dict, sizes: dict, save_root: 
         out["tied_bits"] = [
             full_tensor(
                 model.get_parameter(n).detach(),
-                state.plan.params[n].layout,
-                state.plan.params[n].full_shape,
+                state.layout.params[n].layout,
+                state.layout.params[n].full_shape,
                 state.mesh.tp,
             )
             .view(torch.int32)

@@ -208,6 +208,7 @@ def test_get_peft_model_on_a_parallel_model_gives_one_process_adapter(refused, r
     "what, names",
     [
         ("dora", ["model.layers.0.self_attn.q_proj", "DoRA", "leave it out of target_modules"]),
+        ("dora_after_load", ["model.layers.0.self_attn.q_proj", "DoRA", "leave it out of target_modules"]),
         ("experts", ["model.layers.0.mlp.experts", "moe_tp_experts", "has no adapter split"]),
         ("ia3", ["model.layers.0.self_attn.q_proj", "ia3.layer.Linear around a module split by colwise", "LoraConfig"]),
         ("modules_to_save", ["lm_head.modules_to_save.default.weight", "trainable parameter(s) added after"]),
@@ -220,6 +221,7 @@ def test_what_cannot_be_placed_is_refused_by_name(refused, what, names):
     parameter or module added by hand; each refused, naming it, before a gradient is used."""
     results, _ = refused
     for result in results:
+        assert result["peft_before_load"] is False  # dora_after_load imported peft after loading
         error = result[what]
         assert error is not None, what
         for name in names:
@@ -262,7 +264,7 @@ def test_trainer_trains_lora_on_tp_and_fsdp(paths, references, tmp_path):
 def test_plan_shows_each_adapter_split(tiny_paths):
     """``hf-parallel plan --lora``: each adapter pair splits as its module (tiny Llama, 9/3 heads at
     tp=2 in whole KV groups: q rows 48/24, k 16/8), the whole matrix's gradient summed over TP."""
-    from hf_parallel.report import parse_lora, plan_report
+    from hf_parallel.commands.report import parse_lora, plan_report
 
     text = plan_report(tiny_paths["llama"], 2, lora=parse_lora("r=4,target=q_proj,k_proj,o_proj"))
     lines = {line.split()[0]: line for line in text.splitlines() if line.startswith("  model.layers.0.")}
@@ -276,14 +278,14 @@ def test_plan_shows_each_adapter_split(tiny_paths):
 
 @pytest.mark.parametrize("text", ["r=8", "target=q_proj", "r=x,target=q_proj", "q_proj,r=8"])
 def test_plan_lora_argument_is_checked(text):
-    from hf_parallel.report import parse_lora
+    from hf_parallel.commands.report import parse_lora
 
     with pytest.raises(ValueError, match="expected r=N,target=name"):
         parse_lora(text)
 
 
 def test_plan_lora_refuses_targets_the_model_lacks(tiny_paths):
-    from hf_parallel.report import parse_lora, plan_report
+    from hf_parallel.commands.report import parse_lora, plan_report
 
     with pytest.raises(ValueError, match="no module of the model is named qkv_proj"):
         plan_report(tiny_paths["llama"], 2, lora=parse_lora("r=4,target=qkv_proj"))

@@ -99,3 +99,27 @@ def test_index_that_is_not_json(sharded, tmp_path):
     (target / INDEX_FILE).write_text("{ weight_map: ")
     with pytest.raises(CheckpointError, match=r"model\.safetensors\.index\.json: not a checkpoint index"):
         load(target)
+
+
+@pytest.mark.parametrize(
+    "quantization",
+    [
+        {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]},
+        {"quant_method": "gptq", "bits": 4, "group_size": 128},
+        {"quant_method": "compressed-tensors", "format": "float-quantized"},
+        {"quant_method": "mxfp4"},
+    ],
+)
+def test_a_quantized_checkpoint_is_refused_by_name_before_any_weight_is_read(tiny_paths, tmp_path, quantization):
+    """Its weights would load without their scales (logits garbage, and a save of the unscaled values):
+    refused, naming the method, in from_pretrained and in the plan dry run."""
+    from hf_parallel.commands.report import plan_report
+
+    target = copy_of(tiny_paths["llama"], tmp_path)
+    config = json.loads((target / "config.json").read_text())
+    (target / "config.json").write_text(json.dumps({**config, "quantization_config": quantization}))
+    (target / "model.safetensors").write_bytes(b"")  # never opened: refused before any weight is read
+    for run in (lambda: load(target), lambda: plan_report(str(target), tp=2)):
+        with pytest.raises(ValueError, match=f"quant_method={quantization['quant_method']!r}") as error:
+            run()
+        assert "quantization_config" in str(error.value) and "dequantized" in str(error.value)

@@ -17,7 +17,7 @@ import hf_parallel
 from hf_parallel import CheckpointError
 from hf_parallel.build import build_empty
 from hf_parallel.distributed.mesh import Mesh
-from hf_parallel.tensor.parallelize import UnshardedWarning, shard_plan
+from hf_parallel.tensor.parallelize import UnshardedWarning, model_layout
 from hf_parallel.tensor.plan import resolve_plan, with_expert_parallel
 
 
@@ -102,7 +102,7 @@ def dry_shard(path, plan, world_size, expert_parallel=False):
     plan = resolve_plan(model, plan)
     if expert_parallel:
         plan = with_expert_parallel(plan, keep_tensor_parallel=False)
-    return shard_plan(model, plan, Mesh.dry_run(tp_size=world_size))
+    return model_layout(model, plan, Mesh.dry_run(tp_size=world_size))
 
 
 def test_plan_leaving_large_matrices_unsharded_warns_with_their_size(tiny_paths):

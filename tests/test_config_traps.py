@@ -14,7 +14,7 @@ from tiny_models import TRAPS, make_checkpoint
 from hf_parallel.build import build_empty
 from hf_parallel.distributed.mesh import Mesh
 from hf_parallel.tensor.geometry import ConfigIgnoredWarning
-from hf_parallel.tensor.parallelize import shard_plan
+from hf_parallel.tensor.parallelize import model_layout
 from hf_parallel.tensor.plan import resolve_plan
 
 TOL = 1e-5
@@ -56,7 +56,7 @@ def test_an_attribute_the_model_never_reads_is_named_once(trap_paths, trap, igno
     model = build_empty(transformers.AutoModelForCausalLM, config, torch.float32)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        shard = shard_plan(model, resolve_plan(model, "auto"), Mesh.dry_run(tp_size=2))
+        shard = model_layout(model, resolve_plan(model, "auto"), Mesh.dry_run(tp_size=2))
     said = [str(w.message) for w in caught if issubclass(w.category, ConfigIgnoredWarning)]
     assert len(said) == 1 and ignored in said[0], said
     assert (shard.heads.num_heads, shard.heads.num_kv_heads) == (6, 6)
@@ -69,5 +69,5 @@ def test_no_warning_when_the_config_agrees(trap_paths):
     model = build_empty(transformers.AutoModelForCausalLM, config, torch.float32)
     with warnings.catch_warnings():
         warnings.simplefilter("error", ConfigIgnoredWarning)
-        shard = shard_plan(model, resolve_plan(model, "auto"), Mesh.dry_run(tp_size=3))
+        shard = model_layout(model, resolve_plan(model, "auto"), Mesh.dry_run(tp_size=3))
     assert (shard.heads.num_heads, shard.heads.num_kv_heads, shard.heads.head_dim) == (4, 2, 16)

@@ -52,7 +52,7 @@ def attempt(directory: str) -> None:
         signal.signal(signal.SIGALRM, previous)
     files = checkpoint_files(directory)
     state = hf_parallel.parallel_state(model)
-    for entry in state.plan.unique_params():
+    for entry in state.layout.unique_params():
         key = state.source_keys[entry.name]
         with safe_open(files[key], framework="pt") as f:
             want = f.get_tensor(key).to(torch.float32)

@@ -22,7 +22,7 @@ def _loaded_after(code: str) -> set[str]:
     "code",
     [
         "import hf_parallel",
-        "from hf_parallel.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass",
+        "from hf_parallel.commands.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass",
         "from hf_parallel.distributed.shape import MeshShape; MeshShape.requested(tp_size=2, sp_size=2)",
     ],
 )
@@ -36,7 +36,10 @@ def test_pure_modules_import_no_transformers():
 
 
 def test_peft_is_imported_only_when_a_peft_model_is_used():
-    code = "import hf_parallel.api, hf_parallel.training.step, hf_parallel.training.trainer, hf_parallel.report"
+    code = (
+        "import hf_parallel.api, hf_parallel.training.step, hf_parallel.training.trainer, "
+        "hf_parallel.commands.report"
+    )
     assert "peft" not in _loaded_after(code)
 
 

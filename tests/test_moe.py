@@ -15,7 +15,7 @@ from tiny_models import MOE, make_checkpoint
 
 import hf_parallel
 from hf_parallel.checkpoint.loading import checkpoint_files
-from hf_parallel.report import plan_report
+from hf_parallel.commands.report import plan_report
 
 # per forward, 2 layers: attention output + experts per layer, + the vocab-parallel embedding; Qwen2-MoE's
 # shared expert adds one per layer; DeepSeek-V3 (transformers' plan: MLA attention replicated) has a

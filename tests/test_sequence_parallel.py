@@ -115,7 +115,7 @@ def test_real_smollm2_sequence_parallel(smollm2, tmp_path, tp, sp):
 
 
 def test_plan_shows_heads_around_the_all_to_all_and_tokens_per_rank(tiny_paths):
-    from hf_parallel.report import plan_report
+    from hf_parallel.commands.report import plan_report
 
     text = plan_report(tiny_paths["llama"], 2, sp=2, seq=37)  # 9 query / 3 KV heads
     assert (

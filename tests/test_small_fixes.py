@@ -44,7 +44,7 @@ def test_transformers_save_keywords_that_make_sense_are_accepted(tiny_paths, tmp
 @pytest.mark.slow
 def test_the_default_model_is_converted_once_when_ranks_ask_at_once(tmp_path):
     env = {**os.environ, "HF_PARALLEL_CACHE": str(tmp_path)}
-    code = "from hf_parallel.default_model import default_checkpoint; print(default_checkpoint())"
+    code = "from hf_parallel.commands.default_model import default_checkpoint; print(default_checkpoint())"
     ranks = [
         subprocess.Popen(
             [sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True

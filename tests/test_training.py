@@ -244,7 +244,7 @@ def test_what_hf_parallel_cannot_honour_in_a_distributed_config_is_refused(given
 
 
 def test_the_plan_dry_run_shows_the_data_dimensions_and_groups_that_span_nodes(paths):
-    from hf_parallel.report import plan_report
+    from hf_parallel.commands.report import plan_report
 
     text = plan_report(paths["llama"], 4, fsdp_size=2, dp_replicate_size=2, nproc_per_node=2).splitlines()
     assert text[0].startswith("mesh: tp=4 x fsdp=2 x dp_replicate=2 = 16 ranks; one model replica = 4 ranks, 4 data")

@@ -46,7 +46,7 @@ def against_one_process(model, single, state, what: str = "grad") -> tuple[float
     """Over every parameter, the largest difference between this rank's ``what`` (``"grad"`` or
     ``"data"``) and its slice of one process's, and the largest value of those slices."""
     error = scale = 0.0
-    for entry in state.plan.unique_params():
+    for entry in state.layout.unique_params():
         got = getattr(model.get_parameter(entry.name), what)
         want = expected_slice(getattr(single.get_parameter(entry.name), what), entry.layout, state.mesh.tp.rank)
         if got.numel():
@@ -77,7 +77,7 @@ def compare_tp(
         loss.backward()
         grad_error, missing = 0.0, []
         state = hf_parallel.parallel_state(model)
-        for entry in state.plan.unique_params():
+        for entry in state.layout.unique_params():
             grad = model.get_parameter(entry.name).grad
             if grad is None:
                 if ref_grads[entry.name] is not None:  # unused in this forward (cross-attention) is fine
@@ -94,7 +94,7 @@ def compare_tp(
             ),
             "counts": counts,
             "layers": model.config.num_hidden_layers,
-            "plan_source": state.plan.source,
+            "plan_source": state.layout.source,
         }
         if save_root is not None:
             model.save_pretrained(os.path.join(save_root, name), distributed=distributed)
@@ -115,7 +115,7 @@ def compare_ep(rank: int, world_size: int, cases: dict, save_root: str) -> dict:
         output, loss = _output_and_loss(model, False)
         loss.backward()
         state, errors, experts = hf_parallel.parallel_state(model), [0.0], {}
-        for entry in state.plan.unique_params():
+        for entry in state.layout.unique_params():
             grad = model.get_parameter(entry.name).grad
             if grad is not None:
                 errors.append((grad - expected_slice(ref_grads[entry.name], entry.layout, rank)).abs().max().item())
@@ -200,7 +200,7 @@ def verify_with_a_broken_layer(rank: int, world_size: int, path: str) -> dict | 
     from hf_parallel import register_style
     from hf_parallel.tensor.plan import curated_plan_for
     from hf_parallel.tensor.styles import Hooks, Rowwise
-    from hf_parallel.verify import verify
+    from hf_parallel.commands.verify import verify
 
     class RowwiseWithoutSum(Rowwise):
         def prepare(self, module, ctx, layouts):

@@ -88,10 +88,10 @@ def adapter_params(wrapper: nn.Module, adapter: str) -> list[tuple[str, nn.Param
     return out
 
 
-def site_for(plan, path: str, base: nn.Module) -> AdapterSite:
-    """How adapters on the module at ``path`` split, from its rule in ``plan`` (a ``ShardPlan``);
+def site_for(layout, path: str, base: nn.Module, hooks: dict | None = None) -> AdapterSite:
+    """How adapters on the module at ``path`` split, from its rule in ``layout`` (the model's ``ModelLayout``);
     refused by name where they cannot."""
-    rule = plan.rules.get(path)
+    rule = layout.rules.get(path)
     split = WHOLE if rule is None else rule.style.adapters
     if split is None:
         raise ValueError(
@@ -99,10 +99,10 @@ def site_for(plan, path: str, base: nn.Module) -> AdapterSite:
             "cannot follow its shards; leave it out of target_modules (adapters on linear, packed and embedding "
             "layers follow their split)"
         )
-    layout = plan.layouts.get(path, {}).get("weight") if split.side is not None else None
-    extent = plan.params[f"{path}.weight"].full_shape[layout.dim] if layout is not None else None
-    kv_group = plan.contexts[path].kv_group if rule is not None else None
-    return AdapterSite(path, base, rule, split, layout, extent, kv_group, plan.hooks.get(path, Hooks()))
+    weight = layout.layouts.get(path, {}).get("weight") if split.side is not None else None
+    extent = layout.params[f"{path}.weight"].full_shape[weight.dim] if weight is not None else None
+    kv_group = layout.contexts[path].kv_group if rule is not None else None
+    return AdapterSite(path, base, rule, split, weight, extent, kv_group, (hooks or {}).get(path, Hooks()))
 
 
 def variant_refused(path: str, adapter: str, variant: str, style: str) -> ValueError:
@@ -152,7 +152,7 @@ def place(state, wrappers: list[nn.Module]) -> None:
 def place_matrix(state, site: AdapterSite, name: str, param: nn.Parameter, side: str) -> ShardedParam:
     """One adapter matrix cut to this rank's slice (when its side is split) and its gradient sums:
     TP as its place needs, SP, the data-parallel replicas' average."""
-    mesh, gradients = state.mesh, state.plan.gradients
+    mesh, gradients = state.mesh, state.gradients
     layout = adapter_layout(site, side, param.dim(), mesh.tp.size)
     full_shape = list(param.shape)
     if layout.is_replicated:
@@ -237,4 +237,4 @@ def unwrap(state, path: str, base: nn.Module) -> None:
                 for name in names:
                     state.adapters.entries.pop(name, None)
             del state.adapters.sites[wrapper]
-    apply_hooks(base, state.plan.hooks.get(path, Hooks()))
+    apply_hooks(base, state.hooks.get(path, Hooks()))

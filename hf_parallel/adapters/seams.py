@@ -8,20 +8,22 @@
 - ``place_and_check``: before gradients are used (``train_step``, the Trainer, a save), every
   adapter placed, and any trainable parameter hf_parallel did not place refused by name.
 - ``PeftModel.save_pretrained`` on a parallel model gathers every adapter (every stage's) to rank 0,
-  which writes peft's standard adapter; every rank calls it. peft itself is never imported here
-  until a peft wrapper appears.
+  which writes peft's standard adapter; every rank calls it.
+peft itself is never imported here: its methods are replaced (``compat/peft.py``) when a program
+first imports it, before or after loading, so the refusals below do not depend on import order.
 """
 
 from __future__ import annotations
 
 import functools
-import sys
 import weakref
 
 import torch
 from torch import nn
-from torch.nn.modules.module import register_module_module_registration_hook
 
+from ..compat import when_imported
+from ..compat import peft as peft_internals
+from ..compat.torch import on_module_registered
 from ..state import is_parallel, parallel_model, parallel_state
 from . import placement
 
@@ -31,8 +33,7 @@ _WATCHED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> (
 def watch(model: nn.Module, state) -> None:
     """Follow every module of ``model`` (loaded by hf_parallel, with ``state``) as peft changes it."""
     _install_registration_hook()
-    if "peft" in sys.modules:  # else when peft's first layer appears (a script imports peft first)
-        _wrap_peft()
+    when_imported("peft", _wrap_peft)
     ref = weakref.ref(state)
     for path, module in model.named_modules():
         _WATCHED[module] = (ref, path)
@@ -40,7 +41,7 @@ def watch(model: nn.Module, state) -> None:
 
 @functools.cache
 def _install_registration_hook() -> None:
-    register_module_module_registration_hook(_on_registered)
+    on_module_registered(_on_registered)
 
 
 def _on_registered(parent: nn.Module, name: str, module):
@@ -55,9 +56,9 @@ def _on_registered(parent: nn.Module, name: str, module):
     if hasattr(module, "get_base_layer"):  # a peft layer around one of the model's modules
         base = module.get_base_layer()
         if _WATCHED.get(base, (None, None))[1] == path:
-            site = placement.site_for(state.plan, path, base)  # refuses modules whose split adapters cannot follow
+            # refuses modules whose split adapters cannot follow
+            site = placement.site_for(state.layout, path, base, state.hooks)
             if hasattr(module, "lora_A"):
-                _wrap_peft()
                 placement.wrap(state, site, module)
                 _WATCHED[module] = (watched[0], path)
                 return None
@@ -138,65 +139,39 @@ def _merge_on_shards(merge, tuner, *args, **kwargs):
     return merge(tuner, *args, **kwargs)
 
 
+def _around_our_module(layer) -> bool:
+    """Whether a peft layer is built around one of the modules of a model hf_parallel loaded."""
+    watched = _WATCHED.get(layer.get_base_layer())
+    return watched is not None and watched[0]() is not None
+
+
 def _refuse_unsplittable(update_layer, layer, adapter_name, *args, **kwargs):
     """peft's ``update_layer`` (it builds and initialises an adapter) for a layer around one of the
     model's modules: an adapter that cannot follow the module's split is refused first, by name
     (peft's own initialisation of DoRA would fail on the shard with a bare size mismatch)."""
     base = layer.get_base_layer()
-    watched = _WATCHED.get(base)
-    state = watched[0]() if watched is not None else None
-    if state is not None:
-        site = placement.site_for(state.plan, watched[1], base)
-        config = kwargs.get("config", args[2] if len(args) > 2 else None)
-        variant = layer.resolve_lora_variant(config=config) if config is not None else None
-        if site.split.side is not None and (variant is not None or getattr(config, "lora_bias", False)):
-            used = type(variant).__name__ if variant is not None else "lora_bias"
-            raise placement.variant_refused(watched[1], adapter_name, used, site.rule.style_name)
+    state_ref, path = _WATCHED[base]
+    site = placement.site_for(state_ref().layout, path, base)
+    config = kwargs.get("config", args[2] if len(args) > 2 else None)
+    variant = peft_internals.lora_variant(layer, config) if config is not None else None
+    if site.split.side is not None and (variant is not None or getattr(config, "lora_bias", False)):
+        used = type(variant).__name__ if variant is not None else "lora_bias"
+        raise placement.variant_refused(path, adapter_name, used, site.rule.style_name)
     return update_layer(layer, adapter_name, *args, **kwargs)
 
 
-def _for_parallel_models(cls, name: str, replacement) -> None:
-    """``cls.name`` runs ``replacement(original, self, ...)`` on hf_parallel's models, as before on any other."""
-    original = getattr(cls, name)
-
-    @functools.wraps(original)
-    def method(self, *args, **kwargs):
-        if is_parallel(self):
-            return replacement(original, self, *args, **kwargs)
-        return original(self, *args, **kwargs)
-
-    setattr(cls, name, method)
+def _unload(unload, tuner, merge=True, *args, **kwargs):
+    if merge:
+        return _merge_on_shards(unload, tuner, merge, *args, **kwargs)
+    return unload(tuner, merge, *args, **kwargs)
 
 
 @functools.cache
 def _wrap_peft() -> None:
-    from peft import PeftModel
-    from peft.tuners.lora import layer as lora_layers
-    from peft.tuners.tuners_utils import BaseTuner
-
-    for cls in vars(lora_layers).values():
-        if isinstance(cls, type) and issubclass(cls, lora_layers.LoraLayer) and "update_layer" in vars(cls):
-            _wrap_update_layer(cls)
-
-    _for_parallel_models(PeftModel, "save_pretrained", save_adapters)
-    _for_parallel_models(BaseTuner, "merge_adapter", _merge_on_shards)
-    _for_parallel_models(
-        BaseTuner,
-        "_unload_and_optionally_merge",
-        lambda unload, tuner, merge=True, *args, **kwargs: (
-            _merge_on_shards(unload, tuner, merge, *args, **kwargs) if merge else unload(tuner, merge, *args, **kwargs)
-        ),
-    )
-
-
-def _wrap_update_layer(cls) -> None:
-    original = cls.update_layer
-
-    @functools.wraps(original)
-    def update_layer(self, adapter_name, *args, **kwargs):
-        return _refuse_unsplittable(original, self, adapter_name, *args, **kwargs)
-
-    cls.update_layer = update_layer
+    peft_internals.wrap_peft(
+        update_layer=_refuse_unsplittable, save_pretrained=save_adapters, merge=_merge_on_shards, unload=_unload,
+        is_parallel=is_parallel, is_ours=_around_our_module,
+    )  # fmt: skip
 
 
 def save_adapters(save, peft_model, save_directory: str, *args, is_main_process: bool = True, **kwargs) -> None:
@@ -226,13 +201,12 @@ def write_every_stage(peft_model, save_directory: str, gathered: dict, selected)
     peft's own key names, replacing the file peft wrote only once complete."""
     import os
 
-    from peft.mapping import PEFT_TYPE_TO_TUNER_MAPPING
     from safetensors.torch import save_file
 
     for adapter in selected or list(peft_model.peft_config):
-        tuner = PEFT_TYPE_TO_TUNER_MAPPING[peft_model.peft_config[adapter].peft_type]
+        peft_type = peft_model.peft_config[adapter].peft_type
         mine = {
-            tuner._remove_adapter_name_from_key(key, adapter): tensor.contiguous()
+            peft_internals.saved_adapter_key(peft_type, key, adapter): tensor.contiguous()
             for key, tensor in gathered.items()
             if f".{adapter}." in key or key.endswith(f".{adapter}")
         }

@@ -3,9 +3,10 @@
 transformers 5 renames legacy checkpoint keys on load (GPT-NeoX ``embed_out`` -> ``lm_head``) and
 back on save, and builds fused MoE parameters (``experts.gate_up_proj`` [E, 2I, H]) from per-expert
 keys (``experts.3.gate_proj.weight``) with ``MergeModulelist`` then ``Concatenate``. Using its
-registry keeps us in step with it instead of a hand-written table. Of the converters, only those two
-operations are understood (a stack of experts, then a concatenation of blocks); a parameter behind
-any other stays unmapped and the loader reports it missing, with the converter named.
+registry keeps us in step with it instead of a hand-written table (its internals are reached through
+``compat/transformers.py``). Of the converters, only those two operations are understood (a stack of
+experts, then a concatenation of blocks); a parameter behind any other stays unmapped and the loader
+reports it missing, with the converter named.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from ..compat.transformers import conversion_transforms, rename_key, stack_then_concat_dim
 from ..tensor.layout import box_shape
 
 
@@ -50,37 +52,23 @@ def _meta_names(model: nn.Module) -> set[str]:
     return names | {name for name, _ in model.named_buffers()}
 
 
-def _supported_fusion(converter) -> int | None | bool:
-    """The concat dim of a stack-then-concatenate converter (None: stack only); False if not one."""
-    ops = [type(op).__name__ for op in converter.operations]
-    if ops == ["MergeModulelist"] and converter.operations[0].dim == 0:
-        return None
-    if ops == ["MergeModulelist", "Concatenate"] and converter.operations[0].dim == 0:
-        return converter.operations[1].dim
-    return False
-
-
 def checkpoint_sources(model: nn.Module, keys) -> tuple[dict[str, str], dict[str, FusedSource]]:
     """Model parameter/buffer name -> the checkpoint key that holds it, and fused parameter name ->
     its per-expert keys (for the keys that map)."""
-    from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
-
-    transforms = get_model_conversion_mapping(model)
-    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
-    converters = [t for t in transforms if isinstance(t, WeightConverter) and _supported_fusion(t) is not False]
+    renamings, converters = conversion_transforms(model)
+    converters = [c for c in converters if stack_then_concat_dim(c) is not False]
     names = _meta_names(model)
     meta_state = dict.fromkeys(names, True)  # rename_source_key only asks whether a name exists
     prefix = getattr(model, "base_model_prefix", None)
     direct, experts = {}, {}  # experts: name -> {source pattern: {expert index: key}}
     for key in keys:
-        name, pattern = rename_source_key(key, renamings, converters, prefix, meta_state)
+        name, pattern = rename_key(key, renamings, converters, prefix, meta_state)
         if name not in names:
             continue
         if pattern is None:
             direct.setdefault(name, key)
             continue
-        renamed = rename_source_key(key, renamings, [], prefix, meta_state)[0]
+        renamed = rename_key(key, renamings, [], prefix, meta_state)[0]
         found = re.search(re.escape(pattern).replace(r"\*", r"(\d+)"), renamed)
         if found is not None:
             experts.setdefault(name, {}).setdefault(pattern, {})[int(found.group(1))] = key
@@ -91,6 +79,6 @@ def checkpoint_sources(model: nn.Module, keys) -> tuple[dict[str, str], dict[str
         count = max(len(block) for block in blocks)
         if all(sorted(block) == list(range(count)) for block in blocks):
             fused[name] = FusedSource(
-                tuple(tuple(b[e] for e in range(count)) for b in blocks), _supported_fusion(converter)
+                tuple(tuple(b[e] for e in range(count)) for b in blocks), stack_then_concat_dim(converter)
             )
     return direct, fused

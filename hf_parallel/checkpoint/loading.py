@@ -34,7 +34,7 @@ from tqdm.auto import tqdm
 
 from ..distributed.faults import collective
 from ..tensor.layout import as_slices, replicated
-from ..tensor.parallelize import ShardPlan
+from ..tensor.parallelize import ModelLayout
 from . import hugepages
 from .errors import CheckpointError
 from .files import INDEX_FILE, MANIFEST_FILE, PICKLE_FILE, PICKLE_INDEX_FILE, SINGLE_FILE
@@ -308,33 +308,15 @@ class ShardReader:
 def _set_tensor(model: nn.Module, name: str, value: torch.Tensor) -> None:
     path, _, attr = name.rpartition(".")
     module = model.get_submodule(path)
-    if isinstance(getattr(module, attr), nn.Parameter) or attr in module._parameters:
-        setattr(module, attr, value)
-    else:
-        module._buffers[attr] = value
+    setattr(module, attr, value)  # a registered buffer's name stays a buffer
 
 
-def load_weights(
-    model: nn.Module,
-    path: str,
-    plan: ShardPlan,
-    dtype: torch.dtype,
-    allow_pickle: bool = False,
-    ignore_keys: set[str] = frozenset(),
-    files: dict[str, str] | None = None,
-) -> dict[str, str | FusedSource]:
-    """Fill every parameter (and persistent buffer found in the checkpoint) with its local shard.
-
-    Returns parameter name -> checkpoint key (or the per-expert keys of a fused expert parameter),
-    and buffer name -> key for the buffers read, which saving uses to write the source's names and form.
-    ``ignore_keys``: keys another pipeline stage reads (neither read here nor unexpected).
-    ``files``: ``checkpoint_files(path, allow_pickle)``, when the caller has it already."""
-    files = files if files is not None else checkpoint_files(path, allow_pickle)
-    check_same_checkpoint(path, files, plan.mesh)
-    rank = plan.mesh.tp.rank
+def _sources(model: nn.Module, path: str, layout: ModelLayout, files: dict, ignore_keys) -> tuple[dict, dict]:
+    """Every parameter's checkpoint key (or per-expert keys), and the buffers' found in the checkpoint;
+    a parameter with none is an error, a key nothing reads a warning naming it."""
     key_of, fused_of = checkpoint_sources(model, files)
     sources, missing = {}, []
-    for entry in plan.unique_params():
+    for entry in layout.unique_params():
         found = [key_of.get(alias) or fused_of.get(alias) for alias in entry.aliases]
         sources[entry.name] = next((source for source in found if source is not None), None)
         if sources[entry.name] is None:
@@ -348,24 +330,46 @@ def load_weights(
     unexpected = sorted(set(files) - used - ignore_keys)
     if unexpected:
         warnings.warn(
-            f"{path}: {len(unexpected)} checkpoint key(s) match no parameter and are ignored: {', '.join(unexpected[:20])}",
-            stacklevel=3,
+            f"{path}: {len(unexpected)} checkpoint key(s) match no parameter and are ignored: "
+            f"{', '.join(unexpected[:20])}",
+            stacklevel=4,
         )
+    return sources, buffers
 
-    with ShardReader(rank, plan.mesh.device) as reader:
+
+def load_weights(
+    model: nn.Module,
+    path: str,
+    layout: ModelLayout,
+    dtype: torch.dtype,
+    allow_pickle: bool = False,
+    ignore_keys: set[str] = frozenset(),
+    files: dict[str, str] | None = None,
+) -> dict[str, str | FusedSource]:
+    """Fill every parameter (and persistent buffer found in the checkpoint) with its local shard.
+
+    Returns parameter name -> checkpoint key (or the per-expert keys of a fused expert parameter),
+    and buffer name -> key for the buffers read, which saving uses to write the source's names and form.
+    ``ignore_keys``: keys another pipeline stage reads (neither read here nor unexpected).
+    ``files``: ``checkpoint_files(path, allow_pickle)``, when the caller has it already."""
+    files = files if files is not None else checkpoint_files(path, allow_pickle)
+    check_same_checkpoint(path, files, layout.mesh)
+    rank = layout.mesh.tp.rank
+    sources, buffers = _sources(model, path, layout, files, ignore_keys)
+    with ShardReader(rank, layout.mesh.device) as reader:
         saved_as, manifest = sources, os.path.join(path, MANIFEST_FILE)
         if os.path.isfile(manifest):  # a distributed save records the per-expert form it came from
             fused_from = reader._shared(manifest).fused
             saved_as = {name: fused_from.get(source, source) for name, source in sources.items()}
         tiled = {}
-        for entry in plan.unique_params():  # every header against the model before any data is read
+        for entry in layout.unique_params():  # every header against the model before any data is read
             source, param_dtype = sources[entry.name], model.get_parameter(entry.name).dtype
             if isinstance(source, FusedSource):
                 tiled[entry.name] = reader.fused(files, entry.name, source, entry.full_shape)
                 reader.check(path, entry.name, entry.name, entry.full_shape, param_dtype, tiled[entry.name])
             else:
                 reader.check(files[source], source, entry.name, entry.full_shape, param_dtype)
-        for entry in tqdm(plan.unique_params(), desc="Loading shards", disable=rank != 0, leave=False):
+        for entry in tqdm(layout.unique_params(), desc="Loading shards", disable=rank != 0, leave=False):
             source = sources[entry.name]
             if entry.name in tiled:
                 local = reader.read_tiled(tiled.pop(entry.name), entry.name, entry.layout, dtype)

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from huggingface_hub import split_state_dict_into_shards_factory
 from tqdm.auto import tqdm
 
+from ..compat.torch import is_persistent_buffer
 from ..distributed.faults import collective
 from ..distributed.mesh import Dim
 from ..distributed.tags import Tag
@@ -152,15 +153,15 @@ def save_config(model, out_dir: str) -> None:
 
 def _is_persistent_buffer(model, name: str) -> bool:
     module, _, attr = name.rpartition(".")
-    return attr not in model.get_submodule(module)._non_persistent_buffers_set
+    return is_persistent_buffer(model.get_submodule(module), attr)
 
 
 def saved_entries(model, state) -> list[ShardedParam]:
     """Every parameter once, then the persistent buffers the checkpoint held (DeepSeek-V3's router
     ``e_score_correction_bias``): written back as read, whole, by rank 0. Legacy non-persistent ones
     (BERT's ``position_ids``) are dropped, as transformers' own save drops them."""
-    buffers = [n for n in state.source_keys if n not in state.plan.params and _is_persistent_buffer(model, n)]
-    return state.plan.unique_params() + [
+    buffers = [n for n in state.source_keys if n not in state.layout.params and _is_persistent_buffer(model, n)]
+    return state.layout.unique_params() + [
         ShardedParam(name, (name,), replicated(state.mesh.tp.size), None, tuple(model.get_buffer(name).shape))
         for name in buffers
     ]

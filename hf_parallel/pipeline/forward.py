@@ -10,11 +10,10 @@ same next token everywhere.
 
 from __future__ import annotations
 
-import copy
-
 import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from ..compat.transformers import join_cache, split_cache
 from ..context import batch_inputs
 from .stage import Stage
 
@@ -46,35 +45,6 @@ def split_batch(kwargs: dict, count: int) -> list[dict]:
 def label_count(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
     """The tokens a causal LM loss averages over: labels shifted by one, ignored ones left out."""
     return (labels[..., 1:] != ignore_index).sum()
-
-
-def split_cache(cache, sizes: list[int]) -> list:
-    """The cache's rows as one cache per micro-batch (shallow copies: row slices of its tensors)."""
-    parts, start = [], 0
-    for size in sizes:
-        part = copy.copy(cache)
-        part.layers = [copy.copy(layer) for layer in cache.layers]
-        for layer in part.layers:
-            for name in ("keys", "values"):
-                tensor = getattr(layer, name, None)
-                if isinstance(tensor, torch.Tensor) and tensor.dim() == 4:
-                    setattr(layer, name, tensor[start : start + size])
-        parts.append(part)
-        start += size
-    return parts
-
-
-def join_cache(cache, parts: list) -> None:
-    """Write the micro-batches' caches back into ``cache``, rows in order."""
-    while len(cache.layers) < len(parts[0].layers):
-        cache.layers.append(copy.copy(parts[0].layers[len(cache.layers)]))
-    for index, layer in enumerate(cache.layers):
-        pieces = [part.layers[index] for part in parts]
-        layer.__dict__.update(pieces[0].__dict__)  # lengths, flags: the same for every row
-        for name in ("keys", "values"):
-            tensors = [getattr(piece, name, None) for piece in pieces]
-            if all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in tensors):
-                setattr(layer, name, torch.cat(tensors))
 
 
 def default_micro_batches(rows: int, tokens: int, stages: int) -> int:

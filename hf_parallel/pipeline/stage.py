@@ -90,7 +90,7 @@ class StageCut:
     """What cutting the model to one stage left in place of the others' modules (module paths)."""
 
     held_elsewhere: frozenset[str]  # replaced by MissingLayer / StandIn: no parameters here
-    stand_ins: frozenset[str]  # kept for a weight tied to this stage's, their forward replaced: they compute nothing
+    kept_for_tied_weights: frozenset[str]  # hold a weight tied to this stage's; forward replaced: compute nothing
 
 
 def _set(model: nn.Module, path: str, module: nn.Module) -> None:
@@ -102,7 +102,7 @@ def cut_to_stage(model: nn.Module, split: StageSplit, stage: int) -> StageCut:
     """Replace every module another stage holds (on the meta device: nothing to free)."""
     layers = model.get_submodule(split.layer_list)
     own = split.layers_of(stage)
-    elsewhere, stand_ins = set(), set()
+    elsewhere, kept_for_tied_weights = set(), set()
     for index in range(len(layers)):
         if index not in own:
             layers[index] = MissingLayer(index, split.stage_of_layer(index))
@@ -114,18 +114,18 @@ def cut_to_stage(model: nn.Module, split: StageSplit, stage: int) -> StageCut:
         module = model.get_submodule(path)
         if any(id(p) in kept for p in module.parameters()):  # tied to a weight this stage holds
             module.forward = zeros_like_output(getattr(module, "embedding_dim", None), next(module.parameters()).dtype)
-            stand_ins.add(path)
+            kept_for_tied_weights.add(path)
         else:
             _set(model, path, StandIn(module, owner))
             elsewhere.add(path)
-    return StageCut(frozenset(elsewhere), frozenset(stand_ins))
+    return StageCut(frozenset(elsewhere), frozenset(kept_for_tied_weights))
 
 
-def tied_across_stages(model: nn.Module, plan, cut: StageCut) -> tuple[str, ...]:
+def tied_across_stages(model: nn.Module, layout, cut: StageCut) -> tuple[str, ...]:
     """Parameters this stage holds only because they are tied to another stage's (first/last)."""
     names = {
-        plan.params[f"{path}.{name}"].name
-        for path in cut.stand_ins
+        layout.params[f"{path}.{name}"].name
+        for path in cut.kept_for_tied_weights
         for name, _ in model.get_submodule(path).named_parameters(recurse=False)
     }
     return tuple(sorted(names))
@@ -179,3 +179,10 @@ def install_links(model: nn.Module, split: StageSplit, link: StageLink) -> None:
     if not link.is_last:
         layers[own[-1]].register_forward_hook(send)
         layers[own[-1] + 1].register_forward_pre_hook(stop)
+
+
+def install_stage(model: nn.Module, split: StageSplit, cut: StageCut, layout, mesh, micro_batches) -> Stage:
+    """This rank's stage of the (already cut) model, linked to the others."""
+    stage = Stage(split, StageLink(mesh), cut, tied_across_stages(model, layout, cut), micro_batches)
+    install_links(model, split, stage.link)
+    return stage

@@ -44,7 +44,7 @@ def sum_tied_gradients(model, state) -> None:
     link = stage.link
     other = link.num_stages - 1 if link.is_first else 0
     for name in stage.tied:
-        entry = state.plan.params[name]
+        entry = state.layout.params[name]
         param = model.get_parameter(entry.name)
         grad = param.grad if param.grad is not None else torch.zeros_like(param)
         sharded = hasattr(grad, "full_tensor")  # FSDP's slice: whole over the data-parallel ranks first

@@ -23,14 +23,13 @@ What changes per call (the token split, whether a loss follows) is the call's ``
 
 from __future__ import annotations
 
-import copy
-import inspect
 import warnings
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from ..compat.transformers import attention_implementation, computes_through_registry, use_attention
 from ..context import SequenceCall, current_call
 from ..distributed import comm
 from ..layers import repeated_layers
@@ -58,7 +57,7 @@ class SequenceSplit:
 
 def check_sequence_parallel(model: nn.Module, sp: int) -> None:
     """What sequence parallelism cannot serve, refused before any weight is read."""
-    implementation = getattr(model.config, "_attn_implementation", None) or "eager"
+    implementation = attention_implementation(model.config)
     if implementation not in SERVED_IMPLEMENTATIONS:
         raise ValueError(
             f"sp_size={sp}: the Ulysses wrapper serves attn_implementation {' or '.join(SERVED_IMPLEMENTATIONS)}, "
@@ -67,8 +66,7 @@ def check_sequence_parallel(model: nn.Module, sp: int) -> None:
     if not repeated_layers(model) or model.get_output_embeddings() is None:
         raise ValueError(f"sp_size={sp}: {type(model).__name__} has no repeated decoder layers and LM head to split")
     for path, module in attention.outermost(model):
-        source = inspect.getsource(type(module).forward)
-        if "ALL_ATTENTION_FUNCTIONS" not in source:
+        if not computes_through_registry(module):
             raise ValueError(
                 f"sp_size={sp}: {path} ({type(module).__name__}) computes attention itself instead of through "
                 "transformers' attention registry, so the Ulysses all-to-all cannot wrap it"
@@ -91,19 +89,19 @@ def pad_sequence(x: torch.Tensor, dim: int, length: int, value=0, edge: bool = F
     return torch.cat([x, fill.expand(*[missing if d == dim % x.dim() else -1 for d in range(x.dim())])], dim)
 
 
-def install_sequence(model: nn.Module, mesh, layers: list[nn.Module], gradients: GradientSums) -> SequenceSplit:
+def install_sequence(model: nn.Module, mesh, stages, gradients: GradientSums) -> SequenceSplit:
     """Split ``model``'s sequences over ``mesh.sp`` (after tensor parallelism is installed): the
-    hooks on ``layers`` (the decoder layers, in order) and before the LM head, Ulysses attention,
-    and every gradient summed over the group."""
+    hooks on the decoder layers and before the LM head, Ulysses attention, and every gradient summed
+    over the group. ``stages``: the pipeline's ``StageSplit``, which names the layer list (or None)."""
     from .ulysses import NAME  # registers the wrapper with transformers' attention registry
 
+    layers = decoder_layers(model, stages.layer_list if stages is not None else None)
+
     split = SequenceSplit(
-        mesh.sp.group, mesh.sp.rank, mesh.sp.size, getattr(model.config, "_attn_implementation", None) or "eager",
+        mesh.sp.group, mesh.sp.rank, mesh.sp.size, attention_implementation(model.config),
         mesh.device,
     )  # fmt: skip
-    for _, module in attention.outermost(model):  # a private config copy: model.config (and the save) keep theirs
-        module.config = copy.copy(module.config)
-        module.config._attn_implementation = NAME
+    use_attention([module for _, module in attention.outermost(model)], NAME)  # model.config (and the save) keep theirs
 
     def local(value, dim, sequence: SequenceCall):
         if isinstance(value, (tuple, list)):

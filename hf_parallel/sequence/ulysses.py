@@ -19,9 +19,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
-from transformers import AttentionInterface
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from ..compat.transformers import attention_function, register_attention
 from ..context import current_call
 from ..distributed import comm
 from ..tensor.layout import even_sizes, sizes_to_ranges
@@ -30,7 +29,7 @@ NAME = "hf_parallel_ulysses"
 
 
 @dataclass(frozen=True)
-class HeadPlan:
+class HeadSpread:
     """How one attention's local heads spread over the sequence-parallel ranks."""
 
     q_sizes: tuple[int, ...]  # query heads per SP rank
@@ -39,40 +38,40 @@ class HeadPlan:
 
 
 @lru_cache(maxsize=None)
-def head_plan(num_heads: int, num_kv_heads: int, sp: int) -> HeadPlan:
+def head_spread(num_heads: int, num_kv_heads: int, sp: int) -> HeadSpread:
     q_sizes = tuple(even_sizes(num_heads, sp))
     if num_heads % sp == 0 and num_kv_heads % sp == 0:
-        return HeadPlan(q_sizes, tuple(even_sizes(num_kv_heads, sp)), None)
+        return HeadSpread(q_sizes, tuple(even_sizes(num_kv_heads, sp)), None)
     group = num_heads // num_kv_heads
     kv_heads = tuple(q // group for start, stop in sizes_to_ranges(q_sizes) for q in range(start, stop))
-    return HeadPlan(q_sizes, q_sizes, kv_heads)
+    return HeadSpread(q_sizes, q_sizes, kv_heads)
 
 
 def _inner_function(module, name: str):
     if name == "eager":  # the model's own eager function (Gemma 2's soft-capping, ...)
         return sys.modules[type(module).__module__].eager_attention_forward
-    return ALL_ATTENTION_FUNCTIONS[name]
+    return attention_function(name)
 
 
 def ulysses_attention(module, query, key, value, attention_mask, **kwargs):
     """Registered as ``hf_parallel_ulysses``: the call's token split comes from its context."""
     sequence = current_call().sequence
     group, seq = sequence.split.group, sequence.sizes
-    plan = head_plan(query.shape[1], key.shape[1], len(seq))
-    query = comm.all_to_all(query, 1, 2, plan.q_sizes, seq, group)
+    spread = head_spread(query.shape[1], key.shape[1], len(seq))
+    query = comm.all_to_all(query, 1, 2, spread.q_sizes, seq, group)
     target = module
-    if plan.kv_heads is not None:
-        index = torch.tensor(plan.kv_heads, device=key.device)
+    if spread.kv_heads is not None:
+        index = torch.tensor(spread.kv_heads, device=key.device)
         key, value = key.index_select(1, index), value.index_select(1, index)
         target = copy.copy(module)  # one query head per key/value head here, on this copy only
         target.num_key_value_groups = 1
-    key = comm.all_to_all(key, 1, 2, plan.kv_sizes, seq, group)
-    value = comm.all_to_all(value, 1, 2, plan.kv_sizes, seq, group)
+    key = comm.all_to_all(key, 1, 2, spread.kv_sizes, seq, group)
+    value = comm.all_to_all(value, 1, 2, spread.kv_sizes, seq, group)
     if attention_mask is not None and attention_mask.shape[-1] < query.shape[2]:
         attention_mask = _mask_padding(attention_mask, query.shape[2])
     out, _ = _inner_function(module, sequence.split.inner)(target, query, key, value, attention_mask, **kwargs)
     # [batch, seq, heads/sp, dim] -> [batch, seq/sp, heads, dim]; attention weights stay with the heads' ranks
-    return comm.all_to_all(out, 1, 2, seq, plan.q_sizes, group), None
+    return comm.all_to_all(out, 1, 2, seq, spread.q_sizes, group), None
 
 
 def _mask_padding(mask: torch.Tensor, length: int) -> torch.Tensor:
@@ -85,4 +84,4 @@ def _mask_padding(mask: torch.Tensor, length: int) -> torch.Tensor:
     return padded
 
 
-AttentionInterface.register(NAME, ulysses_attention)
+register_attention(NAME, ulysses_attention)

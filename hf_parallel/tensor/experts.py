@@ -7,6 +7,8 @@ of routed tokens; both styles keep that call and sum the ranks' partial outputs 
 
 from __future__ import annotations
 
+from ..compat.torch import parameters_replaced
+from ..compat.transformers import mark_expert_parallel
 from ..distributed import comm
 from .layout import chunks, even_sizes
 from .styles import Hooks, ParallelStyle
@@ -31,12 +33,8 @@ def _counted_once(module, attrs: list[str], rank: int):
         return None
 
     def around(forward, *args, **kwargs):
-        params = {attr: module._parameters[attr] for attr in attrs}
-        module._parameters.update({attr: param * 0 for attr, param in params.items()})
-        try:
+        with parameters_replaced(module, {attr: module.get_parameter(attr) * 0 for attr in attrs}):
             return forward(*args, **kwargs)
-        finally:
-            module._parameters.update(params)
 
     return around
 
@@ -100,7 +98,7 @@ class MoEEPExperts(MoETPExperts):
         layout = next(layout for layout in layouts.values() if layout.dim == 0)
         ((start, stop),) = layout.ranges[ctx.rank]
         local = stop - start
-        module.num_experts, module._is_expert_parallel = local, True
+        mark_expert_parallel(module, local)
 
         def remap(index):
             index = index - start

@@ -81,7 +81,8 @@ def config_geometry(config) -> dict[str, tuple[str, int]]:
 
 def attention_geometry(module: nn.Module, config, path: str) -> tuple[Geometry, str | None]:
     """The heads ``module`` (an attention block) computes with, read from itself and its
-    projections, and what of the config it ignored (None: the config agrees)."""
+    projections, and what of the config it ignored (None: the config agrees). Long because each
+    family spells its heads differently; the cases read in one place, in the order they are tried."""
     inner = [module] + [
         m for _, m in module.named_modules() if m is not module and type(m).__name__.endswith("Attention")
     ]

@@ -5,10 +5,11 @@ A parameter every rank of a group holds whole, but that saw only part of the dat
 model keeps one ``GradientSums``: it is the one record of which parameter is summed over which
 group, so a parameter summed over TP and over SP gets one hook for each, and never two for one.
 
-FSDP2 (``training/data_parallel.py``) replaces every parameter by its shard and computes with a
-new, unsharded parameter it creates at the first all-gather; ``carry_over`` moves the record's
-hooks onto those, leaving out the sums FSDP's own reduce-scatter now does (the sequence group,
-folded into the FSDP group).
+The TP styles and the sequence split only record; ``register`` puts the hooks on, once, after the
+data-parallel step: on the parameters themselves, or, under FSDP2, on the unsharded parameters
+FSDP computes with (it creates each at the first all-gather and keeps it), leaving out the sums
+FSDP's own reduce-scatter does (the sequence group, folded into the FSDP group). Sums recorded after
+that (adapters placed at first use) are registered at once.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from ..compat.torch import check_fsdp_reuses_unsharded_parameters
 from ..distributed import comm
 from .layout import Layout
 
@@ -27,6 +29,7 @@ class GradientSums:
 
     def __init__(self):
         self._sums: dict[int, list[tuple[object, Callable]]] = {}  # id(parameter) -> (group, hook), in order
+        self._registered = False
 
     def sum_over(self, param: nn.Parameter, group) -> None:
         """Sum ``param``'s gradient over ``group`` in backward (each rank saw part of the data)."""
@@ -70,13 +73,23 @@ class GradientSums:
 
     def _add(self, param: nn.Parameter, group, hook: Callable) -> None:
         self._sums.setdefault(id(param), []).append((group, hook))
-        param.register_hook(hook)
+        if self._registered:
+            param.register_hook(hook)
 
-    def carry_over(self, model: nn.Module, names: dict[int, str], done_by_fsdp) -> None:
-        """Re-register every sum on the parameters FSDP2 computes with. ``names``: id of each
-        parameter before ``fully_shard`` -> its name; sums over ``done_by_fsdp`` (a group) are dropped.
-        FSDP creates a module's unsharded parameter at its first all-gather and keeps it, so a
-        forward pre-hook (after FSDP's own, which all-gathers) hooks each one once."""
+    def register(self, model: nn.Module) -> None:
+        """Every recorded sum on ``model``'s parameters (no FSDP)."""
+        self._registered = True
+        for param in model.parameters():
+            for _, hook in self._sums.get(id(param), ()):
+                param.register_hook(hook)
+
+    def register_under_fsdp(self, model: nn.Module, names: dict[int, str], done_by_fsdp) -> None:
+        """Every recorded sum on the parameters FSDP2 computes with. ``names``: id of each
+        parameter before ``fully_shard`` -> its name; sums over ``done_by_fsdp`` (a group) are left
+        to FSDP. FSDP creates a module's unsharded parameter at its first all-gather and keeps it, so
+        a forward pre-hook (after FSDP's own, which all-gathers) hooks each one once."""
+        check_fsdp_reuses_unsharded_parameters()
+        self._registered = True
         by_owner: dict[nn.Module, list[tuple[str, list[Callable]]]] = {}
         for key, sums in self._sums.items():
             hooks = [hook for group, hook in sums if done_by_fsdp is None or group is not done_by_fsdp]

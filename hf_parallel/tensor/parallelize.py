@@ -1,6 +1,6 @@
-"""Apply a plan to a model: decide every parameter's layout, then install the hooks.
+"""Apply a plan to a model: decide every parameter's layout (the ``ModelLayout``), then install the hooks.
 
-``shard_plan`` is pure bookkeeping (works on the meta device, reads no weight), so the dry run
+``model_layout`` is pure bookkeeping (works on the meta device, reads no weight), so the dry run
 (`hf-parallel plan`) and the loader see exactly the same layouts. ``install`` runs after the
 local weights are in place: every style's lifecycle (``styles.py``), then the attention modules
 set to their local heads.
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 
 from torch import nn
 
@@ -23,7 +23,7 @@ from .layout import Layout, replicated
 from .plan import tie_embedding_rules
 from .rules import Plan, Rule
 from .splits import ShardContext, in_dim, out_dim
-from .styles import Rowwise
+from .styles import Hooks, Rowwise
 
 
 @dataclass
@@ -36,7 +36,7 @@ class ShardedParam:
 
 
 @dataclass
-class ShardPlan:
+class ModelLayout:
     plan: Plan
     mesh: Mesh
     heads: HeadSplit | None
@@ -44,8 +44,6 @@ class ShardPlan:
     contexts: dict[str, ShardContext]  # module path -> context its style runs with
     layouts: dict[str, dict[str, Layout]]  # module path -> its parameters' layouts (full shapes)
     params: dict[str, ShardedParam]  # every name (aliases included) -> entry
-    gradients: GradientSums  # which gradients are summed over which group (styles, then the sequence split)
-    hooks: dict = field(default_factory=dict)  # module path -> the Hooks its style installed (``install``)
 
     @property
     def source(self) -> str:
@@ -90,7 +88,7 @@ def model_head_split(model: nn.Module, attention_paths: set[str], mesh: Mesh) ->
     return split_heads(geometry.num_heads, geometry.num_kv_heads, geometry.head_dim, mesh.tp.size)
 
 
-def shard_plan(model: nn.Module, plan: Plan, mesh: Mesh, held_elsewhere: frozenset[str] = frozenset()) -> ShardPlan:
+def model_layout(model: nn.Module, plan: Plan, mesh: Mesh, held_elsewhere: frozenset[str] = frozenset()) -> ModelLayout:
     """Every parameter's rule and layout on this rank of ``mesh``, checked before any weight is read.
     ``held_elsewhere``: the modules another pipeline stage holds (``Plan.assign``)."""
     rules = plan.assign(model, held_elsewhere)
@@ -100,11 +98,8 @@ def shard_plan(model: nn.Module, plan: Plan, mesh: Mesh, held_elsewhere: frozens
     in_attention = {path for path, root in roots.items() if root is not None}
     # heads matter only when attention is split: expert parallelism alone may use more ranks than heads
     heads = model_head_split(model, {roots[p] for p in in_attention}, mesh) if in_attention else None
-    kv_group, gradients = _kv_group(heads, mesh), GradientSums()
-    contexts = {
-        path: ShardContext(mesh, heads if path in in_attention else None, kv_group, gradients=gradients)
-        for path in rules
-    }
+    kv_group = _kv_group(heads, mesh)
+    contexts = {path: ShardContext(mesh, heads if path in in_attention else None, kv_group) for path in rules}
 
     layouts = {
         path: rule.style.layouts(modules[path], contexts[path], path) for path, rule in rules.items() if path in modules
@@ -141,7 +136,7 @@ def shard_plan(model: nn.Module, plan: Plan, mesh: Mesh, held_elsewhere: frozens
         _check_split(names[0], tuple(param.shape), layout, rule)
         for alias in names:
             params[alias] = ShardedParam(names[0], names, layout, rule, tuple(param.shape))
-    shard = ShardPlan(plan, mesh, heads, rules, contexts, layouts, params, gradients)
+    shard = ModelLayout(plan, mesh, heads, rules, contexts, layouts, params)
     warn_unsharded_matrices(model, shard)
     return shard
 
@@ -165,16 +160,21 @@ def _check_split(name: str, shape: tuple, layout: Layout, rule) -> None:
         )
 
 
-def install(model: nn.Module, shard: ShardPlan, stand_ins: frozenset[str] = frozenset()) -> None:
-    """Wrap forwards with collectives and give attention modules their local head counts.
-    ``stand_ins``: modules that hold a weight tied to this pipeline stage's but that another stage
-    runs: they compute nothing here, so their styles are not installed."""
-    modules = dict(model.named_modules())
+def install(
+    model: nn.Module, shard: ModelLayout, gradients: GradientSums, kept_for_tied_weights: frozenset[str] = frozenset()
+) -> dict[str, Hooks]:
+    """Wrap forwards with collectives (the gradient sums they need recorded in ``gradients``) and give
+    attention modules their local head counts; returns each module's installed hooks.
+    ``kept_for_tied_weights``: modules that hold a weight tied to this pipeline stage's but that another
+    stage runs: they compute nothing here, so their styles are not installed."""
+    modules, hooks = dict(model.named_modules()), {}
     for path, rule in shard.rules.items():
-        if path in modules and path not in stand_ins:  # parameter rules only set a layout; their module's style runs it
-            shard.hooks[path] = rule.style.install(modules[path], shard.contexts[path], shard.layouts.get(path, {}))
+        if path in modules and path not in kept_for_tied_weights:  # parameter rules only set a layout
+            context = replace(shard.contexts[path], gradients=gradients)
+            hooks[path] = rule.style.install(modules[path], context, shard.layouts.get(path, {}))
     for _, module in _attention_on_local_heads(modules, shard.rules, shard.heads, shard.mesh):
         attention.localize(module, shard.heads, shard.mesh.tp.rank)
+    return hooks
 
 
 def _attention_on_local_heads(modules: dict[str, nn.Module], rules: dict[str, Rule], heads, mesh: Mesh):
@@ -236,7 +236,7 @@ class UnshardedWarning(UserWarning):
     """The plan keeps a matrix whole on every rank that looks like it should be split."""
 
 
-def warn_unsharded_matrices(model: nn.Module, shard: ShardPlan) -> None:
+def warn_unsharded_matrices(model: nn.Module, shard: ModelLayout) -> None:
     """Warn, with sizes, about replicated matrices at least twice as large as the smallest matrix
     the plan does split: usually a rule that is missing or misspelt, costing that memory on every
     rank. Position / token-type embeddings (not the vocabulary) are replicated by design."""

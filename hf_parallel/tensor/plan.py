@@ -2,8 +2,9 @@
 
 ``tp_plan="auto"`` resolves, in order: a curated file in ``plans/`` (or one registered with
 ``register_plan``) for the config's ``model_type``, then transformers' ``base_model_tp_plan`` and
-the model class's ``_tp_plan``, then a plan discovered from the module tree (``discover.py``);
-``tp_plan="discover"`` asks for discovery directly. Rule matching itself is ``rules.py``.
+the model's public ``tp_plan`` (its class's and its children's, prefixed), then a plan discovered
+from the module tree (``discover.py``); ``tp_plan="discover"`` asks for discovery directly. Rule
+matching itself is ``rules.py``.
 """
 
 from __future__ import annotations
@@ -77,7 +78,7 @@ def resolve_plan(model: nn.Module, tp_plan, ep_plan=None) -> Plan:
     prefix = getattr(model, "base_model_prefix", "") or ""
     model_type = getattr(model.config, "model_type", None)
     curated = curated_plan_for(model_type)
-    shipped = {**(getattr(model.config, "base_model_tp_plan", None) or {}), **(getattr(model, "_tp_plan", None) or {})}
+    shipped = {**(getattr(model.config, "base_model_tp_plan", None) or {}), **(getattr(model, "tp_plan", None) or {})}
     notes = []
     if tp_plan is None:
         rules, source = {}, "tp_plan=None (every parameter replicated)"

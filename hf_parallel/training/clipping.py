@@ -10,12 +10,11 @@ its squares by one over the number of ranks holding the same element, and the wo
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.distributed as dist
 
 from ..adapters.seams import named_entries
+from ..compat.torch import fsdp_rows
 from ..distributed.faults import collective
 from ..state import parallel_model, parallel_state
 
@@ -35,12 +34,6 @@ def _piece_weights(layout, rank: int, local_shape: tuple[int, ...], rows: slice 
     )
     weights = weights.reshape([-1 if d == layout.dim else 1 for d in range(len(local_shape))])
     return weights if rows is None or layout.dim != 0 else weights[rows]
-
-
-def _fsdp_rows(full_rows: int, shard_rows: int, index: int, size: int) -> slice:
-    """The dim-0 rows FSDP2 gives shard ``index`` of ``size`` (``torch.chunk``'s split)."""
-    chunk = math.ceil(full_rows / size)
-    return slice(min(index * chunk, full_rows), min(index * chunk, full_rows) + shard_rows)
 
 
 def grad_norm_squares(model, state) -> torch.Tensor:
@@ -64,7 +57,7 @@ def grad_norm_squares(model, state) -> torch.Tensor:
             weight /= mesh.tp.size
         else:
             local_shape = tuple(param.shape)
-            rows = _fsdp_rows(local_shape[0], grad.shape[0], mesh.fsdp.rank, mesh.fsdp.size) if sharded else None
+            rows = fsdp_rows(local_shape[0], grad.shape[0], mesh.fsdp.rank, mesh.fsdp.size) if sharded else None
             weight = weight * _piece_weights(entry.layout, mesh.tp.rank, local_shape, rows)
         total += (grad.pow(2) * weight).sum() if isinstance(weight, torch.Tensor) else grad.pow(2).sum() * weight
     return total

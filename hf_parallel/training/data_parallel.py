@@ -6,7 +6,7 @@ whole parameter and shards it further over the data-parallel ranks at the same T
 
 The sequence dimension is folded into FSDP's shard group (torchtitan's ``dp_shard_cp``): each
 sequence rank saw other tokens, so the gradient sum SP needs is exactly FSDP's reduce-scatter, and
-the per-parameter SP all-reduce disappears (``GradientSums.carry_over`` drops it). FSDP divides
+the per-parameter SP all-reduce disappears (``GradientSums.register_under_fsdp`` leaves it out). FSDP divides
 by the data-parallel size only (SP is a sum; data-parallel ranks average, as the Trainer's loss
 scaling and a plain ``loss.backward()`` expect); on gloo, which lacks PREMUL_SUM, as SUM then divide.
 Pipeline stages keep parameters unsharded between micro-batches (``reshard_after_forward=False``).
@@ -69,41 +69,41 @@ def return_freed_blocks_to_the_os(trim: bool = False) -> None:
         pass
 
 
-def shard_data_parallel(model: nn.Module, state) -> None:
-    """FSDP2 over the mesh's data dimensions (nothing to do with one data-parallel replica)."""
-    mesh = state.mesh
-    if mesh.shape.dp == 1:
-        return
+def shard_data_parallel(model: nn.Module, mesh, gradients, sequence, keep_unsharded: bool):
+    """FSDP2 over the mesh's data dimensions, then every gradient sum recorded so far registered on
+    the parameters FSDP computes with (the sequence group's left to FSDP's reduce-scatter).
+    ``keep_unsharded``: pipeline stages run several micro-batches per step through their own forward,
+    which is returned with FSDP's root hooks on it (else None)."""
     from torch.distributed.fsdp import fully_shard
 
     layer_list = layers_to_shard(model, mesh)
     names = {id(param): name for name, param in model.named_parameters()}
     device_mesh = mesh.device_mesh()
-    keep = state.stage is not None  # pipeline stages run several micro-batches per step
     wrapped = [layer for layer in layer_list if any(True for _ in layer.parameters())]
     ends = ends_of_their_own(model)
     # what runs last in the forward runs first in the backward: gathering it again would be waste
     last = {id(m) for m in (wrapped[-1:] + [e for e in ends if e is model.get_output_embeddings()])}
     wrapped += ends
     for layer in wrapped:
-        fully_shard(layer, mesh=device_mesh, reshard_after_forward=not keep and id(layer) not in last)
-    fully_shard(model, mesh=device_mesh, reshard_after_forward=not keep)
+        fully_shard(layer, mesh=device_mesh, reshard_after_forward=not keep_unsharded and id(layer) not in last)
+    fully_shard(model, mesh=device_mesh, reshard_after_forward=not keep_unsharded)
     for module in (*wrapped, model):
         if mesh.sp.size > 1:  # FSDP would divide by its groups' sizes, SP's included: SP is a sum
             # (not set otherwise: with a one-rank shard group, torch 2.13 divides a set factor twice)
             module.set_gradient_divide_factor(float(mesh.shape.dp))
             if mesh.device.type == "cpu":  # a factor is a PREMUL_SUM, which gloo lacks: SUM, then divide
                 module.set_force_sum_reduction_for_comms(True)
-    if keep:  # a stage runs its micro-batches through its own forward, not model(): FSDP's root hooks go on that
+    stage_forward = None
+    if keep_unsharded:  # FSDP's root hooks go on the forward a stage runs its micro-batches through
         from torch.distributed.fsdp import register_fsdp_forward_method
 
-        model.stage_forward = state.runtime.own
+        model.stage_forward = model.forward
         register_fsdp_forward_method(model, "stage_forward")
-        state.runtime.own = model.stage_forward
+        stage_forward = model.stage_forward
     if mesh.device.type == "cpu":
         return_freed_blocks_to_the_os(trim=True)  # the whole TP shard each rank loaded
-    sequence = state.sequence
-    state.plan.gradients.carry_over(model, names, done_by_fsdp=None if sequence is None else sequence.group)
+    gradients.register_under_fsdp(model, names, done_by_fsdp=None if sequence is None else sequence.group)
+    return stage_forward
 
 
 @contextmanager

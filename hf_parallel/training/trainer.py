@@ -10,8 +10,10 @@ data-parallel rank its own rows and a replica's ranks the same ones. The Trainer
 global token mean once FSDP averages the replicas: the replica's over-count cancels. (The other
 route, ``model.tp_size`` -> accelerate's ``ParallelismConfig``, is refused by accelerate on CPU.)
 
-Where the Trainer has no seam, ``install_trainer_seams`` wraps the method, for hf_parallel's
-models only (any other model takes the Trainer's own path unchanged):
+Where the Trainer has no seam, its method is replaced, once transformers' Trainer is imported (an
+inference load never imports it), for hf_parallel's models only (any other model takes the Trainer's
+own path unchanged); every method is checked first (``compat/transformers.py``: it exists, takes the
+parameters it is called with, and the Trainer still calls it) and a missing one fails loudly:
 - the gradient norm and clipping take every shard (``clipping.py``), not the local norm;
 - the broadcast of "replicated" trainable parameters from rank 0 is replaced by placing them: a
   parallel model's parameters are shards (rank 0's would overwrite the others'); peft's adapters
@@ -22,6 +24,11 @@ models only (any other model takes the Trainer's own path unchanged):
 - checkpoints for resuming hold every rank's own parameter shards and optimizer state
   (``resume.py``) beside the gathered model, where the Trainer would save rank 0's optimizer only
   (and refuses to, for a model sharded at load time).
+
+Why a scoped replacement and not something narrower: users hand their model to the Trainer (or TRL's
+subclasses of it) unchanged, so a Trainer subclass of ours would never be the one running; the
+Trainer has no callback before its own resume check nor around its gradient norm. Each replaced
+method decides per call, on ``is_parallel(self.model)``, so nothing changes for any other model.
 """
 
 from __future__ import annotations
@@ -31,7 +38,24 @@ import os
 from dataclasses import dataclass
 
 from ..adapters.seams import place_and_check
+from ..compat import when_imported
+from ..compat.accelerate import set_batch_mesh
+from ..compat.transformers import (
+    CLIP_GRAD_NORM,
+    GET_GRAD_NORM,
+    LOAD_CHECKPOINT,
+    LOAD_OPTIMIZER,
+    SAVE_OPTIMIZER,
+    SCHEDULER_NAME,
+    SYNC_REPLICATED,
+    TRAINER,
+    TRAINER_INIT,
+    TRAINING_ARGUMENTS,
+    declare_owned_placement,
+)
 from ..state import is_parallel, parallel_state
+from .clipping import clip_grad_norm_
+from .resume import load_training_state, save_training_state
 
 
 @dataclass(frozen=True)
@@ -102,26 +126,25 @@ def batch_mesh(mesh):
 
 
 def install_trainer_seams(model, state) -> None:
-    """Tell the Trainer that the model owns its placement, and wrap the Trainer's methods that
-    have no seam (once per process)."""
+    """Tell the Trainer that the model owns its placement; its methods that have no seam are
+    wrapped when a program first imports the Trainer (an inference load never does)."""
     shape = state.mesh.shape
-    model._is_distributed_loading_by_transformers = True
-    model.config.distributed_config = ReplicaSizes(shape.replica_size, shape.dp_shard, shape.dp_replicate)
-    if shape.dp > 1:
-        model._is_fsdp_managed_module = True
-    _wrap_trainer()
+    replicas = ReplicaSizes(shape.replica_size, shape.dp_shard, shape.dp_replicate)
+    declare_owned_placement(model, replicas, fsdp=shape.dp > 1)
+    when_imported("transformers.trainer", _wrap_trainer)
 
 
-@functools.cache
-def _wrap_trainer() -> None:
-    import torch
-    from transformers import Trainer, TrainingArguments
-    from transformers.trainer import SCHEDULER_NAME
+def _check_and_place(trainer, model) -> None:
+    """After the Trainer's own ``__init__`` on a parallel model: accelerate's loaders give a
+    model replica's ranks the same rows."""
+    device_mesh = batch_mesh(parallel_state(model).mesh)
+    if device_mesh is not None:
+        set_batch_mesh(trainer.accelerator, device_mesh)
 
-    from .clipping import clip_grad_norm_
-    from .resume import load_training_state, save_training_state
 
-    original_init = Trainer.__init__
+def _wrapped_init(original_init):
+    """``Trainer.__init__``: unchanged for any other model; on a parallel one, pipeline stages refused,
+    and the resume check passed as for a model-only save (each rank saves its optimizer, below)."""
 
     @functools.wraps(original_init)
     def __init__(self, model=None, args=None, *rest, **kwargs):
@@ -133,55 +156,65 @@ def _wrap_trainer() -> None:
                 "forward and one backward per batch, a pipeline needs a schedule. Use hf_parallel.train_step(model, "
                 "input_ids, labels) in your loop (GPipe or 1F1B), or load without pp_size / stage_tp_sizes"
             )
-        args = args if args is not None else TrainingArguments(output_dir="tmp_trainer")
-        # The Trainer refuses to checkpoint the optimizer of a model sharded at load time; hf_parallel
-        # saves each rank's (below), so the check is passed as if only the model were saved.
+        args = args if args is not None else TRAINING_ARGUMENTS.get()(output_dir="tmp_trainer")
         resumable = not args.save_only_model
         args.save_only_model = True
         try:
             original_init(self, model, args, *rest, **kwargs)
         finally:
             args.save_only_model = not resumable
-        if self.accelerator.state.device_mesh is None:
-            self.accelerator.state.device_mesh = batch_mesh(parallel_state(model).mesh)
+        _check_and_place(self, model)
 
-    Trainer.__init__ = __init__
+    return __init__
 
-    def wrap(name, replacement):
-        original = getattr(Trainer, name, None)
-        if original is None:  # a transformers without this step (the seams are those of 5.23)
-            return
 
-        @functools.wraps(original)
-        def method(self, *args, **kwargs):
-            if is_parallel(self.model):
-                return replacement(self, *args, **kwargs)
-            return original(self, *args, **kwargs)
+def _replace_step(trainer_class, seam, replacement) -> None:
+    """``Trainer.<step>`` runs ``replacement`` on a parallel model, the Trainer's own otherwise; a
+    step this transformers no longer has (or takes other parameters) fails here, loudly."""
+    original = seam.get()
 
-        setattr(Trainer, name, method)
+    @functools.wraps(original)
+    def method(self, *args, **kwargs):
+        if is_parallel(self.model):
+            return replacement(self, *args, **kwargs)
+        return original(self, *args, **kwargs)
 
-    wrap("_clip_grad_norm", lambda self, model: clip_grad_norm_(self.model, self.args.max_grad_norm))
-    wrap(
-        "_get_grad_norm",
-        lambda self, model, grad_norm=None: (
-            clip_grad_norm_(self.model, float("inf")) if grad_norm is None else grad_norm
-        ),
-    )
-    wrap("_sync_replicated_trainable_parameters", lambda self, model: place_and_check(self.model))
+    setattr(trainer_class, original.__name__, method)
 
-    def save_state(self, output_dir):
-        save_training_state(self.model, self.optimizer, output_dir)
-        if self.args.should_save:
-            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
 
-    def load_state(self, checkpoint):
-        if checkpoint is not None:
-            load_training_state(self.model, self.optimizer, checkpoint)
-            scheduler = torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True)
-            self.lr_scheduler.load_state_dict(scheduler)
+def _save_state(trainer, output_dir):
+    import torch
 
-    wrap("_save_optimizer_and_scheduler", save_state)
-    wrap("_load_optimizer_and_scheduler", load_state)
-    wrap(
-        "_load_from_checkpoint", lambda self, checkpoint, model=None: load_training_state(self.model, None, checkpoint)
-    )
+    save_training_state(trainer.model, trainer.optimizer, output_dir)
+    if trainer.args.should_save:
+        torch.save(trainer.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME.get()))
+
+
+def _load_state(trainer, checkpoint):
+    import torch
+
+    if checkpoint is not None:
+        load_training_state(trainer.model, trainer.optimizer, checkpoint)
+        scheduler = torch.load(os.path.join(checkpoint, SCHEDULER_NAME.get()), weights_only=True)
+        trainer.lr_scheduler.load_state_dict(scheduler)
+
+
+def _grad_norm(trainer, model, grad_norm=None):
+    return clip_grad_norm_(trainer.model, float("inf")) if grad_norm is None else grad_norm
+
+
+def _load_model_state(trainer, checkpoint, model=None):
+    load_training_state(trainer.model, None, checkpoint)
+
+
+@functools.cache
+def _wrap_trainer() -> None:
+    """Once per process, once transformers' Trainer is imported: every seam checked, then replaced."""
+    trainer_class = TRAINER.get()
+    trainer_class.__init__ = _wrapped_init(TRAINER_INIT.get())
+    _replace_step(trainer_class, CLIP_GRAD_NORM, lambda self, model: clip_grad_norm_(self.model, self.args.max_grad_norm))
+    _replace_step(trainer_class, GET_GRAD_NORM, _grad_norm)
+    _replace_step(trainer_class, SYNC_REPLICATED, lambda self, model: place_and_check(self.model))
+    _replace_step(trainer_class, SAVE_OPTIMIZER, _save_state)
+    _replace_step(trainer_class, LOAD_OPTIMIZER, _load_state)
+    _replace_step(trainer_class, LOAD_CHECKPOINT, _load_model_state)

@@ -46,10 +46,10 @@ def cmd_generate(args) -> None:
     import torch
     import transformers
 
-    from .api import AutoModelForCausalLM
+    from ..api import AutoModelForCausalLM
     from .default_model import default_checkpoint
-    from .distributed.mesh import shutdown
-    from .state import parallel_state
+    from ..distributed.mesh import shutdown
+    from ..state import parallel_state
 
     path = args.model or default_checkpoint()
     start = time.perf_counter()
@@ -131,7 +131,7 @@ def tp_plan_arg(value: str):
     """``auto``, ``discover``, a model_type with a plan, or a TOML/JSON file of rules (pattern = style)."""
     if not os.path.isfile(value):
         return value
-    from .tensor.plan import read_plan_file
+    from ..tensor.plan import read_plan_file
 
     return read_plan_file(value)
 
@@ -179,7 +179,7 @@ def cmd_verify(args) -> int:
     """Under torchrun: the comparison itself. Otherwise: start the layout's ranks (``--tp`` x
     ``--sp``, times ``--pp`` or with ``--stage-tp``'s sum) running this same command, and pass on
     their exit status."""
-    from .distributed.shape import MeshShape
+    from ..distributed.shape import MeshShape
 
     stages = pipeline_kwargs(args)
     sizes = {key: value for key, value in stages.items() if key in ("pp_size", "stage_tp_sizes")}
@@ -190,7 +190,7 @@ def cmd_verify(args) -> int:
         return 1
     if "WORLD_SIZE" not in os.environ and world > 1:
         return start_ranks(world, [sys.executable, "-m", "hf_parallel", *sys.argv[1:]])
-    from .distributed.mesh import shutdown
+    from ..distributed.mesh import shutdown
     from .verify import verify
 
     try:
@@ -210,7 +210,7 @@ def cmd_verify(args) -> int:
 
 
 def cmd_consolidate(args) -> None:
-    from .checkpoint.consolidate import consolidate
+    from ..checkpoint.consolidate import consolidate
 
     done = consolidate(args.dir, args.out, max_shard_size=args.max_shard_size)
     seconds = max(done["seconds"], 1e-9)

@@ -7,14 +7,14 @@ import math
 import torch
 import transformers
 
-from .build import build_empty, build_rank_model, resolve_dtype
-from .distributed.mesh import Mesh
-from .distributed.shape import MeshShape
-from .pipeline.stage import tied_across_stages
-from .sequence.tokens import token_sizes
-from .sequence.ulysses import head_plan
-from .tensor.attention import outermost
-from .tensor.geometry import attention_geometry
+from ..build import build_empty, build_rank_model, resolve_dtype
+from ..distributed.mesh import Mesh
+from ..distributed.shape import MeshShape
+from ..pipeline.stage import tied_across_stages
+from ..sequence.tokens import token_sizes
+from ..sequence.ulysses import head_spread
+from ..tensor.attention import outermost
+from ..tensor.geometry import attention_geometry
 
 
 def plan_report(
@@ -33,6 +33,9 @@ def plan_report(
     nproc_per_node: int | None = None,
     lora: dict | None = None,
 ) -> str:
+    """The dry run's text: every parameter's rule, layout, local shape and bytes per rank, then the
+    heads, the sequence split, the data-parallel sizes and the adapters asked for. Long because it is
+    one report read top to bottom; each section is a few lines."""
     config = transformers.AutoConfig.from_pretrained(path)
     dtype = resolve_dtype(dtype, config)
     shape = MeshShape.requested(
@@ -44,7 +47,7 @@ def plan_report(
         report = pipeline_report(path, config, dtype, auto_class, tp_plan, shape, stage_layers)
         return "\n".join([*mesh_text, report])
     built = build_rank_model(auto_class, config, dtype, Mesh.dry_run(tp_size=tp, sp_size=sp), tp_plan=tp_plan)
-    model, shard = built.model, built.plan
+    model, shard = built.model, built.layout
     itemsize = torch.empty((), dtype=dtype).element_size()
     lines = [f"plan for {path} ({config.model_type}) at tp={tp}: rules from {shard.plan.source}"]
     if shard.heads is not None:
@@ -101,8 +104,8 @@ def parse_lora(text: str) -> dict:
 def lora_lines(model, shard, tp: int, lora: dict, dtype) -> list[str]:
     """Each targeted module's adapter pair (peft's name matching: the module's name or its last
     parts): how A and B split, following the module, and their bytes per rank."""
-    from .adapters.placement import adapter_layout, site_for
-    from .tensor.splits import in_dim, out_dim
+    from ..adapters.placement import adapter_layout, site_for
+    from ..tensor.splits import in_dim, out_dim
 
     r, targets = lora["r"], lora["target"]
     # peft keeps 16-bit models' adapters in fp32 (autocast_adapter_dtype)
@@ -178,7 +181,7 @@ def pipeline_report(path: str, config, dtype, auto_class, tp_plan, shape: MeshSh
         ranks = shape.stage_ranks(stage)
         mesh = Mesh.dry_run(ranks[0], stage_tp_sizes=stage_tp_sizes)
         built = build_rank_model(auto_class, config, dtype, mesh, tp_plan=tp_plan, stage_layers=stage_layers)
-        model, shard, split = built.model, built.plan, built.split
+        model, shard, split = built.model, built.layout, built.split
         totals = [
             sum(math.prod(e.layout.local_shape(e.full_shape, r)) for e in shard.unique_params()) * itemsize
             for r in range(tp)
@@ -214,9 +217,9 @@ def sequence_lines(model, shard, tp: int, sp: int, seq) -> list[str]:
         s, t = divmod(rank, tp)
         heads = shard.heads
         q, kv = (heads.local_q(t), heads.local_kv(t)) if heads else (geometry.num_heads, geometry.num_kv_heads)
-        plan = head_plan(q, kv, sp)
-        kv_note = "whole groups" if plan.kv_heads is None else "one per query head"
-        line = f"  rank {rank} (tp {t}, sp {s}): heads {q} q / {kv} kv -> all-to-all -> {plan.q_sizes[s]} q / {plan.kv_sizes[s]} kv ({kv_note})"
+        spread = head_spread(q, kv, sp)
+        kv_note = "whole groups" if spread.kv_heads is None else "one per query head"
+        line = f"  rank {rank} (tp {t}, sp {s}): heads {q} q / {kv} kv -> all-to-all -> {spread.q_sizes[s]} q / {spread.kv_sizes[s]} kv ({kv_note})"
         if seq is not None:
             sizes = token_sizes(seq, sp)
             line += f"; tokens {sizes[s]} of {seq}" + (" (padded to one per rank)" if seq < sp else "")

@@ -86,14 +86,14 @@ def outputs_by_layer(model, batch, state=None) -> tuple[dict[str, torch.Tensor],
     """The embeddings', every repeated layer's and the logits' outputs (fp32 copies), in forward
     order, and the error if the forward failed. ``state``: the model's parallel state (under
     pipeline stages, a stage's own layers are watched, and its embeddings on the first)."""
-    from .layers import repeated_layers
+    from ..layers import repeated_layers
 
     names = {module: path for path, module in model.named_modules()}
     embedding = names[model.get_input_embeddings()]
     if state is not None and state.stage is not None:
         stage = state.stage
         watched = [f"{stage.split.layer_list}.{i}" for i in stage.layers()]
-        if embedding not in stage.cut.held_elsewhere | stage.cut.stand_ins:
+        if embedding not in stage.cut.held_elsewhere | stage.cut.kept_for_tied_weights:
             watched.insert(0, embedding)
     else:
         watched = [embedding, *repeated_layers(model)]
@@ -134,8 +134,8 @@ def compare(reference: dict, parallel: dict, mask: torch.Tensor, error: str | No
 def whole_sequences(outputs: dict, tokens: int, mesh) -> dict:
     """Under sequence parallelism each layer's output holds this rank's run of tokens: gathered
     over the group (every rank, same order), so every token of every layer is compared."""
-    from .distributed import comm
-    from .sequence.tokens import token_sizes
+    from ..distributed import comm
+    from ..sequence.tokens import token_sizes
 
     sizes = token_sizes(tokens, mesh.sp.size)
     whole = {}
@@ -193,9 +193,9 @@ def verify(
     one-process reference, which then streams its layers from disk. ``stages``: ``pp_size``,
     ``stage_tp_sizes``, ``stage_layers`` as ``from_pretrained`` takes them: each stage's layers
     are collected on rank 0."""
-    from .api import AutoModelForCausalLM
-    from .distributed.mesh import get_mesh
-    from .state import parallel_state
+    from ..api import AutoModelForCausalLM
+    from ..distributed.mesh import get_mesh
+    from ..state import parallel_state
 
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     tolerance = TOLERANCES.get(dtype, 1e-2) if tolerance is None else tolerance
@@ -228,7 +228,7 @@ def verify(
     if not mesh.is_main:
         return None
     header = (
-        f"verify {path} at {mesh.shape} ({str(dtype).removeprefix('torch.')}, plan: {state.plan.source}); "
+        f"verify {path} at {mesh.shape} ({str(dtype).removeprefix('torch.')}, plan: {state.layout.source}); "
         f"probe: {len(PROBE_LENGTHS)} rows of {' and '.join(map(str, batch['attention_mask'].sum(1).tolist()))} "
         f"tokens, left-padded; tolerance {tolerance:g} of each output's largest value"
         + (f"; one process streamed from disk within {reference_memory / 2**20:.0f} MiB" if reference_memory else "")

@@ -1,0 +1,65 @@
+"""Every internal of torch hf_parallel uses, and why.
+
+- A module's parameter dict, swapped for the length of one call (``parameters_replaced``): a whole
+  parameter inside a split computation counts on one rank only (GPT-OSS's expert biases).
+- A module's set of non-persistent buffers (``is_persistent_buffer``): the save writes what
+  ``state_dict`` would, without building a state dict of shards.
+- The global module registration hook: how hf_parallel learns that peft put a wrapper in place.
+- FSDP2 keeps, after its first all-gather, one unsharded parameter per sharded one and reuses it:
+  the gradient sums hf_parallel registers go on that parameter once (``tensor/gradients.py``).
+- FSDP2 shards dim 0 as ``torch.chunk`` does: the global gradient norm weighs each row of a slice by
+  the TP pieces it holds (``training/clipping.py``).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+from . import Seam
+
+MODULE_PARAMETERS = Seam("torch", "torch.nn:Module.__getattr__", "(a module's parameters, swapped for one call)",
+                         reads=("_parameters",))  # fmt: skip
+NON_PERSISTENT = Seam("torch", "torch.nn:Module.register_buffer", "(which buffers a state dict leaves out)",
+                      reads=("_non_persistent_buffers_set",))  # fmt: skip
+REGISTRATION_HOOK = Seam("torch", "torch.nn.modules.module:register_module_module_registration_hook",
+                         "(to follow peft's wrappers)", parameters=("hook",))  # fmt: skip
+FSDP_UNSHARDED_PARAM = Seam("torch", "torch.distributed.fsdp._fully_shard._fsdp_param:FSDPParam.init_unsharded_param",
+                            "(FSDP2 creates a module's unsharded parameter once and reuses it)",
+                            reads=("_unsharded_param",))  # fmt: skip
+
+
+@contextmanager
+def parameters_replaced(module, values: dict):
+    """``module`` computes with ``values`` (name -> tensor) in place of those parameters, for the block."""
+    MODULE_PARAMETERS.get()
+    saved = {name: module._parameters[name] for name in values}
+    module._parameters.update(values)
+    try:
+        yield saved
+    finally:
+        module._parameters.update(saved)
+
+
+def is_persistent_buffer(module, attr: str) -> bool:
+    NON_PERSISTENT.get()
+    return attr not in module._non_persistent_buffers_set
+
+
+def on_module_registered(hook) -> None:
+    """``hook(parent, name, module)`` runs whenever any module is set as a submodule (torch's global hook)."""
+    REGISTRATION_HOOK.get()(hook)
+
+
+FSDP_CHUNKS = Seam("torch", "torch.distributed.fsdp._fully_shard._fsdp_param:FSDPParam._init_sharded_param",
+                   "(FSDP2 gives shard i the rows torch.chunk does)", reads=("_chunk_with_empty",))  # fmt: skip
+
+
+def check_fsdp_reuses_unsharded_parameters() -> None:
+    FSDP_UNSHARDED_PARAM.get()
+
+
+def fsdp_rows(full_rows: int, shard_rows: int, index: int, size: int) -> slice:
+    """The dim-0 rows FSDP2 gives shard ``index`` of ``size`` (``torch.chunk``'s split)."""
+    FSDP_CHUNKS.get()
+    chunk = -(-full_rows // size)
+    return slice(min(index * chunk, full_rows), min(index * chunk, full_rows) + shard_rows)
