@@ -19,7 +19,7 @@ def test_every_internal_of_the_installed_dependencies_checks_in_under_a_second()
     start = time.perf_counter()
     checked = compat.check_all()
     assert time.perf_counter() - start < 1.0
-    assert {seam.dependency for seam in checked} == {"transformers", "peft", "accelerate", "torch"}
+    assert {seam.dependency for seam in checked} == {"transformers", "peft", "accelerate", "torch", "trl"}
     # each module that touches an internal goes through a seam of its dependency
     wheres = {seam.where for seam in checked}
     for expected in (
@@ -28,6 +28,7 @@ def test_every_internal_of_the_installed_dependencies_checks_in_under_a_second()
         "transformers.integrations.moe:grouped_mm_experts_forward",
         "peft.tuners.lora.layer:LoraLayer.update_layer",
         "accelerate.accelerator:Accelerator.prepare_data_loader",
+        "trl.trainer.utils:add_fused_lm_head",
         "torch.distributed.fsdp._fully_shard._fsdp_param:FSDPParam.init_unsharded_param",
     ):
         assert expected in wheres, expected
@@ -91,18 +92,27 @@ def _fresh(code: str) -> str:
 
 def test_a_seam_goes_in_when_its_module_is_first_imported(tmp_path):
     (tmp_path / "late_dependency.py").write_text("VALUE = 1\n")
+    (tmp_path / "changed_dependency.py").write_text("VALUE = 1\n")
     out = _fresh(f"""
-        import sys
+        import importlib.util, sys
         sys.path.insert(0, {str(tmp_path)!r})
-        from hf_parallel.compat import when_imported
+        from hf_parallel.compat import DependencyChanged, Seam, when_imported
         seen = []
         when_imported("late_dependency", lambda: seen.append(sys.modules["late_dependency"].VALUE))
-        assert seen == []
+        assert importlib.util.find_spec("late_dependency") is not None and seen == []  # found, not imported
         import late_dependency
         when_imported("late_dependency", lambda: seen.append(2))  # already imported: at once
-        print(seen)
+        gone = Seam("torch", "changed_dependency:RENAMED", "(x)")
+        when_imported("changed_dependency", gone.get)
+        failures = []
+        for attempt in range(2):  # a failing check fails every import, never once then silently
+            try:
+                import changed_dependency
+            except DependencyChanged as error:
+                failures.append("RENAMED" in str(error))
+        print(seen, failures)
     """)
-    assert out == "[1, 2]"
+    assert out == "[1, 2] [True, True]"
 
 
 def test_an_inference_load_imports_neither_the_trainer_nor_peft(tmp_path):
@@ -119,7 +129,11 @@ def test_an_inference_load_imports_neither_the_trainer_nor_peft(tmp_path):
         install_trainer_seams(model, hf_parallel.parallel_state(model))
         model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=2, do_sample=False)
         loaded = sorted(m for m in ("transformers.trainer", "peft") if m in sys.modules)
+        import importlib.util
+        assert importlib.util.find_spec("peft") is not None  # asking whether peft is installed changes nothing
         from transformers import Trainer
-        print(loaded, hasattr(Trainer._clip_grad_norm, "__wrapped__"), model.is_distributed_loading_by_transformers)
+        import peft
+        print(loaded, hasattr(Trainer._clip_grad_norm, "__wrapped__"), model.is_distributed_loading_by_transformers,
+              hasattr(peft.PeftModel.save_pretrained, "__wrapped__"))
     """)
-    assert out == "[] True True"
+    assert out == "[] True True True"

@@ -59,6 +59,7 @@ def _on_registered(parent: nn.Module, name: str, module):
             # refuses modules whose split adapters cannot follow
             site = placement.site_for(state.layout, path, base, state.hooks)
             if hasattr(module, "lora_A"):
+                _wrap_peft()  # a second line of defence: in place since peft's import
                 placement.wrap(state, site, module)
                 _WATCHED[module] = (watched[0], path)
                 return None

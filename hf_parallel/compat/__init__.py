@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 
-TESTED = {"transformers": "5.23", "peft": "0.21", "accelerate": "1.15", "torch": "2.13"}  # pyproject pins these
+TESTED = {"transformers": "5.23", "peft": "0.21", "accelerate": "1.15", "torch": "2.13", "trl": "1.16"}  # pyproject pins
 
 
 class DependencyChanged(RuntimeError):
@@ -113,9 +113,9 @@ _RESOLVED: dict[Seam, object] = {}
 
 def seams() -> list[Seam]:
     """Every declared seam, of every dependency."""
-    from . import accelerate, peft, torch, transformers
+    from . import accelerate, peft, torch, transformers, trl
 
-    return [seam for module in (transformers, peft, accelerate, torch) for seam in vars(module).values()
+    return [seam for module in (transformers, peft, accelerate, torch, trl) for seam in vars(module).values()
             if isinstance(seam, Seam)]  # fmt: skip
 
 
@@ -135,14 +135,16 @@ def check_all(dependencies=None) -> list[Seam]:
 
 class _AfterImport:
     """A meta path finder that runs callbacks once a watched module has been executed (the seams of
-    a dependency go in when a program first imports it, whatever the order of its imports)."""
+    a dependency go in when a program first imports it, whatever the order of its imports). Finding
+    a spec changes nothing (``importlib.util.find_spec`` only asks whether a library is installed):
+    the callbacks leave the waiting list when the module has been executed and every one has run, and
+    go back on it if one fails, so the next import fails the same way."""
 
     def __init__(self):
         self.waiting: dict[str, list[Callable]] = {}
 
     def find_spec(self, fullname, path, target=None):
-        callbacks = self.waiting.get(fullname)
-        if callbacks is None:
+        if fullname not in self.waiting:
             return None
         for finder in sys.meta_path:
             if finder is self or not hasattr(finder, "find_spec"):
@@ -152,18 +154,33 @@ class _AfterImport:
                 break
         else:
             return None
-        if spec.loader is None or not hasattr(spec.loader, "exec_module"):
-            return spec
-        del self.waiting[fullname]
-        execute = spec.loader.exec_module
+        if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+            spec.loader = _ThenRun(spec.loader, fullname, self.waiting)
+        return spec
 
-        def exec_module(module):
-            execute(module)
+
+class _ThenRun:
+    """A module's own loader, and after it has executed the module, the callbacks waiting for it."""
+
+    def __init__(self, loader, name: str, waiting: dict):
+        self.loader, self.name, self.waiting = loader, name, waiting
+
+    def __getattr__(self, attr):  # every other method of the module's own loader
+        return getattr(self.loader, attr)
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module) -> None:
+        module.__loader__ = module.__spec__.loader = self.loader
+        self.loader.exec_module(module)
+        callbacks = self.waiting.pop(self.name, [])
+        try:
             for callback in callbacks:
                 callback()
-
-        spec.loader.exec_module = exec_module  # this spec's loader only: every other method kept
-        return spec
+        except BaseException:
+            self.waiting[self.name] = callbacks
+            raise
 
 
 _AFTER_IMPORT = _AfterImport()

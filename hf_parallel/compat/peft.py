@@ -1,7 +1,7 @@
 """Every internal of peft hf_parallel uses, and why.
 
 peft has no hook for "this base layer is split": its LoRA layers size, initialise, merge and save
-adapters as if the base were whole. So on hf_parallel's models only (``for_parallel_models``):
+adapters as if the base were whole. So on hf_parallel's models only (``wrap_peft``):
 - ``update_layer`` (where an adapter is built) refuses, by name, a variant that cannot follow a split
   (DoRA, lora_bias) before peft's own initialisation fails with a bare size mismatch;
 - ``PeftModel.save_pretrained`` receives the gathered adapters as its ``state_dict``;
@@ -17,6 +17,8 @@ import functools
 
 from . import Seam
 
+ADAPTER_LAYER_NAMES = Seam("peft", "peft.tuners.lora.layer:LoraLayer.adapter_layer_names",
+                           "(the containers of an adapter's trainable matrices)")
 LORA_LAYER = Seam(
     "peft", "peft.tuners.lora.layer:LoraLayer.__init__", "(the containers of a LoRA layer's matrices and variants)",
     reads=("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B", "lora_variant", "lora_bias"),
@@ -40,7 +42,7 @@ def lora_layer_classes() -> list[type]:
     """peft's LoRA layer classes that define their own ``update_layer``."""
     from peft.tuners.lora import layer
 
-    LORA_LAYER.get()
+    LORA_LAYER.get(), ADAPTER_LAYER_NAMES.get()
     return [cls for cls in vars(layer).values() if isinstance(cls, type) and issubclass(cls, layer.LoraLayer)
             and "update_layer" in vars(cls)]  # fmt: skip
 

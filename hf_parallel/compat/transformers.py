@@ -91,7 +91,7 @@ def computes_through_registry(module) -> bool:
     from . import _names_read
 
     ATTENTION_FUNCTIONS.get()
-    return "ALL_ATTENTION_FUNCTIONS" in _names_read(type(module).forward)
+    return {"ALL_ATTENTION_FUNCTIONS", "_attn_implementation"} <= _names_read(type(module).forward)
 
 
 def use_attention(modules, name: str) -> None:
@@ -172,12 +172,13 @@ TRAINER = Seam(
     "transformers", "transformers.trainer:Trainer",
     "(its steps below, the placement flag and the replica sizes in config.distributed_config)",
     reads=("is_distributed_loading_by_transformers", "is_fsdp_managed_module", "distributed_config", "dp_size",
-           "dp_replicate_size", "save_only_model", "_clip_grad_norm", "_get_grad_norm",
+           "dp_replicate_size", "_clip_grad_norm", "_get_grad_norm",
            "_sync_replicated_trainable_parameters", "_save_optimizer_and_scheduler", "_load_optimizer_and_scheduler",
            "_load_from_checkpoint"),
 )  # fmt: skip
-TRAINER_INIT = Seam("transformers", "transformers.trainer:Trainer.__init__", "(to place a parallel model's batches)",
-                    parameters=("model", "args"))  # fmt: skip
+TRAINER_INIT = Seam("transformers", "transformers.trainer:Trainer.__init__",
+                    "(its resume check, passed as for a model-only save; a parallel model's batches placed)",
+                    parameters=("model", "args"), reads=("save_only_model", "is_distributed_loading_by_transformers"))  # fmt: skip
 TRAINING_ARGUMENTS = Seam("transformers", "transformers:TrainingArguments", "(the Trainer's default arguments)",
                           parameters=("output_dir", "save_only_model"))  # fmt: skip
 SCHEDULER_NAME = Seam("transformers", "transformers.trainer:SCHEDULER_NAME", "(the scheduler's file in a checkpoint)")

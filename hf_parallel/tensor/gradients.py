@@ -19,7 +19,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from ..compat.torch import check_fsdp_reuses_unsharded_parameters
+from ..compat.torch import FSDP_UNSHARDED_PARAM, check_fsdp_reuses_unsharded_parameters
 from ..distributed import comm
 from .layout import Layout
 
@@ -97,15 +97,17 @@ class GradientSums:
                 owner, _, attr = names[key].rpartition(".")
                 by_owner.setdefault(model.get_submodule(owner), []).append((attr, hooks))
         self._sums = {}
-        hooked: set[int] = set()
+        hooked: dict[tuple[int, str], nn.Parameter] = {}  # (module, attribute) -> the parameter hooked
 
         def pre_forward(module, args):
             for attr, hooks in by_owner[module]:
-                param = getattr(module, attr)
-                if id(param) not in hooked and param.requires_grad:
-                    hooked.add(id(param))
+                param, before = getattr(module, attr), hooked.get((id(module), attr))
+                if before is None and param.requires_grad:
+                    hooked[id(module), attr] = param
                     for hook in hooks:
                         param.register_hook(hook)
+                elif before is not None and param is not before:  # its gradient would miss the sums
+                    raise FSDP_UNSHARDED_PARAM.fail(f"made a second unsharded parameter for {attr} of {module}")
 
         for owner in by_owner:
             owner.register_forward_pre_hook(pre_forward)

@@ -50,6 +50,7 @@ from ..compat.transformers import (
     SYNC_REPLICATED,
     TRAINER,
     TRAINER_INIT,
+    TRAINER_STEPS,
     TRAINING_ARGUMENTS,
     declare_owned_placement,
 )
@@ -132,6 +133,14 @@ def install_trainer_seams(model, state) -> None:
     replicas = ReplicaSizes(shape.replica_size, shape.dp_shard, shape.dp_replicate)
     declare_owned_placement(model, replicas, fsdp=shape.dp > 1)
     when_imported("transformers.trainer", _wrap_trainer)
+    when_imported("trl.trainer.sft_trainer", _wrap_trl)
+
+
+@functools.cache
+def _wrap_trl() -> None:
+    from .fused_head import install_trl_seams
+
+    install_trl_seams()
 
 
 def _check_and_place(trainer, model) -> None:
@@ -169,9 +178,10 @@ def _wrapped_init(original_init):
 
 
 def _replace_step(trainer_class, seam, replacement) -> None:
-    """``Trainer.<step>`` runs ``replacement`` on a parallel model, the Trainer's own otherwise; a
-    step this transformers no longer has (or takes other parameters) fails here, loudly."""
+    """``Trainer.<step>`` runs ``replacement`` on a parallel model, the Trainer's own otherwise (the
+    seam checked before anything is replaced)."""
     original = seam.get()
+    name = seam.where.rpartition(".")[2]
 
     @functools.wraps(original)
     def method(self, *args, **kwargs):
@@ -179,7 +189,7 @@ def _replace_step(trainer_class, seam, replacement) -> None:
             return replacement(self, *args, **kwargs)
         return original(self, *args, **kwargs)
 
-    setattr(trainer_class, original.__name__, method)
+    setattr(trainer_class, name, method)
 
 
 def _save_state(trainer, output_dir):
@@ -209,7 +219,10 @@ def _load_model_state(trainer, checkpoint, model=None):
 
 @functools.cache
 def _wrap_trainer() -> None:
-    """Once per process, once transformers' Trainer is imported: every seam checked, then replaced."""
+    """Once per process, once transformers' Trainer is imported: every seam checked, then replaced
+    (one that fails leaves the Trainer as it was, and its import fails, naming it)."""
+    for seam in (TRAINER, TRAINER_INIT, TRAINING_ARGUMENTS, SCHEDULER_NAME, *TRAINER_STEPS.values()):
+        seam.get()
     trainer_class = TRAINER.get()
     trainer_class.__init__ = _wrapped_init(TRAINER_INIT.get())
     _replace_step(trainer_class, CLIP_GRAD_NORM, lambda self, model: clip_grad_norm_(self.model, self.args.max_grad_norm))

@@ -1,0 +1,83 @@
+"""Every internal of TRL hf_parallel uses, and why.
+
+TRL's ``SFTTrainer`` patches the model's forward with a fused LM head (``add_fused_lm_head``): called with
+``fused_lm_head=True``, it runs the backbone, then reads ``get_output_embeddings().weight`` itself and
+scores every token with ``ChunkedLogProbFunction`` (log-probabilities, entropy, top-1). Under tensor
+parallelism that weight holds this rank's rows of the vocabulary: scored as it is, the softmax would run
+over part of the vocabulary (a loss of ln(V/tp) at the start). There is no public seam, so:
+- ``add_fused_lm_head`` is wrapped: on hf_parallel's models ``fused_split`` refuses, by name, the layouts
+  whose forward TRL's bypasses, and says how the vocabulary is split; the forward TRL installs then marks
+  each fused call with it;
+- the kernel TRL's forward calls (``trl.trainer.utils._ChunkedLogProbFunction``) dispatches, during such a
+  call, to ``vocab_parallel`` (the same fields over the split vocabulary), and to TRL's own otherwise;
+- ``SFTTrainer._tp_size`` (which its ``num_tokens`` metric divides by) is set to the ranks that share a batch.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from . import Seam
+
+FUSED_HEAD = Seam("trl", "trl.trainer.utils:add_fused_lm_head", "(its forward reads the LM head's weight)",
+                  parameters=("model", "outputs"), reads=("_ChunkedLogProbFunction", "get_output_embeddings"))  # fmt: skip
+KERNEL = Seam("trl", "trl.kernels.chunked_logprob:ChunkedLogProbFunction.forward", "(TRL's per-token scores)",
+              parameters=("hidden", "weight", "bias", "targets", "temperature", "chunk_size",
+                          "final_logit_softcapping", "logit_scale", "outputs"))  # fmt: skip
+KERNEL_NAME = Seam("trl", "trl.trainer.utils:_ChunkedLogProbFunction", "(the name the fused forward calls)")
+SFT_TP_SIZE = Seam("trl", "trl.trainer.sft_trainer:SFTTrainer", "(num_tokens is divided by _tp_size)",
+                   reads=("_tp_size", "add_fused_lm_head"))  # fmt: skip
+
+
+def install(*, fused_split, vocab_parallel, replicas, is_parallel) -> None:
+    """Once TRL is imported: ``fused_split(model)`` -> the keyword arguments ``vocab_parallel`` needs for a
+    parallel model (None: its LM head is whole on every rank, TRL's kernel is right); ``replicas(model)``:
+    the ranks that see one batch."""
+    import contextvars
+    import sys
+
+    sft_trainer, utils = sys.modules["trl.trainer.sft_trainer"], sys.modules["trl.trainer.utils"]
+
+    add_fused_lm_head, kernel = FUSED_HEAD.get(), KERNEL_NAME.get()
+    KERNEL.get(), SFT_TP_SIZE.get()
+    split = contextvars.ContextVar("hf_parallel_fused_head", default=None)
+
+    class Kernel:
+        """TRL's kernel, or, inside a fused call of a model whose vocabulary is split, ``vocab_parallel``."""
+
+        @staticmethod
+        def apply(*args):
+            where = split.get()
+            return kernel.apply(*args) if where is None else vocab_parallel(*args, **where)
+
+    @functools.wraps(add_fused_lm_head)
+    def add_fused_head(model, *args, **kwargs):
+        where = fused_split(model) if is_parallel(model) else None  # refused here, before any step
+        add_fused_lm_head(model, *args, **kwargs)
+        if where is None:
+            return
+        fused = model.forward
+
+        @functools.wraps(fused)
+        def forward(*args, **kwargs):
+            if not kwargs.get("fused_lm_head"):
+                return fused(*args, **kwargs)
+            token = split.set(where)
+            try:
+                return fused(*args, **kwargs)
+            finally:
+                split.reset(token)
+
+        model.forward = forward
+
+    utils._ChunkedLogProbFunction = Kernel
+    utils.add_fused_lm_head = sft_trainer.add_fused_lm_head = add_fused_head
+    original_init = sft_trainer.SFTTrainer.__init__
+
+    @functools.wraps(original_init)
+    def __init__(self, model=None, *args, **kwargs):
+        original_init(self, model, *args, **kwargs)
+        if is_parallel(self.model):
+            self._tp_size = replicas(self.model)
+
+    sft_trainer.SFTTrainer.__init__ = __init__

@@ -1,0 +1,114 @@
+"""A fused LM head over a vocabulary split on the TP group (TRL's ``SFTTrainer`` computes its loss so).
+
+The fused head scores each token from the final hidden states and the LM head's weight, never building
+the logits of the whole vocabulary at once. With the vocabulary split (vocab-parallel LM head, Megatron's
+cross-entropy), each rank computes its rows' logits ``z_r = h W_r^T`` and the softmax statistics are
+combined over the group: the max by an all-gather (a constant: it only steadies the exponentials), the
+sums of ``exp(z - m)`` (and of ``exp(z - m) z`` for the entropy) and the target's logit (held by one rank,
+zero elsewhere) by all-reduces whose backward is the identity, and ``h`` enters through ``copy_to``, whose
+backward sums the ranks' parts of its gradient. So ``log p(y) = z_y - log sum_v exp(z_v)`` and every field
+TRL asks for are those of one process, gradients included, while no rank holds more than its own rows'
+logits.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from ..distributed import comm
+from ..state import parallel_model, parallel_state
+
+
+def _transform(z: torch.Tensor, logit_scale: float, softcap: float | None, temperature: float) -> torch.Tensor:
+    """TRL's logits transform: scaled, soft-capped, divided by the temperature."""
+    z = z * logit_scale
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    return z / temperature
+
+
+def vocab_parallel(
+    hidden, weight, bias, targets, temperature, chunk_size, final_logit_softcapping=None, logit_scale=1.0,
+    outputs=("log_probs",), *, group, start: int, vocab: int,
+):  # fmt: skip
+    """TRL's ``ChunkedLogProbFunction`` fields (log_probs, entropy, log_sum_sq_probs, mean_logits, is_top1)
+    per token, from this rank's vocabulary rows ``[start, start + len(weight))`` of ``vocab``."""
+    size = torch.distributed.get_world_size(group)
+    hidden = comm.copy_to(hidden, group)
+    z = _transform(F.linear(hidden, weight, bias).float(), logit_scale, final_logit_softcapping, temperature)
+    local = targets - start
+    owned = (local >= 0) & (local < z.shape[-1])
+    with torch.no_grad():
+        m = comm.all_gather(z.amax(-1, keepdim=True), -1, [1] * size, group).amax(-1)
+    e = torch.exp(z - m.unsqueeze(-1))
+    sum_exp = comm.reduce_from(e.sum(-1), group)
+    log_z = m + torch.log(sum_exp)
+    target_z = z.gather(-1, local.clamp(0, z.shape[-1] - 1).unsqueeze(-1)).squeeze(-1)
+    target_logit = comm.reduce_from(torch.where(owned, target_z, torch.zeros_like(target_z)), group)
+    log_probs = target_logit - log_z
+    entropy = log_sum_sq_probs = mean_logits = is_top1 = None
+    if "entropy" in outputs:
+        entropy = log_z - comm.reduce_from((e * z).sum(-1), group) / sum_exp
+    if "log_sum_sq_probs" in outputs:
+        log_sum_sq_probs = (torch.log(comm.reduce_from((e * e).sum(-1), group)) - 2 * torch.log(sum_exp)).detach()
+    if "mean_logits" in outputs:
+        mean_logits = (comm.reduce_from(z.sum(-1), group) / vocab).detach()
+    if "is_top1" in outputs:  # argmax takes the first maximum: a tie with an earlier token is not top-1
+        with torch.no_grad():
+            before = torch.arange(z.shape[-1], device=z.device) < local.unsqueeze(-1)
+            max_before = z.masked_fill(~before, -math.inf).amax(-1, keepdim=True)
+            max_before = comm.all_gather(max_before, -1, [1] * size, group).amax(-1)
+            is_top1 = (target_logit >= m) & (target_logit > max_before)
+    return log_probs, entropy, log_sum_sq_probs, mean_logits, is_top1
+
+
+def fused_split(model) -> dict | None:
+    """How a parallel model's LM head splits the vocabulary, as ``vocab_parallel`` takes it (None: whole
+    on every rank, TRL's own kernel is right); layouts whose forward TRL bypasses are refused by name."""
+    state = parallel_state(model)
+    if state.sequence is not None or state.stage is not None:
+        raise ValueError(
+            f"TRL's fused LM head ({state.mesh.shape}) runs the backbone outside hf_parallel's sequence split and "
+            "pipeline stages, which every call needs; train with sp_size / pipeline stages through "
+            "transformers' Trainer or hf_parallel.train_step, or load with tp_size / fsdp_size only"
+        )
+    head = parallel_model(model).get_output_embeddings()
+    path = next(name for name, module in parallel_model(model).named_modules() if module is head)
+    if state.mesh.shape.dp > 1 and _sharded_on_its_own(head):
+        raise ValueError(
+            f"TRL's fused LM head ({state.mesh.shape}) reads {path}.weight outside {path}'s forward, where FSDP "
+            f"neither gathers it nor reduces its gradient over the data-parallel ranks ({path} is untied, so FSDP "
+            "shards it in a group of its own); train it with transformers' Trainer or hf_parallel.train_step, or "
+            "load a checkpoint with tied word embeddings, or without fsdp_size / dp_replicate_size"
+        )
+    entry = state.entry(f"{path}.weight")
+    if entry is None or entry.layout.is_replicated:
+        return None
+    layout, rank = entry.layout, state.mesh.tp.rank
+    if layout.dim != 0 or len(layout.ranges[rank]) != 1:
+        raise ValueError(
+            f"TRL's fused LM head: {path}.weight is split as {layout}, not by whole vocabulary rows; hf_parallel "
+            "scores a fused head over a vocabulary split by rows only"
+        )
+    ((start, _),) = layout.ranges[rank]
+    return dict(group=state.mesh.tp.group, start=start, vocab=entry.full_shape[0])
+
+
+def _sharded_on_its_own(module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(module, FSDPModule)
+
+
+def install_trl_seams() -> None:
+    """TRL's fused head and token count on hf_parallel's models, once TRL is imported (``compat/trl.py``)."""
+    from ..compat import trl
+    from ..state import is_parallel
+
+    trl.install(
+        fused_split=fused_split, vocab_parallel=vocab_parallel, is_parallel=is_parallel,
+        replicas=lambda model: parallel_state(model).mesh.shape.replica_size,
+    )  # fmt: skip

@@ -1,0 +1,76 @@
+"""TRL's SFTTrainer, unchanged (its defaults: fused LM head, gradient checkpointing), on parallel layouts:
+every step's loss, grad norm and TRL's own metrics equal to one process's SFTTrainer, full and LoRA; the
+layouts its fused head cannot be right on refused by name."""
+
+import os
+
+import pytest
+
+pytest.importorskip("trl")
+
+TOLERANCE = 1e-5  # relative, fp32
+
+
+@pytest.fixture(scope="module")
+def one_process(tiny_paths, tmp_path_factory):
+    import trl_workers
+
+    done = {}
+
+    def get(name):
+        if name not in done:
+            done[name] = trl_workers.one_process(tiny_paths[name], str(tmp_path_factory.mktemp("sft_one")))
+        return done[name]
+
+    return get
+
+
+def _run(world_size, sizes, path, tmp_path):
+    import trl_workers
+    from distributed import run_ranks
+
+    return run_ranks(world_size, trl_workers.parallel, path, str(tmp_path / "run"), sizes, out_dir=str(tmp_path / "out"))
+
+
+def _close(got: list, want: list) -> bool:
+    return all(abs(a - b) <= TOLERANCE * max(1.0, abs(b)) for a, b in zip(got, want, strict=True))
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    "world_size, sizes, model",
+    [(2, dict(tp_size=2), "llama"), (4, dict(fsdp_size=2, tp_size=2), "llama_tied_kvrep")],  # 9/3 and 8/2 heads
+)
+def test_sft_trainer_matches_one_process(one_process, tiny_paths, tmp_path, world_size, sizes, model):
+    """The fused LM head reads this rank's rows of the vocabulary: hf_parallel scores it vocab-parallel,
+    so the loss is over the whole vocabulary (not ln(V/tp)), and num_tokens counts a replica's batch once."""
+    results = _run(world_size, sizes, tiny_paths[model], tmp_path)
+    for rank, result in enumerate(results):
+        assert result["kernel"] == "install.<locals>.Kernel", result["kernel"]  # TRL's kernel call goes through ours
+        for mode in ("full", "lora"):
+            got, want = result[mode], one_process(model)[mode]
+            assert isinstance(got, dict), (rank, mode, got)
+            for key in want:
+                assert _close(got[key], want[key]), (rank, mode, key, got[key], want[key])
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    "sizes, names",
+    [
+        (dict(sp_size=2), ["TRL's fused LM head (tp=1 x sp=2)", "sequence split", "tp_size / fsdp_size"]),
+        (dict(fsdp_size=2), ["TRL's fused LM head (tp=1 x fsdp=2) reads lm_head.weight outside", "untied"]),
+    ],
+)
+def test_sft_trainer_is_refused_by_name_where_its_fused_head_cannot_be_right(tiny_paths, tmp_path, sizes, names):
+    """TRL's fused forward calls the backbone itself, outside the sequence split; and reads an untied
+    LM head's weight outside its forward, where FSDP would leave its gradient unreduced over the
+    data-parallel ranks: refused when the SFTTrainer is built, before any step."""
+    results = _run(2, sizes, tiny_paths["llama"], tmp_path)
+    for result in results:
+        for mode in ("full", "lora"):
+            error = result[mode]
+            assert isinstance(error, str), error
+            for name in names:
+                assert name in error, error
+        assert not os.path.isdir(str(tmp_path / "run" / "full" / "checkpoint-1"))

@@ -1,0 +1,85 @@
+"""TRL's SFTTrainer, unchanged, on the tiny llama: in one process (plain transformers) and on hf_parallel's
+ranks. Each run logs every step: loss, grad norm and TRL's own metrics (entropy, token accuracy, tokens)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+STEPS = 3
+GLOBAL_BATCH = 2  # rows per step, over all data-parallel ranks
+WORDS = "the a cat dog sat on mat ran far fast slow red blue green big small one two three".split()
+TEXTS = [
+    "the cat sat on the mat", "a dog ran far", "the red dog sat", "a big cat ran fast", "one two three",
+    "the small green cat sat on a big red mat", "two dogs ran", "the blue mat",
+]  # fmt: skip
+LOGGED = ("loss", "grad_norm", "entropy", "mean_token_accuracy", "num_tokens")
+
+
+def tokenizer():
+    """A word-level tokenizer whose ids fit the tiny models' vocabulary (no hub)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3, **{word: i + 4 for i, word in enumerate(WORDS)}}
+    words = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=words, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>"
+    )
+
+
+def lora_config():
+    import peft
+
+    return peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj", "down_proj"],
+                           init_lora_weights=False)  # fmt: skip
+
+
+def sft(model, output_dir: str, lora: bool, replicas: int = 1) -> dict:
+    """SFTTrainer with its defaults (gradient checkpointing on) for STEPS steps of GLOBAL_BATCH rows over
+    ``replicas`` data-parallel ranks; every step's logged values."""
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+
+    torch.manual_seed(0)
+    args = SFTConfig(
+        output_dir=output_dir, max_steps=STEPS, per_device_train_batch_size=GLOBAL_BATCH // replicas, learning_rate=1e-3, logging_steps=1,
+        report_to="none", save_strategy="no", bf16=False, use_cpu=True, max_length=32, seed=0, disable_tqdm=True,
+        lr_scheduler_type="constant",
+    )  # fmt: skip
+    trainer = SFTTrainer(
+        model=model, args=args, train_dataset=Dataset.from_dict({"text": TEXTS}), processing_class=tokenizer(),
+        peft_config=lora_config() if lora else None,
+    )  # fmt: skip
+    trainer.train()
+    logged = [entry for entry in trainer.state.log_history if "loss" in entry]
+    return {key: [entry[key] for entry in logged] for key in LOGGED}
+
+
+def one_process(path: str, root: str) -> dict:
+    import transformers
+
+    return {
+        lora: sft(transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32),
+                  os.path.join(root, lora), lora == "lora")  # fmt: skip
+        for lora in ("full", "lora")
+    }
+
+
+def parallel(rank: int, world_size: int, path: str, root: str, sizes: dict) -> dict:
+    import sys
+
+    import hf_parallel
+
+    out = {}
+    for lora in ("full", "lora"):
+        model = hf_parallel.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **sizes)
+        try:
+            replicas = sizes.get("fsdp_size", 1) * sizes.get("dp_replicate_size", 1)
+            out[lora] = sft(model, os.path.join(root, lora), lora == "lora", replicas)
+        except ValueError as error:  # a layout refused by name
+            out[lora] = str(error)
+    out["kernel"] = sys.modules["trl.trainer.utils"]._ChunkedLogProbFunction.__qualname__
+    return out
