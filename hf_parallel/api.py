@@ -99,8 +99,7 @@ def from_pretrained(
     model.save_pretrained = functools.partial(save_pretrained, model)
     # 8. adapters (peft) and the Trainer's seams, each installed when its library is first imported
     watch(model, state)
-    if mesh.world_size > 1:
-        install_trainer_seams(model, state)
+    install_trainer_seams(model, state)
     return model
 
 

@@ -52,6 +52,22 @@ def current_call() -> Call | None:
     return _CURRENT.get()
 
 
+def keeping_the_call(checkpoint):
+    """An activation-checkpointing function whose recompute (in backward, where no call is in
+    progress) runs under the call of the forward it recomputes, as that forward did."""
+
+    def run(function, *args, **kwargs):
+        call = current_call()
+
+        def under_the_call(*inner_args, **inner_kwargs):
+            with calling(call):
+                return function(*inner_args, **inner_kwargs)
+
+        return checkpoint(under_the_call, *args, **kwargs)
+
+    return run
+
+
 @contextmanager
 def calling(call: Call):
     token = _CURRENT.set(call)

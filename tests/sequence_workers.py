@@ -90,3 +90,33 @@ def compare_sp(rank: int, world_size: int, cases: dict, tp_size: int, sp_size: i
             torch.optim.SGD(opt_model.parameters(), lr=0.5).step()
         results[f"{name}/step"] = against_one_process(model, single, state, "data")[0]
     return results
+
+
+def checkpointed(rank: int, world_size: int, path: str, tp_size: int, sp_size: int) -> dict:
+    """Activation checkpointing (``gradient_checkpointing_enable``, reentrant and not) under tp x sp: the
+    loss and every gradient against one process's, checkpointed the same way; the recompute runs in
+    backward, where it needs the forward's call (its token split) back."""
+    import transformers
+
+    import hf_parallel
+
+    results = {}
+    for reentrant in (False, True):
+        kwargs = {"gradient_checkpointing_kwargs": {"use_reentrant": reentrant}}
+        single = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        model = hf_parallel.AutoModelForCausalLM.from_pretrained(
+            path, tp_plan="auto" if tp_size > 1 else None, tp_size=tp_size, sp_size=sp_size, dtype=torch.float32
+        )
+        for each in (single, model):
+            each.train()
+            each.gradient_checkpointing_enable(**kwargs)
+        batch = sequence_batches(single.config.vocab_size)["padded"]
+        want, got = single(**batch), model(**batch)
+        want.loss.backward()
+        got.loss.backward()
+        grads, _ = against_one_process(model, single, hf_parallel.parallel_state(model))
+        results["reentrant" if reentrant else "non-reentrant"] = {
+            "loss": abs(got.loss.item() - want.loss.item()), "grads": grads,
+            "checkpointed": model.is_gradient_checkpointing,
+        }  # fmt: skip
+    return results

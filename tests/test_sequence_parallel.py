@@ -56,6 +56,18 @@ def test_sequence_parallel_matches_one_process(sp_results, sp_paths, tp, sp):
         assert_same_checkpoint(sp_paths[name], os.path.join(saved, name))
 
 
+@pytest.mark.distributed
+@pytest.mark.parametrize("tp, sp", [(1, 2), (2, 2)])
+def test_activation_checkpointing_recomputes_under_the_forwards_split(sp_paths, tmp_path, tp, sp):
+    """gradient_checkpointing_enable (reentrant and not): the recompute in backward runs Ulysses
+    attention under the token split of the forward it recomputes; gradients are one process's."""
+    ranks = run_ranks(tp * sp, sequence_workers.checkpointed, sp_paths["llama"], tp, sp, out_dir=str(tmp_path))
+    for rank, results in enumerate(ranks):
+        for mode, r in results.items():
+            assert r["checkpointed"] is True, (rank, mode)
+            assert r["loss"] < 1e-6 and r["grads"] < TOL, (rank, mode, r)
+
+
 @pytest.mark.parametrize(
     "arch, kwargs, world_size, complaint",
     [

@@ -208,6 +208,29 @@ def test_trainer_resumes_where_it_stopped(paths, tmp_path, world_size, sizes):
     assert "model.safetensors" in files and "optimizer.pt" not in files, files
 
 
+@pytest.mark.distributed
+def test_trainer_resume_at_another_layout_is_refused_naming_both(paths, tmp_path):
+    """A checkpoint's per-rank state written at TP=2, resumed at FSDP=2 (the same world size, other
+    slices) or on one rank: refused naming both layouts, before a shard of one layout is read into the
+    other or the optimizer silently started afresh."""
+    import training_workers
+    from distributed import run_ranks
+
+    run = str(tmp_path / "run")
+    run_ranks(2, training_workers.trainer_resume, paths["llama"], dict(tp_size=2), GLOBAL_BATCH, run,
+              out_dir=str(tmp_path / "written"))  # fmt: skip
+    results = run_ranks(2, training_workers.trainer_resume_at, paths["llama"], dict(fsdp_size=2), GLOBAL_BATCH, run,
+                        out_dir=str(tmp_path / "resumed"))  # fmt: skip
+    for result in results:
+        error = result["error"]
+        assert error is not None and "written at tp=2, and this model is tp=1 x fsdp=2" in error, error
+    # on one rank the Trainer's own resume finds no optimizer.pt and would go on with a fresh optimizer
+    (one_rank,) = run_ranks(1, training_workers.trainer_resume_at, paths["llama"], {}, GLOBAL_BATCH, run,
+                            out_dir=str(tmp_path / "one"))  # fmt: skip
+    error = one_rank["error"]
+    assert error is not None and "written by hf_parallel at tp=2" in error and "on one rank" in error, error
+
+
 @pytest.mark.parametrize(
     "given, sizes",
     [

@@ -183,3 +183,22 @@ def trainer_resume(rank: int, world_size: int, path: str, sizes: dict, global_ba
         trainer.train(resume_from_checkpoint=os.path.join(output_dir, "checkpoint-3") if run == "resumed" else None)
         runs[run] = trainer_history(trainer)
     return {**runs, "files": sorted(os.listdir(os.path.join(output_dir, "checkpoint-3")))}
+
+
+def trainer_resume_at(rank: int, world_size: int, path: str, sizes: dict, global_batch: int, output_dir: str) -> dict:
+    """Resume ``output_dir/checkpoint-3`` (written at another layout) at ``sizes``: the error, or None."""
+    import transformers
+
+    import hf_parallel
+
+    model = hf_parallel.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **sizes)
+    dp = hf_parallel.parallel_state(model).mesh.dp.size
+    data = trainer_dataset(model.config.vocab_size, global_batch * STEPS)
+    args = trainer_arguments(output_dir + "-elsewhere", global_batch // dp, save_strategy="steps", save_steps=3)
+    try:
+        transformers.Trainer(model=model, args=args, train_dataset=data).train(
+            resume_from_checkpoint=os.path.join(output_dir, "checkpoint-3")
+        )
+    except ValueError as error:
+        return {"error": str(error)}
+    return {"error": None}

@@ -107,6 +107,22 @@ def use_attention(modules, name: str) -> None:
         module.config = config
 
 
+# -- activation checkpointing --------------------------------------------------------------------
+CHECKPOINTED_LAYER = Seam("transformers", "transformers.modeling_layers:GradientCheckpointingLayer.__init_subclass__",
+                          "(a layer's forward is recomputed through its _gradient_checkpointing_func)",
+                          reads=("_gradient_checkpointing_func",))  # fmt: skip
+
+
+def wrap_checkpointing(layer, wrap) -> None:
+    """``layer``'s checkpointing function (set by ``gradient_checkpointing_enable``) replaced by
+    ``wrap(function)``, once; nothing to do while checkpointing is off."""
+    function = getattr(layer, "_gradient_checkpointing_func", None)
+    if function is not None and not getattr(function, "wrapped_by_hf_parallel", False):
+        CHECKPOINTED_LAYER.get()
+        layer._gradient_checkpointing_func = wrap(function)
+        layer._gradient_checkpointing_func.wrapped_by_hf_parallel = True
+
+
 # -- mixture of experts ---------------------------------------------------------------------------
 EXPERT_PARALLEL_GROUPED = Seam("transformers", "transformers.integrations.moe:grouped_mm_experts_forward",
                                "(its kernel skips ids >= num_experts when _is_expert_parallel is set)",

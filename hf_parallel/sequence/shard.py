@@ -29,8 +29,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..compat.transformers import attention_implementation, computes_through_registry, use_attention
-from ..context import SequenceCall, current_call
+from ..compat.transformers import (
+    attention_implementation,
+    computes_through_registry,
+    use_attention,
+    wrap_checkpointing,
+)
+from ..context import SequenceCall, current_call, keeping_the_call
 from ..distributed import comm
 from ..layers import repeated_layers
 from ..tensor import attention
@@ -112,6 +117,7 @@ def install_sequence(model: nn.Module, mesh, stages, gradients: GradientSums) ->
         return pad_sequence(value, dim, sum(sequence.sizes), edge=True).narrow(dim, start, stop - start)
 
     def enter_layer(module, args, kwargs):
+        wrap_checkpointing(module, keeping_the_call)  # its recompute reads the call too (Ulysses attention)
         sequence = current_call().sequence
         kwargs = {k: local(v, POSITION_KWARGS[k], sequence) if k in POSITION_KWARGS else v for k, v in kwargs.items()}
         if module is layers[0]:  # the sequence splits here

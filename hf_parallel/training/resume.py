@@ -11,10 +11,11 @@ from __future__ import annotations
 import os
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from ..adapters.seams import place_and_check
-from ..checkpoint.files import resume_file_names
+from ..checkpoint.files import TRAINING_STATE_PREFIX, resume_file_names
 from ..state import parallel_state
 from .clipping import local_tensor
 
@@ -29,11 +30,22 @@ def _trainable(model) -> dict:
     return {name: p for name, p in model.named_parameters() if p.requires_grad}
 
 
+def written_layout(directory: str) -> str | None:
+    """The layout whose ranks wrote the per-rank training state in ``directory`` (None: there is none)."""
+    found = sorted(name for name in os.listdir(directory) if name.startswith(TRAINING_STATE_PREFIX))
+    if not found:
+        return None
+    with safe_open(os.path.join(directory, found[0]), "pt") as saved:
+        return (saved.metadata() or {}).get("layout") or f"{found[0].rpartition('-of-')[2].split('.')[0]} ranks"
+
+
 def save_training_state(model, optimizer, directory: str) -> None:
-    """This rank's trainable parameter shards and optimizer state under ``directory`` (every rank calls)."""
+    """This rank's trainable parameter shards and optimizer state under ``directory`` (every rank calls),
+    with the layout that wrote them."""
     weights, optimizer_file = _files(model, directory)
     os.makedirs(directory, exist_ok=True)
-    save_file({name: local_tensor(p.detach()).contiguous() for name, p in _trainable(model).items()}, weights)
+    tensors = {name: local_tensor(p.detach()).contiguous() for name, p in _trainable(model).items()}
+    save_file(tensors, weights, metadata={"layout": str(parallel_state(model).mesh.shape)})
     state = optimizer.state_dict()
     state["state"] = {
         index: {key: local_tensor(value) if isinstance(value, torch.Tensor) else value for key, value in entry.items()}
@@ -46,12 +58,21 @@ def load_training_state(model, optimizer, directory: str) -> None:
     """What ``save_training_state`` wrote for this rank, back into ``model`` and ``optimizer``
     (either may be None)."""
     weights, optimizer_file = _files(model, directory)
+    layout = str(parallel_state(model).mesh.shape)
     for path in (weights, optimizer_file):
         if not os.path.isfile(path):
             raise FileNotFoundError(
                 f"{path} is missing: resuming needs the per-rank training state a checkpoint of the same layout "
-                f"({parallel_state(model).mesh.shape}) wrote"
+                f"({layout}) wrote"
             )
+    with safe_open(weights, "pt") as saved:
+        written = (saved.metadata() or {}).get("layout")
+    if written != layout:  # the same world size, another split: every shard would be another slice
+        raise ValueError(
+            f"{directory}: its per-rank training state was written at {written or 'an unrecorded layout'}, and this "
+            f"model is {layout}; hf_parallel resumes a checkpoint at the layout that wrote it (resharding the "
+            "optimizer state is not done yet): resume at that layout"
+        )
     if model is not None:
         place_and_check(model)  # adapters added since loading: cut to the slices this rank saved
         saved = load_file(weights)

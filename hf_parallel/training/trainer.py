@@ -56,7 +56,7 @@ from ..compat.transformers import (
 )
 from ..state import is_parallel, parallel_state
 from .clipping import clip_grad_norm_
-from .resume import load_training_state, save_training_state
+from .resume import load_training_state, save_training_state, written_layout
 
 
 @dataclass(frozen=True)
@@ -127,13 +127,21 @@ def batch_mesh(mesh):
 
 
 def install_trainer_seams(model, state) -> None:
-    """Tell the Trainer that the model owns its placement; its methods that have no seam are
-    wrapped when a program first imports the Trainer (an inference load never does)."""
+    """Tell the Trainer that a model split over several ranks owns its placement; the Trainer's
+    methods that have no seam are wrapped when a program first imports the Trainer (an inference
+    load never does). On one rank the Trainer's own steps run, except that resuming a checkpoint
+    written at another layout is refused."""
     shape = state.mesh.shape
-    replicas = ReplicaSizes(shape.replica_size, shape.dp_shard, shape.dp_replicate)
-    declare_owned_placement(model, replicas, fsdp=shape.dp > 1)
+    if shape.world_size > 1:
+        declare_owned_placement(model, ReplicaSizes(shape.replica_size, shape.dp_shard, shape.dp_replicate),
+                                fsdp=shape.dp > 1)  # fmt: skip
+        when_imported("trl.trainer.sft_trainer", _wrap_trl)
     when_imported("transformers.trainer", _wrap_trainer)
-    when_imported("trl.trainer.sft_trainer", _wrap_trl)
+
+
+def _is_split(model) -> bool:
+    """Whether ``model`` (or the model a peft wrapper holds) is hf_parallel's, over several ranks."""
+    return is_parallel(model) and parallel_state(model).mesh.world_size > 1
 
 
 @functools.cache
@@ -157,7 +165,7 @@ def _wrapped_init(original_init):
 
     @functools.wraps(original_init)
     def __init__(self, model=None, args=None, *rest, **kwargs):
-        if model is None or not is_parallel(model):
+        if model is None or not _is_split(model):
             return original_init(self, model, args, *rest, **kwargs)
         if parallel_state(model).stage is not None:
             raise ValueError(
@@ -177,16 +185,19 @@ def _wrapped_init(original_init):
     return __init__
 
 
-def _replace_step(trainer_class, seam, replacement) -> None:
-    """``Trainer.<step>`` runs ``replacement`` on a parallel model, the Trainer's own otherwise (the
-    seam checked before anything is replaced)."""
+def _replace_step(trainer_class, seam, replacement, on_one_rank=None) -> None:
+    """``Trainer.<step>`` runs ``replacement`` on a model split over several ranks, the Trainer's own
+    otherwise, after ``on_one_rank`` for hf_parallel's model on one rank (the seam checked before
+    anything is replaced)."""
     original = seam.get()
     name = seam.where.rpartition(".")[2]
 
     @functools.wraps(original)
     def method(self, *args, **kwargs):
-        if is_parallel(self.model):
+        if _is_split(self.model):
             return replacement(self, *args, **kwargs)
+        if on_one_rank is not None and is_parallel(self.model):
+            on_one_rank(self, *args, **kwargs)
         return original(self, *args, **kwargs)
 
     setattr(trainer_class, name, method)
@@ -209,6 +220,18 @@ def _load_state(trainer, checkpoint):
         trainer.lr_scheduler.load_state_dict(scheduler)
 
 
+def _refuse_other_layouts(trainer, checkpoint, *args, **kwargs):
+    """On one rank the Trainer would resume without the optimizer and scheduler of a checkpoint
+    hf_parallel wrote at another layout (it finds no ``optimizer.pt``), silently: refused."""
+    written = written_layout(checkpoint) if checkpoint is not None else None
+    if written is not None:
+        raise ValueError(
+            f"{checkpoint}: its training state was written by hf_parallel at {written} (per-rank optimizer state, "
+            "no optimizer.pt), and this model is on one rank; resuming here would start from a fresh optimizer and "
+            f"scheduler. Resume at {written} (resharding optimizer state across layouts is not done yet)"
+        )
+
+
 def _grad_norm(trainer, model, grad_norm=None):
     return clip_grad_norm_(trainer.model, float("inf")) if grad_norm is None else grad_norm
 
@@ -229,5 +252,5 @@ def _wrap_trainer() -> None:
     _replace_step(trainer_class, GET_GRAD_NORM, _grad_norm)
     _replace_step(trainer_class, SYNC_REPLICATED, lambda self, model: place_and_check(self.model))
     _replace_step(trainer_class, SAVE_OPTIMIZER, _save_state)
-    _replace_step(trainer_class, LOAD_OPTIMIZER, _load_state)
-    _replace_step(trainer_class, LOAD_CHECKPOINT, _load_model_state)
+    _replace_step(trainer_class, LOAD_OPTIMIZER, _load_state, on_one_rank=_refuse_other_layouts)
+    _replace_step(trainer_class, LOAD_CHECKPOINT, _load_model_state, on_one_rank=_refuse_other_layouts)
