@@ -202,3 +202,30 @@ def accumulate_without_pipeline(rank: int, world_size: int, path: str, layouts: 
         error, _ = against_one_process(model, single, hf_parallel.parallel_state(model))
         out[name] = {"loss": abs(loss.item() - reference.loss.item()), "grads": error}
     return out
+
+
+def checkpointed_stages(rank: int, world_size: int, path: str, sizes: dict) -> dict:
+    """Activation checkpointing (reentrant and not) on pipeline stages, trained by ``train_step`` (GPipe
+    and 1F1B): the loss and every gradient against one process's, checkpointed the same way."""
+    import transformers
+
+    import hf_parallel
+
+    out = {}
+    kwargs = {"gradient_checkpointing_kwargs": {"use_reentrant": False}}
+    single = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model = hf_parallel.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **sizes)
+    batch = pipeline_batch(single.config.vocab_size)
+    single.train()
+    single.gradient_checkpointing_enable(**kwargs)
+    reference = single(**batch)
+    reference.loss.backward()
+    model.train()
+    for reentrant, schedule in ((False, "gpipe"), (True, "1f1b")):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+        model.zero_grad()
+        loss = hf_parallel.train_step(model, **batch, micro_batches=2, schedule=schedule)
+        grads, _ = against_one_process(model, single, hf_parallel.parallel_state(model))
+        out[schedule] = {"loss": abs(loss.item() - reference.loss.item()), "grads": grads,
+                         "checkpointed": model.is_gradient_checkpointing}  # fmt: skip
+    return out

@@ -335,3 +335,21 @@ def test_cli_verify_collects_every_stage(pp_paths):
     rows = [line.split()[0] for line in done.stdout.splitlines() if line.endswith("  ok")]
     assert rows == ["model.embed_tokens", *[f"model.layers.{i}" for i in range(5)], "logits"], done.stdout
     assert "PASS: every output within 0.0001 of one process" in done.stdout
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    "world_size, sizes", [(2, dict(pp_size=2, tp_plan=None)), (4, dict(pp_size=2, sp_size=2, tp_plan=None))]
+)
+def test_activation_checkpointing_on_pipeline_stages(pp_paths, tmp_path, world_size, sizes):
+    """gradient_checkpointing_enable on stages trained by train_step (the receive and send are module
+    hooks, outside the recomputed forward; under SP the recompute keeps the forward's call):
+    gradients equal one process's, checkpointed the same way."""
+    import pipeline_workers
+
+    path = pp_paths["pp_llama"]
+    ranks = run_ranks(world_size, pipeline_workers.checkpointed_stages, path, sizes, out_dir=str(tmp_path))
+    for rank, results in enumerate(ranks):
+        for schedule, r in results.items():
+            assert r["checkpointed"] is True, (rank, schedule)
+            assert r["loss"] < 1e-6 and r["grads"] < 1e-5, (rank, schedule, r)
