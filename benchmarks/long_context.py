@@ -1,6 +1,7 @@
 """Long-context training step: hf_parallel's sequence parallelism against one process using every core.
 
     python benchmarks/long_context.py [--seqs 2048 3072 4096 6144 8192 12288] [--sp 2 4] [--cap-mib 768]
+                                      [--checkpointing]
 
 A small Llama (random fp32 weights, built locally) runs forward + backward with labels, one
 sequence per step: one process with all the machine's cores, and SP ranks with cores/SP threads
@@ -9,7 +10,8 @@ each step after one warm-up at that length; a configuration stops at the first l
 goes past the memory cap. Per rank (max over ranks): the step's peak RSS above the RSS after the
 load (activations, logits, gradients), and tokens/s. The longest length under ``--cap-mib`` per
 rank is each configuration's longest fitting sequence. Ratios against one process, and the
-issue's targets, are printed and written to ``long_context.json``.
+issue's targets, are printed and written to ``long_context.json``. ``--checkpointing`` adds one process and
+SP=2 with activation checkpointing (``gradient_checkpointing_enable()``): the memory it saves per rank.
 
 Anchor: ``--deepspeed`` adds DeepSpeed's Ulysses for transformers (``UlyssesSPAttentionHF``, on
 its CPU accelerator over gloo), run as its tutorial does, in the same table; it needs
@@ -83,6 +85,8 @@ def worker(implementation: str, path: str, seqs: list[int], cap: int, out: str) 
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     torch.set_num_threads(max(1, os.cpu_count() // world))
+    checkpointing = implementation.endswith("+checkpointing")
+    implementation = implementation.removesuffix("+checkpointing")
     if implementation == "deepspeed":
         model, loss_of = deepspeed_ulysses(path, world)
     elif world == 1:
@@ -92,6 +96,8 @@ def worker(implementation: str, path: str, seqs: list[int], cap: int, out: str) 
     if implementation != "deepspeed":
         loss_of = lambda ids: model(input_ids=ids, labels=ids, use_cache=False).loss  # noqa: E731
     model.train()
+    if checkpointing:
+        model.gradient_checkpointing_enable()
     generator = torch.Generator().manual_seed(0)
     baseline, rows = None, {}
 
@@ -208,6 +214,7 @@ def main() -> None:
     parser.add_argument("--model", help="a checkpoint (default: the small random Llama of checkpoints.py)")
     parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
     parser.add_argument("--deepspeed", action="store_true", help="also run DeepSpeed's Ulysses (pip install deepspeed)")
+    parser.add_argument("--checkpointing", action="store_true", help="also one process and SP=2 with activation checkpointing")
     args = parser.parse_args()
     if args.worker:
         return worker(*args.worker, args.seqs, args.cap_mib * MiB, args.out)
@@ -221,6 +228,9 @@ def main() -> None:
             results["hf_parallel SP=2 over gloo"] = configuration(path, "hf_parallel", sp, args, gloo=True)
         if args.deepspeed:
             results[f"DeepSpeed Ulysses SP={sp}"] = configuration(path, "deepspeed", sp, args)
+    if args.checkpointing:
+        results["one process + checkpointing"] = configuration(path, "transformers+checkpointing", 1, args)
+        results["hf_parallel SP=2 + checkpointing"] = configuration(path, "hf_parallel+checkpointing", 2, args)
     lines, summary = report(results, args.cap_mib * MiB)
     print("\n".join([f"long-context forward+backward, {path}, {os.cpu_count()} cores", *lines]))
     with open(os.path.join(args.out, "long_context.json"), "w") as f:
