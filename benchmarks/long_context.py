@@ -214,7 +214,9 @@ def main() -> None:
     parser.add_argument("--model", help="a checkpoint (default: the small random Llama of checkpoints.py)")
     parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
     parser.add_argument("--deepspeed", action="store_true", help="also run DeepSpeed's Ulysses (pip install deepspeed)")
-    parser.add_argument("--checkpointing", action="store_true", help="also one process and SP=2 with activation checkpointing")
+    parser.add_argument(
+        "--checkpointing", action="store_true", help="also one process and SP=2 with activation checkpointing"
+    )
     args = parser.parse_args()
     if args.worker:
         return worker(*args.worker, args.seqs, args.cap_mib * MiB, args.out)

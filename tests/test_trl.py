@@ -29,7 +29,8 @@ def _run(world_size, sizes, path, tmp_path):
     import trl_workers
     from distributed import run_ranks
 
-    return run_ranks(world_size, trl_workers.parallel, path, str(tmp_path / "run"), sizes, out_dir=str(tmp_path / "out"))
+    run = str(tmp_path / "run")
+    return run_ranks(world_size, trl_workers.parallel, path, run, sizes, out_dir=str(tmp_path / "out"))
 
 
 def _close(got: list, want: list) -> bool:
@@ -46,7 +47,8 @@ def test_sft_trainer_matches_one_process(one_process, tiny_paths, tmp_path, worl
     so the loss is over the whole vocabulary (not ln(V/tp)), and num_tokens counts a replica's batch once."""
     results = _run(world_size, sizes, tiny_paths[model], tmp_path)
     for rank, result in enumerate(results):
-        assert result["kernel"] == "install.<locals>.Kernel", result["kernel"]  # TRL's kernel call goes through ours
+        # TRL's kernel call goes through ours
+        assert result["kernel"] == "install_fused_head.<locals>.Kernel", result["kernel"]
         for mode in ("full", "lora"):
             got, want = result[mode], one_process(model)[mode]
             assert isinstance(got, dict), (rank, mode, got)
@@ -74,3 +76,18 @@ def test_sft_trainer_is_refused_by_name_where_its_fused_head_cannot_be_right(tin
             for name in names:
                 assert name in error, error
         assert not os.path.isdir(str(tmp_path / "run" / "full" / "checkpoint-1"))
+
+
+@pytest.mark.distributed
+def test_dpo_trainer_with_lora_matches_one_process(tiny_paths, tmp_path):
+    """TRL's DPOTrainer with LoRA at TP=2 (its reference model: the base with the adapter disabled; its
+    log-probabilities from the same fused head): loss, grad norm, rewards and log-probabilities of one process."""
+    import trl_workers
+    from distributed import run_ranks
+
+    want = trl_workers.dpo_one_process(tiny_paths["llama"], str(tmp_path / "one"))
+    results = run_ranks(2, trl_workers.dpo_parallel, tiny_paths["llama"], str(tmp_path / "run"), dict(tp_size=2),
+                        out_dir=str(tmp_path / "out"))  # fmt: skip
+    for rank, got in enumerate(results):
+        for key in want:
+            assert _close(got[key], want[key]), (rank, key, got[key], want[key])

@@ -45,8 +45,8 @@ def sft(model, output_dir: str, lora: bool, replicas: int = 1) -> dict:
 
     torch.manual_seed(0)
     args = SFTConfig(
-        output_dir=output_dir, max_steps=STEPS, per_device_train_batch_size=GLOBAL_BATCH // replicas, learning_rate=1e-3, logging_steps=1,
-        report_to="none", save_strategy="no", bf16=False, use_cpu=True, max_length=32, seed=0, disable_tqdm=True,
+        output_dir=output_dir, max_steps=STEPS, per_device_train_batch_size=GLOBAL_BATCH // replicas,
+        learning_rate=1e-3, logging_steps=1, report_to="none", save_strategy="no", bf16=False, use_cpu=True, max_length=32, seed=0, disable_tqdm=True,
         lr_scheduler_type="constant",
     )  # fmt: skip
     trainer = SFTTrainer(
@@ -83,3 +83,43 @@ def parallel(rank: int, world_size: int, path: str, root: str, sizes: dict) -> d
             out[lora] = str(error)
     out["kernel"] = sys.modules["trl.trainer.utils"]._ChunkedLogProbFunction.__qualname__
     return out
+
+
+PREFERENCES = {
+    "prompt": ["the cat", "a dog", "the red mat", "one two", "the big dog", "a small cat", "two dogs", "the blue"],
+    "chosen": ["sat on the mat", "ran far", "is big", "three", "ran fast", "sat", "ran", "mat"],
+    "rejected": ["ran far", "sat on the mat", "ran", "one", "sat", "ran far fast", "sat on a mat", "dog"],
+}
+DPO_LOGGED = ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected")
+
+
+def dpo(model, output_dir: str) -> dict:
+    """TRL's DPOTrainer with LoRA (its reference: the base with the adapter disabled), STEPS steps."""
+    from datasets import Dataset
+    from trl import DPOConfig, DPOTrainer
+
+    torch.manual_seed(0)
+    args = DPOConfig(
+        output_dir=output_dir, max_steps=STEPS, per_device_train_batch_size=2, learning_rate=1e-3, logging_steps=1,
+        report_to="none", save_strategy="no", bf16=False, use_cpu=True, max_length=32, seed=0, disable_tqdm=True,
+        lr_scheduler_type="constant",
+    )  # fmt: skip
+    trainer = DPOTrainer(
+        model=model, args=args, train_dataset=Dataset.from_dict(PREFERENCES), processing_class=tokenizer(),
+        peft_config=lora_config(),
+    )  # fmt: skip
+    trainer.train()
+    logged = [entry for entry in trainer.state.log_history if "loss" in entry]
+    return {key: [entry[key] for entry in logged] for key in DPO_LOGGED}
+
+
+def dpo_one_process(path: str, root: str) -> dict:
+    import transformers
+
+    return dpo(transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), root)
+
+
+def dpo_parallel(rank: int, world_size: int, path: str, root: str, sizes: dict) -> dict:
+    import hf_parallel
+
+    return dpo(hf_parallel.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **sizes), root)

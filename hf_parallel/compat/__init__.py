@@ -20,7 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 
-TESTED = {"transformers": "5.23", "peft": "0.21", "accelerate": "1.15", "torch": "2.13", "trl": "1.16"}  # pyproject pins
+# the minors tested, which pyproject.toml pins
+TESTED = {"transformers": "5.23", "peft": "0.21", "accelerate": "1.15", "torch": "2.13", "trl": "1.16"}
 
 
 class DependencyChanged(RuntimeError):

@@ -194,7 +194,8 @@ TRAINER = Seam(
 )  # fmt: skip
 TRAINER_INIT = Seam("transformers", "transformers.trainer:Trainer.__init__",
                     "(its resume check, passed as for a model-only save; a parallel model's batches placed)",
-                    parameters=("model", "args"), reads=("save_only_model", "is_distributed_loading_by_transformers"))  # fmt: skip
+                    parameters=("model", "args"),
+                    reads=("save_only_model", "is_distributed_loading_by_transformers"))  # fmt: skip
 TRAINING_ARGUMENTS = Seam("transformers", "transformers:TrainingArguments", "(the Trainer's default arguments)",
                           parameters=("output_dir", "save_only_model"))  # fmt: skip
 SCHEDULER_NAME = Seam("transformers", "transformers.trainer:SCHEDULER_NAME", "(the scheduler's file in a checkpoint)")

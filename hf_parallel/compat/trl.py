@@ -5,9 +5,9 @@ TRL's ``SFTTrainer`` patches the model's forward with a fused LM head (``add_fus
 scores every token with ``ChunkedLogProbFunction`` (log-probabilities, entropy, top-1). Under tensor
 parallelism that weight holds this rank's rows of the vocabulary: scored as it is, the softmax would run
 over part of the vocabulary (a loss of ln(V/tp) at the start). There is no public seam, so:
-- ``add_fused_lm_head`` is wrapped: on hf_parallel's models ``fused_split`` refuses, by name, the layouts
-  whose forward TRL's bypasses, and says how the vocabulary is split; the forward TRL installs then marks
-  each fused call with it;
+- ``add_fused_lm_head`` (every TRL trainer calls it: SFT, DPO, KTO, RLOO, GRPO) is wrapped where TRL's
+  modules hold it: on hf_parallel's models ``fused_split`` refuses, by name, the layouts whose forward TRL's
+  bypasses, and says how the vocabulary is split; the forward TRL installs then marks each fused call;
 - the kernel TRL's forward calls (``trl.trainer.utils._ChunkedLogProbFunction``) dispatches, during such a
   call, to ``vocab_parallel`` (the same fields over the split vocabulary), and to TRL's own otherwise;
 - ``SFTTrainer._tp_size`` (which its ``num_tokens`` metric divides by) is set to the ranks that share a batch.
@@ -20,7 +20,8 @@ import functools
 from . import Seam
 
 FUSED_HEAD = Seam("trl", "trl.trainer.utils:add_fused_lm_head", "(its forward reads the LM head's weight)",
-                  parameters=("model", "outputs"), reads=("_ChunkedLogProbFunction", "get_output_embeddings"))  # fmt: skip
+                  parameters=("model", "outputs"),
+                  reads=("_ChunkedLogProbFunction", "get_output_embeddings"))  # fmt: skip
 KERNEL = Seam("trl", "trl.kernels.chunked_logprob:ChunkedLogProbFunction.forward", "(TRL's per-token scores)",
               parameters=("hidden", "weight", "bias", "targets", "temperature", "chunk_size",
                           "final_logit_softcapping", "logit_scale", "outputs"))  # fmt: skip
@@ -29,17 +30,17 @@ SFT_TP_SIZE = Seam("trl", "trl.trainer.sft_trainer:SFTTrainer", "(num_tokens is 
                    reads=("_tp_size", "add_fused_lm_head"))  # fmt: skip
 
 
-def install(*, fused_split, vocab_parallel, replicas, is_parallel) -> None:
-    """Once TRL is imported: ``fused_split(model)`` -> the keyword arguments ``vocab_parallel`` needs for a
-    parallel model (None: its LM head is whole on every rank, TRL's kernel is right); ``replicas(model)``:
-    the ranks that see one batch."""
+def install_fused_head(*, fused_split, vocab_parallel, is_parallel) -> None:
+    """Once ``trl.trainer.utils`` is imported (before any trainer module binds its names, or, when TRL was
+    imported first, in every TRL module that did): ``fused_split(model)`` -> the keyword arguments
+    ``vocab_parallel`` needs for a parallel model (None: its LM head is whole on every rank, TRL's kernel
+    is right)."""
     import contextvars
     import sys
 
-    sft_trainer, utils = sys.modules["trl.trainer.sft_trainer"], sys.modules["trl.trainer.utils"]
-
+    utils = sys.modules["trl.trainer.utils"]
     add_fused_lm_head, kernel = FUSED_HEAD.get(), KERNEL_NAME.get()
-    KERNEL.get(), SFT_TP_SIZE.get()
+    KERNEL.get()
     split = contextvars.ContextVar("hf_parallel_fused_head", default=None)
 
     class Kernel:
@@ -71,7 +72,17 @@ def install(*, fused_split, vocab_parallel, replicas, is_parallel) -> None:
         model.forward = forward
 
     utils._ChunkedLogProbFunction = Kernel
-    utils.add_fused_lm_head = sft_trainer.add_fused_lm_head = add_fused_head
+    for name, module in list(sys.modules.items()):
+        if name.startswith("trl.") and getattr(module, "add_fused_lm_head", None) is add_fused_lm_head:
+            module.add_fused_lm_head = add_fused_head
+
+
+def install_token_count(*, replicas, is_parallel) -> None:
+    """Once ``SFTTrainer`` is imported: its ``num_tokens`` counts a batch once per ``replicas(model)`` ranks."""
+    import sys
+
+    SFT_TP_SIZE.get()
+    sft_trainer = sys.modules["trl.trainer.sft_trainer"]
     original_init = sft_trainer.SFTTrainer.__init__
 
     @functools.wraps(original_init)

@@ -13,13 +13,14 @@ logits.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 import torch.nn.functional as F
 
 from ..distributed import comm
-from ..state import parallel_model, parallel_state
+from ..state import is_parallel, parallel_model, parallel_state
 
 
 def _transform(z: torch.Tensor, logit_scale: float, softcap: float | None, temperature: float) -> torch.Tensor:
@@ -103,12 +104,18 @@ def _sharded_on_its_own(module) -> bool:
     return isinstance(module, FSDPModule)
 
 
-def install_trl_seams() -> None:
-    """TRL's fused head and token count on hf_parallel's models, once TRL is imported (``compat/trl.py``)."""
+@functools.cache
+def install_trl_fused_head() -> None:
+    """TRL's fused LM head on hf_parallel's models, once TRL's trainer utilities are imported (``compat/trl.py``)."""
     from ..compat import trl
-    from ..state import is_parallel
 
-    trl.install(
-        fused_split=fused_split, vocab_parallel=vocab_parallel, is_parallel=is_parallel,
-        replicas=lambda model: parallel_state(model).mesh.shape.replica_size,
-    )  # fmt: skip
+    trl.install_fused_head(fused_split=fused_split, vocab_parallel=vocab_parallel, is_parallel=is_parallel)
+
+
+@functools.cache
+def install_trl_token_count() -> None:
+    """``SFTTrainer``'s token count on hf_parallel's models, once it is imported."""
+    from ..compat import trl
+
+    trl.install_token_count(replicas=lambda model: parallel_state(model).mesh.shape.replica_size,
+                            is_parallel=is_parallel)  # fmt: skip

@@ -56,6 +56,7 @@ from ..compat.transformers import (
 )
 from ..state import is_parallel, parallel_state
 from .clipping import clip_grad_norm_
+from .fused_head import install_trl_fused_head, install_trl_token_count
 from .resume import load_training_state, save_training_state, written_layout
 
 
@@ -135,20 +136,14 @@ def install_trainer_seams(model, state) -> None:
     if shape.world_size > 1:
         declare_owned_placement(model, ReplicaSizes(shape.replica_size, shape.dp_shard, shape.dp_replicate),
                                 fsdp=shape.dp > 1)  # fmt: skip
-        when_imported("trl.trainer.sft_trainer", _wrap_trl)
+        when_imported("trl.trainer.utils", install_trl_fused_head)
+        when_imported("trl.trainer.sft_trainer", install_trl_token_count)
     when_imported("transformers.trainer", _wrap_trainer)
 
 
 def _is_split(model) -> bool:
     """Whether ``model`` (or the model a peft wrapper holds) is hf_parallel's, over several ranks."""
     return is_parallel(model) and parallel_state(model).mesh.world_size > 1
-
-
-@functools.cache
-def _wrap_trl() -> None:
-    from .fused_head import install_trl_seams
-
-    install_trl_seams()
 
 
 def _check_and_place(trainer, model) -> None:
@@ -232,6 +227,10 @@ def _refuse_other_layouts(trainer, checkpoint, *args, **kwargs):
         )
 
 
+def _clip(trainer, model):
+    return clip_grad_norm_(trainer.model, trainer.args.max_grad_norm)
+
+
 def _grad_norm(trainer, model, grad_norm=None):
     return clip_grad_norm_(trainer.model, float("inf")) if grad_norm is None else grad_norm
 
@@ -248,7 +247,7 @@ def _wrap_trainer() -> None:
         seam.get()
     trainer_class = TRAINER.get()
     trainer_class.__init__ = _wrapped_init(TRAINER_INIT.get())
-    _replace_step(trainer_class, CLIP_GRAD_NORM, lambda self, model: clip_grad_norm_(self.model, self.args.max_grad_norm))
+    _replace_step(trainer_class, CLIP_GRAD_NORM, _clip)
     _replace_step(trainer_class, GET_GRAD_NORM, _grad_norm)
     _replace_step(trainer_class, SYNC_REPLICATED, lambda self, model: place_and_check(self.model))
     _replace_step(trainer_class, SAVE_OPTIMIZER, _save_state)
