@@ -46,8 +46,8 @@ def sft(model, output_dir: str, lora: bool, replicas: int = 1) -> dict:
     torch.manual_seed(0)
     args = SFTConfig(
         output_dir=output_dir, max_steps=STEPS, per_device_train_batch_size=GLOBAL_BATCH // replicas,
-        learning_rate=1e-3, logging_steps=1, report_to="none", save_strategy="no", bf16=False, use_cpu=True, max_length=32, seed=0, disable_tqdm=True,
-        lr_scheduler_type="constant",
+        learning_rate=1e-3, logging_steps=1, report_to="none", save_strategy="no", bf16=False, use_cpu=True,
+        max_length=32, seed=0, disable_tqdm=True, lr_scheduler_type="constant",
     )  # fmt: skip
     trainer = SFTTrainer(
         model=model, args=args, train_dataset=Dataset.from_dict({"text": TEXTS}), processing_class=tokenizer(),
