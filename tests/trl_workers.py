@@ -72,7 +72,9 @@ def parallel(rank: int, world_size: int, path: str, root: str, sizes: dict) -> d
     import sys
 
     import hf_parallel
+    from hf_parallel.training import fused_head
 
+    fused_head.TOKENS_PER_CHUNK = 8  # several chunks, each recomputed in backward
     out = {}
     for lora in ("full", "lora"):
         model = hf_parallel.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **sizes)
@@ -90,7 +92,7 @@ PREFERENCES = {
     "chosen": ["sat on the mat", "ran far", "is big", "three", "ran fast", "sat", "ran", "mat"],
     "rejected": ["ran far", "sat on the mat", "ran", "one", "sat", "ran far fast", "sat on a mat", "dog"],
 }
-DPO_LOGGED = ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected")
+DPO_LOGGED = ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected", "num_tokens")
 
 
 def dpo(model, output_dir: str) -> dict:

@@ -116,6 +116,8 @@ CHECKPOINTED_LAYER = Seam("transformers", "transformers.modeling_layers:Gradient
 def wrap_checkpointing(layer, wrap) -> None:
     """``layer``'s checkpointing function (set by ``gradient_checkpointing_enable``) replaced by
     ``wrap(function)``, once; nothing to do while checkpointing is off."""
+    if not getattr(layer, "gradient_checkpointing", False):
+        return
     function = getattr(layer, "_gradient_checkpointing_func", None)
     if function is not None and not getattr(function, "wrapped_by_hf_parallel", False):
         CHECKPOINTED_LAYER.get()

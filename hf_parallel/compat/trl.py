@@ -10,7 +10,9 @@ over part of the vocabulary (a loss of ln(V/tp) at the start). There is no publi
   bypasses, and says how the vocabulary is split; the forward TRL installs then marks each fused call;
 - the kernel TRL's forward calls (``trl.trainer.utils._ChunkedLogProbFunction``) dispatches, during such a
   call, to ``vocab_parallel`` (the same fields over the split vocabulary), and to TRL's own otherwise;
-- ``SFTTrainer._tp_size`` (which its ``num_tokens`` metric divides by) is set to the ranks that share a batch.
+- ``_tp_size`` of the trainers that count tokens (SFT, DPO, KTO, reward: their ``num_tokens`` metric divides by
+  it) is set to the ranks that share a batch.
+Not served: ``DistillationTrainer`` reads both models' head weights itself (not through this kernel).
 """
 
 from __future__ import annotations
@@ -26,15 +28,19 @@ KERNEL = Seam("trl", "trl.kernels.chunked_logprob:ChunkedLogProbFunction.forward
               parameters=("hidden", "weight", "bias", "targets", "temperature", "chunk_size",
                           "final_logit_softcapping", "logit_scale", "outputs"))  # fmt: skip
 KERNEL_NAME = Seam("trl", "trl.trainer.utils:_ChunkedLogProbFunction", "(the name the fused forward calls)")
+TOKEN_COUNTING = {  # module -> the trainer whose num_tokens metric divides by _tp_size
+    "trl.trainer.sft_trainer": "SFTTrainer", "trl.trainer.dpo_trainer": "DPOTrainer",
+    "trl.trainer.kto_trainer": "KTOTrainer", "trl.trainer.reward_trainer": "RewardTrainer",
+}  # fmt: skip
 SFT_TP_SIZE = Seam("trl", "trl.trainer.sft_trainer:SFTTrainer", "(num_tokens is divided by _tp_size)",
                    reads=("_tp_size", "add_fused_lm_head"))  # fmt: skip
 
 
-def install_fused_head(*, fused_split, vocab_parallel, is_parallel) -> None:
+def install_fused_head(*, fused_split, vocab_parallel, is_parallel, is_split) -> None:
     """Once ``trl.trainer.utils`` is imported (before any trainer module binds its names, or, when TRL was
     imported first, in every TRL module that did): ``fused_split(model)`` -> the keyword arguments
     ``vocab_parallel`` needs for a parallel model (None: its LM head is whole on every rank, TRL's kernel
-    is right)."""
+    is right); ``is_split(weight)``: a head weight holding part of the vocabulary (never scored as whole)."""
     import contextvars
     import sys
 
@@ -49,7 +55,15 @@ def install_fused_head(*, fused_split, vocab_parallel, is_parallel) -> None:
         @staticmethod
         def apply(*args):
             where = split.get()
-            return kernel.apply(*args) if where is None else vocab_parallel(*args, **where)
+            if where is not None:
+                return vocab_parallel(*args, **where)
+            if is_split(args[1]):  # a forward patched by an add_fused_lm_head hf_parallel never saw
+                raise ValueError(
+                    "TRL's fused LM head would score this rank's rows of a vocabulary hf_parallel split as the whole "
+                    "vocabulary: its forward was patched by an add_fused_lm_head imported before hf_parallel's load; "
+                    "import TRL's trainers through trl (trl.SFTTrainer, ...)"
+                )
+            return kernel.apply(*args)
 
     @functools.wraps(add_fused_lm_head)
     def add_fused_head(model, *args, **kwargs):
@@ -77,13 +91,16 @@ def install_fused_head(*, fused_split, vocab_parallel, is_parallel) -> None:
             module.add_fused_lm_head = add_fused_head
 
 
-def install_token_count(*, replicas, is_parallel) -> None:
-    """Once ``SFTTrainer`` is imported: its ``num_tokens`` counts a batch once per ``replicas(model)`` ranks."""
+def install_token_count(module: str, *, replicas, is_parallel) -> None:
+    """Once ``module`` (a key of ``TOKEN_COUNTING``) is imported: its trainer's ``num_tokens`` counts a batch
+    once per ``replicas(model)`` ranks."""
     import sys
 
-    SFT_TP_SIZE.get()
-    sft_trainer = sys.modules["trl.trainer.sft_trainer"]
-    original_init = sft_trainer.SFTTrainer.__init__
+    seam = SFT_TP_SIZE if module == "trl.trainer.sft_trainer" else Seam(
+        "trl", f"{module}:{TOKEN_COUNTING[module]}", "(num_tokens is divided by _tp_size)", reads=("_tp_size",)
+    )  # fmt: skip
+    trainer = seam.get()
+    original_init = trainer.__init__
 
     @functools.wraps(original_init)
     def __init__(self, model=None, *args, **kwargs):
@@ -91,4 +108,4 @@ def install_token_count(*, replicas, is_parallel) -> None:
         if is_parallel(self.model):
             self._tp_size = replicas(self.model)
 
-    sft_trainer.SFTTrainer.__init__ = __init__
+    trainer.__init__ = __init__

@@ -1,4 +1,4 @@
-"""A fused LM head over a vocabulary split on the TP group (TRL's ``SFTTrainer`` computes its loss so).
+"""A fused LM head over a vocabulary split on the TP group (TRL's trainers compute their losses so).
 
 The fused head scores each token from the final hidden states and the LM head's weight, never building
 the logits of the whole vocabulary at once. With the vocabulary split (vocab-parallel LM head, Megatron's
@@ -7,17 +7,19 @@ combined over the group: the max by an all-gather (a constant: it only steadies 
 sums of ``exp(z - m)`` (and of ``exp(z - m) z`` for the entropy) and the target's logit (held by one rank,
 zero elsewhere) by all-reduces whose backward is the identity, and ``h`` enters through ``copy_to``, whose
 backward sums the ranks' parts of its gradient. So ``log p(y) = z_y - log sum_v exp(z_v)`` and every field
-TRL asks for are those of one process, gradients included, while no rank holds more than its own rows'
-logits.
+TRL asks for are those of one process, gradients included; a rank holds its rows' logits of one chunk of
+tokens at a time.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import weakref
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from ..distributed import comm
 from ..state import is_parallel, parallel_model, parallel_state
@@ -31,15 +33,38 @@ def _transform(z: torch.Tensor, logit_scale: float, softcap: float | None, tempe
     return z / temperature
 
 
+TOKENS_PER_CHUNK = 1024  # tokens scored at once: their logits ([tokens, V/tp], fp32) are all a rank holds
+
+
 def vocab_parallel(
     hidden, weight, bias, targets, temperature, chunk_size, final_logit_softcapping=None, logit_scale=1.0,
     outputs=("log_probs",), *, group, start: int, vocab: int,
 ):  # fmt: skip
     """TRL's ``ChunkedLogProbFunction`` fields (log_probs, entropy, log_sum_sq_probs, mean_logits, is_top1)
-    per token, from this rank's vocabulary rows ``[start, start + len(weight))`` of ``vocab``."""
-    size = torch.distributed.get_world_size(group)
+    per token, from this rank's vocabulary rows ``[start, start + len(weight))`` of ``vocab``, computed in the
+    dtype TRL computes in (autocast's, else the hidden states'). Tokens go ``TOKENS_PER_CHUNK`` at a time;
+    with gradients, each chunk is recomputed in backward (activation checkpointing), so a rank never holds
+    more than one chunk's logits, as TRL's kernel does not."""
     hidden = comm.copy_to(hidden, group)
-    z = _transform(F.linear(hidden, weight, bias).float(), logit_scale, final_logit_softcapping, temperature)
+    device = hidden.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
+    score = functools.partial(
+        _score, weight=weight.to(dtype), bias=None if bias is None else bias.to(dtype), temperature=temperature,
+        softcap=final_logit_softcapping, logit_scale=logit_scale, outputs=outputs, group=group, start=start,
+        vocab=vocab,
+    )  # fmt: skip
+    recompute = torch.is_grad_enabled() and len(hidden) > TOKENS_PER_CHUNK
+    parts = []
+    for first in range(0, max(len(hidden), 1), TOKENS_PER_CHUNK):
+        chunk = hidden[first : first + TOKENS_PER_CHUNK].to(dtype), targets[first : first + TOKENS_PER_CHUNK]
+        parts.append(checkpoint(score, *chunk, use_reentrant=False) if recompute else score(*chunk))
+    return tuple(None if field[0] is None else torch.cat(field) for field in zip(*parts))
+
+
+def _score(hidden, targets, *, weight, bias, temperature, softcap, logit_scale, outputs, group, start, vocab):
+    """``vocab_parallel`` on one chunk of tokens."""
+    size = torch.distributed.get_world_size(group)
+    z = _transform(F.linear(hidden, weight, bias).float(), logit_scale, softcap, temperature)
     local = targets - start
     owned = (local >= 0) & (local < z.shape[-1])
     with torch.no_grad():
@@ -95,7 +120,11 @@ def fused_split(model) -> dict | None:
             "scores a fused head over a vocabulary split by rows only"
         )
     ((start, _),) = layout.ranges[rank]
+    SPLIT_HEADS.add(head.weight)
     return dict(group=state.mesh.tp.group, start=start, vocab=entry.full_shape[0])
+
+
+SPLIT_HEADS: weakref.WeakSet = weakref.WeakSet()  # LM head weights holding this rank's vocabulary rows only
 
 
 def _sharded_on_its_own(module) -> bool:
@@ -109,13 +138,16 @@ def install_trl_fused_head() -> None:
     """TRL's fused LM head on hf_parallel's models, once TRL's trainer utilities are imported (``compat/trl.py``)."""
     from ..compat import trl
 
-    trl.install_fused_head(fused_split=fused_split, vocab_parallel=vocab_parallel, is_parallel=is_parallel)
+    trl.install_fused_head(
+        fused_split=fused_split, vocab_parallel=vocab_parallel, is_parallel=is_parallel,
+        is_split=lambda weight: weight in SPLIT_HEADS,
+    )  # fmt: skip
 
 
 @functools.cache
-def install_trl_token_count() -> None:
-    """``SFTTrainer``'s token count on hf_parallel's models, once it is imported."""
+def install_trl_token_count(module: str) -> None:
+    """The token count of the TRL trainer in ``module`` on hf_parallel's models, once it is imported."""
     from ..compat import trl
 
-    trl.install_token_count(replicas=lambda model: parallel_state(model).mesh.shape.replica_size,
+    trl.install_token_count(module, replicas=lambda model: parallel_state(model).mesh.shape.replica_size,
                             is_parallel=is_parallel)  # fmt: skip

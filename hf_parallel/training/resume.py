@@ -67,7 +67,8 @@ def load_training_state(model, optimizer, directory: str) -> None:
             )
     with safe_open(weights, "pt") as saved:
         written = (saved.metadata() or {}).get("layout")
-    if written != layout:  # the same world size, another split: every shard would be another slice
+    if written is not None and written != layout:  # the same world size, another split: other slices
+        # (None: written before layouts were recorded, by a run of the same world size)
         raise ValueError(
             f"{directory}: its per-rank training state was written at {written or 'an unrecorded layout'}, and this "
             f"model is {layout}; hf_parallel resumes a checkpoint at the layout that wrote it (resharding the "

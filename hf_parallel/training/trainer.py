@@ -28,7 +28,7 @@ parameters it is called with, and the Trainer still calls it) and a missing one 
 Why a scoped replacement and not something narrower: users hand their model to the Trainer (or TRL's
 subclasses of it) unchanged, so a Trainer subclass of ours would never be the one running; the
 Trainer has no callback before its own resume check nor around its gradient norm. Each replaced
-method decides per call, on ``is_parallel(self.model)``, so nothing changes for any other model.
+method decides per call, on the model (``_is_split``), so nothing changes for any other model.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from ..adapters.seams import place_and_check
 from ..compat import when_imported
 from ..compat.accelerate import set_batch_mesh
+from ..compat.trl import TOKEN_COUNTING
 from ..compat.transformers import (
     CLIP_GRAD_NORM,
     GET_GRAD_NORM,
@@ -137,7 +138,8 @@ def install_trainer_seams(model, state) -> None:
         declare_owned_placement(model, ReplicaSizes(shape.replica_size, shape.dp_shard, shape.dp_replicate),
                                 fsdp=shape.dp > 1)  # fmt: skip
         when_imported("trl.trainer.utils", install_trl_fused_head)
-        when_imported("trl.trainer.sft_trainer", install_trl_token_count)
+        for module in TOKEN_COUNTING:
+            when_imported(module, functools.partial(install_trl_token_count, module))
     when_imported("transformers.trainer", _wrap_trainer)
 
 
@@ -218,7 +220,7 @@ def _load_state(trainer, checkpoint):
 def _refuse_other_layouts(trainer, checkpoint, *args, **kwargs):
     """On one rank the Trainer would resume without the optimizer and scheduler of a checkpoint
     hf_parallel wrote at another layout (it finds no ``optimizer.pt``), silently: refused."""
-    written = written_layout(checkpoint) if checkpoint is not None else None
+    written = written_layout(checkpoint) if checkpoint is not None and os.path.isdir(checkpoint) else None
     if written is not None:
         raise ValueError(
             f"{checkpoint}: its training state was written by hf_parallel at {written} (per-rank optimizer state, "
