@@ -51,6 +51,7 @@ def test_sft_trainer_matches_one_process(one_process, tiny_paths, tmp_path, worl
     for rank, result in enumerate(results):
         # TRL's kernel call goes through ours
         assert result["kernel"] == "install_fused_head.<locals>.Kernel", result["kernel"]
+        assert "would score this rank's rows of a vocabulary hf_parallel split" in result["unseen"], result["unseen"]
         for mode in ("full", "lora"):
             got, want = result[mode], one_process(model)[mode]
             assert isinstance(got, dict), (rank, mode, got)

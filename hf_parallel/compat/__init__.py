@@ -116,8 +116,10 @@ def seams() -> list[Seam]:
     """Every declared seam, of every dependency."""
     from . import accelerate, peft, torch, transformers, trl
 
-    return [seam for module in (transformers, peft, accelerate, torch, trl) for seam in vars(module).values()
-            if isinstance(seam, Seam)]  # fmt: skip
+    found = []  # a module's seams, and those it keeps in tables (one per replaced step, trainer, ...)
+    for value in (value for module in (transformers, peft, accelerate, torch, trl) for value in vars(module).values()):
+        found += [seam for seam in (value.values() if isinstance(value, dict) else [value]) if isinstance(seam, Seam)]
+    return list(dict.fromkeys(found))
 
 
 def check_all(dependencies=None) -> list[Seam]:

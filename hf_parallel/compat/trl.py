@@ -28,12 +28,13 @@ KERNEL = Seam("trl", "trl.kernels.chunked_logprob:ChunkedLogProbFunction.forward
               parameters=("hidden", "weight", "bias", "targets", "temperature", "chunk_size",
                           "final_logit_softcapping", "logit_scale", "outputs"))  # fmt: skip
 KERNEL_NAME = Seam("trl", "trl.trainer.utils:_ChunkedLogProbFunction", "(the name the fused forward calls)")
-TOKEN_COUNTING = {  # module -> the trainer whose num_tokens metric divides by _tp_size
-    "trl.trainer.sft_trainer": "SFTTrainer", "trl.trainer.dpo_trainer": "DPOTrainer",
-    "trl.trainer.kto_trainer": "KTOTrainer", "trl.trainer.reward_trainer": "RewardTrainer",
+TOKEN_COUNTING = {  # module -> its trainer, whose num_tokens metric divides by _tp_size
+    module: Seam("trl", f"{module}:{trainer}", "(num_tokens is divided by _tp_size)", reads=("_tp_size",))
+    for module, trainer in {
+        "trl.trainer.sft_trainer": "SFTTrainer", "trl.trainer.dpo_trainer": "DPOTrainer",
+        "trl.trainer.kto_trainer": "KTOTrainer", "trl.trainer.reward_trainer": "RewardTrainer",
+    }.items()
 }  # fmt: skip
-SFT_TP_SIZE = Seam("trl", "trl.trainer.sft_trainer:SFTTrainer", "(num_tokens is divided by _tp_size)",
-                   reads=("_tp_size", "add_fused_lm_head"))  # fmt: skip
 
 
 def install_fused_head(*, fused_split, vocab_parallel, is_parallel, is_split) -> None:
@@ -94,12 +95,7 @@ def install_fused_head(*, fused_split, vocab_parallel, is_parallel, is_split) ->
 def install_token_count(module: str, *, replicas, is_parallel) -> None:
     """Once ``module`` (a key of ``TOKEN_COUNTING``) is imported: its trainer's ``num_tokens`` counts a batch
     once per ``replicas(model)`` ranks."""
-    import sys
-
-    seam = SFT_TP_SIZE if module == "trl.trainer.sft_trainer" else Seam(
-        "trl", f"{module}:{TOKEN_COUNTING[module]}", "(num_tokens is divided by _tp_size)", reads=("_tp_size",)
-    )  # fmt: skip
-    trainer = seam.get()
+    trainer = TOKEN_COUNTING[module].get()
     original_init = trainer.__init__
 
     @functools.wraps(original_init)

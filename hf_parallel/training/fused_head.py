@@ -101,8 +101,7 @@ def fused_split(model) -> dict | None:
             "pipeline stages, which every call needs; train with sp_size / pipeline stages through "
             "transformers' Trainer or hf_parallel.train_step, or load with tp_size / fsdp_size only"
         )
-    head = parallel_model(model).get_output_embeddings()
-    path = next(name for name, module in parallel_model(model).named_modules() if module is head)
+    head, path = _head(parallel_model(model))
     if state.mesh.shape.dp > 1 and _sharded_on_its_own(head):
         raise ValueError(
             f"TRL's fused LM head ({state.mesh.shape}) reads {path}.weight outside {path}'s forward, where FSDP "
@@ -120,11 +119,33 @@ def fused_split(model) -> dict | None:
             "scores a fused head over a vocabulary split by rows only"
         )
     ((start, _),) = layout.ranges[rank]
-    SPLIT_HEADS.add(head.weight)
     return dict(group=state.mesh.tp.group, start=start, vocab=entry.full_shape[0])
 
 
-SPLIT_HEADS: weakref.WeakSet = weakref.WeakSet()  # LM head weights holding this rank's vocabulary rows only
+def _head(model) -> tuple:
+    """The LM head module and its path."""
+    head = model.get_output_embeddings()
+    return head, next(name for name, module in model.named_modules() if module is head)
+
+
+_SPLIT_HEADS: dict[int, weakref.ref] = {}  # LM head weights holding this rank's vocabulary rows only (by id:
+# a WeakSet would compare tensors with ==)
+
+
+def is_split_head(weight) -> bool:
+    found = _SPLIT_HEADS.get(id(weight))
+    return found is not None and found() is weight
+
+
+def note_split_head(model, state) -> None:
+    """Remember the LM head weight of a model whose vocabulary is split (at load): TRL's own kernel, reached
+    by a forward hf_parallel's wrapper never saw, must not score it as the whole vocabulary."""
+    if model.get_output_embeddings() is None:
+        return
+    head, path = _head(model)
+    entry = state.entry(f"{path}.weight")
+    if entry is not None and not entry.layout.is_replicated:
+        _SPLIT_HEADS[id(head.weight)] = weakref.ref(head.weight)
 
 
 def _sharded_on_its_own(module) -> bool:
@@ -140,7 +161,7 @@ def install_trl_fused_head() -> None:
 
     trl.install_fused_head(
         fused_split=fused_split, vocab_parallel=vocab_parallel, is_parallel=is_parallel,
-        is_split=lambda weight: weight in SPLIT_HEADS,
+        is_split=is_split_head,
     )  # fmt: skip
 
 

@@ -30,13 +30,22 @@ def _trainable(model) -> dict:
     return {name: p for name, p in model.named_parameters() if p.requires_grad}
 
 
+LAYOUT_KEY = "layout"  # in each rank's training-state file: the layout whose ranks wrote it
+
+
+def _recorded_layout(path: str) -> str | None:
+    """The layout a training-state file records (None: written before layouts were recorded)."""
+    with safe_open(path, "pt") as saved:
+        return (saved.metadata() or {}).get(LAYOUT_KEY)
+
+
 def written_layout(directory: str) -> str | None:
     """The layout whose ranks wrote the per-rank training state in ``directory`` (None: there is none)."""
     found = sorted(name for name in os.listdir(directory) if name.startswith(TRAINING_STATE_PREFIX))
     if not found:
         return None
-    with safe_open(os.path.join(directory, found[0]), "pt") as saved:
-        return (saved.metadata() or {}).get("layout") or f"{found[0].rpartition('-of-')[2].split('.')[0]} ranks"
+    ranks = found[0].rpartition("-of-")[2].split(".")[0]
+    return _recorded_layout(os.path.join(directory, found[0])) or f"{ranks} ranks"
 
 
 def save_training_state(model, optimizer, directory: str) -> None:
@@ -45,7 +54,7 @@ def save_training_state(model, optimizer, directory: str) -> None:
     weights, optimizer_file = _files(model, directory)
     os.makedirs(directory, exist_ok=True)
     tensors = {name: local_tensor(p.detach()).contiguous() for name, p in _trainable(model).items()}
-    save_file(tensors, weights, metadata={"layout": str(parallel_state(model).mesh.shape)})
+    save_file(tensors, weights, metadata={LAYOUT_KEY: str(parallel_state(model).mesh.shape)})
     state = optimizer.state_dict()
     state["state"] = {
         index: {key: local_tensor(value) if isinstance(value, torch.Tensor) else value for key, value in entry.items()}
@@ -65,12 +74,10 @@ def load_training_state(model, optimizer, directory: str) -> None:
                 f"{path} is missing: resuming needs the per-rank training state a checkpoint of the same layout "
                 f"({layout}) wrote"
             )
-    with safe_open(weights, "pt") as saved:
-        written = (saved.metadata() or {}).get("layout")
+    written = _recorded_layout(weights)  # None: written before layouts were recorded, at this world size
     if written is not None and written != layout:  # the same world size, another split: other slices
-        # (None: written before layouts were recorded, by a run of the same world size)
         raise ValueError(
-            f"{directory}: its per-rank training state was written at {written or 'an unrecorded layout'}, and this "
+            f"{directory}: its per-rank training state was written at {written}, and this "
             f"model is {layout}; hf_parallel resumes a checkpoint at the layout that wrote it (resharding the "
             "optimizer state is not done yet): resume at that layout"
         )

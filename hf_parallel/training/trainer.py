@@ -57,7 +57,7 @@ from ..compat.transformers import (
 )
 from ..state import is_parallel, parallel_state
 from .clipping import clip_grad_norm_
-from .fused_head import install_trl_fused_head, install_trl_token_count
+from .fused_head import install_trl_fused_head, install_trl_token_count, note_split_head
 from .resume import load_training_state, save_training_state, written_layout
 
 
@@ -137,6 +137,7 @@ def install_trainer_seams(model, state) -> None:
     if shape.world_size > 1:
         declare_owned_placement(model, ReplicaSizes(shape.replica_size, shape.dp_shard, shape.dp_replicate),
                                 fsdp=shape.dp > 1)  # fmt: skip
+        note_split_head(model, state)
         when_imported("trl.trainer.utils", install_trl_fused_head)
         for module in TOKEN_COUNTING:
             when_imported(module, functools.partial(install_trl_token_count, module))
