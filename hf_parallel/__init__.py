@@ -17,6 +17,8 @@ _EXPORTS = {  # public name -> the module that owns it
     "parallel_state": ".state",
     "train_step": ".training.step",
     "clip_grad_norm_": ".training.clipping",
+    "save_training_state": ".training.resume",
+    "load_training_state": ".training.resume",
     "consolidate": ".checkpoint.consolidate",
     "CheckpointError": ".checkpoint.errors",
     "RankFailure": ".distributed.faults",

@@ -185,9 +185,11 @@ def one_process_trainer(path: str, adapter: str, global_batch: int, output_dir: 
     return training_workers.trainer_history(trainer)
 
 
-def trainer(rank: int, world_size: int, path: str, adapter: str, sizes: dict, global_batch: int, root: str) -> dict:
+def trainer(rank: int, world_size: int, path: str, adapter: str, sizes: dict, global_batch: int, root: str,
+            resume_sizes: dict) -> dict:  # fmt: skip
     """transformers' Trainer, unchanged, on a PeftModel around a parallel model; ``save_model``
-    writes the adapter; then a run resumed from its step-3 checkpoint."""
+    writes the adapter; then runs resumed from its step-3 checkpoint at the same layout and at
+    ``resume_sizes``."""
     import peft
     import training_workers
     import transformers
@@ -195,14 +197,16 @@ def trainer(rank: int, world_size: int, path: str, adapter: str, sizes: dict, gl
     import hf_parallel
 
     runs = {}
-    for run in ("uninterrupted", "resumed"):
-        model = hf_parallel.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **sizes)
+    for run in ("uninterrupted", "resumed", "resumed_elsewhere"):
+        at = resume_sizes if run == "resumed_elsewhere" else sizes
+        model = hf_parallel.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **at)
         lora = peft.PeftModel.from_pretrained(model, adapter, is_trainable=True)
         dp = hf_parallel.parallel_state(lora).mesh.dp.size
         data = training_workers.trainer_dataset(model.config.vocab_size, global_batch * training_workers.STEPS)
-        args = training_workers.trainer_arguments(root, global_batch // dp, save_strategy="steps", save_steps=3)
+        output_dir = root if run != "resumed_elsewhere" else root + "-elsewhere"
+        args = training_workers.trainer_arguments(output_dir, global_batch // dp, save_strategy="steps", save_steps=3)
         trainer = transformers.Trainer(model=lora, args=args, train_dataset=data)
-        checkpoint = os.path.join(root, "checkpoint-3") if run == "resumed" else None
+        checkpoint = os.path.join(root, "checkpoint-3") if run != "uninterrupted" else None
         trainer.train(resume_from_checkpoint=checkpoint)
         runs[run] = training_workers.trainer_history(trainer)
         if run == "uninterrupted":

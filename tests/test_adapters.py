@@ -232,7 +232,8 @@ def test_what_cannot_be_placed_is_refused_by_name(refused, what, names):
 def test_trainer_trains_lora_on_tp_and_fsdp(paths, references, tmp_path):
     """transformers' Trainer, unchanged, on a PeftModel around a TP=2 x FSDP=2 model: one process's
     losses and grad norms; save_model writes the adapter (one process's trained adapter, loaded by
-    plain peft); a run resumed from the step-3 checkpoint logs the uninterrupted steps 4-5."""
+    plain peft); a run resumed from the step-3 checkpoint logs the uninterrupted steps 4-5, at this
+    layout and at TP=4."""
     import adapter_workers
     import training_workers
     from distributed import run_ranks
@@ -245,7 +246,7 @@ def test_trainer_trains_lora_on_tp_and_fsdp(paths, references, tmp_path):
     root = str(tmp_path / "run")
     results = run_ranks(
         4, adapter_workers.trainer, paths["llama"], adapter, dict(tp_size=2, fsdp_size=2), global_batch, root,
-        out_dir=str(tmp_path / "r"),
+        dict(tp_size=4), out_dir=str(tmp_path / "r"),
     )  # fmt: skip
     for result in results:
         got = result["uninterrupted"]
@@ -253,6 +254,9 @@ def test_trainer_trains_lora_on_tp_and_fsdp(paths, references, tmp_path):
         assert max(abs(a - b) for a, b in zip(got["losses"], want["losses"])) < 1e-5, (got, want)
         assert max(abs(a - b) for a, b in zip(got["norms"], want["norms"])) < 1e-5, (got, want)
         assert result["resumed"] == result["uninterrupted"], result
+        elsewhere = result["resumed_elsewhere"]  # at TP=4: the adapters' pieces and moments resharded
+        assert max(abs(a - b) for a, b in zip(elsewhere["losses"], want["losses"])) < 1e-5, (elsewhere, want)
+        assert max(abs(a - b) for a, b in zip(elsewhere["norms"], want["norms"])) < 1e-5, (elsewhere, want)
     assert "adapter_model.safetensors" in results[0]["files"], results[0]["files"]
     saved = load_file(os.path.join(root, "final", "adapter_model.safetensors"))
     one = load_file(os.path.join(str(tmp_path / "one"), "final", "adapter_model.safetensors"))

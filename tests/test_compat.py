@@ -117,7 +117,7 @@ def test_a_seam_goes_in_when_its_module_is_first_imported(tmp_path):
 
 def test_an_inference_load_imports_neither_the_trainer_nor_peft(tmp_path):
     """A load and a generate import neither the Trainer nor peft; importing the Trainer afterwards puts
-    its seams in (on one rank only the refusal to resume another layout's checkpoint acts; the model
+    its seams in (on one rank only the resume of a checkpoint written over several ranks acts; the model
     declares no placement of its own), and peft's."""
     out = _fresh(f"""
         import sys, torch, transformers

@@ -203,32 +203,96 @@ def test_trainer_resumes_where_it_stopped(paths, tmp_path, world_size, sizes):
         assert result["resumed"] == result["uninterrupted"], result
     files = results[0]["files"]
     for rank in range(world_size):
-        assert f"optimizer-rank-{rank:05d}-of-{world_size:05d}.pt" in files, files
         assert f"training-state-rank-{rank:05d}-of-{world_size:05d}.safetensors" in files, files
     assert "model.safetensors" in files and "optimizer.pt" not in files, files
 
 
-@pytest.mark.distributed
-def test_trainer_resume_at_another_layout_is_refused_naming_both(paths, tmp_path):
-    """A checkpoint's per-rank state written at TP=2, resumed at FSDP=2 (the same world size, other
-    slices) or on one rank: refused naming both layouts, before a shard of one layout is read into the
-    other or the optimizer silently started afresh."""
+RESUMES = {  # world size -> run -> (layout, or None: plain transformers; resumed from; consolidated first)
+    1: {"plain": (None, None, False)},
+    2: {
+        "tp2": (dict(tp_size=2), None, False),
+        "fsdp2_from_tp2": (dict(fsdp_size=2, tp_plan=None), "tp2", False),
+        "sp2": (dict(sp_size=2, tp_plan=None), None, False),
+        "tp2_from_sp2": (dict(tp_size=2), "sp2", False),
+        "tp2_from_plain": (dict(tp_size=2), "plain", False),  # transformers' optimizer.pt
+    },
+    "1 after 2": {
+        "one_rank_from_tp2": ({}, "tp2", False),
+        "plain_from_tp2": (None, "tp2", True),  # plain transformers, after hf-parallel consolidate
+    },
+    4: {
+        "fsdp2_tp2": (dict(fsdp_size=2, tp_size=2), None, False),
+        "tp4_from_fsdp2_tp2": (dict(tp_size=4), "fsdp2_tp2", False),
+    },
+}
+PIPELINE_RESUME = (dict(pp_size=2, tp_plan=None), dict(tp_size=2))  # train_step: written at, resumed at
+
+
+@pytest.fixture(scope="module")
+def resumed(paths, tmp_path_factory):
+    """Every run of RESUMES, in order (a run resumes an earlier one's checkpoint), rank 0's results."""
     import training_workers
     from distributed import run_ranks
 
-    run = str(tmp_path / "run")
-    run_ranks(2, training_workers.trainer_resume, paths["llama"], dict(tp_size=2), GLOBAL_BATCH, run,
-              out_dir=str(tmp_path / "written"))  # fmt: skip
-    results = run_ranks(2, training_workers.trainer_resume_at, paths["llama"], dict(fsdp_size=2), GLOBAL_BATCH, run,
-                        out_dir=str(tmp_path / "resumed"))  # fmt: skip
-    for result in results:
-        error = result["error"]
-        assert error is not None and "written at tp=2, and this model is tp=1 x fsdp=2" in error, error
-    # on one rank the Trainer's own resume finds no optimizer.pt and would go on with a fresh optimizer
-    (one_rank,) = run_ranks(1, training_workers.trainer_resume_at, paths["llama"], {}, GLOBAL_BATCH, run,
-                            out_dir=str(tmp_path / "one"))  # fmt: skip
-    error = one_rank["error"]
-    assert error is not None and "written by hf_parallel at tp=2" in error and "on one rank" in error, error
+    root, results = str(tmp_path_factory.mktemp("resume")), {}
+    for world, runs in RESUMES.items():
+        world_size = world if isinstance(world, int) else 1
+        pipeline = PIPELINE_RESUME if world == 2 else None
+        ranks = run_ranks(world_size, training_workers.resume_layouts, paths["llama"], runs, GLOBAL_BATCH, root,
+                          pipeline, out_dir=os.path.join(root, f"results-{world}"))  # fmt: skip
+        for rank in ranks[1:]:
+            assert {k: v for k, v in rank.items() if k != "files"} == {k: v for k, v in ranks[0].items()
+                                                                       if k != "files"}  # fmt: skip
+        results.update(ranks[0])
+    return results
+
+
+def _close(got: list, want: list, tolerance: float) -> bool:
+    return len(got) == len(want) and max(abs(a - b) for a, b in zip(got, want)) < tolerance
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("run", [run for runs in RESUMES.values() for run in runs if run != "plain"])
+def test_a_trainer_checkpoint_resumes_at_another_layout(resumed, run):
+    """A Trainer checkpoint written at one layout (hf_parallel's per-rank pieces, or transformers'
+    optimizer.pt) resumes at another, or in plain transformers after ``hf-parallel consolidate``, with
+    its optimizer, scheduler and data position: the three steps after it log what one process's
+    uninterrupted run logs (a fresh optimizer's Adam steps would not; the first three are the
+    checkpoint's log)."""
+    import training_workers
+
+    want, got = resumed["plain"], resumed[run]
+    assert "error" not in got, got
+    assert len(want["losses"]) == training_workers.RESUME_STEPS  # a resumed log starts with the checkpoint's
+    assert _close(got["losses"], want["losses"], LOSS_TOLERANCE), (got, want)
+    assert _close(got["norms"], want["norms"], NORM_TOLERANCE), (got, want)
+
+
+@pytest.mark.distributed
+def test_what_a_parallel_trainer_checkpoint_holds(resumed):
+    """Each rank's pieces in one safetensors file (no pickle, no gather); ``consolidate`` replaces them
+    with transformers' optimizer.pt."""
+    for world_size, run in ((2, "tp2"), (4, "fsdp2_tp2")):
+        files = resumed[run]["files"]
+        assert [f for f in files if f.startswith("training-state")] == [
+            f"training-state-rank-{rank:05d}-of-{world_size:05d}.safetensors" for rank in range(world_size)
+        ], files
+        assert "model.safetensors" in files and not [f for f in files if f.endswith(".pt") and "optimizer" in f]
+    consolidated = resumed["plain_from_tp2"]["files"]
+    assert "optimizer.pt" in consolidated and "model.safetensors" in consolidated, consolidated
+    assert not [f for f in consolidated if f.startswith("training-state")], consolidated
+
+
+@pytest.mark.distributed
+def test_train_step_state_resumes_from_pipeline_stages_at_tp(resumed, paths):
+    """``save_training_state`` on pipeline stages, ``load_training_state`` at TP=2: the six steps are
+    one process's."""
+    import training_workers
+
+    want = training_workers.one_process(paths["llama"], steps=training_workers.RESUME_STEPS)
+    got = resumed["train_step"]
+    assert _close(got["losses"], want["losses"], LOSS_TOLERANCE), (got, want)
+    assert _close(got["norms"], want["norms"], NORM_TOLERANCE), (got, want)
 
 
 @pytest.mark.parametrize(

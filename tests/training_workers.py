@@ -202,3 +202,82 @@ def trainer_resume_at(rank: int, world_size: int, path: str, sizes: dict, global
     except ValueError as error:
         return {"error": str(error)}
     return {"error": None}
+
+
+RESUME_STEPS, SAVED_AT = 6, 3  # runs that resume take three steps after the checkpoint
+
+
+def _resume_trainer(model, global_batch: int, output_dir: str):
+    """A Trainer of RESUME_STEPS steps on the global batch, checkpointing every SAVED_AT steps."""
+    import transformers
+
+    from hf_parallel import parallel_state
+    from hf_parallel.state import is_parallel
+
+    dp = parallel_state(model).mesh.dp.size if is_parallel(model) else 1
+    args = trainer_arguments(output_dir, global_batch // dp, save_strategy="steps", save_steps=SAVED_AT,
+                             max_steps=RESUME_STEPS)  # fmt: skip
+    data = trainer_dataset(model.config.vocab_size, global_batch * RESUME_STEPS)
+    return transformers.Trainer(model=model, args=args, train_dataset=data)
+
+
+def trainer_layouts(rank: int, world_size: int, path: str, runs: dict, global_batch: int, root: str) -> dict:
+    """Each run ``name: (layout, resumed from, consolidated)``: a Trainer run (hf_parallel at the layout,
+    or plain transformers for None) writing under ``root/name``, resumed from the SAVED_AT checkpoint
+    of an earlier run (after ``hf-parallel consolidate`` when asked): its logged history, or its error;
+    an unresumed run also lists its checkpoint's files."""
+    import transformers
+
+    import hf_parallel
+
+    results = {}
+    for name, (sizes, resumed_from, consolidated) in runs.items():
+        if sizes is None:
+            model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        else:
+            model = hf_parallel.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **sizes)
+        checkpoint = os.path.join(root, resumed_from, f"checkpoint-{SAVED_AT}") if resumed_from else None
+        if consolidated:
+            hf_parallel.consolidate(checkpoint, os.path.join(root, name, "consolidated"), progress=False)
+            checkpoint = os.path.join(root, name, "consolidated")
+        try:
+            trainer = _resume_trainer(model, global_batch, os.path.join(root, name))
+            trainer.train(resume_from_checkpoint=checkpoint)
+        except ValueError as error:
+            results[name] = {"error": str(error)}
+            continue
+        results[name] = trainer_history(trainer)
+        results[name]["files"] = sorted(os.listdir(checkpoint or os.path.join(root, name, f"checkpoint-{SAVED_AT}")))
+    return results
+
+
+def train_step_layouts(rank: int, world_size: int, path: str, written_at: dict, resumed_at: dict, root: str) -> dict:
+    """SAVED_AT ``train_step``s at ``written_at``, ``hf_parallel.save_training_state``; a new model
+    and optimizer at ``resumed_at`` read it back (``load_training_state``) and take the other steps:
+    every step's loss and gradient norm."""
+    import hf_parallel
+
+    losses, norms = [], []
+    for sizes, steps in ((written_at, range(SAVED_AT)), (resumed_at, range(SAVED_AT, RESUME_STEPS))):
+        model = hf_parallel.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **sizes)
+        model.train()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+        if steps.start:
+            hf_parallel.load_training_state(model, optimizer, root)
+        for step in steps:
+            losses.append(hf_parallel.train_step(model, **training_batch(model.config.vocab_size, step)).item())
+            norms.append(hf_parallel.clip_grad_norm_(model, MAX_NORM).item())
+            optimizer.step()
+            optimizer.zero_grad()
+        if not steps.start:
+            hf_parallel.save_training_state(model, optimizer, root)
+    return {"losses": losses, "norms": norms}
+
+
+def resume_layouts(rank: int, world_size: int, path: str, runs: dict, global_batch: int, root: str,
+                   pipeline: tuple[dict, dict] | None = None) -> dict:  # fmt: skip
+    """``trainer_layouts``, then (``pipeline``) ``train_step_layouts`` from one layout to another."""
+    results = trainer_layouts(rank, world_size, path, runs, global_batch, root)
+    if pipeline is not None:
+        results["train_step"] = train_step_layouts(rank, world_size, path, *pipeline, os.path.join(root, "steps"))
+    return results

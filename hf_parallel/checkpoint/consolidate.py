@@ -3,8 +3,9 @@ process with no process group, in row blocks of ``saving.BLOCK_BYTES`` (memory: 
 
 Keys are the checkpoint keys the model was loaded from, so the output has the source's names and
 packed forms; files are split at ``max_shard_size`` with an index, as transformers writes them.
-Everything else in DIR (config, generation config, tokenizer files) is copied. Writes are staged
-and renamed at the end, like every save.
+Everything else in DIR (config, generation config, tokenizer files) is copied. A Trainer
+checkpoint's per-rank training state becomes transformers' ``optimizer.pt``, so plain transformers
+resumes it. Writes are staged and renamed at the end, like every save.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import time
 from tqdm.auto import tqdm
 
 from ..tensor.layout import box_shape
-from .files import MANIFEST_FILE, TEMP_SUFFIX, is_weight_file
+from .files import MANIFEST_FILE, TEMP_SUFFIX, TRAINING_STATE_PREFIX, is_weight_file
 from .keys import expert_shape
 from .manifest import DistributedCheckpoint
 from .saving import Scratch, as_written, row_blocks, write_standard
@@ -25,12 +26,19 @@ from .writer import nbytes
 
 
 def consolidate(src: str, out: str, max_shard_size="50GB", progress: bool = True) -> dict:
-    """Write the standard checkpoint; returns ``{"bytes": …, "seconds": …}`` of tensor data."""
+    """Write the standard checkpoint; returns ``{"bytes": …, "seconds": …}`` of tensor data. A Trainer
+    checkpoint's per-rank training state becomes transformers' ``optimizer.pt`` (whole tensors)."""
+    from ..training.resume import OPTIMIZER_FILE, write_full_optimizer, written_layout
+
     manifest = os.path.join(src, MANIFEST_FILE)
+    training = written_layout(src) is not None
     if not os.path.isfile(manifest):
-        raise FileNotFoundError(
-            f"{src}: no {MANIFEST_FILE}; not a distributed checkpoint (save_pretrained(distributed=True))"
-        )
+        if not training:
+            raise FileNotFoundError(
+                f"{src}: no {MANIFEST_FILE} and no per-rank training state; not a distributed checkpoint "
+                "(save_pretrained(distributed=True)) nor a Trainer checkpoint of a parallel run"
+            )
+        return _consolidate_training_state(src, out)
     checkpoint = DistributedCheckpoint(manifest)  # checks every rank file before anything is written
     targets = {}  # output key -> (tensor in the checkpoint, box of it or None)
     for name, (shape, _, _, _) in checkpoint.tensors.items():
@@ -66,11 +74,35 @@ def consolidate(src: str, out: str, max_shard_size="50GB", progress: bool = True
     bar = tqdm(total=total, desc="Consolidating", unit="B", unit_scale=True, disable=not progress, leave=False)
     with Staging(out) as staging:
         write_standard(staging, specs, tensors, max_shard_size, bar)
-        if os.path.realpath(src) != os.path.realpath(out):
-            for name in sorted(os.listdir(src)):
-                path = os.path.join(src, name)
-                if os.path.isfile(path) and not is_weight_file(name) and not name.endswith(TEMP_SUFFIX):
-                    shutil.copyfile(path, staging.new_file(name))
+        if training:
+            write_full_optimizer(src, staging.new_file(OPTIMIZER_FILE))
+        _copy_the_rest(src, out, staging, copy_weights=False)
         remove_stale(out, set(staging.commit()))
     bar.close()
     return {"bytes": total, "seconds": time.perf_counter() - start}
+
+
+def _copy_the_rest(src: str, out: str, staging: Staging, copy_weights: bool) -> None:
+    """Everything else in ``src`` (config, tokenizer, a Trainer's state and scheduler) into ``out``;
+    never the per-rank files the output replaces."""
+    if os.path.realpath(src) == os.path.realpath(out):
+        return
+    for name in sorted(os.listdir(src)):
+        path = os.path.join(src, name)
+        replaced = name.startswith(TRAINING_STATE_PREFIX) or (not copy_weights and is_weight_file(name))
+        if os.path.isfile(path) and not replaced and not name.endswith(TEMP_SUFFIX):
+            shutil.copyfile(path, staging.new_file(name))
+
+
+def _consolidate_training_state(src: str, out: str) -> dict:
+    """A Trainer checkpoint whose model was saved gathered: the per-rank training state as one
+    ``optimizer.pt``, everything else copied."""
+    from ..training.resume import OPTIMIZER_FILE, write_full_optimizer
+
+    start = time.perf_counter()
+    os.makedirs(out, exist_ok=True)
+    with Staging(out) as staging:
+        write_full_optimizer(src, staging.new_file(OPTIMIZER_FILE))
+        _copy_the_rest(src, out, staging, copy_weights=True)
+        remove_stale(out, set(staging.commit()))
+    return {"bytes": os.path.getsize(os.path.join(out, OPTIMIZER_FILE)), "seconds": time.perf_counter() - start}

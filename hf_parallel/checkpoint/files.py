@@ -26,8 +26,7 @@ def is_weight_file(name: str) -> bool:
 TRAINING_STATE_PREFIX = "training-state-rank-"
 
 
-def resume_file_names(rank: int, world_size: int) -> tuple[str, str]:
-    """One rank's training state in a Trainer checkpoint: its parameters' local shards
-    (safetensors) and its optimizer's state (torch.save, read back with ``weights_only=True``)."""
-    suffix = f"{rank:05d}-of-{world_size:05d}"
-    return f"{TRAINING_STATE_PREFIX}{suffix}.safetensors", f"optimizer-rank-{suffix}.pt"
+def training_state_file(rank: int, world_size: int) -> str:
+    """One rank's training state in a Trainer checkpoint: its pieces of the trainable parameters and
+    of their optimizer state, with where each sits in the full tensor (``training/state_tiles.py``)."""
+    return f"{TRAINING_STATE_PREFIX}{rank:05d}-of-{world_size:05d}.safetensors"

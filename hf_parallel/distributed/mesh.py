@@ -13,8 +13,10 @@ WORLD_SIZE) every dimension has one rank and no process group, and every collect
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -195,9 +197,27 @@ _MESHES: dict[MeshShape, Mesh] = {}  # one mesh (and one set of process groups) 
 def shutdown() -> None:
     """Leave the process group together, before interpreter exit: gloo aborts the process when its
     threads are torn down during finalization or while a peer is still mid-collective."""
-    _MESHES.clear()
     if dist.is_initialized():
         dist.barrier()
+    _leave_at_exit()
+
+
+SETTLE_SECONDS = 0.1  # at exit, the GIL is let go this long for the process groups' threads
+
+
+def _leave_at_exit() -> None:
+    """Let the process groups' threads finish, then destroy the groups, while the interpreter still
+    runs (registered at exit once a mesh exists). A gloo worker thread finishes a collective's work
+    (an all-gather: the Trainer's, accelerate's, ours) just after the caller has it back, and then
+    releases the work's tensors, whose Python objects need the GIL. When the program ends right
+    then, the thread asks for the GIL during finalization, is made to exit inside a destructor, and
+    the process aborts: "terminate called without an active exception" (the core dump's stack,
+    torch 2.13; about half of all runs that end after an all-gather). Destroying the groups alone
+    does not join those threads; sleeping hands them the GIL. Local: no peer is waited for, so a
+    rank leaving on an error does not hang."""
+    _MESHES.clear()
+    if dist.is_initialized():
+        time.sleep(SETTLE_SECONDS)
         dist.destroy_process_group()
 
 
@@ -231,6 +251,9 @@ def get_mesh(
         with collective(f"joining the process group (rank {os.environ.get('RANK')} of {os.environ['WORLD_SIZE']})"):
             dist.init_process_group(backend=backend, timeout=timeout or default_timeout())
     shape = MeshShape.of(dist.get_world_size(), **sizes)
+    if not _MESHES:
+        atexit.unregister(_leave_at_exit)  # registered once, however often meshes are made anew
+        atexit.register(_leave_at_exit)
     if shape not in _MESHES:
         _MESHES[shape] = _create(shape, timeout or default_timeout())
     return _MESHES[shape]

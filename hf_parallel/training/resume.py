@@ -1,105 +1,130 @@
-"""Per-rank training state, so a run can stop and resume with the losses an uninterrupted run gives.
+"""Per-rank training state, so a run can stop and resume, at the same layout or any other, with the
+losses an uninterrupted run gives.
 
-The gathered checkpoint (``save_pretrained``) is the model for everyone else; resuming needs each
-rank's exact local shards (TP, EP, FSDP slices) and its optimizer's state for them, which no rank
-holds for another. Each rank writes its own two files and reads back only those: no rank ever holds
-more than its shard, and the bits come back exactly.
+The gathered checkpoint (``save_pretrained``) is the model for everyone else; resuming needs the
+trainable parameters' exact values and the optimizer's state for them, which no rank holds whole.
+Each rank writes its own pieces with where they sit in the full tensors (``state_tiles.py``): no
+rank ever gathers, and any layout reads back just its pieces, bit for bit. transformers'
+``optimizer.pt`` (a one-process run's) resumes on a parallel layout the same way, and
+``hf-parallel consolidate`` turns a parallel run's state into one for plain transformers.
 """
 
 from __future__ import annotations
 
+import json
 import os
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from ..adapters.seams import place_and_check
-from ..checkpoint.files import TRAINING_STATE_PREFIX, resume_file_names
-from ..state import parallel_state
-from .clipping import local_tensor
-
-
-def _files(model, directory: str) -> tuple[str, str]:
-    mesh = parallel_state(model).mesh
-    return tuple(os.path.join(directory, name) for name in resume_file_names(mesh.rank, mesh.world_size))
-
-
-def _trainable(model) -> dict:
-    """What training changes: the trainable parameters (a LoRA run's adapters, not the frozen base)."""
-    return {name: p for name, p in model.named_parameters() if p.requires_grad}
-
+from ..checkpoint.files import TRAINING_STATE_PREFIX, training_state_file
+from ..state import parallel_model, parallel_state
+from .state_tiles import (
+    METADATA_KEY,
+    PlainOptimizerState,
+    SavedState,
+    StateError,
+    full_optimizer_state,
+    param_tiles,
+    read_state,
+    state_file_contents,
+)
 
 LAYOUT_KEY = "layout"  # in each rank's training-state file: the layout whose ranks wrote it
+OPTIMIZER_FILE = "optimizer.pt"  # transformers' one-process optimizer state (torch.save)
 
 
-def _recorded_layout(path: str) -> str | None:
-    """The layout a training-state file records (None: written before layouts were recorded)."""
-    with safe_open(path, "pt") as saved:
-        return (saved.metadata() or {}).get(LAYOUT_KEY)
+def _state_files(directory: str) -> list[str]:
+    """The per-rank files in ``directory``, in rank order (empty: there are none)."""
+    found = sorted(name for name in os.listdir(directory) if name.startswith(TRAINING_STATE_PREFIX))
+    if not found:
+        return []
+    world = int(found[0].rpartition("-of-")[2].split(".")[0])
+    files = [os.path.join(directory, training_state_file(rank, world)) for rank in range(world)]
+    absent = [os.path.basename(file) for file in files if not os.path.isfile(file)]
+    if absent:
+        raise StateError(f"{directory}: the training state of {world} ranks lacks {', '.join(absent[:4])}")
+    return files
 
 
 def written_layout(directory: str) -> str | None:
-    """The layout whose ranks wrote the per-rank training state in ``directory`` (None: there is none)."""
-    found = sorted(name for name in os.listdir(directory) if name.startswith(TRAINING_STATE_PREFIX))
-    if not found:
+    """The layout whose ranks wrote the training state in ``directory`` (None: hf_parallel wrote none)."""
+    files = _state_files(directory) if os.path.isdir(directory) else []
+    if not files:
         return None
-    ranks = found[0].rpartition("-of-")[2].split(".")[0]
-    return _recorded_layout(os.path.join(directory, found[0])) or f"{ranks} ranks"
+    with safe_open(files[0], "pt") as saved:
+        return (saved.metadata() or {}).get(LAYOUT_KEY, f"{len(files)} ranks")
 
 
 def save_training_state(model, optimizer, directory: str) -> None:
-    """This rank's trainable parameter shards and optimizer state under ``directory`` (every rank calls),
-    with the layout that wrote them."""
-    weights, optimizer_file = _files(model, directory)
+    """This rank's pieces of the trainable parameters and of ``optimizer``'s state (may be None)
+    under ``directory``, with the layout that wrote them (every rank calls)."""
+    mesh = parallel_state(parallel_model(model)).mesh
+    tensors, metadata = state_file_contents(model, optimizer)
     os.makedirs(directory, exist_ok=True)
-    tensors = {name: local_tensor(p.detach()).contiguous() for name, p in _trainable(model).items()}
-    save_file(tensors, weights, metadata={LAYOUT_KEY: str(parallel_state(model).mesh.shape)})
-    state = optimizer.state_dict()
-    state["state"] = {
-        index: {key: local_tensor(value) if isinstance(value, torch.Tensor) else value for key, value in entry.items()}
-        for index, entry in state["state"].items()
-    }
-    torch.save(state, optimizer_file)
+    save_file(tensors, os.path.join(directory, training_state_file(mesh.rank, mesh.world_size)),
+              metadata={LAYOUT_KEY: str(mesh.shape), METADATA_KEY: json.dumps(metadata)})  # fmt: skip
 
 
-def load_training_state(model, optimizer, directory: str) -> None:
-    """What ``save_training_state`` wrote for this rank, back into ``model`` and ``optimizer``
-    (either may be None)."""
-    weights, optimizer_file = _files(model, directory)
-    layout = str(parallel_state(model).mesh.shape)
-    for path in (weights, optimizer_file):
-        if not os.path.isfile(path):
-            raise FileNotFoundError(
-                f"{path} is missing: resuming needs the per-rank training state a checkpoint of the same layout "
-                f"({layout}) wrote"
-            )
-    written = _recorded_layout(weights)  # None: written before layouts were recorded, at this world size
-    if written is not None and written != layout:  # the same world size, another split: other slices
-        raise ValueError(
-            f"{directory}: its per-rank training state was written at {written}, and this "
-            f"model is {layout}; hf_parallel resumes a checkpoint at the layout that wrote it (resharding the "
-            "optimizer state is not done yet): resume at that layout"
-        )
-    if model is not None:
-        place_and_check(model)  # adapters added since loading: cut to the slices this rank saved
-        saved = load_file(weights)
-        params = _trainable(model)
-        if saved.keys() != params.keys():
-            raise ValueError(
-                f"{weights} holds other parameters than the model: {sorted(saved.keys() ^ params.keys())[:5]}"
-            )
-        with torch.no_grad():
-            for name, param in params.items():
-                local_tensor(param).copy_(saved[name])
+def _plain_state(model, optimizer, directory: str) -> PlainOptimizerState:
+    """A one-process checkpoint: the weights by the checkpoint keys the model was loaded from, and
+    transformers' ``optimizer.pt`` when there is an optimizer to fill."""
+    from ..checkpoint.loading import checkpoint_files
+
+    state = parallel_state(parallel_model(model))
+    if state.stage is not None:
+        raise StateError(f"{directory}: a one-process checkpoint resumes on layouts without pipeline stages")
+    tiles = param_tiles(model)
+    order = list(tiles)
     if optimizer is not None:
-        optimizer.load_state_dict(torch.load(optimizer_file, weights_only=True))
-        for group in optimizer.param_groups:  # FSDP's parameters are DTensors: so must their moments be
-            for param in group["params"]:
-                if hasattr(param, "to_local") and param in optimizer.state:
-                    entry = optimizer.state[param]
-                    for key, value in entry.items():
-                        if isinstance(value, torch.Tensor) and not hasattr(value, "to_local") and value.dim():
-                            entry[key] = type(param).from_local(
-                                value, param.device_mesh, param.placements, shape=param.shape, stride=param.stride()
-                            )
+        names_of = {id(param): name for name, (param, _, _) in tiles.items()}
+        order = [names_of.get(id(p), "?") for group in optimizer.param_groups for p in group["params"]]
+    files = checkpoint_files(directory)
+    weights, unreadable = {}, []
+    for name in tiles:
+        key = state.source_keys.get(name)
+        if isinstance(key, str) and key in files:
+            weights[name] = safe_open(files[key], "pt").get_slice(key)
+        else:
+            unreadable.append(name)
+    if unreadable:
+        raise StateError(
+            f"{directory}: a one-process checkpoint's trainable parameter(s) {', '.join(unreadable[:5])} are not "
+            "under the keys this model was loaded from (an adapter, or fused experts): load the model from this "
+            "checkpoint, or resume at the layout that wrote it"
+        )
+    shapes = {name: full for name, (_, full, _) in tiles.items()}
+    optimizer_file = os.path.join(directory, OPTIMIZER_FILE) if optimizer is not None else None
+    return PlainOptimizerState(optimizer_file, order, shapes, weights)
+
+
+def load_training_state(model, optimizer, directory: str, weights: bool = True) -> None:
+    """What ``save_training_state`` wrote at any layout (or a one-process checkpoint: its weights and
+    transformers' ``optimizer.pt``) into the trainable parameters (``weights``) and ``optimizer``
+    (may be None), each rank reading its own pieces."""
+    state = parallel_state(parallel_model(model))
+    layout = str(state.mesh.shape)
+    place_and_check(model)  # adapters added since loading: cut to this rank's slices first
+    files = _state_files(directory) if os.path.isdir(directory) else []
+    if files:
+        saved = SavedState(files, written_layout(directory))
+    elif optimizer is None or os.path.isfile(os.path.join(directory, OPTIMIZER_FILE)):
+        saved = _plain_state(model, optimizer, directory)
+    else:
+        raise FileNotFoundError(
+            f"{directory}: no optimizer state to resume (neither hf_parallel's {TRAINING_STATE_PREFIX}* files nor "
+            f"transformers' {OPTIMIZER_FILE})"
+        )
+    read_state(model, optimizer, saved, layout, on_stages=state.stage is not None, weights=weights)
+
+
+def write_full_optimizer(src: str, out_file: str) -> bool:
+    """transformers' ``optimizer.pt`` (whole tensors, one process) from the training state in ``src``,
+    written to ``out_file``; False when ``src`` has none."""
+    files = _state_files(src)
+    if not files:
+        return False
+    torch.save(full_optimizer_state(SavedState(files, written_layout(src))), out_file)
+    return True

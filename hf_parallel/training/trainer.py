@@ -21,9 +21,10 @@ parameters it is called with, and the Trainer still calls it) and a missing one 
   refused by name;
 - a model on pipeline stages is refused when the Trainer is built (one forward and one backward
   per batch cannot drive a schedule): ``hf_parallel.train_step`` trains it;
-- checkpoints for resuming hold every rank's own parameter shards and optimizer state
-  (``resume.py``) beside the gathered model, where the Trainer would save rank 0's optimizer only
-  (and refuses to, for a model sharded at load time).
+- checkpoints for resuming hold every rank's own pieces of the trainable parameters and of the
+  optimizer state, placed in the full tensors (``resume.py``), beside the gathered model, where the
+  Trainer would save rank 0's optimizer only (and refuses to, for a model sharded at load time);
+  they resume at any layout, one rank included, and a one-process ``optimizer.pt`` resumes here.
 
 Why a scoped replacement and not something narrower: users hand their model to the Trainer (or TRL's
 subclasses of it) unchanged, so a Trainer subclass of ours would never be the one running; the
@@ -131,8 +132,8 @@ def batch_mesh(mesh):
 def install_trainer_seams(model, state) -> None:
     """Tell the Trainer that a model split over several ranks owns its placement; the Trainer's
     methods that have no seam are wrapped when a program first imports the Trainer (an inference
-    load never does). On one rank the Trainer's own steps run, except that resuming a checkpoint
-    written at another layout is refused."""
+    load never does). On one rank the Trainer's own steps run, except that a checkpoint hf_parallel
+    wrote over several ranks is resumed by hf_parallel."""
     shape = state.mesh.shape
     if shape.world_size > 1:
         declare_owned_placement(model, ReplicaSizes(shape.replica_size, shape.dp_shard, shape.dp_replicate),
@@ -184,18 +185,18 @@ def _wrapped_init(original_init):
 
 
 def _replace_step(trainer_class, seam, replacement, on_one_rank=None) -> None:
-    """``Trainer.<step>`` runs ``replacement`` on a model split over several ranks, the Trainer's own
-    otherwise, after ``on_one_rank`` for hf_parallel's model on one rank (the seam checked before
-    anything is replaced)."""
+    """``Trainer.<step>`` runs ``replacement`` on a model split over several ranks, or on hf_parallel's
+    model on one rank where ``on_one_rank(trainer, *args)`` says so; the Trainer's own otherwise (the
+    seam checked before anything is replaced)."""
     original = seam.get()
     name = seam.where.rpartition(".")[2]
 
     @functools.wraps(original)
     def method(self, *args, **kwargs):
-        if _is_split(self.model):
+        if _is_split(self.model) or (
+            on_one_rank is not None and is_parallel(self.model) and on_one_rank(self, *args, **kwargs)
+        ):
             return replacement(self, *args, **kwargs)
-        if on_one_rank is not None and is_parallel(self.model):
-            on_one_rank(self, *args, **kwargs)
         return original(self, *args, **kwargs)
 
     setattr(trainer_class, name, method)
@@ -210,24 +211,20 @@ def _save_state(trainer, output_dir):
 
 
 def _load_state(trainer, checkpoint):
+    """The optimizer's and the scheduler's state, from a checkpoint of any layout (the weights were
+    read by ``_load_model_state``)."""
     import torch
 
     if checkpoint is not None:
-        load_training_state(trainer.model, trainer.optimizer, checkpoint)
+        load_training_state(trainer.model, trainer.optimizer, checkpoint, weights=False)
         scheduler = torch.load(os.path.join(checkpoint, SCHEDULER_NAME.get()), weights_only=True)
         trainer.lr_scheduler.load_state_dict(scheduler)
 
 
-def _refuse_other_layouts(trainer, checkpoint, *args, **kwargs):
-    """On one rank the Trainer would resume without the optimizer and scheduler of a checkpoint
-    hf_parallel wrote at another layout (it finds no ``optimizer.pt``), silently: refused."""
-    written = written_layout(checkpoint) if checkpoint is not None and os.path.isdir(checkpoint) else None
-    if written is not None:
-        raise ValueError(
-            f"{checkpoint}: its training state was written by hf_parallel at {written} (per-rank optimizer state, "
-            "no optimizer.pt), and this model is on one rank; resuming here would start from a fresh optimizer and "
-            f"scheduler. Resume at {written} (resharding optimizer state across layouts is not done yet)"
-        )
+def _written_by_hf_parallel(trainer, checkpoint, *args, **kwargs) -> bool:
+    """On one rank the Trainer's own resume would find no ``optimizer.pt`` in a checkpoint hf_parallel
+    wrote over several ranks and go on with a fresh optimizer: hf_parallel's resume reads it instead."""
+    return checkpoint is not None and written_layout(checkpoint) is not None
 
 
 def _clip(trainer, model):
@@ -254,5 +251,5 @@ def _wrap_trainer() -> None:
     _replace_step(trainer_class, GET_GRAD_NORM, _grad_norm)
     _replace_step(trainer_class, SYNC_REPLICATED, lambda self, model: place_and_check(self.model))
     _replace_step(trainer_class, SAVE_OPTIMIZER, _save_state)
-    _replace_step(trainer_class, LOAD_OPTIMIZER, _load_state, on_one_rank=_refuse_other_layouts)
-    _replace_step(trainer_class, LOAD_CHECKPOINT, _load_model_state, on_one_rank=_refuse_other_layouts)
+    _replace_step(trainer_class, LOAD_OPTIMIZER, _load_state, on_one_rank=_written_by_hf_parallel)
+    _replace_step(trainer_class, LOAD_CHECKPOINT, _load_model_state, on_one_rank=_written_by_hf_parallel)

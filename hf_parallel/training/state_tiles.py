@@ -1,0 +1,369 @@
+"""Training state as tiles of full tensors, so a checkpoint written at one layout resumes at any other.
+
+Each rank holds pieces of every trainable parameter and of its optimizer state (TP and expert
+shards, FSDP's rows of those, a pipeline stage's layers, whole copies on SP or replica ranks). A
+piece is written with the box of the full tensor it is (``param_tiles``); a rank of any other
+layout reads its own pieces back as the intersection of the boxes it needs with those saved
+(``tiles.TiledTensor``), and one process can assemble whole tensors (``hf-parallel consolidate``
+writes transformers' ``optimizer.pt`` from them). Optimizer state is matched to parameters by name,
+the way weights are, so the order of ``param_groups`` may differ between layouts; only the groups'
+membership must agree.
+
+One safetensors file per rank (no pickle); its metadata says where every piece sits:
+
+    {"params": {name: {"shape": [...], "group": 0, "tiles": [[[0, 64], [0, 96]], ...],
+                       "states": {"param": "tiled", "exp_avg": "tiled", "step": "scalar"}}},
+     "groups": [{"lr": ..., "betas": [...], ...}], "order": [name, ...]}     # optimizer order
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import json
+from typing import Callable
+
+import torch
+from safetensors import safe_open
+
+from ..adapters.seams import named_entries
+from ..checkpoint.tiles import Tile, TiledTensor
+from ..checkpoint.writer import SAFETENSORS_TO_TORCH
+from ..compat.torch import fsdp_rows
+from ..state import parallel_model, parallel_state
+from ..tensor.layout import Box, as_slices
+from .clipping import local_tensor
+
+TILED, SCALAR, LOCAL = "tiled", "scalar", "local"  # how a state value is stored
+PARAM = "param"  # the parameter's own value, beside its optimizer state
+METADATA_KEY = "hf_parallel.training_state"
+# optimizers whose every state tensor shaped like its parameter is elementwise, so it splits like the
+# parameter (a preconditioner of a square matrix is shaped like it too, and must not be resharded)
+ELEMENTWISE = frozenset(f"torch.optim.{name}" for name in (
+    "Adam", "AdamW", "SGD", "Adagrad", "RMSprop", "Adadelta", "Adamax", "NAdam", "RAdam", "ASGD", "Rprop", "Adafactor",
+))  # fmt: skip
+
+
+class StateError(ValueError):
+    """Training state that cannot be read into this model and optimizer: what and why, by name."""
+
+
+def _segments(param, entry, mesh) -> list[list[tuple[int, int, int]]]:
+    """Per dim of the rank's local tensor: (full start, local start, length) runs."""
+    shape = tuple(param.shape)  # FSDP's DTensor: the TP shard's shape
+    segments = [[(0, 0, n)] for n in shape]
+    layout = entry.layout if entry is not None else None
+    if layout is not None and not layout.is_replicated:
+        offsets = itertools.accumulate((stop - start for start, stop in layout.ranges[mesh.tp.rank]), initial=0)
+        segments[layout.dim] = [(start, at, stop - start) for (start, stop), at in zip(layout.ranges[mesh.tp.rank],
+                                                                                        offsets)]  # fmt: skip
+    if hasattr(param, "to_local"):  # FSDP's rows of the TP shard
+        rows = fsdp_rows(shape[0], local_tensor(param).shape[0], mesh.fsdp.rank, mesh.fsdp.size)
+        clipped = []
+        for full, at, length in segments[0]:
+            low, high = max(at, rows.start), min(at + length, rows.stop)
+            if low < high:
+                clipped.append((full + low - at, low - rows.start, high - low))
+        segments[0] = clipped
+    return segments
+
+
+def param_tiles(model) -> dict[str, tuple[torch.nn.Parameter, tuple[int, ...], list[tuple[Box, Box]]]]:
+    """Every trainable parameter this rank holds: name -> (parameter, full shape, [(box in the full
+    tensor, box in this rank's local tensor)]). The name is the one the parameter was loaded under
+    (the same at every layout; an adapter's, or the model's own for what hf_parallel did not place)."""
+    model = parallel_model(model)  # under a peft wrapper: the names hf_parallel placed adapters by
+    state = parallel_state(model)
+    out = {}
+    for name, param, entry in named_entries(model, state):
+        if not param.requires_grad:
+            continue
+        key = entry.name if entry is not None else name
+        full = tuple(entry.full_shape) if entry is not None else tuple(param.shape)
+        tiles = [
+            (tuple((f, f + n) for f, _, n in runs), tuple((at, at + n) for _, at, n in runs))
+            for runs in itertools.product(*_segments(param, entry, state.mesh))
+        ]
+        out.setdefault(key, (param, full, tiles))  # a tied weight kept on two stages: one name
+    return out
+
+
+def _optimizer_names(optimizer, names_of: dict[int, str]) -> list[list[str]]:
+    groups = []
+    for index, group in enumerate(optimizer.param_groups):
+        unknown = [tuple(p.shape) for p in group["params"] if id(p) not in names_of]
+        if unknown:
+            raise StateError(
+                f"the optimizer's group {index} holds {len(unknown)} tensor(s) that are no trainable parameter of the "
+                f"model (shapes {unknown[:3]}): hf_parallel saves the state of the model's parameters"
+            )
+        groups.append([names_of[id(p)] for p in group["params"]])
+    return groups
+
+
+def optimizer_class(optimizer) -> str:
+    """``torch.optim.AdamW``: the optimizer's class (inside accelerate's wrapper, which the Trainer uses)."""
+    inner = getattr(optimizer, "optimizer", optimizer)
+    module = "torch.optim" if type(inner).__module__.startswith("torch.optim.") else type(inner).__module__
+    return f"{module}.{type(inner).__name__}"
+
+
+def _hyperparameters(group: dict) -> dict:
+    values = {k: v for k, v in group.items() if k != "params"}
+    try:
+        json.dumps(values)
+    except TypeError as error:
+        raise StateError(f"an optimizer setting cannot be written as data (no pickle): {error}") from None
+    return values
+
+
+def state_file_contents(model, optimizer) -> tuple[dict[str, torch.Tensor], dict]:
+    """This rank's pieces: tensors under ``name::state::index`` and the metadata that places them."""
+    tiles = param_tiles(model)
+    names_of = {id(param): name for name, (param, _, _) in tiles.items()}
+    groups = _optimizer_names(optimizer, names_of) if optimizer is not None else []
+    group_of = {name: index for index, names in enumerate(groups) for name in names}
+    tensors, params = {}, {}
+    for name, (param, full, boxes) in tiles.items():
+        local = local_tensor(param.detach())
+        values = {PARAM: local}
+        if optimizer is not None:
+            values.update(optimizer.state.get(param, {}))
+        kinds = {}
+        for state_name, value in values.items():
+            value = local_tensor(value) if isinstance(value, torch.Tensor) else value
+            if not isinstance(value, torch.Tensor):
+                raise StateError(f"{name}: optimizer state {state_name!r} is a {type(value).__name__}, not a tensor")
+            if value.shape == local.shape:
+                kinds[state_name] = TILED
+                for index, (_, local_box) in enumerate(boxes):
+                    tensors[f"{name}::{state_name}::{index}"] = value[as_slices(local_box)].contiguous()
+            else:  # a step count (the same on every rank), or a shape of the optimizer's own (this layout only)
+                kinds[state_name] = SCALAR if value.dim() == 0 else LOCAL
+                tensors[f"{name}::{state_name}::{kinds[state_name]}"] = value.contiguous()
+        params[name] = {"shape": list(full), "group": group_of.get(name), "states": kinds,
+                        "tiles": [[list(r) for r in full_box] for full_box, _ in boxes]}  # fmt: skip
+    metadata = {
+        "params": params,
+        "groups": [_hyperparameters(group) for group in optimizer.param_groups] if optimizer is not None else None,
+        "order": [name for names in groups for name in names],
+        "optimizer": optimizer_class(optimizer) if optimizer is not None else None,
+    }
+    return tensors, metadata
+
+
+class SavedState:
+    """Every rank file of a training-state save: each name's pieces, readable as any box of the full
+    tensor at any layout. ``layout``: the layout that wrote it."""
+
+    def __init__(self, files: list[str], layout: str):
+        self.layout, self.files = layout, files
+        self.params: dict[str, dict] = {}
+        self.order: list[str] = []
+        self.groups = None
+        self._tiles: dict[tuple[str, str], dict[Box, Tile]] = {}
+        self._dtypes: dict[tuple[str, str], torch.dtype] = {}
+        self._single: dict[tuple[str, str, str], Callable[[], torch.Tensor]] = {}  # (name, state, kind or rank)
+        for rank, file in enumerate(files):
+            handle = safe_open(file, "pt")
+            found = (handle.metadata() or {}).get(METADATA_KEY)
+            if found is None:
+                raise StateError(
+                    f"{file}: training state of an earlier hf_parallel (its optimizer state in optimizer-rank-*.pt), "
+                    "which only the version that wrote it resumes, at the layout that wrote it"
+                )
+            metadata = json.loads(found)
+            self.optimizer = metadata["optimizer"]
+            if self.groups is None and metadata["groups"] is not None:  # JSON has no tuples (betas)
+                self.groups = [{k: tuple(v) if isinstance(v, list) else v for k, v in group.items()}
+                               for group in metadata["groups"]]  # fmt: skip
+            self.order += [name for name in metadata["order"] if name not in self.order]
+            for name, saved in metadata["params"].items():
+                known = self.params.setdefault(name, saved)
+                if known["shape"] != saved["shape"] or known["states"] != saved["states"]:
+                    raise StateError(f"{file}: {name!r} disagrees with another rank's file about its shape or state")
+                for state_name, kind in saved["states"].items():
+                    if kind == TILED:
+                        pieces = self._tiles.setdefault((name, state_name), {})
+                        for index, box in enumerate(saved["tiles"]):
+                            key, box = f"{name}::{state_name}::{index}", tuple(tuple(r) for r in box)
+                            self._dtypes[(name, state_name)] = SAFETENSORS_TO_TORCH[handle.get_slice(key).get_dtype()]
+                            if box not in pieces:  # a piece held by several ranks is read from the first
+                                pieces[box] = Tile(box, _reader(handle, key))
+                    else:
+                        where, key = kind if kind == SCALAR else str(rank), f"{name}::{state_name}::{kind}"
+                        self._single.setdefault((name, state_name, where), functools.partial(handle.get_tensor, key))
+
+    def names(self) -> set[str]:
+        return set(self.params)
+
+    def read(self, name: str, state_name: str, boxes: list[tuple[Box, Box]], local_shape, rank: int, here: str):
+        """``name``'s ``state_name`` as rank ``rank`` of layout ``here`` holds it: its local tensor
+        (``local_shape``), the saved pieces placed at ``boxes`` (full-tensor box, local box)."""
+        kind = self.params[name]["states"][state_name]
+        if kind == SCALAR:
+            return self._single[(name, state_name, SCALAR)]()
+        if kind == LOCAL:
+            if here != self.layout:
+                raise StateError(
+                    f"{name}: optimizer state {state_name!r} has a shape of the optimizer's own, not the parameter's "
+                    f"(a factored second moment?), so the state written at {self.layout} cannot be resharded to this "
+                    f"model's {here}: resume at {self.layout}"
+                )
+            return self._single[(name, state_name, str(rank))]()
+        dtype = self._dtypes[(name, state_name)]
+        full = TiledTensor(f"{name} {state_name}", self.params[name]["shape"], dtype,
+                           list(self._tiles[(name, state_name)].values()))  # fmt: skip
+        out = torch.empty(local_shape, dtype=dtype)
+        for full_box, local_box in boxes:
+            out[as_slices(local_box)] = full.read(full_box)
+        return out
+
+
+def _reader(handle, key: str):
+    def read(box: Box) -> torch.Tensor:
+        return handle.get_slice(key)[as_slices(box)] if box else handle.get_tensor(key)
+
+    return read
+
+
+class PlainOptimizerState(SavedState):
+    """transformers' ``optimizer.pt`` (one process's whole optimizer) and the checkpoint's weights,
+    presented like a training-state save: every tensor one tile. Its state is by position, so
+    positions are matched to this model's optimizer order, and every shape must agree."""
+
+    def __init__(self, path: str | None, order: list[str], shapes: dict[str, tuple], weights: dict[str, object]):
+        """``path``: the optimizer.pt (None: the weights only); ``weights``: name -> a safetensors slice
+        of the parameter in the checkpoint."""
+        self.layout, self.files, self.optimizer = "one process (optimizer.pt)", [path], None
+        saved = {"state": {}, "param_groups": [{"params": list(range(len(order)))}]}
+        if path is not None:
+            saved = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        positions = [index for group in saved["param_groups"] for index in group["params"]]
+        if len(positions) != len(order):
+            raise StateError(
+                f"{path} holds the state of {len(positions)} parameters and this model's optimizer has {len(order)}: "
+                "written for another model, or another set of trainable parameters"
+            )
+        self.groups = [{k: v for k, v in group.items() if k != "params"} for group in saved["param_groups"]]
+        group_of = {index: g for g, group in enumerate(saved["param_groups"]) for index in group["params"]}
+        self.order, self.params, self._tiles, self._dtypes, self._single = list(order), {}, {}, {}, {}
+        for name, index in zip(order, positions):
+            values = dict(saved["state"].get(index, {}))
+            if name in weights:
+                values[PARAM] = weights[name]
+            states = {}
+            for state_name, value in values.items():
+                sliced = hasattr(value, "get_shape")
+                value_shape = tuple(value.get_shape() if sliced else value.shape)
+                if value_shape == tuple(shapes[name]):
+                    states[state_name], box = TILED, tuple((0, n) for n in value_shape)
+                    self._tiles[(name, state_name)] = {box: Tile(box, _slicer(value))}
+                    dtype = SAFETENSORS_TO_TORCH[value.get_dtype()] if sliced else value.dtype
+                    self._dtypes[(name, state_name)] = dtype
+                elif not value_shape:
+                    states[state_name] = SCALAR
+                    self._single[(name, state_name, SCALAR)] = lambda held=value: held
+                else:
+                    raise StateError(
+                        f"{path}: parameter {index}'s {state_name!r} has shape {value_shape}; this model's {name} at "
+                        f"that position is {tuple(shapes[name])} (another model, or another parameter order)"
+                    )
+            self.params[name] = {"shape": list(shapes[name]), "group": group_of[index], "states": states}
+
+
+def _slicer(value):
+    return lambda box: value[as_slices(box)] if box else value[()]
+
+
+def read_state(model, optimizer, saved: SavedState, here: str, on_stages: bool, weights: bool = True) -> None:
+    """Fill the model's trainable parameters (``weights``) and ``optimizer`` (may be None) with this
+    rank's pieces of ``saved``; every name and shape is checked before anything is written."""
+    tiles = param_tiles(model)
+    missing = sorted(tiles.keys() - saved.names())
+    extra = sorted(saved.names() - tiles.keys()) if not on_stages else []  # a stage holds only its layers
+    if missing or extra:
+        raise StateError(
+            f"the training state written at {saved.layout} is of other trainable parameters than this model's "
+            f"({here}): "
+            + "; ".join(f"{what}: {', '.join(names[:5])}" for what, names in (("not in it", missing),
+                                                                              ("not in the model", extra)) if names)
+        )  # fmt: skip
+    for name, (_, full, _) in tiles.items():
+        if tuple(saved.params[name]["shape"]) != full:
+            raise StateError(
+                f"{name}: {tuple(saved.params[name]['shape'])} in the training state written at {saved.layout}, {full} "
+                f"in this model ({here})"
+            )
+    groups = None
+    if optimizer is not None:
+        names_of = {id(param): name for name, (param, _, _) in tiles.items()}
+        groups = _optimizer_names(optimizer, names_of)
+        if saved.groups is None:
+            raise StateError(f"the training state written at {saved.layout} holds no optimizer state")
+        ours = optimizer_class(optimizer)
+        if (saved.optimizer or ours) != ours:
+            raise StateError(f"the training state written at {saved.layout} is {saved.optimizer}'s, the optimizer {ours}")
+        if here != saved.layout and ours not in ELEMENTWISE:
+            raise StateError(
+                f"{ours}'s state written at {saved.layout} cannot be resharded to this model's {here}: hf_parallel "
+                f"splits the state of torch.optim's elementwise optimizers ({', '.join(sorted(ELEMENTWISE))}) like "
+                f"their parameters; resume at {saved.layout}"
+            )
+        if len(groups) != len(saved.groups):
+            raise StateError(
+                f"the optimizer has {len(groups)} parameter groups, the state written at {saved.layout} "
+                f"{len(saved.groups)}"
+            )
+        for index, names in enumerate(groups):
+            moved = [name for name in names if saved.params[name]["group"] != index]
+            if moved:
+                raise StateError(f"{', '.join(moved[:5])}: in group {index} here, another in the saved optimizer state")
+    rank = parallel_state(parallel_model(model)).mesh.rank
+
+    def local(name, state_name):
+        param, _, boxes = tiles[name]
+        return saved.read(name, state_name, boxes, tuple(local_tensor(param).shape), rank, here)
+
+    if weights:
+        with torch.no_grad():
+            for name, (param, _, _) in tiles.items():
+                local_tensor(param).copy_(local(name, PARAM))
+    if optimizer is None:
+        return
+    flat = [name for names in groups for name in names]
+    loaded = optimizer.state_dict()
+    states = {index: [s for s in saved.params[name]["states"] if s != PARAM] for index, name in enumerate(flat)}
+    loaded["state"] = {index: {s: local(flat[index], s) for s in names} for index, names in states.items() if names}
+    loaded["param_groups"] = [{**values, "params": ours["params"]}
+                              for values, ours in zip(saved.groups, loaded["param_groups"])]  # fmt: skip
+    optimizer.load_state_dict(loaded)
+    for group in optimizer.param_groups:  # FSDP's parameters are DTensors: so must their moments be
+        for param in group["params"]:
+            if hasattr(param, "to_local") and param in optimizer.state:
+                entry = optimizer.state[param]
+                for key, value in entry.items():
+                    if isinstance(value, torch.Tensor) and not hasattr(value, "to_local") and value.dim():
+                        entry[key] = type(param).from_local(
+                            value, param.device_mesh, param.placements, shape=param.shape, stride=param.stride()
+                        )
+
+
+def full_optimizer_state(saved: SavedState) -> dict:
+    """The whole optimizer state as one process's ``optimizer.state_dict()`` (for transformers'
+    ``optimizer.pt``): parameters in the saved optimizer's order, groups as saved."""
+    by_group = [[name for name in saved.order if saved.params[name]["group"] == g] for g in range(len(saved.groups))]
+    flat = [name for names in by_group for name in names]
+    state = {}
+    for index, name in enumerate(flat):
+        full = tuple(saved.params[name]["shape"])
+        box = tuple((0, n) for n in full)
+        entry = {s: saved.read(name, s, [(box, box)], full, 0, "one process") for s in saved.params[name]["states"]
+                 if s != PARAM}  # fmt: skip
+        if entry:
+            state[index] = entry
+    groups, at = [], 0
+    for values, names in zip(saved.groups, by_group):
+        groups.append({**values, "params": list(range(at, at + len(names)))})
+        at += len(names)
+    return {"state": state, "param_groups": groups}
