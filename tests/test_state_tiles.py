@@ -130,3 +130,46 @@ def test_what_cannot_be_resharded_is_refused_naming_both_layouts(llama, tmp_path
     frozen.lm_head.weight.requires_grad_(False)
     with pytest.raises(StateError, match=r"not in the model: lm_head\.weight"):
         load_training_state(frozen, None, str(tmp_path))
+
+
+def test_consolidate_writes_the_optimizer_state_one_process_would_save(llama, tmp_path):
+    """``hf-parallel consolidate`` of a checkpoint's training state: transformers' optimizer.pt, equal to
+    the optimizer's own ``state_dict()``; into another directory only (in place is refused)."""
+    from hf_parallel import consolidate, save_training_state
+
+    model, optimizer = _trained(llama, torch.optim.AdamW)
+    checkpoint, out = str(tmp_path / "checkpoint-2"), str(tmp_path / "out")
+    save_training_state(model, optimizer, checkpoint)
+    model.save_pretrained(checkpoint)
+    consolidate(checkpoint, out, progress=False)
+    assert "optimizer.pt" in os.listdir(out) and not [f for f in os.listdir(out) if f.startswith("training-state")]
+    written, want = torch.load(os.path.join(out, "optimizer.pt"), weights_only=True), optimizer.state_dict()
+    assert written["param_groups"] == want["param_groups"] and written["state"].keys() == want["state"].keys()
+    for index, entry in want["state"].items():
+        assert entry.keys() == written["state"][index].keys()
+        for key, value in entry.items():
+            assert torch.equal(value, written["state"][index][key]), (index, key)
+    with pytest.raises(ValueError, match="not in place"):
+        consolidate(checkpoint, checkpoint, progress=False)
+
+
+def test_python_numbers_in_optimizer_state_come_back(llama, tmp_path):
+    """transformers' Adafactor counts its steps in Python ints: kept as numbers, read back as numbers."""
+    from transformers.optimization import Adafactor
+
+    from hf_parallel import load_training_state, save_training_state
+
+    def adafactor(params, lr):
+        return Adafactor(params, lr=lr, scale_parameter=False, relative_step=False)
+
+    model, optimizer = _trained(llama, adafactor)
+    assert isinstance(optimizer.state_dict()["state"][0]["step"], int)
+    save_training_state(model, optimizer, str(tmp_path))
+    fresh, fresh_optimizer = _trained(llama, adafactor, steps=0)
+    load_training_state(fresh, fresh_optimizer, str(tmp_path))
+    want, got = optimizer.state_dict()["state"], fresh_optimizer.state_dict()["state"]
+    assert want.keys() == got.keys()
+    for index, entry in want.items():
+        for key, value in entry.items():
+            same = torch.equal(value, got[index][key]) if isinstance(value, torch.Tensor) else value == got[index][key]
+            assert same and type(value) is type(got[index][key]), (index, key)

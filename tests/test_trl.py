@@ -42,17 +42,30 @@ def _close(got: list, want: list) -> bool:
 @pytest.mark.distributed
 @pytest.mark.parametrize(
     "world_size, sizes, model",
-    [(2, dict(tp_size=2), "llama"), (4, dict(fsdp_size=2, tp_size=2), "llama_tied_kvrep")],  # 9/3 and 8/2 heads
+    [
+        (2, dict(tp_size=2), "llama"),  # 9/3 heads
+        (4, dict(fsdp_size=2, tp_size=2), "llama_tied_kvrep"),  # 8/2 heads
+        (2, dict(sp_size=2, tp_plan=None), "llama"),
+        (4, dict(sp_size=2, tp_size=2), "llama"),
+        (2, dict(fsdp_size=2, tp_plan=None), "llama"),  # untied LM head: its own FSDP group
+    ],
+    ids=["tp2", "fsdp2_tp2", "sp2", "tp2_sp2", "fsdp2_untied"],
 )
 def test_sft_trainer_matches_one_process(one_process, tiny_paths, tmp_path, world_size, sizes, model):
     """The fused LM head reads this rank's rows of the vocabulary: hf_parallel scores it vocab-parallel,
-    so the loss is over the whole vocabulary (not ln(V/tp)), and num_tokens counts a replica's batch once."""
+    so the loss is over the whole vocabulary (not ln(V/tp)), and num_tokens counts a replica's batch once.
+    TRL's fused forward calls the backbone itself: at SP hf_parallel runs it over the sequence split, each
+    rank scoring its tokens, and gathers the per-token scores whole."""
+    import trl_workers
+
     results = _run(world_size, sizes, tiny_paths[model], tmp_path)
     for rank, result in enumerate(results):
         # TRL's kernel call goes through ours
         assert result["kernel"] == "install_fused_head.<locals>.Kernel", result["kernel"]
-        assert "would score this rank's rows of a vocabulary hf_parallel split" in result["unseen"], result["unseen"]
-        for mode in ("full", "lora"):
+        if sizes.get("tp_size", 1) > 1:
+            unseen = result["unseen"]
+            assert "would score this rank's rows of a vocabulary hf_parallel split" in unseen, unseen
+        for mode in trl_workers.MODES:
             got, want = result[mode], one_process(model)[mode]
             assert isinstance(got, dict), (rank, mode, got)
             for key in want:
@@ -61,19 +74,23 @@ def test_sft_trainer_matches_one_process(one_process, tiny_paths, tmp_path, worl
 
 @pytest.mark.distributed
 @pytest.mark.parametrize(
-    "sizes, names",
+    "model, sizes, names",
     [
-        (dict(sp_size=2), ["TRL's fused LM head (tp=1 x sp=2)", "sequence split", "tp_size / fsdp_size"]),
-        (dict(fsdp_size=2), ["TRL's fused LM head (tp=1 x fsdp=2) reads lm_head.weight outside", "untied"]),
+        ("llama", dict(pp_size=2, tp_plan=None), ["pipeline stages", "train_step"]),  # the Trainer's refusal
+        ("qwen2_moe", dict(sp_size=2, tp_plan=None, output_router_logits=True),
+         ["TRL's fused LM head (tp=1 x sp=2)", "load-balancing loss", "this rank's tokens only"]),
     ],
+    ids=["pp2", "sp2_router_loss"],
 )
-def test_sft_trainer_is_refused_by_name_where_its_fused_head_cannot_be_right(tiny_paths, tmp_path, sizes, names):
-    """TRL's fused forward calls the backbone itself, outside the sequence split; and reads an untied
-    LM head's weight outside its forward, where FSDP would leave its gradient unreduced over the
-    data-parallel ranks: refused when the SFTTrainer is built, before any step."""
-    results = _run(2, sizes, tiny_paths["llama"], tmp_path)
+def test_sft_trainer_is_refused_by_name_where_its_fused_head_cannot_be_right(tiny_root, tmp_path, model, sizes, names):
+    """TRL's fused forward runs the backbone in one call (pipeline stages need a schedule); at SP a MoE's
+    router loss would see this rank's tokens only: refused when the SFTTrainer is built, before any step."""
+    import trl_workers
+    from tiny_models import make_checkpoint
+
+    results = _run(2, sizes, make_checkpoint(model, tiny_root), tmp_path)
     for result in results:
-        for mode in ("full", "lora"):
+        for mode in trl_workers.MODES:
             error = result[mode]
             assert isinstance(error, str), error
             for name in names:

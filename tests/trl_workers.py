@@ -37,9 +37,12 @@ def lora_config():
                            init_lora_weights=False)  # fmt: skip
 
 
-def sft(model, output_dir: str, lora: bool, replicas: int = 1) -> dict:
+MODES = ("full", "lora", "packed")  # full fine-tuning, LoRA, full with packing=True (padding-free rows)
+
+
+def sft(model, output_dir: str, mode: str, replicas: int = 1) -> dict:
     """SFTTrainer with its defaults (gradient checkpointing on) for STEPS steps of GLOBAL_BATCH rows over
-    ``replicas`` data-parallel ranks; every step's logged values."""
+    ``replicas`` data-parallel ranks, in one of MODES; every step's logged values."""
     from datasets import Dataset
     from trl import SFTConfig, SFTTrainer
 
@@ -47,11 +50,12 @@ def sft(model, output_dir: str, lora: bool, replicas: int = 1) -> dict:
     args = SFTConfig(
         output_dir=output_dir, max_steps=STEPS, per_device_train_batch_size=GLOBAL_BATCH // replicas,
         learning_rate=1e-3, logging_steps=1, report_to="none", save_strategy="no", bf16=False, use_cpu=True,
-        max_length=32, seed=0, disable_tqdm=True, lr_scheduler_type="constant",
+        max_length=16 if mode == "packed" else 32, seed=0, disable_tqdm=True, lr_scheduler_type="constant",
+        packing=mode == "packed",
     )  # fmt: skip
     trainer = SFTTrainer(
         model=model, args=args, train_dataset=Dataset.from_dict({"text": TEXTS}), processing_class=tokenizer(),
-        peft_config=lora_config() if lora else None,
+        peft_config=lora_config() if mode == "lora" else None,
     )  # fmt: skip
     trainer.train()
     logged = [entry for entry in trainer.state.log_history if "loss" in entry]
@@ -62,9 +66,9 @@ def one_process(path: str, root: str) -> dict:
     import transformers
 
     return {
-        lora: sft(transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32),
-                  os.path.join(root, lora), lora == "lora")  # fmt: skip
-        for lora in ("full", "lora")
+        mode: sft(transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32),
+                  os.path.join(root, mode), mode)  # fmt: skip
+        for mode in MODES
     }
 
 
@@ -76,16 +80,19 @@ def parallel(rank: int, world_size: int, path: str, root: str, sizes: dict) -> d
 
     fused_head.TOKENS_PER_CHUNK = 8  # several chunks, each recomputed in backward
     out = {}
-    for lora in ("full", "lora"):
+    for mode in MODES:
         model = hf_parallel.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **sizes)
         try:
             replicas = sizes.get("fsdp_size", 1) * sizes.get("dp_replicate_size", 1)
-            out[lora] = sft(model, os.path.join(root, lora), lora == "lora", replicas)
+            out[mode] = sft(model, os.path.join(root, mode), mode, replicas)
         except ValueError as error:  # a layout refused by name
-            out[lora] = str(error)
+            out[mode] = str(error)
     kernel = sys.modules["trl.trainer.utils"]._ChunkedLogProbFunction
     out["kernel"] = kernel.__qualname__
-    weight = model.get_output_embeddings().weight
+    weight = getattr(model.get_output_embeddings(), "weight", None)
+    if sizes.get("tp_size", 1) == 1 or weight is None:  # no vocabulary split (or a stage's stand-in)
+        out["unseen"] = None
+        return out
     try:  # TRL's kernel reached outside a fused call hf_parallel saw, on this rank's rows of the vocabulary
         kernel.apply(torch.zeros(1, weight.shape[1]), weight, None, torch.zeros(1, dtype=torch.long), 1.0, 64)
         out["unseen"] = None

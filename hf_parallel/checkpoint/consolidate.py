@@ -99,10 +99,16 @@ def _consolidate_training_state(src: str, out: str) -> dict:
     ``optimizer.pt``, everything else copied."""
     from ..training.resume import OPTIMIZER_FILE, write_full_optimizer
 
+    if os.path.realpath(src) == os.path.realpath(out):
+        raise ValueError(f"{src}: a Trainer checkpoint is consolidated into another directory (OUT), not in place")
     start = time.perf_counter()
     os.makedirs(out, exist_ok=True)
     with Staging(out) as staging:
         write_full_optimizer(src, staging.new_file(OPTIMIZER_FILE))
         _copy_the_rest(src, out, staging, copy_weights=True)
-        remove_stale(out, set(staging.commit()))
+        written = set(staging.commit())
+        remove_stale(out, written)
+    for name in os.listdir(out):  # an earlier run's per-rank state would be resumed instead of optimizer.pt
+        if name.startswith(TRAINING_STATE_PREFIX) and name not in written:
+            os.remove(os.path.join(out, name))
     return {"bytes": os.path.getsize(os.path.join(out, OPTIMIZER_FILE)), "seconds": time.perf_counter() - start}

@@ -266,7 +266,9 @@ def main(argv=None) -> None:
     )
     check.set_defaults(func=cmd_verify)
     merge = sub.add_parser(
-        "consolidate", help="a distributed save (save_pretrained(distributed=True)) to a standard checkpoint"
+        "consolidate",
+        help="a distributed save (save_pretrained(distributed=True)) to a standard checkpoint; a parallel "
+        "Trainer checkpoint's per-rank training state to transformers' optimizer.pt",
     )
     merge.add_argument("dir")
     merge.add_argument("out")

@@ -6,8 +6,10 @@ scores every token with ``ChunkedLogProbFunction`` (log-probabilities, entropy, 
 parallelism that weight holds this rank's rows of the vocabulary: scored as it is, the softmax would run
 over part of the vocabulary (a loss of ln(V/tp) at the start). There is no public seam, so:
 - ``add_fused_lm_head`` (every TRL trainer calls it: SFT, DPO, KTO, RLOO, GRPO) is wrapped where TRL's
-  modules hold it: on hf_parallel's models ``fused_split`` refuses, by name, the layouts whose forward TRL's
-  bypasses, and says how the vocabulary is split; the forward TRL installs then marks each fused call;
+  modules hold it: on hf_parallel's models ``fused_split`` refuses, by name, the layouts TRL's forward cannot
+  be right on, and says how the vocabulary is split; the forward TRL installs then marks each fused call,
+  and runs it where TRL's forward needs help: over the sequence split at SP (TRL calls the backbone itself,
+  bypassing hf_parallel's forward), with an untied LM head's weight taken through its FSDP module's call;
 - the kernel TRL's forward calls (``trl.trainer.utils._ChunkedLogProbFunction``) dispatches, during such a
   call, to ``vocab_parallel`` (the same fields over the split vocabulary), and to TRL's own otherwise;
 - ``_tp_size`` of the trainers that count tokens (SFT, DPO, KTO, reward: their ``num_tokens`` metric divides by
@@ -37,11 +39,13 @@ TOKEN_COUNTING = {  # module -> its trainer, whose num_tokens metric divides by 
 }  # fmt: skip
 
 
-def install_fused_head(*, fused_split, vocab_parallel, is_parallel, is_split) -> None:
+def install_fused_head(*, fused_split, fused_runner, vocab_parallel, is_parallel, is_split) -> None:
     """Once ``trl.trainer.utils`` is imported (before any trainer module binds its names, or, when TRL was
     imported first, in every TRL module that did): ``fused_split(model)`` -> the keyword arguments
     ``vocab_parallel`` needs for a parallel model (None: its LM head is whole on every rank, TRL's kernel
-    is right); ``is_split(weight)``: a head weight holding part of the vocabulary (never scored as whole)."""
+    is right); ``fused_runner(model)`` -> ``run(fused, args, kwargs)``, which makes a fused call on the
+    model's layout (None: TRL's call is right as it is); ``is_split(weight)``: a head weight holding part of the
+    vocabulary (never scored as whole)."""
     import contextvars
     import sys
 
@@ -69,8 +73,9 @@ def install_fused_head(*, fused_split, vocab_parallel, is_parallel, is_split) ->
     @functools.wraps(add_fused_lm_head)
     def add_fused_head(model, *args, **kwargs):
         where = fused_split(model) if is_parallel(model) else None  # refused here, before any step
+        run = fused_runner(model) if is_parallel(model) else None
         add_fused_lm_head(model, *args, **kwargs)
-        if where is None:
+        if where is None and run is None:
             return
         fused = model.forward
 
@@ -80,7 +85,7 @@ def install_fused_head(*, fused_split, vocab_parallel, is_parallel, is_split) ->
                 return fused(*args, **kwargs)
             token = split.set(where)
             try:
-                return fused(*args, **kwargs)
+                return fused(*args, **kwargs) if run is None else run(fused, args, kwargs)
             finally:
                 split.reset(token)
 

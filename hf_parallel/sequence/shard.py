@@ -162,16 +162,24 @@ def sequence_inputs(split: SequenceSplit, inputs: dict, warned: list) -> dict:
     return inputs
 
 
+def shifted_labels(labels, sequence: SequenceCall, ignore_index=-100, shift: bool = True):
+    """Each token's next-token label over the whole (padded) sequence (``shift=False``: ``labels`` are
+    that already), and this rank's run of them: shifted on the whole sequence, so no label is lost at a
+    boundary between ranks; padding tokens carry none."""
+    shifted = nn.functional.pad(labels, (0, 1), value=ignore_index)[:, 1:] if shift else labels
+    shifted = pad_sequence(shifted, 1, sum(sequence.sizes), value=ignore_index)
+    start, stop = token_range(sequence.sizes, sequence.split.rank)
+    return shifted, shifted[:, start:stop]
+
+
 def sequence_loss(logits: torch.Tensor, labels: torch.Tensor, sequence: SequenceCall, count=None, ignore_index=-100):
     """The mean next-token cross-entropy of the whole batch, from this rank's logits: labels
     shifted on the whole sequence, this rank's sum over its tokens divided by the batch's count of
     labelled tokens (``count``: of a larger batch this is a micro-batch of), summed over the group
     (backward: each rank's own share)."""
     split = sequence.split
-    shifted = nn.functional.pad(labels, (0, 1), value=ignore_index)[:, 1:]
-    shifted = pad_sequence(shifted, 1, sum(sequence.sizes), value=ignore_index)  # padding tokens carry no label
-    start, stop = token_range(sequence.sizes, split.rank)
-    local = shifted[:, start:stop].to(logits.device)
+    shifted, local = shifted_labels(labels, sequence, ignore_index)
+    local = local.to(logits.device)
     count = (shifted != ignore_index).sum() if count is None else count
     total = nn.functional.cross_entropy(
         logits.float().reshape(-1, logits.shape[-1]), local.reshape(-1), ignore_index=ignore_index, reduction="sum"

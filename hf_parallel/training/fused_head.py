@@ -8,20 +8,25 @@ sums of ``exp(z - m)`` (and of ``exp(z - m) z`` for the entropy) and the target'
 zero elsewhere) by all-reduces whose backward is the identity, and ``h`` enters through ``copy_to``, whose
 backward sums the ranks' parts of its gradient. So ``log p(y) = z_y - log sum_v exp(z_v)`` and every field
 TRL asks for are those of one process, gradients included; a rank holds its rows' logits of one chunk of
-tokens at a time.
+tokens at a time. Around TRL's fused call, ``fused_runner`` adds what sequence parallelism and an FSDP-sharded
+untied head need.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
+import types
 import weakref
 
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from ..context import Call, batch_inputs, calling
 from ..distributed import comm
+from ..sequence.shard import shifted_labels
 from ..state import is_parallel, parallel_model, parallel_state
 
 
@@ -93,22 +98,19 @@ def _score(hidden, targets, *, weight, bias, temperature, softcap, logit_scale, 
 
 def fused_split(model) -> dict | None:
     """How a parallel model's LM head splits the vocabulary, as ``vocab_parallel`` takes it (None: whole
-    on every rank, TRL's own kernel is right); layouts whose forward TRL bypasses are refused by name."""
+    on every rank, TRL's own kernel is right); layouts TRL's fused forward cannot be right on are refused by name."""
     state = parallel_state(model)
-    if state.sequence is not None or state.stage is not None:
+    if state.stage is not None:
         raise ValueError(
-            f"TRL's fused LM head ({state.mesh.shape}) runs the backbone outside hf_parallel's sequence split and "
-            "pipeline stages, which every call needs; train with sp_size / pipeline stages through "
-            "transformers' Trainer or hf_parallel.train_step, or load with tp_size / fsdp_size only"
+            f"TRL's fused LM head ({state.mesh.shape}) runs the backbone in one call, and pipeline stages need a "
+            "schedule; train on pipeline stages with hf_parallel.train_step, or load without pp_size / stage_tp_sizes"
+        )
+    if state.sequence is not None and getattr(model.config.get_text_config(), "output_router_logits", False):
+        raise ValueError(
+            f"TRL's fused LM head ({state.mesh.shape}) adds the router's load-balancing loss from the router logits of "
+            "this rank's tokens only; load with sp_size=1, or with output_router_logits=False"
         )
     head, path = _head(parallel_model(model))
-    if state.mesh.shape.dp > 1 and _sharded_on_its_own(head):
-        raise ValueError(
-            f"TRL's fused LM head ({state.mesh.shape}) reads {path}.weight outside {path}'s forward, where FSDP "
-            f"neither gathers it nor reduces its gradient over the data-parallel ranks ({path} is untied, so FSDP "
-            "shards it in a group of its own); train it with transformers' Trainer or hf_parallel.train_step, or "
-            "load a checkpoint with tied word embeddings, or without fsdp_size / dp_replicate_size"
-        )
     entry = state.entry(f"{path}.weight")
     if entry is None or entry.layout.is_replicated:
         return None
@@ -120,6 +122,74 @@ def fused_split(model) -> dict | None:
         )
     ((start, _),) = layout.ranges[rank]
     return dict(group=state.mesh.tp.group, start=start, vocab=entry.full_shape[0])
+
+
+LABEL_FIELDS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1", "label_mask")
+
+
+def fused_runner(model):
+    """``run(fused, args, kwargs)``: how a fused call of TRL's forward runs on this layout (None: as TRL
+    makes it). Two things TRL's forward does itself need hf_parallel's help:
+    - at SP it runs the backbone, bypassing hf_parallel's forward: it runs under the call's token split
+      (the hidden states stay split); each rank scores its tokens against their next-token labels,
+      taken on the whole sequence (TRL's ``shift_labels``), and the per-token fields are gathered whole,
+      each rank's gradient its own tokens' (what follows, the trainer's loss, is the same on every
+      rank). The fields and their shapes are one process's; the loss is summed over the group;
+    - under FSDP an untied LM head is a group of its own, whole only while its forward runs: TRL reads
+      its weight outside it (and would gather it without reducing its gradient over the replicas), so
+      the head's weight is taken through its module's call (``_head_through_its_module``)."""
+    state = parallel_state(model)
+    head = model.get_output_embeddings()
+    through_module = state.mesh.shape.dp > 1 and _sharded_on_its_own(head)
+    if state.sequence is None and not through_module:
+        return None
+
+    def run(fused, args, kwargs):
+        with _head_through_its_module(model, head) if through_module else contextlib.nullcontext():
+            if state.sequence is None:
+                return fused(*args, **kwargs)
+            return _fused_over_sequence(state.runtime, state.sequence, fused, args, kwargs)
+
+    return run
+
+
+@contextlib.contextmanager
+def _head_through_its_module(model, head):
+    """While TRL's forward runs, ``model.get_output_embeddings()`` hands it the head's weight (and bias) as
+    the head's FSDP module returns them from a call: FSDP gathers them for it, keeps them whole (the head
+    is last: not resharded after its forward), and, the call's outputs being in the graph, reduce-scatters
+    their gradient after backward (FSDP's root runs the post-backward of a module whose inputs needed none)."""
+    head.forward = lambda *_: tuple(None if p is None else p.view_as(p) for p in (head.weight, head.bias))
+    try:
+        weight, bias = head(torch.empty(0))
+    finally:
+        del head.forward
+    model.get_output_embeddings = lambda: types.SimpleNamespace(weight=weight, bias=bias)
+    try:
+        yield
+    finally:
+        del model.get_output_embeddings
+
+
+def _fused_over_sequence(runtime, split, fused, args, kwargs):
+    inputs = runtime.inputs(args, {k: v for k, v in kwargs.items() if k != "fused_lm_head"})
+    labels, shift = inputs.pop("labels", None), inputs.pop("shift_labels", None)
+    count = inputs.pop("num_items_in_batch", None)
+    rows, tokens = batch_inputs(inputs).shape[:2]
+    sequence = split.call(tokens, keep_split=True)
+    whole, local = shifted_labels(labels if shift is None else shift, sequence, shift=shift is None)
+    count = (whole != -100).sum() if count is None else count
+    with calling(Call(rows, tokens, 0, sequence)):
+        out = fused(**inputs, fused_lm_head=True, shift_labels=local, num_items_in_batch=count)
+    out.loss = comm.reduce_from(out.loss, split.group)
+    kept = tokens - 1 if shift is None else tokens  # TRL's fields cover the tokens that have a next one
+    for name in LABEL_FIELDS:
+        value = getattr(out, name, None)
+        if value is not None:
+            moved = value if value.is_floating_point() else value.to(torch.int32)
+            moved = comm.gather_from(moved, 1, sequence.sizes, split.group)[:, :kept]
+            setattr(out, name, moved if value.is_floating_point() else moved.to(value.dtype))
+    return out
 
 
 def _head(model) -> tuple:
@@ -160,8 +230,8 @@ def install_trl_fused_head() -> None:
     from ..compat import trl
 
     trl.install_fused_head(
-        fused_split=fused_split, vocab_parallel=vocab_parallel, is_parallel=is_parallel,
-        is_split=is_split_head,
+        fused_split=fused_split, fused_runner=fused_runner, vocab_parallel=vocab_parallel,
+        is_parallel=is_parallel, is_split=is_split_head,
     )  # fmt: skip
 
 

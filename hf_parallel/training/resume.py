@@ -27,6 +27,7 @@ from .state_tiles import (
     SavedState,
     StateError,
     full_optimizer_state,
+    optimizer_names,
     param_tiles,
     read_state,
     state_file_contents,
@@ -80,7 +81,7 @@ def _plain_state(model, optimizer, directory: str) -> PlainOptimizerState:
     order = list(tiles)
     if optimizer is not None:
         names_of = {id(param): name for name, (param, _, _) in tiles.items()}
-        order = [names_of.get(id(p), "?") for group in optimizer.param_groups for p in group["params"]]
+        order = [name for names in optimizer_names(optimizer, names_of) for name in names]
     files = checkpoint_files(directory)
     weights, unreadable = {}, []
     for name in tiles:

@@ -34,7 +34,9 @@ from ..state import parallel_model, parallel_state
 from ..tensor.layout import Box, as_slices
 from .clipping import local_tensor
 
-TILED, SCALAR, LOCAL = "tiled", "scalar", "local"  # how a state value is stored
+# how a state value is stored: pieces of the full tensor; a 0-dim tensor or a Python number (a step
+# count) each rank keeps; a tensor shaped otherwise than its parameter (only the rank that wrote it reads it)
+TILED, SCALAR, VALUE, LOCAL = "tiled", "scalar", "value", "local"
 PARAM = "param"  # the parameter's own value, beside its optimizer state
 METADATA_KEY = "hf_parallel.training_state"
 # optimizers whose every state tensor shaped like its parameter is elementwise, so it splits like the
@@ -57,7 +59,7 @@ def _segments(param, entry, mesh) -> list[list[tuple[int, int, int]]]:
         offsets = itertools.accumulate((stop - start for start, stop in layout.ranges[mesh.tp.rank]), initial=0)
         segments[layout.dim] = [(start, at, stop - start) for (start, stop), at in zip(layout.ranges[mesh.tp.rank],
                                                                                         offsets)]  # fmt: skip
-    if hasattr(param, "to_local"):  # FSDP's rows of the TP shard
+    if hasattr(param, "to_local") and shape:  # FSDP's rows of the TP shard
         rows = fsdp_rows(shape[0], local_tensor(param).shape[0], mesh.fsdp.rank, mesh.fsdp.size)
         clipped = []
         for full, at, length in segments[0]:
@@ -88,7 +90,8 @@ def param_tiles(model) -> dict[str, tuple[torch.nn.Parameter, tuple[int, ...], l
     return out
 
 
-def _optimizer_names(optimizer, names_of: dict[int, str]) -> list[list[str]]:
+def optimizer_names(optimizer, names_of: dict[int, str]) -> list[list[str]]:
+    """The names of each group's parameters, in the optimizer's order (``names_of``: id -> name)."""
     groups = []
     for index, group in enumerate(optimizer.param_groups):
         unknown = [tuple(p.shape) for p in group["params"] if id(p) not in names_of]
@@ -109,7 +112,8 @@ def optimizer_class(optimizer) -> str:
 
 
 def _hyperparameters(group: dict) -> dict:
-    values = {k: v for k, v in group.items() if k != "params"}
+    """A group's settings (its parameters, and their names where the optimizer keeps them, are the reader's)."""
+    values = {k: v for k, v in group.items() if k not in ("params", "param_names")}
     try:
         json.dumps(values)
     except TypeError as error:
@@ -121,7 +125,7 @@ def state_file_contents(model, optimizer) -> tuple[dict[str, torch.Tensor], dict
     """This rank's pieces: tensors under ``name::state::index`` and the metadata that places them."""
     tiles = param_tiles(model)
     names_of = {id(param): name for name, (param, _, _) in tiles.items()}
-    groups = _optimizer_names(optimizer, names_of) if optimizer is not None else []
+    groups = optimizer_names(optimizer, names_of) if optimizer is not None else []
     group_of = {name: index for index, names in enumerate(groups) for name in names}
     tensors, params = {}, {}
     for name, (param, full, boxes) in tiles.items():
@@ -129,19 +133,23 @@ def state_file_contents(model, optimizer) -> tuple[dict[str, torch.Tensor], dict
         values = {PARAM: local}
         if optimizer is not None:
             values.update(optimizer.state.get(param, {}))
-        kinds = {}
+        kinds, numbers = {}, {}
         for state_name, value in values.items():
-            value = local_tensor(value) if isinstance(value, torch.Tensor) else value
+            if isinstance(value, (bool, int, float)):  # transformers' Adafactor counts steps in Python
+                kinds[state_name] = VALUE
+                numbers[state_name] = value
+                continue
             if not isinstance(value, torch.Tensor):
                 raise StateError(f"{name}: optimizer state {state_name!r} is a {type(value).__name__}, not a tensor")
+            value = local_tensor(value)
             if value.shape == local.shape:
                 kinds[state_name] = TILED
                 for index, (_, local_box) in enumerate(boxes):
                     tensors[f"{name}::{state_name}::{index}"] = value[as_slices(local_box)].contiguous()
-            else:  # a step count (the same on every rank), or a shape of the optimizer's own (this layout only)
+            else:
                 kinds[state_name] = SCALAR if value.dim() == 0 else LOCAL
                 tensors[f"{name}::{state_name}::{kinds[state_name]}"] = value.contiguous()
-        params[name] = {"shape": list(full), "group": group_of.get(name), "states": kinds,
+        params[name] = {"shape": list(full), "group": group_of.get(name), "states": kinds, "values": numbers,
                         "tiles": [[list(r) for r in full_box] for full_box, _ in boxes]}  # fmt: skip
     metadata = {
         "params": params,
@@ -163,7 +171,8 @@ class SavedState:
         self.groups = None
         self._tiles: dict[tuple[str, str], dict[Box, Tile]] = {}
         self._dtypes: dict[tuple[str, str], torch.dtype] = {}
-        self._single: dict[tuple[str, str, str], Callable[[], torch.Tensor]] = {}  # (name, state, kind or rank)
+        self._single: dict[tuple[str, str, int], Callable[[], object]] = {}  # (name, state, rank): SCALAR, VALUE, LOCAL
+        self._boxes: dict[tuple[str, int], list] = {}  # (name, rank) -> the full-tensor boxes that rank wrote
         for rank, file in enumerate(files):
             handle = safe_open(file, "pt")
             found = (handle.metadata() or {}).get(METADATA_KEY)
@@ -182,6 +191,7 @@ class SavedState:
                 known = self.params.setdefault(name, saved)
                 if known["shape"] != saved["shape"] or known["states"] != saved["states"]:
                     raise StateError(f"{file}: {name!r} disagrees with another rank's file about its shape or state")
+                self._boxes[(name, rank)] = saved["tiles"]
                 for state_name, kind in saved["states"].items():
                     if kind == TILED:
                         pieces = self._tiles.setdefault((name, state_name), {})
@@ -190,9 +200,11 @@ class SavedState:
                             self._dtypes[(name, state_name)] = SAFETENSORS_TO_TORCH[handle.get_slice(key).get_dtype()]
                             if box not in pieces:  # a piece held by several ranks is read from the first
                                 pieces[box] = Tile(box, _reader(handle, key))
+                    elif kind == VALUE:
+                        self._single[(name, state_name, rank)] = functools.partial(_same, saved["values"][state_name])
                     else:
-                        where, key = kind if kind == SCALAR else str(rank), f"{name}::{state_name}::{kind}"
-                        self._single.setdefault((name, state_name, where), functools.partial(handle.get_tensor, key))
+                        key = f"{name}::{state_name}::{kind}"
+                        self._single[(name, state_name, rank)] = functools.partial(handle.get_tensor, key)
 
     def names(self) -> set[str]:
         return set(self.params)
@@ -201,16 +213,25 @@ class SavedState:
         """``name``'s ``state_name`` as rank ``rank`` of layout ``here`` holds it: its local tensor
         (``local_shape``), the saved pieces placed at ``boxes`` (full-tensor box, local box)."""
         kind = self.params[name]["states"][state_name]
-        if kind == SCALAR:
-            return self._single[(name, state_name, SCALAR)]()
-        if kind == LOCAL:
-            if here != self.layout:
+        placed_alike = here == self.layout and self._boxes.get((name, rank)) == [
+            [list(r) for r in full_box] for full_box, _ in boxes
+        ]  # this rank holds what the same rank wrote
+        if kind == LOCAL and not placed_alike:
+            raise StateError(
+                f"{name}: optimizer state {state_name!r} has a shape of the optimizer's own, not the parameter's "
+                f"(a factored second moment?), so the state written at {self.layout} cannot be resharded to this "
+                f"model's {here}: resume at {self.layout} with the same plan"
+            )
+        if kind in (SCALAR, VALUE, LOCAL):
+            if placed_alike:
+                return self._single[(name, state_name, rank)]()
+            kept = [read() for (n, s, _), read in self._single.items() if (n, s) == (name, state_name)]
+            if any(not _equal(value, kept[0]) for value in kept[1:]):
                 raise StateError(
-                    f"{name}: optimizer state {state_name!r} has a shape of the optimizer's own, not the parameter's "
-                    f"(a factored second moment?), so the state written at {self.layout} cannot be resharded to this "
-                    f"model's {here}: resume at {self.layout}"
+                    f"{name}: optimizer state {state_name!r} differs between the ranks that wrote it at {self.layout}, "
+                    f"so it cannot be placed on this model's {here}: resume at {self.layout} with the same plan"
                 )
-            return self._single[(name, state_name, str(rank))]()
+            return kept[0]
         dtype = self._dtypes[(name, state_name)]
         full = TiledTensor(f"{name} {state_name}", self.params[name]["shape"], dtype,
                            list(self._tiles[(name, state_name)].values()))  # fmt: skip
@@ -218,6 +239,14 @@ class SavedState:
         for full_box, local_box in boxes:
             out[as_slices(local_box)] = full.read(full_box)
         return out
+
+
+def _same(value):
+    return value
+
+
+def _equal(a, b) -> bool:
+    return torch.equal(a, b) if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) else a == b
 
 
 def _reader(handle, key: str):
@@ -230,7 +259,8 @@ def _reader(handle, key: str):
 class PlainOptimizerState(SavedState):
     """transformers' ``optimizer.pt`` (one process's whole optimizer) and the checkpoint's weights,
     presented like a training-state save: every tensor one tile. Its state is by position, so
-    positions are matched to this model's optimizer order, and every shape must agree."""
+    positions are matched to this model's optimizer order, and every shape must agree. As written by
+    one process, it is placed on this layout like any other layout's state."""
 
     def __init__(self, path: str | None, order: list[str], shapes: dict[str, tuple], weights: dict[str, object]):
         """``path``: the optimizer.pt (None: the weights only); ``weights``: name -> a safetensors slice
@@ -245,15 +275,19 @@ class PlainOptimizerState(SavedState):
                 f"{path} holds the state of {len(positions)} parameters and this model's optimizer has {len(order)}: "
                 "written for another model, or another set of trainable parameters"
             )
-        self.groups = [{k: v for k, v in group.items() if k != "params"} for group in saved["param_groups"]]
+        self.groups = [_hyperparameters(group) for group in saved["param_groups"]]
         group_of = {index: g for g, group in enumerate(saved["param_groups"]) for index in group["params"]}
-        self.order, self.params, self._tiles, self._dtypes, self._single = list(order), {}, {}, {}, {}
+        self.order, self.params, self._tiles, self._dtypes, self._single, self._boxes = list(order), {}, {}, {}, {}, {}
         for name, index in zip(order, positions):
             values = dict(saved["state"].get(index, {}))
             if name in weights:
                 values[PARAM] = weights[name]
             states = {}
             for state_name, value in values.items():
+                if not isinstance(value, torch.Tensor) and not hasattr(value, "get_shape"):  # a step count
+                    states[state_name] = VALUE
+                    self._single[(name, state_name, 0)] = functools.partial(_same, value)
+                    continue
                 sliced = hasattr(value, "get_shape")
                 value_shape = tuple(value.get_shape() if sliced else value.shape)
                 if value_shape == tuple(shapes[name]):
@@ -263,11 +297,12 @@ class PlainOptimizerState(SavedState):
                     self._dtypes[(name, state_name)] = dtype
                 elif not value_shape:
                     states[state_name] = SCALAR
-                    self._single[(name, state_name, SCALAR)] = lambda held=value: held
+                    self._single[(name, state_name, 0)] = functools.partial(_same, value)
                 else:
                     raise StateError(
-                        f"{path}: parameter {index}'s {state_name!r} has shape {value_shape}; this model's {name} at "
-                        f"that position is {tuple(shapes[name])} (another model, or another parameter order)"
+                        f"{path}: parameter {index}'s {state_name!r} has shape {value_shape}, and this model's {name} "
+                        f"at that position {tuple(shapes[name])}: another model or parameter order, or optimizer state "
+                        "of a shape of its own (a factored moment), which cannot be resharded"
                     )
             self.params[name] = {"shape": list(shapes[name]), "group": group_of[index], "states": states}
 
@@ -298,12 +333,12 @@ def read_state(model, optimizer, saved: SavedState, here: str, on_stages: bool, 
     groups = None
     if optimizer is not None:
         names_of = {id(param): name for name, (param, _, _) in tiles.items()}
-        groups = _optimizer_names(optimizer, names_of)
+        groups = optimizer_names(optimizer, names_of)
         if saved.groups is None:
             raise StateError(f"the training state written at {saved.layout} holds no optimizer state")
         ours = optimizer_class(optimizer)
         if (saved.optimizer or ours) != ours:
-            raise StateError(f"the training state written at {saved.layout} is {saved.optimizer}'s, the optimizer {ours}")
+            raise StateError(f"the state written at {saved.layout} is {saved.optimizer}'s, the optimizer is {ours}")
         if here != saved.layout and ours not in ELEMENTWISE:
             raise StateError(
                 f"{ours}'s state written at {saved.layout} cannot be resharded to this model's {here}: hf_parallel "
@@ -325,25 +360,29 @@ def read_state(model, optimizer, saved: SavedState, here: str, on_stages: bool, 
         param, _, boxes = tiles[name]
         return saved.read(name, state_name, boxes, tuple(local_tensor(param).shape), rank, here)
 
+    loaded = None
+    if optimizer is not None:  # read whole before anything is written: a refusal leaves both as they were
+        flat = [name for names in groups for name in names]
+        loaded = optimizer.state_dict()
+        states = {index: [s for s in saved.params[name]["states"] if s != PARAM] for index, name in enumerate(flat)}
+        loaded["state"] = {i: {s: local(flat[i], s) for s in names} for i, names in states.items() if names}
+        loaded["param_groups"] = [{**values, **{k: ours[k] for k in ("params", "param_names") if k in ours}}
+                                  for values, ours in zip(saved.groups, loaded["param_groups"])]  # fmt: skip
     if weights:
         with torch.no_grad():
             for name, (param, _, _) in tiles.items():
                 local_tensor(param).copy_(local(name, PARAM))
-    if optimizer is None:
+    if loaded is None:
         return
-    flat = [name for names in groups for name in names]
-    loaded = optimizer.state_dict()
-    states = {index: [s for s in saved.params[name]["states"] if s != PARAM] for index, name in enumerate(flat)}
-    loaded["state"] = {index: {s: local(flat[index], s) for s in names} for index, names in states.items() if names}
-    loaded["param_groups"] = [{**values, "params": ours["params"]}
-                              for values, ours in zip(saved.groups, loaded["param_groups"])]  # fmt: skip
     optimizer.load_state_dict(loaded)
     for group in optimizer.param_groups:  # FSDP's parameters are DTensors: so must their moments be
         for param in group["params"]:
             if hasattr(param, "to_local") and param in optimizer.state:
                 entry = optimizer.state[param]
-                for key, value in entry.items():
-                    if isinstance(value, torch.Tensor) and not hasattr(value, "to_local") and value.dim():
+                for key, value in entry.items():  # those shaped like the parameter's slice (their own: as read)
+                    if isinstance(value, torch.Tensor) and not hasattr(value, "to_local") and (
+                        value.shape == local_tensor(param).shape and value.dim()
+                    ):
                         entry[key] = type(param).from_local(
                             value, param.device_mesh, param.placements, shape=param.shape, stride=param.stride()
                         )
@@ -352,6 +391,13 @@ def read_state(model, optimizer, saved: SavedState, here: str, on_stages: bool, 
 def full_optimizer_state(saved: SavedState) -> dict:
     """The whole optimizer state as one process's ``optimizer.state_dict()`` (for transformers'
     ``optimizer.pt``): parameters in the saved optimizer's order, groups as saved."""
+    if saved.groups is None:
+        raise StateError(f"the training state written at {saved.layout} holds no optimizer state")
+    if saved.optimizer not in ELEMENTWISE:
+        raise StateError(
+            f"{saved.optimizer}'s state written at {saved.layout} cannot be assembled whole: hf_parallel does that "
+            f"for torch.optim's elementwise optimizers ({', '.join(sorted(ELEMENTWISE))})"
+        )
     by_group = [[name for name in saved.order if saved.params[name]["group"] == g] for g in range(len(saved.groups))]
     flat = [name for names in by_group for name in names]
     state = {}
