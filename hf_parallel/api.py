@@ -76,7 +76,8 @@ def from_pretrained(
     built = build_rank_model(auto_class, config, dtype, mesh, tp_plan, ep_plan, stage_layers, files)
     model, cut = built.model, built.cut
     # 2. load: each rank reads its slices
-    source_keys = load_weights(model, path, built.layout, dtype, allow_pickle, built.ignore_keys, files=files)
+    source_keys = load_weights(model, path, built.layout, dtype, allow_pickle, built.ignore_keys, files=files,
+                               quantization=built.quantization)  # fmt: skip
     _read_generation_config(model, path)
     # 3. tensor (and expert) parallelism: each module's collectives; gradient sums recorded
     gradients = GradientSums()

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from .checkpoint.keys import FusedSource, checkpoint_sources
+from .checkpoint.quantized import BlockFP8, read_quantization
 from .compat.accelerate import init_empty_weights
 from .distributed.mesh import Mesh
 from .pipeline.split import StageSplit, split_stages
@@ -30,6 +31,7 @@ class RankModel:
     split: StageSplit | None = None  # the pipeline's stages, when there are several
     cut: StageCut | None = None  # what this rank's stage holds in place of the others' modules
     ignore_keys: frozenset[str] = frozenset()  # checkpoint keys the other stages read
+    quantization: BlockFP8 | None = None  # the checkpoint's (its weights dequantized as read)
 
 
 def resolve_dtype(dtype, config) -> torch.dtype:
@@ -38,20 +40,6 @@ def resolve_dtype(dtype, config) -> torch.dtype:
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
     return dtype
-
-
-def refuse_quantized(config) -> None:
-    """A quantized checkpoint's weights would load without their scales (silently wrong logits, and a
-    save of the unscaled values): refused by its method, before any weight is read."""
-    quantization = getattr(config, "quantization_config", None)
-    if not quantization:
-        return
-    method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization.quant_method
-    raise ValueError(
-        f"{type(config).__name__} has a quantization_config (quant_method={str(method)!r}): hf_parallel does not "
-        "read quantized checkpoints yet (no format: FP8 block scales, compressed-tensors, MXFP4, GPTQ, AWQ, "
-        "bitsandbytes, ...); load a dequantized (bf16 / fp32) copy of the checkpoint"
-    )
 
 
 def build_empty(auto_class, config, dtype: torch.dtype) -> nn.Module:
@@ -93,7 +81,7 @@ def build_rank_model(
     (under pipeline stages): the checkpoint's keys, of which the other stages' are set aside."""
     if stage_layers is not None and mesh.num_stages == 1:
         raise ValueError(f"stage_layers={list(stage_layers)} needs pipeline stages: pass pp_size or stage_tp_sizes")
-    refuse_quantized(config)
+    quantization = read_quantization(config)  # others refused by name; the config left without it
     model = build_empty(auto_class, config, dtype)
     if mesh.sp.size > 1:
         check_sequence_parallel(model, mesh.sp.size)
@@ -101,7 +89,7 @@ def build_rank_model(
         layers_to_shard(model, mesh)  # FSDP wraps them one by one: a model without them is refused here
         if mesh.device.type == "cpu":
             return_freed_blocks_to_the_os()  # before the load allocates: FSDP frees gathered layers to the OS
-    built = RankModel(model, None)
+    built = RankModel(model, None, quantization=quantization)
     if mesh.num_stages > 1:  # cut the meta model down to this stage before anything else sees it
         if model.get_output_embeddings() is None:
             raise ValueError(

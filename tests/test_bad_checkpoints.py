@@ -104,7 +104,7 @@ def test_index_that_is_not_json(sharded, tmp_path):
 @pytest.mark.parametrize(
     "quantization",
     [
-        {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]},
+        {"quant_method": "fp8", "activation_scheme": "static"},  # per-tensor scales: not read yet
         {"quant_method": "gptq", "bits": 4, "group_size": 128},
         {"quant_method": "compressed-tensors", "format": "float-quantized"},
         {"quant_method": "mxfp4"},
@@ -112,7 +112,7 @@ def test_index_that_is_not_json(sharded, tmp_path):
 )
 def test_a_quantized_checkpoint_is_refused_by_name_before_any_weight_is_read(tiny_paths, tmp_path, quantization):
     """Its weights would load without their scales (logits garbage, and a save of the unscaled values):
-    refused, naming the method, in from_pretrained and in the plan dry run."""
+    refused, naming the method and what hf_parallel reads, in from_pretrained and in the plan dry run."""
     from hf_parallel.commands.report import plan_report
 
     target = copy_of(tiny_paths["llama"], tmp_path)
@@ -123,3 +123,4 @@ def test_a_quantized_checkpoint_is_refused_by_name_before_any_weight_is_read(tin
         with pytest.raises(ValueError, match=f"quant_method={quantization['quant_method']!r}") as error:
             run()
         assert "quantization_config" in str(error.value) and "dequantized" in str(error.value)
+        assert "hf_parallel reads fp8 (block-wise" in str(error.value)

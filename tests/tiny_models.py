@@ -70,6 +70,46 @@ DISCOVERED = ["gpt2", "opt", "falcon_new", "falcon_multi_query", "falcon_alibi",
 # fmt: on
 
 
+FP8_BLOCK = (32, 32)
+FP8 = {  # FP8 with 32 x 32 block scales (DeepSeek-V3 / Qwen3-FP8's format): dims in whole blocks, shards not
+    "llama_fp8": ("LlamaConfig", dict(hidden_size=96, intermediate_size=160, num_attention_heads=6,
+                                      num_key_value_heads=2, head_dim=16, tie_word_embeddings=False)),
+    "phi3_fp8": ("Phi3Config", dict(hidden_size=96, intermediate_size=160, num_attention_heads=6,
+                                    num_key_value_heads=2)),  # packed q|k|v, gate|up
+}
+
+
+def make_fp8_checkpoint(name: str, root: str) -> str:
+    """``name`` of FP8 as its releases store it: every decoder layer's matrix float8_e4m3fn with a float32
+    ``weight_scale_inv`` per block (``W ~ q * s``), embeddings, norms and LM head left whole, and the
+    config's ``quantization_config``."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    path = os.path.join(root, name)
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return path
+    make_checkpoint(name, root)
+    file = os.path.join(path, "model.safetensors")
+    tensors = load_file(file)
+    bm, bn = FP8_BLOCK
+    for key in [k for k, w in tensors.items() if w.dim() == 2 and ".layers." in k]:
+        rows, cols = tensors[key].shape
+        blocks = tensors[key].reshape(rows // bm, bm, cols // bn, bn)
+        scale = blocks.abs().amax(dim=(1, 3)) / torch.finfo(torch.float8_e4m3fn).max
+        tensors[key] = (blocks / scale[:, None, :, None]).reshape(rows, cols).to(torch.float8_e4m3fn)
+        tensors[key + "_scale_inv"] = scale.float().contiguous()
+    save_file(tensors, file, metadata={"format": "pt"})
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": list(FP8_BLOCK),
+                                     "activation_scheme": "dynamic"}  # fmt: skip
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    return path
+
+
 def make_checkpoint(name: str, root: str) -> str:
     """Save a seeded random model of ``name`` under ``root/name`` (once) and return the path."""
     import transformers
@@ -77,7 +117,7 @@ def make_checkpoint(name: str, root: str) -> str:
     path = os.path.join(root, name)
     if os.path.isfile(os.path.join(path, "config.json")):
         return path
-    class_name, overrides = {**ARCHS, **MOE, **ENCODERS, **TRAPS, **PIPELINE}[name]
+    class_name, overrides = {**ARCHS, **MOE, **ENCODERS, **TRAPS, **PIPELINE, **FP8}[name]
     config = getattr(transformers, class_name)(**{**COMMON, **overrides})
     torch.manual_seed(sum(map(ord, name)))
     auto = transformers.AutoModel if name in ENCODERS else transformers.AutoModelForCausalLM

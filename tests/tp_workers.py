@@ -213,3 +213,17 @@ def verify_with_a_broken_layer(rank: int, world_size: int, path: str) -> dict | 
         return None
     first = report.first_divergence
     return {"first": first.name, "rows": {row.name: row.relative for row in report.rows}, "text": str(report)}
+
+
+def quantized_logits(rank: int, world_size: int, paths: dict, save_root: str, sizes: dict) -> dict:
+    """Each checkpoint of ``paths`` (quantized) loaded at ``sizes``: its logits on INPUT_IDS, and a
+    gathered save under ``save_root/<name>``."""
+    import hf_parallel
+
+    out = {}
+    for name, path in paths.items():
+        model = hf_parallel.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **sizes)
+        with torch.no_grad():
+            out[name] = model(INPUT_IDS).logits.tolist()
+        model.save_pretrained(os.path.join(save_root, name))
+    return out

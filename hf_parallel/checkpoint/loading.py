@@ -40,6 +40,7 @@ from .errors import CheckpointError
 from .files import INDEX_FILE, MANIFEST_FILE, PICKLE_FILE, PICKLE_INDEX_FILE, SINGLE_FILE
 from .keys import FusedSource, checkpoint_sources, expert_shape
 from .manifest import DistributedCheckpoint
+from .quantized import BlockFP8, dequantized_sources, scale_key
 from .tiles import Tile, TiledTensor
 from .writer import SAFETENSORS_TO_TORCH, nbytes
 
@@ -327,7 +328,8 @@ def _sources(model: nn.Module, path: str, layout: ModelLayout, files: dict, igno
         )
     buffers = {name: key_of[name] for name, _ in model.named_buffers() if name in key_of}
     used = {key for source in sources.values() for key in _keys_of(source)} | set(buffers.values())
-    unexpected = sorted(set(files) - used - ignore_keys)
+    scales = {scale_key(key) for key in used | ignore_keys}  # read with their weights (FP8 blocks)
+    unexpected = sorted(set(files) - used - ignore_keys - scales)
     if unexpected:
         warnings.warn(
             f"{path}: {len(unexpected)} checkpoint key(s) match no parameter and are ignored: "
@@ -345,13 +347,15 @@ def load_weights(
     allow_pickle: bool = False,
     ignore_keys: set[str] = frozenset(),
     files: dict[str, str] | None = None,
+    quantization: BlockFP8 | None = None,
 ) -> dict[str, str | FusedSource]:
     """Fill every parameter (and persistent buffer found in the checkpoint) with its local shard.
 
     Returns parameter name -> checkpoint key (or the per-expert keys of a fused expert parameter),
     and buffer name -> key for the buffers read, which saving uses to write the source's names and form.
     ``ignore_keys``: keys another pipeline stage reads (neither read here nor unexpected).
-    ``files``: ``checkpoint_files(path, allow_pickle)``, when the caller has it already."""
+    ``files``: ``checkpoint_files(path, allow_pickle)``, when the caller has it already.
+    ``quantization``: the config's (``quantized.read_quantization``): FP8 weights dequantized as read."""
     files = files if files is not None else checkpoint_files(path, allow_pickle)
     check_same_checkpoint(path, files, layout.mesh)
     rank = layout.mesh.tp.rank
@@ -361,12 +365,14 @@ def load_weights(
         if os.path.isfile(manifest):  # a distributed save records the per-expert form it came from
             fused_from = reader._shared(manifest).fused
             saved_as = {name: fused_from.get(source, source) for name, source in sources.items()}
-        tiled = {}
+        tiled = dequantized_sources(files, sources, lambda file: reader._shared(file), quantization)
         for entry in layout.unique_params():  # every header against the model before any data is read
             source, param_dtype = sources[entry.name], model.get_parameter(entry.name).dtype
             if isinstance(source, FusedSource):
                 tiled[entry.name] = reader.fused(files, entry.name, source, entry.full_shape)
                 reader.check(path, entry.name, entry.name, entry.full_shape, param_dtype, tiled[entry.name])
+            elif entry.name in tiled:  # FP8, read dequantized
+                reader.check(files[source], source, entry.name, entry.full_shape, param_dtype, tiled[entry.name])
             else:
                 reader.check(files[source], source, entry.name, entry.full_shape, param_dtype)
         for entry in tqdm(layout.unique_params(), desc="Loading shards", disable=rank != 0, leave=False):
