@@ -98,9 +98,9 @@ def worker(kind: str, args) -> None:
     }
     with open(os.path.join(args.out, f"{kind}-{args.micro}-rank{rank}.json"), "w") as f:
         json.dump(result, f)
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    from hf_parallel.distributed.mesh import shutdown
+
+    shutdown()  # together, and letting gloo's threads finish first (an abort at exit otherwise)
 
 
 def checkpoint(name: str) -> str:

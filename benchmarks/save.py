@@ -72,9 +72,9 @@ def worker(name: str, args) -> None:
             shutil.rmtree(os.path.join(args.dir, f"round{round_}"), ignore_errors=True)
         with open(os.path.join(args.out, "save-result.json"), "w") as f:
             json.dump({"seconds": seconds, "profiles": profiles}, f)
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    from hf_parallel.distributed.mesh import shutdown
+
+    shutdown()  # together, and letting gloo's threads finish first (an abort at exit otherwise)
 
 
 def launch(name: str, args) -> dict | None:

@@ -102,9 +102,9 @@ def worker(kind: str, args) -> None:
     result = {"step_s": sum(seconds) / len(seconds), "peak_rss": peak_rss_bytes(), "losses": losses}
     with open(os.path.join(args.out, f"training-{kind.replace(' ', '_')}-rank{rank}.json"), "w") as f:
         json.dump(result, f)
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    from hf_parallel.distributed.mesh import shutdown
+
+    shutdown()  # together, and letting gloo's threads finish first (an abort at exit otherwise)
 
 
 def launch(kind: str, args) -> list[dict] | str:

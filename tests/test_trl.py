@@ -44,12 +44,12 @@ def _close(got: list, want: list) -> bool:
     "world_size, sizes, model",
     [
         (2, dict(tp_size=2), "llama"),  # 9/3 heads
-        (4, dict(fsdp_size=2, tp_size=2), "llama_tied_kvrep"),  # 8/2 heads
+        (4, dict(fsdp_size=2, tp_size=2), "llama"),  # untied LM head: an FSDP group of its own, vocab split
         (2, dict(sp_size=2, tp_plan=None), "llama"),
         (4, dict(sp_size=2, tp_size=2), "llama"),
-        (2, dict(fsdp_size=2, tp_plan=None), "llama"),  # untied LM head: its own FSDP group
+        (2, dict(fsdp_size=2, tp_plan=None), "llama_tied_kvrep"),  # tied: in the root's FSDP group; 8/2 heads
     ],
-    ids=["tp2", "fsdp2_tp2", "sp2", "tp2_sp2", "fsdp2_untied"],
+    ids=["tp2", "fsdp2_tp2_untied", "sp2", "tp2_sp2", "fsdp2_tied"],
 )
 def test_sft_trainer_matches_one_process(one_process, tiny_paths, tmp_path, world_size, sizes, model):
     """The fused LM head reads this rank's rows of the vocabulary: hf_parallel scores it vocab-parallel,

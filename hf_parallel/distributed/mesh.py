@@ -213,7 +213,7 @@ def _leave_at_exit() -> None:
     releases the work's tensors, whose Python objects need the GIL. When the program ends right
     then, the thread asks for the GIL during finalization, is made to exit inside a destructor, and
     the process aborts: "terminate called without an active exception" (the core dump's stack,
-    torch 2.13; about half of all runs that end after an all-gather). Destroying the groups alone
+    torch 2.13, pytorch#190489; about half of all runs that end after an all-gather). Destroying the groups alone
     does not join those threads; sleeping hands them the GIL (a mitigation: a thread held up longer
     on a loaded machine could still lose the race, which only torch joining its workers closes; 30
     of 30 runs end cleanly in ``test_exit.py``). No peer is waited for; after an uncaught exception

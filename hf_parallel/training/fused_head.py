@@ -159,11 +159,15 @@ def _head_through_its_module(model, head):
     the head's FSDP module returns them from a call: FSDP gathers them for it, keeps them whole (the head
     is last: not resharded after its forward), and, the call's outputs being in the graph, reduce-scatters
     their gradient after backward (FSDP's root runs the post-backward of a module whose inputs needed none)."""
+    own = head.__dict__.get("forward")  # a TP style's forward (the vocab gather), kept
     head.forward = lambda *_: tuple(None if p is None else p.view_as(p) for p in (head.weight, head.bias))
     try:
         weight, bias = head(torch.empty(0))
     finally:
-        del head.forward
+        if own is None:
+            del head.forward
+        else:
+            head.forward = own
     model.get_output_embeddings = lambda: types.SimpleNamespace(weight=weight, bias=bias)
     try:
         yield
