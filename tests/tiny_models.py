@@ -76,13 +76,16 @@ FP8 = {  # FP8 with 32 x 32 block scales (DeepSeek-V3 / Qwen3-FP8's format): dim
                                       num_key_value_heads=2, head_dim=16, tie_word_embeddings=False)),
     "phi3_fp8": ("Phi3Config", dict(hidden_size=96, intermediate_size=160, num_attention_heads=6,
                                     num_key_value_heads=2)),  # packed q|k|v, gate|up
-}
+    "qwen3_moe_fp8": ("Qwen3MoeConfig", dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                                             num_experts=4, num_experts_per_tok=2, num_attention_heads=4,
+                                             num_key_value_heads=2, head_dim=16, tie_word_embeddings=False)),
+}  # fmt: skip
 
 
 def make_fp8_checkpoint(name: str, root: str) -> str:
     """``name`` of FP8 as its releases store it: every decoder layer's matrix float8_e4m3fn with a float32
-    ``weight_scale_inv`` per block (``W ~ q * s``), embeddings, norms and LM head left whole, and the
-    config's ``quantization_config``."""
+    ``weight_scale_inv`` per block (``W ~ q * s``; experts per expert), embeddings, norms, routers and LM head
+    left whole, and the config's ``quantization_config``."""
     import json
 
     from safetensors.torch import load_file, save_file
@@ -94,7 +97,8 @@ def make_fp8_checkpoint(name: str, root: str) -> str:
     file = os.path.join(path, "model.safetensors")
     tensors = load_file(file)
     bm, bn = FP8_BLOCK
-    for key in [k for k, w in tensors.items() if w.dim() == 2 and ".layers." in k]:
+    matrices = [k for k, w in tensors.items() if w.dim() == 2 and ".layers." in k]
+    for key in [k for k in matrices if not k.endswith("mlp.gate.weight")]:  # the router stays whole
         rows, cols = tensors[key].shape
         blocks = tensors[key].reshape(rows // bm, bm, cols // bn, bn)
         scale = blocks.abs().amax(dim=(1, 3)) / torch.finfo(torch.float8_e4m3fn).max

@@ -40,7 +40,7 @@ from .errors import CheckpointError
 from .files import INDEX_FILE, MANIFEST_FILE, PICKLE_FILE, PICKLE_INDEX_FILE, SINGLE_FILE
 from .keys import FusedSource, checkpoint_sources, expert_shape
 from .manifest import DistributedCheckpoint
-from .quantized import BlockFP8, dequantized_sources, scale_key
+from .quantized import BlockFP8, dequantized_sources, readable, scale_key
 from .tiles import Tile, TiledTensor
 from .writer import SAFETENSORS_TO_TORCH, nbytes
 
@@ -268,8 +268,9 @@ class ShardReader:
             BYTES_READ[key] += piece.numel() * piece.element_size()
         return usable
 
-    def fused(self, files: dict[str, str], name: str, source: FusedSource, full_shape) -> TiledTensor:
-        """The fused expert parameter ``name`` as tiles of its per-expert keys, each checked. Tiles
+    def fused(self, files: dict[str, str], name: str, source: FusedSource, full_shape, quantization=None):
+        """The fused expert parameter ``name`` (a ``TiledTensor``) as tiles of its per-expert keys, each
+        checked (FP8 ones dequantized as read, ``quantization`` the config's). Tiles
         read through this parameter's own mappings, released with it once its shard is assembled
         (through the reader's shared ones, every expert page read would stay resident to the end)."""
         tiles, dtype, opened = [], None, {}
@@ -280,7 +281,7 @@ class ShardReader:
             return opened[file]
 
         for key, box in source.boxes(full_shape):
-            tensor_slice = self._shared(files[key]).get_slice(key)
+            tensor_slice = readable(self._shared, files, key, quantization)  # FP8: dequantized as read
             found, want = tuple(tensor_slice.get_shape()), expert_shape(box)
             found_dtype = torch_dtype(tensor_slice.get_dtype())
             if found != want or found_dtype != (dtype or found_dtype):
@@ -290,8 +291,8 @@ class ShardReader:
                 )
             dtype = found_dtype
 
-            def read(sub, file=files[key], key=key):
-                return handle(file).get_slice(key)[as_slices(sub[1:])].unsqueeze(0)
+            def read(sub, key=key):
+                return readable(handle, files, key, quantization)[as_slices(sub[1:])].unsqueeze(0)
 
             tiles.append(Tile(box, read))
         return TiledTensor(name, full_shape, dtype, tiles)
@@ -369,7 +370,7 @@ def load_weights(
         for entry in layout.unique_params():  # every header against the model before any data is read
             source, param_dtype = sources[entry.name], model.get_parameter(entry.name).dtype
             if isinstance(source, FusedSource):
-                tiled[entry.name] = reader.fused(files, entry.name, source, entry.full_shape)
+                tiled[entry.name] = reader.fused(files, entry.name, source, entry.full_shape, quantization)
                 reader.check(path, entry.name, entry.name, entry.full_shape, param_dtype, tiled[entry.name])
             elif entry.name in tiled:  # FP8, read dequantized
                 reader.check(files[source], source, entry.name, entry.full_shape, param_dtype, tiled[entry.name])

@@ -18,7 +18,6 @@ from dataclasses import dataclass
 import torch
 
 from .errors import CheckpointError
-from .keys import FusedSource
 
 SCALE_SUFFIX = "_scale_inv"  # "<module>.weight" is scaled by "<module>.weight_scale_inv"
 FP8_DTYPES = ("F8_E4M3", "F8_E5M2")  # safetensors' names
@@ -90,31 +89,29 @@ class DequantizedSlice:
         return self.weight[r0:r1, c0:c1].float() * scales
 
 
+def readable(handle, files: dict[str, str], key: str, quantization: BlockFP8 | None):
+    """``key``'s safetensors slice (``handle(file)``: the file opened), or, stored in FP8 with its scale
+    beside it, a ``DequantizedSlice`` of it. A float8 weight without its scale, or FP8 in a checkpoint
+    whose config declares no quantization, is refused by name."""
+    weight = handle(files[key]).get_slice(key)
+    if not isinstance(weight.get_dtype(), str) or weight.get_dtype() not in FP8_DTYPES:
+        return weight
+    if quantization is None or scale_key(key) not in files:
+        raise CheckpointError(
+            f"{files[key]}: {key!r} is {weight.get_dtype()} with no "
+            + ("quantization_config in the config" if quantization is None else f"{scale_key(key)!r} beside it")
+            + ": its scales are unknown, so its values would load wrong"
+        )
+    return DequantizedSlice(key, weight, handle(files[scale_key(key)]).get_slice(scale_key(key)), quantization)
+
+
 def dequantized_sources(files: dict[str, str], sources: dict, handle, quantization: BlockFP8 | None) -> dict:
-    """Parameter name -> ``DequantizedSlice`` for every source key stored in FP8 with a scale beside it
-    (``handle(file)``: the file opened). A float8 weight without its scale, or FP8 in a checkpoint whose
-    config declares no quantization, is refused by name."""
+    """Parameter name -> ``DequantizedSlice`` for every parameter read from one key stored in FP8
+    (per-expert keys are dequantized tile by tile: ``ShardReader.fused``)."""
     out = {}
     for name, key in sources.items():
-        if isinstance(key, FusedSource):  # per-expert keys, stacked
-            first = key.keys[0][0]
-            if handle(files[first]).get_slice(first).get_dtype() in FP8_DTYPES:
-                raise CheckpointError(
-                    f"{files[first]}: {name}'s per-expert weights ({first!r}, ...) are FP8; hf_parallel dequantizes "
-                    "FP8 weights of dense layers only so far: load a dequantized copy"
-                )
-            continue
-        if not isinstance(key, str):
-            continue
-        weight = handle(files[key]).get_slice(key)
-        if weight.get_dtype() not in FP8_DTYPES:
-            continue
-        if quantization is None or scale_key(key) not in files:
-            raise CheckpointError(
-                f"{files[key]}: {key!r} is {weight.get_dtype()} with no "
-                + ("quantization_config in the config" if quantization is None else f"{scale_key(key)!r} beside it")
-                + ": its scales are unknown, so its values would load wrong"
-            )
-        scale = handle(files[scale_key(key)]).get_slice(scale_key(key))
-        out[name] = DequantizedSlice(key, weight, scale, quantization)
+        if isinstance(key, str):
+            found = readable(handle, files, key, quantization)
+            if isinstance(found, DequantizedSlice):
+                out[name] = found
     return out
