@@ -82,6 +82,11 @@ def build_rank_model(
     if stage_layers is not None and mesh.num_stages == 1:
         raise ValueError(f"stage_layers={list(stage_layers)} needs pipeline stages: pass pp_size or stage_tp_sizes")
     quantization = read_quantization(config)  # others refused by name; the config left without it
+    if getattr(config, "is_encoder_decoder", False) and mesh.world_size > 1:
+        raise ValueError(
+            f"{type(config).__name__} is an encoder-decoder (T5, BART, Whisper, ...): hf_parallel splits decoder-only "
+            f"models and encoders so far, not cross-attention ({mesh.shape} asked); load it in one process"
+        )
     model = build_empty(auto_class, config, dtype)
     if mesh.sp.size > 1:
         check_sequence_parallel(model, mesh.sp.size)

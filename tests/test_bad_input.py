@@ -209,3 +209,20 @@ def test_per_head_modules_in_a_split_attention_are_refused_at_plan_time(tmp_path
             "discover",
         ).notes
     )
+
+
+@pytest.mark.parametrize("family", ["T5Config", "BartConfig"])
+def test_an_encoder_decoder_is_refused_by_name_before_any_weight_is_read(tmp_path, family):
+    """T5 and BART crashed in the forward (cross-attention, shared embeddings unsplit): refused at plan time."""
+    import transformers
+
+    from hf_parallel.commands.report import plan_report
+
+    small = dict(vocab_size=64, d_model=32, d_ff=64, num_layers=1, num_heads=4, d_kv=8, decoder_start_token_id=0)
+    if family == "BartConfig":
+        small = dict(vocab_size=64, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
+                     decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64)  # fmt: skip
+    config = getattr(transformers, family)(**small)
+    transformers.AutoModelForSeq2SeqLM.from_config(config).save_pretrained(str(tmp_path))
+    with pytest.raises(ValueError, match=f"{family} is an encoder-decoder .* not cross-attention"):
+        plan_report(str(tmp_path), tp=2, auto_class=transformers.AutoModelForSeq2SeqLM)
