@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from .checkpoint.keys import FusedSource, checkpoint_sources
-from .checkpoint.quantized import BlockFP8, read_quantization
+from .checkpoint.quantized import ScaledFP8, read_quantization
 from .compat.accelerate import init_empty_weights
 from .distributed.mesh import Mesh
 from .pipeline.split import StageSplit, split_stages
@@ -31,7 +31,7 @@ class RankModel:
     split: StageSplit | None = None  # the pipeline's stages, when there are several
     cut: StageCut | None = None  # what this rank's stage holds in place of the others' modules
     ignore_keys: frozenset[str] = frozenset()  # checkpoint keys the other stages read
-    quantization: BlockFP8 | None = None  # the checkpoint's (its weights dequantized as read)
+    quantization: ScaledFP8 | None = None  # the checkpoint's (its weights dequantized as read)
 
 
 def resolve_dtype(dtype, config) -> torch.dtype:

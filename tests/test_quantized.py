@@ -1,6 +1,7 @@
-"""Quantized checkpoints: FP8 with block scales (DeepSeek-V3 / Qwen3-FP8's format) read per rank, each rank
-its slice of the weights and of their scales, dequantized into the dtype asked for; against plain
-transformers in one process (which dequantizes on CPU). Other formats are refused by name."""
+"""Quantized checkpoints: FP8 with block scales (DeepSeek-V3 / Qwen3-FP8's format) and compressed-tensors'
+FP8 (per channel, per tensor) read per rank, each rank its slice of the weights and of their scales,
+dequantized into the dtype asked for; against plain transformers in one process. Other formats are
+refused by name."""
 
 import json
 import os
@@ -13,9 +14,11 @@ TOLERANCE = 1e-5
 
 @pytest.fixture(scope="module")
 def fp8_paths(tiny_root):
-    from tiny_models import FP8, make_fp8_checkpoint
+    """FP8 with block scales, and compressed-tensors' per-channel and per-tensor FP8."""
+    from tiny_models import COMPRESSED, FP8, make_compressed_checkpoint, make_fp8_checkpoint
 
-    return {name: make_fp8_checkpoint(name, tiny_root) for name in FP8}
+    paths = {name: make_fp8_checkpoint(name, tiny_root) for name in FP8}
+    return {**paths, **{name: make_compressed_checkpoint(name, tiny_root)[0] for name in COMPRESSED}}
 
 
 def plain_logits(path: str) -> torch.Tensor:
@@ -29,7 +32,10 @@ def plain_logits(path: str) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def references(fp8_paths):
-    return {name: plain_logits(path) for name, path in fp8_paths.items()}
+    """Plain transformers in one process: the FP8 checkpoint itself (it dequantizes on a CPU), or, for
+    compressed-tensors (whose loader is another package), the same weights dequantized and saved as floats."""
+    return {name: plain_logits(path + "_dequantized" if os.path.isdir(path + "_dequantized") else path)
+            for name, path in fp8_paths.items()}  # fmt: skip
 
 
 def _saved_plainly(path: str, want: torch.Tensor) -> None:
@@ -39,7 +45,7 @@ def _saved_plainly(path: str, want: torch.Tensor) -> None:
     with open(os.path.join(path, "config.json")) as f:
         assert "quantization_config" not in json.load(f)
     with safe_open(os.path.join(path, "model.safetensors"), "pt") as saved:
-        assert not [key for key in saved.keys() if key.endswith("_scale_inv")]
+        assert not [key for key in saved.keys() if key.endswith(("_scale_inv", "_scale"))]
         assert {saved.get_slice(key).get_dtype() for key in saved.keys()} == {"F32"}
     assert (plain_logits(path) - want).abs().max().item() < TOLERANCE
 

@@ -114,6 +114,54 @@ def make_fp8_checkpoint(name: str, root: str) -> str:
     return path
 
 
+COMPRESSED = {  # compressed-tensors' float-quantized FP8 (the *-FP8-dynamic repacks): name -> (model, strategy)
+    "llama_ct_channel": ("llama_fp8", "channel"),
+    "llama_ct_tensor": ("llama_fp8", "tensor"),
+}
+
+
+def make_compressed_checkpoint(name: str, root: str) -> tuple[str, str]:
+    """``name`` as compressed-tensors stores FP8 (float8_e4m3fn weights, a bf16 ``weight_scale`` per output
+    row or per tensor, the LM head left whole), and beside it the same weights dequantized as plain floats
+    (what plain transformers reads as the reference): the two paths."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    model, strategy = COMPRESSED[name]
+    path, plain = os.path.join(root, name), os.path.join(root, name + "_dequantized")
+    if os.path.isfile(os.path.join(plain, "config.json")):
+        return path, plain
+    source = make_checkpoint(model, os.path.join(root, "float"))
+    for target in (path, plain):
+        shutil.copytree(source, target, dirs_exist_ok=True)
+    tensors = load_file(os.path.join(source, "model.safetensors"))
+    quantized, dequantized = dict(tensors), dict(tensors)
+    for key in [k for k, w in tensors.items() if w.dim() == 2 and ".layers." in k]:
+        weight = tensors[key]
+        amax = weight.abs().amax(dim=1, keepdim=True) if strategy == "channel" else weight.abs().amax().reshape(1)
+        scale = (amax / torch.finfo(torch.float8_e4m3fn).max).to(torch.bfloat16)
+        q = (weight / scale.float().reshape(-1, 1) if strategy == "channel" else weight / scale.float()).to(
+            torch.float8_e4m3fn
+        )
+        quantized[key], quantized[key + "_scale"] = q, scale
+        dequantized[key] = q.float() * (scale.float() if strategy == "tensor" else scale.float().reshape(-1, 1))
+    save_file(quantized, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    save_file(dequantized, os.path.join(plain, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    config["quantization_config"] = {
+        "quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
+        "quantization_status": "compressed",
+        "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None, "weights": {
+            "num_bits": 8, "type": "float", "symmetric": True, "strategy": strategy, "dynamic": False}}},
+    }  # fmt: skip
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    return path, plain
+
+
 def make_checkpoint(name: str, root: str) -> str:
     """Save a seeded random model of ``name`` under ``root/name`` (once) and return the path."""
     import transformers

@@ -40,7 +40,7 @@ from .errors import CheckpointError
 from .files import INDEX_FILE, MANIFEST_FILE, PICKLE_FILE, PICKLE_INDEX_FILE, SINGLE_FILE
 from .keys import FusedSource, checkpoint_sources, expert_shape
 from .manifest import DistributedCheckpoint
-from .quantized import BlockFP8, dequantized_sources, readable, scale_key
+from .quantized import ScaledFP8, companion_keys, dequantized_sources, readable
 from .tiles import Tile, TiledTensor
 from .writer import SAFETENSORS_TO_TORCH, nbytes
 
@@ -329,7 +329,7 @@ def _sources(model: nn.Module, path: str, layout: ModelLayout, files: dict, igno
         )
     buffers = {name: key_of[name] for name, _ in model.named_buffers() if name in key_of}
     used = {key for source in sources.values() for key in _keys_of(source)} | set(buffers.values())
-    scales = {scale_key(key) for key in used | ignore_keys}  # read with their weights (FP8 blocks)
+    scales = {other for key in used | ignore_keys for other in companion_keys(key)}  # FP8 weights' scales
     unexpected = sorted(set(files) - used - ignore_keys - scales)
     if unexpected:
         warnings.warn(
@@ -348,7 +348,7 @@ def load_weights(
     allow_pickle: bool = False,
     ignore_keys: set[str] = frozenset(),
     files: dict[str, str] | None = None,
-    quantization: BlockFP8 | None = None,
+    quantization: ScaledFP8 | None = None,
 ) -> dict[str, str | FusedSource]:
     """Fill every parameter (and persistent buffer found in the checkpoint) with its local shard.
 
