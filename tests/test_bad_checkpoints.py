@@ -106,7 +106,8 @@ def test_index_that_is_not_json(sharded, tmp_path):
     [
         {"quant_method": "fp8", "activation_scheme": "static"},  # per-tensor scales: not read yet
         {"quant_method": "gptq", "bits": 4, "group_size": 128},
-        {"quant_method": "compressed-tensors", "format": "float-quantized"},
+        {"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"group_0": {
+            "targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 128}}}},
         {"quant_method": "mxfp4"},
     ],
 )
