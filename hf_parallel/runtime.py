@@ -49,11 +49,16 @@ class Runtime:
         """The model's own forward, which ``run`` calls once per micro-batch."""
         return self._own()
 
-    def inputs(self, args: tuple, kwargs: dict) -> dict:
-        """A forward's arguments by name, as every rank of a sequence group computes them."""
+    def bound(self, args: tuple, kwargs: dict) -> dict:
+        """A forward's arguments by name, as this rank was called with them."""
         bound = self._signature.bind_partial(*args, **kwargs)
         inputs = dict(bound.arguments)
         inputs.update(inputs.pop("kwargs", {}))
+        return inputs
+
+    def inputs(self, args: tuple, kwargs: dict) -> dict:
+        """A forward's arguments by name, as every rank of a sequence group computes them."""
+        inputs = self.bound(args, kwargs)
         if self.sequence is not None:
             inputs = sequence_inputs(self.sequence, inputs, self._warned)
         return inputs

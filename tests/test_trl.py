@@ -99,6 +99,21 @@ def test_sft_trainer_is_refused_by_name_where_its_fused_head_cannot_be_right(tin
 
 
 @pytest.mark.distributed
+@pytest.mark.parametrize("sizes", [dict(tp_size=2), dict(sp_size=2, tp_plan=None)], ids=["tp2", "sp2"])
+def test_different_batches_on_the_ranks_of_one_replica_are_refused(tiny_paths, tmp_path, sizes):
+    """GRPO and RLOO seed every rank apart, so each samples its own completions: on a replica that spans
+    ranks the collectives would mix them into a gradient of no loss. TRL's fused call compares the batches
+    over the replica first and refuses by name; the same batch on every rank goes through."""
+    import trl_workers
+    from distributed import run_ranks
+
+    results = run_ranks(2, trl_workers.different_batches, tiny_paths["llama"], sizes, out_dir=str(tmp_path / "out"))
+    for result in results:
+        assert result["error"] is not None and "were given different batches" in result["error"], result
+        assert "GRPO, RLOO" in result["error"] and result["same"] > 0, result
+
+
+@pytest.mark.distributed
 def test_dpo_trainer_with_lora_matches_one_process(tiny_paths, tmp_path):
     """TRL's DPOTrainer with LoRA at TP=2 (its reference model: the base with the adapter disabled; its
     log-probabilities from the same fused head): loss, grad norm, rewards and log-probabilities of one process."""

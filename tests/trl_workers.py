@@ -139,3 +139,22 @@ def dpo_parallel(rank: int, world_size: int, path: str, root: str, sizes: dict) 
     import hf_parallel
 
     return dpo(hf_parallel.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **sizes), root)
+
+
+def different_batches(rank: int, world_size: int, path: str, sizes: dict) -> dict:
+    """TRL's fused call on each rank of one replica with its own batch (as GRPO's per-rank sampling gives):
+    the error, or None; then the same batch on every rank goes through."""
+    import hf_parallel
+
+    model = hf_parallel.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **sizes)
+    from trl.trainer import utils  # after the load: its add_fused_lm_head is the one TRL's trainers call
+
+    utils.add_fused_lm_head(model)
+    ids = torch.randint(3, 20, (2, 9), generator=torch.Generator().manual_seed(rank))
+    try:
+        model(input_ids=ids, labels=ids, fused_lm_head=True)
+        error = None
+    except ValueError as raised:
+        error = str(raised)
+    same = torch.randint(3, 20, (2, 9), generator=torch.Generator().manual_seed(0))
+    return {"error": error, "same": float(model(input_ids=same, labels=same, fused_lm_head=True).loss)}

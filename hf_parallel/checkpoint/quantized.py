@@ -21,8 +21,9 @@ from dataclasses import dataclass
 import torch
 
 from .errors import CheckpointError
+from .writer import SAFETENSORS_TO_TORCH
 
-FP8_DTYPES = ("F8_E4M3", "F8_E5M2")  # safetensors' names
+FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 SUPPORTED = (
     "fp8 (block-wise weight_scale_inv) and compressed-tensors float-quantized 8-bit (per-tensor, per-channel or "
     "block weight_scale), dequantized at load"
@@ -76,7 +77,8 @@ def read_quantization(config) -> ScaledFP8 | None:
     get = quantization.get if isinstance(quantization, dict) else lambda key, default=None: getattr(
         quantization, key, default
     )
-    method, block = str(get("quant_method")), get("weight_block_size")
+    method, block = get("quant_method"), get("weight_block_size")
+    method = str(getattr(method, "value", method))  # transformers' QuantizationMethod enum, or its string
     if method == "compressed-tensors":
         found = _compressed_tensors(config, get)
     elif method == "fp8" and block:
@@ -137,7 +139,8 @@ def readable(handle, files: dict[str, str], key: str, quantization: ScaledFP8 | 
     beside it, a ``DequantizedSlice`` of it. A float8 weight without its scale, or FP8 in a checkpoint
     whose config declares no quantization, is refused by name."""
     weight = handle(files[key]).get_slice(key)
-    if not isinstance(weight.get_dtype(), str) or weight.get_dtype() not in FP8_DTYPES:
+    dtype = weight.get_dtype()  # safetensors' code, or a torch dtype (a pickle checkpoint's)
+    if (SAFETENSORS_TO_TORCH.get(dtype) if isinstance(dtype, str) else dtype) not in FP8:
         return weight
     scale = None if quantization is None else key + quantization.suffix
     if scale not in files:

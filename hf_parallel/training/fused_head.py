@@ -141,16 +141,40 @@ def fused_runner(model):
     state = parallel_state(model)
     head = model.get_output_embeddings()
     through_module = state.mesh.shape.dp > 1 and _sharded_on_its_own(head)
-    if state.sequence is None and not through_module:
+    replica = state.mesh.model  # the ranks that compute one model replica together: one batch
+    if state.sequence is None and not through_module and replica.size == 1:
         return None
 
     def run(fused, args, kwargs):
+        _check_one_batch(state, state.runtime.bound(args, kwargs), replica)
         with _head_through_its_module(model, head) if through_module else contextlib.nullcontext():
             if state.sequence is None:
                 return fused(*args, **kwargs)
             return _fused_over_sequence(state.runtime, state.sequence, fused, args, kwargs)
 
     return run
+
+
+def _check_one_batch(state, inputs: dict, replica) -> None:
+    """The ranks of one replica compute one batch together; a trainer that samples on each rank (GRPO and
+    RLOO seed every rank apart, so each generates its own completions) would hand them different ones,
+    mixed in the collectives into a gradient of no loss: refused by name (a fingerprint of the token ids
+    and labels, compared over the replica)."""
+    if replica.size == 1:
+        return
+    ids = batch_inputs(inputs)
+    labels = inputs.get("labels", inputs.get("shift_labels"))
+    fingerprint = torch.tensor([float(ids.numel()), float(ids.double().sum()), float((ids.double() ** 2).sum())]
+                               + ([] if labels is None else [float(labels.double().sum())]), dtype=torch.float64,
+                               device=ids.device)  # fmt: skip
+    everyone = comm.all_gather(fingerprint.unsqueeze(0), 0, [1] * replica.size, replica.group)
+    if not bool((everyone == everyone[0]).all()):
+        raise ValueError(
+            f"TRL's fused LM head ({state.mesh.shape}): the ranks of one model replica were given different "
+            "batches, which they would mix in their collectives. A trainer that samples on each rank (GRPO, RLOO: "
+            "their seeds differ per rank) cannot run where a replica spans several ranks; load with fsdp_size "
+            "only (one rank per replica), or give the replica's ranks the same samples"
+        )
 
 
 @contextlib.contextmanager
@@ -182,7 +206,7 @@ def _fused_over_sequence(runtime, split, fused, args, kwargs):
     rows, tokens = batch_inputs(inputs).shape[:2]
     sequence = split.call(tokens, keep_split=True)
     whole, local = shifted_labels(labels if shift is None else shift, sequence, shift=shift is None)
-    count = (whole != -100).sum() if count is None else count
+    count = (whole != -100).sum().clamp(min=1) if count is None else count
     with calling(Call(rows, tokens, 0, sequence)):
         out = fused(**inputs, fused_lm_head=True, shift_labels=local, num_items_in_batch=count)
     out.loss = comm.reduce_from(out.loss, split.group)
