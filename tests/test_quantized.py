@@ -76,7 +76,8 @@ def test_fp8_blocks_are_dequantized_as_read_in_one_process(fp8_paths, references
 )
 def test_fp8_blocks_split_inside_a_block_match_one_process(fp8_paths, references, tmp_path, world_size, sizes):
     """32-row blocks split 80/80 (TP=2) and 54/53/53 (TP=3) in the MLP, 48/48 in attention, an expert's 32
-    rows 16/16 and 11/11/10; Phi-3's packed q|k|v and gate|up each part with its own scale rows; Qwen3-MoE's
+    rows 16/16 and 11/11/10; dims that end in a partial block (80, 144, a 16-row KV head); power-of-two
+    scales stored as e8m0; Phi-3's packed q|k|v and gate|up each part with its own scale rows; Qwen3-MoE's
     per-expert weights and scales read into fused experts, split (expert TP) or spread whole (EP); a KV head
     replicated at TP=3; pipeline stages (each reads its layers' weights and scales) and SP: every rank's
     logits within 1e-5 of plain transformers', and the gathered save is plain floats it reads back."""

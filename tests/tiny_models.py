@@ -79,14 +79,22 @@ FP8 = {  # FP8 with 32 x 32 block scales (DeepSeek-V3 / Qwen3-FP8's format): dim
     "qwen3_moe_fp8": ("Qwen3MoeConfig", dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
                                              num_experts=4, num_experts_per_tok=2, num_attention_heads=4,
                                              num_key_value_heads=2, head_dim=16, tie_word_embeddings=False)),
+    # dims that are not whole blocks (80 = 2.5 blocks, 144 = 4.5, one 16-row KV head): the last block is partial
+    "llama_fp8_partial": ("LlamaConfig", dict(hidden_size=80, intermediate_size=144, num_attention_heads=5,
+                                              num_key_value_heads=1, head_dim=16, tie_word_embeddings=False)),
+    # power-of-two scales stored as float8_e8m0fnu (DeepSeek-V3.1's scale_fmt "ue8m0")
+    "llama_fp8_ue8m0": ("LlamaConfig", dict(hidden_size=96, intermediate_size=160, num_attention_heads=6,
+                                            num_key_value_heads=2, head_dim=16, tie_word_embeddings=False)),
 }  # fmt: skip
 
 
 def make_fp8_checkpoint(name: str, root: str) -> str:
     """``name`` of FP8 as its releases store it: every decoder layer's matrix float8_e4m3fn with a float32
     ``weight_scale_inv`` per block (``W ~ q * s``; experts per expert), embeddings, norms, routers and LM head
-    left whole, and the config's ``quantization_config``."""
+    left whole, and the config's ``quantization_config``. Where plain transformers cannot be the reference
+    (partial blocks, e8m0 scales), the dequantized weights beside it as ``<path>_dequantized``."""
     import json
+    import shutil
 
     from safetensors.torch import load_file, save_file
 
@@ -96,19 +104,33 @@ def make_fp8_checkpoint(name: str, root: str) -> str:
     make_checkpoint(name, root)
     file = os.path.join(path, "model.safetensors")
     tensors = load_file(file)
+    ue8m0 = name.endswith("ue8m0")
     bm, bn = FP8_BLOCK
+    dequantized, partial = dict(tensors), False
     matrices = [k for k, w in tensors.items() if w.dim() == 2 and ".layers." in k]
     for key in [k for k in matrices if not k.endswith("mlp.gate.weight")]:  # the router stays whole
         rows, cols = tensors[key].shape
-        blocks = tensors[key].reshape(rows // bm, bm, cols // bn, bn)
+        partial |= rows % bm != 0 or cols % bn != 0
+        padded = torch.zeros(-(-rows // bm) * bm, -(-cols // bn) * bn)  # the last blocks' missing rows: zeros
+        padded[:rows, :cols] = tensors[key]
+        blocks = padded.reshape(padded.shape[0] // bm, bm, padded.shape[1] // bn, bn)
         scale = blocks.abs().amax(dim=(1, 3)) / torch.finfo(torch.float8_e4m3fn).max
-        tensors[key] = (blocks / scale[:, None, :, None]).reshape(rows, cols).to(torch.float8_e4m3fn)
-        tensors[key + "_scale_inv"] = scale.float().contiguous()
+        if ue8m0:
+            scale = torch.exp2(torch.ceil(torch.log2(scale)))
+        quantized = (blocks / scale[:, None, :, None]).reshape(padded.shape)[:rows, :cols].to(torch.float8_e4m3fn)
+        tensors[key] = quantized
+        tensors[key + "_scale_inv"] = scale.to(torch.float8_e8m0fnu if ue8m0 else torch.float32).contiguous()
+        whole = scale.repeat_interleave(bm, 0).repeat_interleave(bn, 1)[:rows, :cols]
+        dequantized[key] = quantized.float() * whole
     save_file(tensors, file, metadata={"format": "pt"})
+    if partial or ue8m0:  # plain transformers' own FP8 loader assumes whole blocks of float32 scales: the
+        plain = path + "_dequantized"  # reference is the same weights dequantized, saved as floats
+        shutil.copytree(path, plain)
+        save_file(dequantized, os.path.join(plain, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(path, "config.json")) as f:
         config = json.load(f)
     config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": list(FP8_BLOCK),
-                                     "activation_scheme": "dynamic"}  # fmt: skip
+                                     "activation_scheme": "dynamic", **({"scale_fmt": "ue8m0"} if ue8m0 else {})}
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config, f)
     return path
