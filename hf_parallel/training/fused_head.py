@@ -162,11 +162,10 @@ def _check_one_batch(state, inputs: dict, replica) -> None:
     and labels, compared over the replica)."""
     if replica.size == 1:
         return
-    ids = batch_inputs(inputs)
+    ids = batch_inputs(inputs).double()
     labels = inputs.get("labels", inputs.get("shift_labels"))
-    fingerprint = torch.tensor([float(ids.numel()), float(ids.double().sum()), float((ids.double() ** 2).sum())]
-                               + ([] if labels is None else [float(labels.double().sum())]), dtype=torch.float64,
-                               device=ids.device)  # fmt: skip
+    sums = [ids.new_tensor(ids.numel()), ids.sum(), (ids**2).sum()]  # on the device: no host copy but the verdict
+    fingerprint = torch.stack(sums + ([] if labels is None else [labels.double().sum()]))
     everyone = comm.all_gather(fingerprint.unsqueeze(0), 0, [1] * replica.size, replica.group)
     if not bool((everyone == everyone[0]).all()):
         raise ValueError(

@@ -22,6 +22,7 @@ from ..adapters.seams import place_and_check
 from ..checkpoint.files import TRAINING_STATE_PREFIX, training_state_file
 from ..state import parallel_model, parallel_state
 from .state_tiles import (
+    LAYOUT_KEY,
     METADATA_KEY,
     PlainOptimizerState,
     SavedState,
@@ -33,7 +34,6 @@ from .state_tiles import (
     state_file_contents,
 )
 
-LAYOUT_KEY = "layout"  # in each rank's training-state file: the layout whose ranks wrote it
 OPTIMIZER_FILE = "optimizer.pt"  # transformers' one-process optimizer state (torch.save)
 
 
@@ -80,8 +80,7 @@ def _plain_state(model, optimizer, directory: str) -> PlainOptimizerState:
     tiles = param_tiles(model)
     order = list(tiles)
     if optimizer is not None:
-        names_of = {id(param): name for name, (param, _, _) in tiles.items()}
-        order = [name for names in optimizer_names(optimizer, names_of) for name in names]
+        order = [name for names in optimizer_names(optimizer, tiles) for name in names]
     files = checkpoint_files(directory)
     weights, unreadable = {}, []
     for name in tiles:
@@ -110,7 +109,7 @@ def load_training_state(model, optimizer, directory: str, weights: bool = True) 
     place_and_check(model)  # adapters added since loading: cut to this rank's slices first
     files = _state_files(directory) if os.path.isdir(directory) else []
     if files:
-        saved = SavedState(files, written_layout(directory))
+        saved = SavedState(files)
     elif optimizer is None or os.path.isfile(os.path.join(directory, OPTIMIZER_FILE)):
         saved = _plain_state(model, optimizer, directory)
     else:
@@ -127,5 +126,5 @@ def write_full_optimizer(src: str, out_file: str) -> bool:
     files = _state_files(src)
     if not files:
         return False
-    torch.save(full_optimizer_state(SavedState(files, written_layout(src))), out_file)
+    torch.save(full_optimizer_state(SavedState(files)), out_file)
     return True

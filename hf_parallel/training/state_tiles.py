@@ -39,6 +39,7 @@ from .clipping import local_tensor
 TILED, SCALAR, VALUE, LOCAL = "tiled", "scalar", "value", "local"
 PARAM = "param"  # the parameter's own value, beside its optimizer state
 METADATA_KEY = "hf_parallel.training_state"
+LAYOUT_KEY = "layout"  # in each rank's file: the layout whose ranks wrote it
 # optimizers whose every state tensor shaped like its parameter is elementwise, so it splits like the
 # parameter (a preconditioner of a square matrix is shaped like it too, and must not be resharded)
 ELEMENTWISE = frozenset(f"torch.optim.{name}" for name in (
@@ -90,8 +91,9 @@ def param_tiles(model) -> dict[str, tuple[torch.nn.Parameter, tuple[int, ...], l
     return out
 
 
-def optimizer_names(optimizer, names_of: dict[int, str]) -> list[list[str]]:
-    """The names of each group's parameters, in the optimizer's order (``names_of``: id -> name)."""
+def optimizer_names(optimizer, tiles: dict) -> list[list[str]]:
+    """The names of each group's parameters, in the optimizer's order (``tiles``: ``param_tiles``)."""
+    names_of = {id(param): name for name, (param, _, _) in tiles.items()}
     groups = []
     for index, group in enumerate(optimizer.param_groups):
         unknown = [tuple(p.shape) for p in group["params"] if id(p) not in names_of]
@@ -124,8 +126,7 @@ def _hyperparameters(group: dict) -> dict:
 def state_file_contents(model, optimizer) -> tuple[dict[str, torch.Tensor], dict]:
     """This rank's pieces: tensors under ``name::state::index`` and the metadata that places them."""
     tiles = param_tiles(model)
-    names_of = {id(param): name for name, (param, _, _) in tiles.items()}
-    groups = optimizer_names(optimizer, names_of) if optimizer is not None else []
+    groups = optimizer_names(optimizer, tiles) if optimizer is not None else []
     group_of = {name: index for index, names in enumerate(groups) for name in names}
     tensors, params = {}, {}
     for name, (param, full, boxes) in tiles.items():
@@ -162,20 +163,22 @@ def state_file_contents(model, optimizer) -> tuple[dict[str, torch.Tensor], dict
 
 class SavedState:
     """Every rank file of a training-state save: each name's pieces, readable as any box of the full
-    tensor at any layout. ``layout``: the layout that wrote it."""
+    tensor at any layout; ``layout``: the layout that wrote it."""
 
-    def __init__(self, files: list[str], layout: str):
-        self.layout, self.files = layout, files
+    def __init__(self, files: list[str]):
+        self.layout, self.files = None, files
         self.params: dict[str, dict] = {}
         self.order: list[str] = []
         self.groups = None
         self._tiles: dict[tuple[str, str], dict[Box, Tile]] = {}
         self._dtypes: dict[tuple[str, str], torch.dtype] = {}
-        self._single: dict[tuple[str, str, int], Callable[[], object]] = {}  # (name, state, rank): SCALAR, VALUE, LOCAL
+        self._single: dict[tuple[str, str], dict[int, Callable[[], object]]] = {}  # SCALAR, VALUE, LOCAL by rank
         self._boxes: dict[tuple[str, int], list] = {}  # (name, rank) -> the full-tensor boxes that rank wrote
         for rank, file in enumerate(files):
             handle = safe_open(file, "pt")
-            found = (handle.metadata() or {}).get(METADATA_KEY)
+            metadata = handle.metadata() or {}
+            self.layout = self.layout or metadata.get(LAYOUT_KEY, f"{len(files)} ranks")
+            found = metadata.get(METADATA_KEY)
             if found is None:
                 raise StateError(
                     f"{file}: training state of an earlier hf_parallel (its optimizer state in optimizer-rank-*.pt), "
@@ -201,10 +204,11 @@ class SavedState:
                             if box not in pieces:  # a piece held by several ranks is read from the first
                                 pieces[box] = Tile(box, _reader(handle, key))
                     elif kind == VALUE:
-                        self._single[(name, state_name, rank)] = functools.partial(_same, saved["values"][state_name])
+                        read = functools.partial(_same, saved["values"][state_name])
+                        self._single.setdefault((name, state_name), {})[rank] = read
                     else:
-                        key = f"{name}::{state_name}::{kind}"
-                        self._single[(name, state_name, rank)] = functools.partial(handle.get_tensor, key)
+                        read = functools.partial(handle.get_tensor, f"{name}::{state_name}::{kind}")
+                        self._single.setdefault((name, state_name), {})[rank] = read
 
     def names(self) -> set[str]:
         return set(self.params)
@@ -224,8 +228,8 @@ class SavedState:
             )
         if kind in (SCALAR, VALUE, LOCAL):
             if placed_alike:
-                return self._single[(name, state_name, rank)]()
-            kept = [read() for (n, s, _), read in self._single.items() if (n, s) == (name, state_name)]
+                return self._single[(name, state_name)][rank]()
+            kept = [read() for read in self._single[(name, state_name)].values()]
             if any(not _equal(value, kept[0]) for value in kept[1:]):
                 raise StateError(
                     f"{name}: optimizer state {state_name!r} differs between the ranks that wrote it at {self.layout}, "
@@ -286,7 +290,7 @@ class PlainOptimizerState(SavedState):
             for state_name, value in values.items():
                 if not isinstance(value, torch.Tensor) and not hasattr(value, "get_shape"):  # a step count
                     states[state_name] = VALUE
-                    self._single[(name, state_name, 0)] = functools.partial(_same, value)
+                    self._single[(name, state_name)] = {0: functools.partial(_same, value)}
                     continue
                 sliced = hasattr(value, "get_shape")
                 value_shape = tuple(value.get_shape() if sliced else value.shape)
@@ -297,7 +301,7 @@ class PlainOptimizerState(SavedState):
                     self._dtypes[(name, state_name)] = dtype
                 elif not value_shape:
                     states[state_name] = SCALAR
-                    self._single[(name, state_name, 0)] = functools.partial(_same, value)
+                    self._single[(name, state_name)] = {0: functools.partial(_same, value)}
                 else:
                     raise StateError(
                         f"{path}: parameter {index}'s {state_name!r} has shape {value_shape}, and this model's {name} "
@@ -332,8 +336,7 @@ def read_state(model, optimizer, saved: SavedState, here: str, on_stages: bool, 
             )
     groups = None
     if optimizer is not None:
-        names_of = {id(param): name for name, (param, _, _) in tiles.items()}
-        groups = optimizer_names(optimizer, names_of)
+        groups = optimizer_names(optimizer, tiles)
         if saved.groups is None:
             raise StateError(f"the training state written at {saved.layout} holds no optimizer state")
         ours = optimizer_class(optimizer)
