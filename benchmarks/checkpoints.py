@@ -52,4 +52,37 @@ def random_llama_long_context() -> str:
     return random_llama("bench-llama-long-context", LLAMA_LONG_CONTEXT, torch.float32)
 
 
-CHECKPOINTS = {"smollm2-135m": default_checkpoint, "llama-1gb": random_llama}
+def fp8_llama(block: int = 128) -> str:
+    """The 1 GB Llama as the FP8 releases store it (DeepSeek-V3 / Qwen3-FP8): every decoder matrix
+    float8_e4m3fn with a float32 ``weight_scale_inv`` per 128 x 128 block, embeddings and head in bf16."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    path = os.path.join(cache_root(), "bench-llama-1gb-fp8")
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return path
+    source = random_llama()
+    tensors = {}
+    for name in sorted(f for f in os.listdir(source) if f.endswith(".safetensors")):
+        tensors.update(load_file(os.path.join(source, name)))
+    for key in [k for k, w in tensors.items() if w.dim() == 2 and ".layers." in k]:
+        weight = tensors[key].float()
+        rows, cols = weight.shape  # whole blocks in this config
+        blocks = weight.reshape(rows // block, block, cols // block, block)
+        scale = blocks.abs().amax(dim=(1, 3)) / torch.finfo(torch.float8_e4m3fn).max
+        tensors[key] = (blocks / scale[:, None, :, None]).reshape(rows, cols).to(torch.float8_e4m3fn)
+        tensors[key + "_scale_inv"] = scale.contiguous()
+    os.makedirs(path + ".tmp", exist_ok=True)
+    save_file(tensors, os.path.join(path + ".tmp", "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(source, "config.json")) as f:
+        config = json.load(f)
+    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [block, block],
+                                     "activation_scheme": "dynamic"}  # fmt: skip
+    with open(os.path.join(path + ".tmp", "config.json"), "w") as f:
+        json.dump(config, f)
+    os.replace(path + ".tmp", path)
+    return path
+
+
+CHECKPOINTS = {"smollm2-135m": default_checkpoint, "llama-1gb": random_llama, "llama-1gb-fp8": fp8_llama}

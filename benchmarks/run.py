@@ -133,8 +133,10 @@ def one_round(path: str, out: str, args) -> dict[str, dict]:
     rows = {"single": summarize(launch("single", 1, path, out, args), out, None)}
     if "error" in rows["single"]:
         sys.exit(f"single-process reference failed: {rows['single']['error']}")
+    with open(os.path.join(path, "config.json")) as f:
+        quantized = "quantization_config" in json.load(f)  # also hf_parallel keeping the weights quantized
     for tp in args.tp:
-        for impl in ("hf_parallel", "transformers"):
+        for impl in ("hf_parallel", "transformers") + ("hf_parallel_kept",) * quantized:
             rows[f"{impl} tp{tp}"] = summarize(launch(impl, tp, path, out, args), out, rows["single"])
     return rows
 
@@ -251,6 +253,11 @@ def targets(rows: dict[str, dict], tp: int) -> list[tuple[str, bool | None, str]
             f"{ours['save_peak_rss'] / MiB:.0f} vs {save_limit / MiB:.0f} MiB",
         )
     )
+    kept = rows.get(f"hf_parallel_kept tp{tp}", {})
+    for key, label in (("load_peak_rss", "load peak RSS"), ("rss_after_prefill", "RSS after prefill")):
+        if kept and "error" not in kept:  # a quantized checkpoint held quantized, against one process's dequantized
+            r = kept[key] / single[key]
+            checks.append((f"keep_quantized: {label} per rank <= 0.6 x one process", r <= 0.6, f"ratio {r:.2f}"))
     own_limit = 2 * single["largest_tensor_bytes"]  # the bound's part that is the save's own doing
     checks.append(
         (

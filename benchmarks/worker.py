@@ -27,18 +27,22 @@ def barrier() -> None:
 
 
 def load(impl: str, path: str, dtype: torch.dtype):
-    if impl == "hf_parallel":
+    if impl.startswith("hf_parallel"):  # hf_parallel_kept: a quantized checkpoint's weights kept quantized
         import hf_parallel
 
-        return hf_parallel.AutoModelForCausalLM.from_pretrained(path, tp_plan="auto", dtype=dtype)
+        kept = dict(keep_quantized=True) if impl == "hf_parallel_kept" else {}
+        return hf_parallel.AutoModelForCausalLM.from_pretrained(path, tp_plan="auto", dtype=dtype, **kept)
     tp = dict(tp_plan="auto") if impl == "transformers" else {}
     return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **tp)
 
 
 def local_param_bytes(model) -> int:
+    """Bytes of this rank's parameters (weights kept quantized: as held, not their placeholders)."""
     seen, total = set(), 0
+    if "hf_parallel" in sys.modules:
+        total = sum(w.nbytes for w in sys.modules["hf_parallel"].parallel_state(model).kept.values())
     for param in model.parameters():
-        if id(param) in seen:
+        if id(param) in seen or param.device.type == "meta":
             continue
         seen.add(id(param))
         local = param.to_local() if hasattr(param, "to_local") else param
@@ -99,7 +103,8 @@ def run(args, result: dict) -> None:
     result["load_rss_above_setup"] = result["load_peak_rss"] - result["setup_rss"]
     result["rss_after_load"] = rss_bytes()
     result["shard_bytes"] = local_param_bytes(model)
-    result["largest_tensor_bytes"] = max(p.numel() * p.element_size() for p in model.parameters())
+    held = [p for p in model.parameters() if p.device.type != "meta"]  # not the placeholders of kept weights
+    result["largest_tensor_bytes"] = max(p.numel() * p.element_size() for p in held)
 
     vocab = model.config.get_text_config().vocab_size
     prompt = torch.randint(3, vocab, (1, args.prompt_len), generator=torch.Generator().manual_seed(0))
@@ -190,7 +195,7 @@ def measure_distributed_save(model, out: str, result: dict) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--impl", choices=["single", "hf_parallel", "transformers"], required=True)
+    parser.add_argument("--impl", choices=["single", "hf_parallel", "hf_parallel_kept", "transformers"], required=True)
     parser.add_argument("--model", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--dtype", default="bfloat16")

@@ -23,6 +23,7 @@ from .runtime import Runtime
 from .sequence.shard import install_sequence
 from .state import ParallelState, attach, parallel_state
 from .tensor.gradients import GradientSums
+from .tensor.kept import hold_quantized
 from .tensor.parallelize import install
 from .training.data_parallel import shard_data_parallel, unsharded
 from .training.trainer import from_distributed_config, install_trainer_seams
@@ -46,6 +47,7 @@ def from_pretrained(
     distributed_config=None,
     device_map=None,
     allow_pickle: bool = False,
+    keep_quantized: bool = False,
     **config_kwargs,
 ):
     """``tp_plan=None`` (or ``{}``): no tensor parallelism, every rank holds the whole model.
@@ -61,6 +63,8 @@ def from_pretrained(
     dp_replicate x fsdp x pp x sp x tp. ``distributed_config``: transformers' ``DistributedConfig``
     instead of the sizes (what it asks that hf_parallel cannot do is refused).
     ``allow_pickle``: accept a ``pytorch_model.bin`` checkpoint (loaded with ``weights_only=True``).
+    ``keep_quantized``: a quantized checkpoint's weights stay quantized on each rank, dequantized module by
+    module in the forward (inference; saved back in the checkpoint's format). Default: dequantized as read.
 
     The steps a model goes through after its empty build, in this order, each owning what it sets up
     and none rewriting an earlier one's (long for its keywords; the body is one line a step)."""
@@ -75,9 +79,11 @@ def from_pretrained(
     # 1. layouts: this rank's empty model, cut to its stage, every parameter's layout; all refusals
     built = build_rank_model(auto_class, config, dtype, mesh, tp_plan, ep_plan, stage_layers, files)
     model, cut = built.model, built.cut
-    # 2. load: each rank reads its slices
+    kept = _keep_quantized(path, built, mesh) if keep_quantized else None
+    # 2. load: each rank reads its slices (those kept quantized: dequantized in each module's call)
     source_keys = load_weights(model, path, built.layout, dtype, allow_pickle, built.ignore_keys, files=files,
-                               quantization=built.quantization)  # fmt: skip
+                               quantization=built.quantization, kept=kept)  # fmt: skip
+    hold_quantized(model, kept or {})
     _read_generation_config(model, path)
     # 3. tensor (and expert) parallelism: each module's collectives; gradient sums recorded
     gradients = GradientSums()
@@ -95,13 +101,28 @@ def from_pretrained(
     # 7. the runtime around the forward, and the state every later call reads
     runtime = Runtime(model, sequence, stage, own=stage_forward)
     model.eval()
-    state = ParallelState(mesh, built.layout, source_keys, runtime, gradients, hooks, Adapters())
+    state = ParallelState(mesh, built.layout, source_keys, runtime, gradients, hooks, Adapters(), kept or {},
+                          built.quantization_config)  # fmt: skip
     attach(model, state)
     model.save_pretrained = functools.partial(save_pretrained, model)
     # 8. adapters (peft) and the Trainer's seams, each installed when its library is first imported
     watch(model, state)
     install_trainer_seams(model, state)
     return model
+
+
+def _keep_quantized(path: str, built, mesh) -> dict:
+    """Where ``keep_quantized=True`` cannot hold: refused by name before any weight is read. An empty dict
+    the load fills."""
+    if built.quantization is None:
+        raise ValueError(f"keep_quantized=True: {path} is not a quantized checkpoint (its config has no "
+                         "quantization_config)")  # fmt: skip
+    if mesh.shape.dp > 1:
+        raise ValueError(
+            f"keep_quantized=True with fsdp_size / dp_replicate_size ({mesh.shape}): FSDP shards and trains "
+            "parameters, and kept weights are inference-only; load without keep_quantized to train"
+        )
+    return {}
 
 
 def _read_config(path: str, device_map, config_kwargs: dict):
@@ -120,8 +141,8 @@ def _read_config(path: str, device_map, config_kwargs: dict):
             f"from_pretrained() got keyword argument(s) that hf_parallel does not take and {type(config).__name__} "
             f"does not define: {', '.join(sorted(unknown))}. hf_parallel takes tp_plan, ep_plan, dtype, tp_size, "
             "sp_size, pp_size, stage_tp_sizes, stage_layers, micro_batches, fsdp_size, dp_replicate_size, "
-            "distributed_config, device_map and allow_pickle; any other keyword must be a config attribute (it "
-            "overrides the checkpoint's)"
+            "distributed_config, device_map, allow_pickle and keep_quantized; any other keyword must be a config "
+            "attribute (it overrides the checkpoint's)"
         )
     return config
 
@@ -180,6 +201,12 @@ def save_pretrained(
             "save_pretrained(save_original_format=False): hf_parallel writes the checkpoint's own key names and layout"
         )
     state = parallel_state(model)
+    if distributed and state.kept:
+        raise ValueError(
+            "save_pretrained(distributed=True) of a model loaded with keep_quantized=True: per-rank files of "
+            "quantized parts are not written yet; save without distributed (a standard checkpoint in the source's "
+            "format)"
+        )
     with unsharded(model):
         if distributed:
             save_distributed(model, state, save_directory)

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from .checkpoint.keys import FusedSource, checkpoint_sources
-from .checkpoint.quantized import ScaledFP8, read_quantization
+from .checkpoint.quantized import Quantization, read_quantization, with_stored_keys
 from .compat.accelerate import init_empty_weights
 from .distributed.mesh import Mesh
 from .pipeline.split import StageSplit, split_stages
@@ -31,7 +31,8 @@ class RankModel:
     split: StageSplit | None = None  # the pipeline's stages, when there are several
     cut: StageCut | None = None  # what this rank's stage holds in place of the others' modules
     ignore_keys: frozenset[str] = frozenset()  # checkpoint keys the other stages read
-    quantization: ScaledFP8 | None = None  # the checkpoint's (its weights dequantized as read)
+    quantization: Quantization | None = None  # the checkpoint's (its weights dequantized as read)
+    quantization_config: object = None  # the config's, as read (a model holding its weights quantized saves it)
 
 
 def resolve_dtype(dtype, config) -> torch.dtype:
@@ -81,6 +82,7 @@ def build_rank_model(
     (under pipeline stages): the checkpoint's keys, of which the other stages' are set aside."""
     if stage_layers is not None and mesh.num_stages == 1:
         raise ValueError(f"stage_layers={list(stage_layers)} needs pipeline stages: pass pp_size or stage_tp_sizes")
+    quantization_config = getattr(config, "quantization_config", None)
     quantization = read_quantization(config)  # others refused by name; the config left without it
     if getattr(config, "is_encoder_decoder", False) and mesh.world_size > 1:
         raise ValueError(
@@ -94,7 +96,7 @@ def build_rank_model(
         layers_to_shard(model, mesh)  # FSDP wraps them one by one: a model without them is refused here
         if mesh.device.type == "cpu":
             return_freed_blocks_to_the_os()  # before the load allocates: FSDP frees gathered layers to the OS
-    built = RankModel(model, None, quantization=quantization)
+    built = RankModel(model, None, quantization=quantization, quantization_config=quantization_config)
     if mesh.num_stages > 1:  # cut the meta model down to this stage before anything else sees it
         if model.get_output_embeddings() is None:
             raise ValueError(
@@ -103,7 +105,8 @@ def build_rank_model(
             )
         built.split = split_stages(model, mesh.num_stages, stage_layers)
         if checkpoint_keys is not None:
-            built.ignore_keys = keys_held_elsewhere(model, built.split, mesh.stage, checkpoint_keys)
+            stored = with_stored_keys(checkpoint_keys, quantization)  # quantized weights under their own names too
+            built.ignore_keys = keys_held_elsewhere(model, built.split, mesh.stage, stored)
         built.cut = cut_to_stage(model, built.split, mesh.stage)
     held_elsewhere = built.cut.held_elsewhere if built.cut is not None else frozenset()
     built.layout = model_layout(model, resolve_plan(model, tp_plan, ep_plan), mesh, held_elsewhere)

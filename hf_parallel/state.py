@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from torch import nn
@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from .runtime import Runtime
     from .sequence.shard import SequenceSplit
     from .tensor.gradients import GradientSums
+    from .tensor.kept import KeptWeight
     from .tensor.parallelize import ModelLayout, ShardedParam
     from .tensor.styles import Hooks
 
@@ -36,6 +37,8 @@ class ParallelState:
     gradients: GradientSums  # which gradient is summed over which group (TP styles, SP, adapters record here)
     hooks: dict[str, Hooks]  # module path -> the hooks its TP style installed (adapters move them)
     adapters: Adapters  # peft's adapters added since, placed like their modules
+    kept: dict[str, KeptWeight] = field(default_factory=dict)  # weights held quantized (keep_quantized=True)
+    quantization_config: object = None  # the checkpoint's, saved back with the kept weights
 
     def entry(self, name: str) -> ShardedParam | None:
         """The layout and full shape of the parameter called ``name`` (as loaded, or an adapter

@@ -106,9 +106,13 @@ def test_index_that_is_not_json(sharded, tmp_path):
     [
         {"quant_method": "fp8", "activation_scheme": "static"},  # per-tensor scales: not read yet
         {"quant_method": "gptq", "bits": 4, "group_size": 128},
-        {"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"group_0": {
-            "targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 128}}}},
-        {"quant_method": "mxfp4"},
+        {"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemm"},
+        {"quant_method": "bitsandbytes", "load_in_4bit": True},
+        {"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"group_0": {  # g_idx
+            "targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 128,
+                                               "actorder": "group"}}}},
+        {"quant_method": "compressed-tensors", "format": "naive-quantized", "config_groups": {"group_0": {
+            "targets": ["Linear"], "weights": {"num_bits": 8, "type": "int", "strategy": "channel"}}}},
     ],
 )
 def test_a_quantized_checkpoint_is_refused_by_name_before_any_weight_is_read(tiny_paths, tmp_path, quantization):

@@ -12,6 +12,7 @@ from distributed import run_ranks
 from safetensors.torch import load_file, save_file
 
 import hf_parallel
+from hf_parallel import CheckpointError
 from hf_parallel.checkpoint.loading import BYTES_READ
 from hf_parallel.tensor.registry import register_style
 from hf_parallel.tensor.splits import out_dim, packed_layout
@@ -80,12 +81,17 @@ def test_missing_keys_are_an_error_naming_them(tiny_paths, tmp_path):
         hf_parallel.AutoModelForCausalLM.from_pretrained(broken)
 
 
-def test_unexpected_keys_warn_listing_them(tiny_paths, tmp_path):
+def test_unexpected_keys_are_an_error_naming_them(tiny_paths, tmp_path):
+    """A tensor no parameter reads would be dropped silently (a layer of another class, a quantized part of a
+    format not declared): refused, naming it; keys transformers itself ignores for the class still load."""
     extra = edited_checkpoint(
         tiny_paths["llama"], tmp_path / "extra", lambda t: t.update({"model.layers.7.surprise.weight": torch.zeros(2)})
     )
-    with pytest.warns(UserWarning, match=r"model\.layers\.7\.surprise\.weight"):
+    with pytest.raises(CheckpointError, match=r"1 checkpoint key\(s\) match no parameter .*layers\.7\.surprise"):
         hf_parallel.AutoModelForCausalLM.from_pretrained(extra)
+    rope = {"model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(4)}  # an old checkpoint's: transformers
+    old = edited_checkpoint(tiny_paths["llama"], tmp_path / "old", lambda t: t.update(rope))  # ignores it, so do we
+    hf_parallel.AutoModelForCausalLM.from_pretrained(old)
 
 
 def test_shape_mismatch_names_key_and_file(tiny_paths, tmp_path):

@@ -1,24 +1,38 @@
-"""Quantized checkpoints: FP8 with block scales (DeepSeek-V3 / Qwen3-FP8's format) and compressed-tensors'
-FP8 (per channel, per tensor) read per rank, each rank its slice of the weights and of their scales,
-dequantized into the dtype asked for; against plain transformers in one process. Other formats are
-refused by name."""
+"""Quantized checkpoints: FP8 with block scales (DeepSeek-V3 / Qwen3-FP8's format), compressed-tensors' FP8
+(per channel, per tensor) and pack-quantized integers (W4A16 per group, W8A16 per channel, zero points), and
+gpt-oss's MXFP4 experts, read per rank, each rank its slice of the weights and of their scales, dequantized
+into the dtype asked for; against plain transformers in one process. Other formats are refused by name."""
 
 import json
 import os
+import re
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 TOLERANCE = 1e-5
 
 
+MOE = {"qwen3_moe_fp8", "qwen3_moe_w4_group", "gpt_oss_mxfp4"}  # also loaded with their experts spread whole (EP)
+PER_EXPERT = {"qwen3_moe_fp8", "qwen3_moe_w4_group"}  # quantized one key per expert: dequantized, never kept
+READABLE = {"llama_w4_group", "llama_w8_channel"}  # compressed-tensors checkpoints plain transformers decompresses:
+# the reference is transformers reading them (for zero points, packed along the rows, and MoE per-expert keys it is
+# not: the same weights dequantized as floats)
+
+
 @pytest.fixture(scope="module")
-def fp8_paths(tiny_root):
-    """FP8 with block scales, and compressed-tensors' per-channel and per-tensor FP8."""
-    from tiny_models import COMPRESSED, FP8, make_compressed_checkpoint, make_fp8_checkpoint
+def quantized_paths(tiny_root):
+    """FP8 with block scales, compressed-tensors' per-channel and per-tensor FP8 and pack-quantized integers,
+    gpt-oss's MXFP4 experts."""
+    from tiny_models import (COMPRESSED, FP8, MXFP4, PACKED, make_compressed_checkpoint, make_fp8_checkpoint,
+                             make_mxfp4_checkpoint, make_packed_checkpoint)  # fmt: skip
 
     paths = {name: make_fp8_checkpoint(name, tiny_root) for name in FP8}
-    return {**paths, **{name: make_compressed_checkpoint(name, tiny_root)[0] for name in COMPRESSED}}
+    paths.update({name: make_compressed_checkpoint(name, tiny_root)[0] for name in COMPRESSED})
+    paths.update({name: make_packed_checkpoint(name, tiny_root)[0] for name in PACKED})
+    return {**paths, **{name: make_mxfp4_checkpoint(name, tiny_root) for name in MXFP4}}
 
 
 def plain_logits(path: str) -> torch.Tensor:
@@ -31,35 +45,62 @@ def plain_logits(path: str) -> torch.Tensor:
 
 
 @pytest.fixture(scope="module")
-def references(fp8_paths):
-    """Plain transformers in one process: the FP8 checkpoint itself (it dequantizes on a CPU), or, for
-    compressed-tensors (whose loader is another package), the same weights dequantized and saved as floats."""
-    return {name: plain_logits(path + "_dequantized" if os.path.isdir(path + "_dequantized") else path)
-            for name, path in fp8_paths.items()}  # fmt: skip
+def references(quantized_paths):
+    """Plain transformers in one process: the quantized checkpoint itself (it dequantizes on a CPU), or, where
+    it cannot read it, the same weights dequantized and saved as floats."""
+    out = {}
+    for name, path in quantized_paths.items():
+        twin = path + "_dequantized"
+        out[name] = plain_logits(twin if os.path.isdir(twin) and name not in READABLE else path)
+    return out
 
 
 def _saved_plainly(path: str, want: torch.Tensor) -> None:
     """A dequantized model saves plain floats, without quantization_config; plain transformers reads them."""
     from safetensors import safe_open
 
+    from hf_parallel.checkpoint.quantized import PARTS
+
     with open(os.path.join(path, "config.json")) as f:
         assert "quantization_config" not in json.load(f)
     with safe_open(os.path.join(path, "model.safetensors"), "pt") as saved:
-        assert not [key for key in saved.keys() if key.endswith(("_scale_inv", "_scale"))]
+        assert not [key for key in saved.keys() if key.endswith(PARTS)]
         assert {saved.get_slice(key).get_dtype() for key in saved.keys()} == {"F32"}
     assert (plain_logits(path) - want).abs().max().item() < TOLERANCE
 
 
-def test_fp8_blocks_are_dequantized_as_read_in_one_process(fp8_paths, references, tmp_path):
+def _saved_as_stored(path: str, source: str) -> None:
+    """A model holding its weights quantized saves them as the source stored them: the same keys, each tensor
+    bitwise equal (quantized weights, scales, zero points, packed shapes), the same quantization_config."""
+    from safetensors.torch import load_file
+
+    for name in ("config.json",):
+        with open(os.path.join(path, name)) as f, open(os.path.join(source, name)) as g:
+            assert json.load(f)["quantization_config"] == json.load(g)["quantization_config"]
+    saved, stored = (load_file(os.path.join(p, "model.safetensors")) for p in (path, source))
+    assert sorted(saved) == sorted(stored)
+    for key, tensor in stored.items():
+        assert (saved[key].dtype, saved[key].shape) == (tensor.dtype, tensor.shape), key
+        assert torch.equal(saved[key].reshape(-1).view(torch.uint8), tensor.reshape(-1).view(torch.uint8)), key
+
+
+def test_quantized_weights_are_dequantized_as_read_in_one_process(quantized_paths, references, tmp_path):
     import hf_parallel
     from tp_workers import INPUT_IDS
 
-    for name, path in fp8_paths.items():
+    for name, path in quantized_paths.items():
         model = hf_parallel.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         with torch.no_grad():
             assert (model(INPUT_IDS).logits - references[name]).abs().max().item() < TOLERANCE, name
         model.save_pretrained(str(tmp_path / name))
         _saved_plainly(str(tmp_path / name), references[name])
+        if name in PER_EXPERT:
+            continue
+        kept = hf_parallel.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, keep_quantized=True)
+        with torch.no_grad():
+            assert (kept(INPUT_IDS).logits - references[name]).abs().max().item() < TOLERANCE, name
+        kept.save_pretrained(str(tmp_path / "kept" / name))
+        _saved_as_stored(str(tmp_path / "kept" / name), path)
 
 
 @pytest.mark.distributed
@@ -74,17 +115,24 @@ def test_fp8_blocks_are_dequantized_as_read_in_one_process(fp8_paths, references
     ],
     ids=["tp2", "tp3", "pp2", "sp2", "ep2"],
 )
-def test_fp8_blocks_split_inside_a_block_match_one_process(fp8_paths, references, tmp_path, world_size, sizes):
+def test_quantized_weights_split_inside_a_block_match_one_process(
+    quantized_paths, references, tmp_path, world_size, sizes
+):
     """32-row blocks split 80/80 (TP=2) and 54/53/53 (TP=3) in the MLP, 48/48 in attention, an expert's 32
     rows 16/16 and 11/11/10; dims that end in a partial block (80, 144, a 16-row KV head); power-of-two
     scales stored as e8m0; Phi-3's packed q|k|v and gate|up each part with its own scale rows; Qwen3-MoE's
     per-expert weights and scales read into fused experts, split (expert TP) or spread whole (EP); a KV head
-    replicated at TP=3; pipeline stages (each reads its layers' weights and scales) and SP: every rank's
-    logits within 1e-5 of plain transformers', and the gathered save is plain floats it reads back."""
+    replicated at TP=3; pipeline stages (each reads its layers' weights and scales) and SP. Packed integers:
+    shards that cut 32-column groups and int32 words (160 at TP=3: 54/53/53), zero points packed 8 rows a
+    word cut with the rows, Qwen3-MoE's per-expert W4A16. MXFP4: gpt-oss's transposed experts, down_proj's
+    96 inputs (3 groups of 32) cut 48/48 at TP=2, interleaved gate|up pairs. Every rank's logits within 1e-5
+    of plain transformers', and the gathered save is plain floats it reads back."""
     import tp_workers
     from distributed import run_ranks
 
-    paths = {name: path for name, path in fp8_paths.items() if "moe" in name or "ep_plan" not in sizes}
+    paths = {name: path for name, path in quantized_paths.items() if name in MOE or "ep_plan" not in sizes}
+    if "sp_size" in sizes:  # gpt-oss's per-head sinks: SP refuses it by name (test_sequence_parallel)
+        paths.pop("gpt_oss_mxfp4")
     results = run_ranks(world_size, tp_workers.quantized_logits, paths, str(tmp_path / "saved"), sizes,
                         out_dir=str(tmp_path / "out"))  # fmt: skip
     for rank, result in enumerate(results):
@@ -101,7 +149,7 @@ def _copy(path: str, target) -> str:
     return str(target)
 
 
-def test_fp8_weights_without_their_scales_are_refused_by_name(fp8_paths, tmp_path):
+def test_fp8_weights_without_their_scales_are_refused_by_name(quantized_paths, tmp_path):
     """A float8 weight whose scale is missing, or FP8 in a checkpoint whose config declares no quantization:
     its values would load wrong, so the load is refused naming the tensor, before any weight is read."""
     from safetensors.torch import load_file, save_file
@@ -109,14 +157,14 @@ def test_fp8_weights_without_their_scales_are_refused_by_name(fp8_paths, tmp_pat
     import hf_parallel
     from hf_parallel import CheckpointError
 
-    target = _copy(fp8_paths["llama_fp8"], tmp_path / "no_scale")
+    target = _copy(quantized_paths["llama_fp8"], tmp_path / "no_scale")
     tensors = load_file(os.path.join(target, "model.safetensors"))
     del tensors["model.layers.1.mlp.down_proj.weight_scale_inv"]
     save_file(tensors, os.path.join(target, "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(CheckpointError, match=r"'model\.layers\.1\.mlp\.down_proj\.weight' is F8_E4M3 with no "
                        r"'model\.layers\.1\.mlp\.down_proj\.weight_scale_inv' beside it"):  # fmt: skip
         hf_parallel.AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
-    target = _copy(fp8_paths["llama_fp8"], tmp_path / "no_config")
+    target = _copy(quantized_paths["llama_fp8"], tmp_path / "no_config")
     with open(os.path.join(target, "config.json")) as f:
         config = json.load(f)
     del config["quantization_config"]
@@ -124,3 +172,119 @@ def test_fp8_weights_without_their_scales_are_refused_by_name(fp8_paths, tmp_pat
         json.dump(config, f)
     with pytest.raises(CheckpointError, match="is F8_E4M3 with no quantization_config in the config"):
         hf_parallel.AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    "world_size, sizes",
+    [(2, dict(tp_size=2)), (3, dict(tp_size=3)), (2, dict(pp_size=2, tp_plan=None)),
+     (2, dict(tp_size=2, ep_plan="auto"))],
+    ids=["tp2", "tp3", "pp2", "ep2"],
+)  # fmt: skip
+def test_weights_kept_quantized_match_one_process_and_save_back_bitwise(
+    quantized_paths, references, tmp_path, world_size, sizes
+):
+    """``keep_quantized=True``: each rank holds its slices as stored (FP8 and the scales of its blocks, packed
+    words and the groups' scales and zero points, MXFP4 blocks) and dequantizes module by module; logits
+    within 1e-5 of plain transformers' at every layout above (shards inside blocks, groups and words), what
+    each rank holds is what ``hf-parallel plan`` said, and the save gathers every part back: the source's
+    keys, bitwise, with its quantization_config (pipeline stages: each stage's parts through rank 0)."""
+    import tp_workers
+    from distributed import run_ranks
+
+    from hf_parallel.commands.report import plan_report
+
+    paths = {name: path for name, path in quantized_paths.items() if name not in PER_EXPERT}
+    if "ep_plan" in sizes:  # gpt-oss's MXFP4 experts spread whole
+        paths = {name: path for name, path in paths.items() if name in MOE}
+    results = run_ranks(world_size, tp_workers.quantized_logits, paths, str(tmp_path / "saved"), sizes, True,
+                        out_dir=str(tmp_path / "out"))  # fmt: skip
+    for rank, result in enumerate(results):
+        for name in paths:
+            assert (torch.tensor(result[name]) - references[name]).abs().max().item() < TOLERANCE, (rank, name)
+    for name, path in paths.items():
+        _saved_as_stored(str(tmp_path / "saved" / name), path)
+        if "tp_size" in sizes and "ep_plan" not in sizes:
+            line = next(line for line in plan_report(path, tp=world_size).splitlines() if "held as read" in line)
+            planned = json.loads(re.search(r"held as read: (\[[\d, ]+\])", line).group(1))
+            assert planned == [result["held:" + name] for result in results], name
+
+
+def test_keep_quantized_is_refused_where_it_cannot_hold(quantized_paths, tiny_paths, tmp_path):
+    """A checkpoint that is not quantized, experts quantized one key per expert (kept only where stored
+    fused), and a per-rank save of kept parts: refused by name, before anything is read or written."""
+    import hf_parallel
+    from hf_parallel import CheckpointError
+
+    with pytest.raises(ValueError, match="keep_quantized=True: .* is not a quantized checkpoint"):
+        hf_parallel.AutoModelForCausalLM.from_pretrained(tiny_paths["llama"], keep_quantized=True)
+    with pytest.raises(CheckpointError, match=r"model\.layers\.0\.mlp\.experts\.gate_up_proj is stored quantized "
+                       "one key per expert"):  # fmt: skip
+        hf_parallel.AutoModelForCausalLM.from_pretrained(quantized_paths["qwen3_moe_fp8"], keep_quantized=True)
+    model = hf_parallel.AutoModelForCausalLM.from_pretrained(quantized_paths["llama_fp8"], keep_quantized=True)
+    with pytest.raises(ValueError, match=r"save_pretrained\(distributed=True\) of a model loaded with keep_quantized"):
+        model.save_pretrained(str(tmp_path / "per_rank"), distributed=True)
+    assert not (tmp_path / "per_rank").exists()
+
+
+class _Stored:
+    """A tensor read like a safetensors slice."""
+
+    def __init__(self, tensor):
+        self.tensor = tensor
+
+    def get_shape(self):
+        return list(self.tensor.shape)
+
+    def get_dtype(self):
+        return self.tensor.dtype
+
+    def __getitem__(self, index):
+        return self.tensor[index]
+
+
+def _formats(bits: int):
+    """(name, Dequantized, the whole weight dequantized by the formats' definitions) for FP8 blocks, packed
+    integers with zero points and MXFP4, each with partial blocks / groups / words."""
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+    from tiny_models import FP4_VALUES
+
+    from hf_parallel.checkpoint import quantized as q
+
+    torch.manual_seed(bits)
+    weight, scale = torch.randn(37, 50).to(torch.float8_e4m3fn), torch.rand(5, 4) + 0.5
+    fp8 = q.DequantizedFP8("w", _Stored(weight), _Stored(scale), q.ScaledFP8("block", (8, 16), "_scale_inv"))
+    whole = weight.float() * scale.repeat_interleave(8, 0)[:37].repeat_interleave(16, 1)[:, :50]
+    low, high = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
+    values, zero = torch.randint(low, high + 1, (37, 50), dtype=torch.int8), torch.randint(low, high + 1, (37, 4))
+    scales = torch.rand(37, 4).to(torch.bfloat16)
+    parts = {"_packed": pack_to_int32(values, bits), "_scale": scales, "_shape": torch.tensor([37, 50]),
+             "_zero_point": pack_to_int32(zero.to(torch.int8), bits, packed_dim=0)}  # fmt: skip
+    ints = q.DequantizedIntegers("w", lambda s: _Stored(parts[s]) if s in parts else None,
+                                 q.PackedIntegers(bits, "group", 16, False))  # fmt: skip
+    spread = lambda t: t.float().repeat_interleave(16, 1)[:, :50]  # noqa: E731
+    blocks, exponents = torch.randint(0, 256, (2, 5, 3, 16), dtype=torch.uint8), torch.randint(120, 130, (2, 5, 3))
+    codes = torch.stack((blocks & 15, blocks >> 4), -1).flatten(-2).long()  # [E, out, group, 32]
+    fp4 = torch.tensor(FP4_VALUES)[codes] * torch.exp2(exponents.float() - 127)[..., None]
+    mxfp4 = q.DequantizedMXFP4("w", _Stored(blocks), _Stored(exponents.to(torch.uint8)))
+    return [("fp8", fp8, whole), ("ints", ints, (values.float() - spread(zero)) * spread(scales)),
+            ("mxfp4", mxfp4, fp4.flatten(-2).transpose(1, 2))]  # fmt: skip
+
+
+@given(st.data())
+@settings(max_examples=40, deadline=None)
+def test_any_box_of_a_quantized_weight_is_that_box_of_the_whole(data):
+    """Every box a layout can ask for (rows and columns cut anywhere: inside a block, a group, an int32 word)
+    dequantizes to that box of the whole weight, bit for bit, and the plan's count of the bytes it reads
+    (no data read) is what reading it takes."""
+    from hf_parallel.checkpoint.quantized import box_of
+
+    for name, weight, whole in _formats(data.draw(st.sampled_from([4, 8]))):
+        box = []
+        for n in weight.shape:
+            start = data.draw(st.integers(0, n - 1))
+            box.append((start, data.draw(st.integers(start + 1, n))))
+        index = tuple(slice(a, b) for a, b in box)
+        assert torch.equal(weight[index], whole[index]), (name, box)
+        assert box_of(index, weight.shape) == box
+        assert weight.keep(box, meta=True).nbytes == weight.keep(box).nbytes, (name, box)

@@ -136,6 +136,43 @@ def make_fp8_checkpoint(name: str, root: str) -> str:
     return path
 
 
+def _float_twin(name: str, model: str, root: str):
+    """(path, path of its dequantized twin, the float ``model``'s tensors to quantize), both directories
+    made as copies of the float checkpoint; the tensors None when both exist already."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    path, plain = os.path.join(root, name), os.path.join(root, name + "_dequantized")
+    if os.path.isfile(os.path.join(plain, "config.json")):
+        return path, plain, None
+    source = make_checkpoint(model, os.path.join(root, "float"))
+    for target in (path, plain):
+        shutil.copytree(source, target, dirs_exist_ok=True)
+    return path, plain, load_file(os.path.join(source, "model.safetensors"))
+
+
+def _write_twins(path: str, plain: str, quantized: dict, dequantized: dict, form: str, weights: dict):
+    """Both checkpoints' tensors, and the quantized one's compressed-tensors config (``form``, one group of
+    ``weights`` on every Linear but the LM head): the two paths."""
+    import json
+
+    from safetensors.torch import save_file
+
+    save_file(quantized, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    save_file(dequantized, os.path.join(plain, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    config["quantization_config"] = {
+        "quant_method": "compressed-tensors", "format": form, "ignore": ["lm_head"],
+        "quantization_status": "compressed",
+        "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None, "weights": weights}},
+    }  # fmt: skip
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    return path, plain
+
+
 COMPRESSED = {  # compressed-tensors' float-quantized FP8 (the *-FP8-dynamic repacks): name -> (model, strategy)
     "llama_ct_channel": ("llama_fp8", "channel"),
     "llama_ct_tensor": ("llama_fp8", "tensor"),
@@ -146,19 +183,10 @@ def make_compressed_checkpoint(name: str, root: str) -> tuple[str, str]:
     """``name`` as compressed-tensors stores FP8 (float8_e4m3fn weights, a bf16 ``weight_scale`` per output
     row or per tensor, the LM head left whole), and beside it the same weights dequantized as plain floats
     (what plain transformers reads as the reference): the two paths."""
-    import json
-    import shutil
-
-    from safetensors.torch import load_file, save_file
-
     model, strategy = COMPRESSED[name]
-    path, plain = os.path.join(root, name), os.path.join(root, name + "_dequantized")
-    if os.path.isfile(os.path.join(plain, "config.json")):
+    path, plain, tensors = _float_twin(name, model, root)
+    if tensors is None:
         return path, plain
-    source = make_checkpoint(model, os.path.join(root, "float"))
-    for target in (path, plain):
-        shutil.copytree(source, target, dirs_exist_ok=True)
-    tensors = load_file(os.path.join(source, "model.safetensors"))
     quantized, dequantized = dict(tensors), dict(tensors)
     for key in [k for k, w in tensors.items() if w.dim() == 2 and ".layers." in k]:
         weight = tensors[key]
@@ -169,20 +197,94 @@ def make_compressed_checkpoint(name: str, root: str) -> tuple[str, str]:
         )
         quantized[key], quantized[key + "_scale"] = q, scale
         dequantized[key] = q.float() * (scale.float() if strategy == "tensor" else scale.float().reshape(-1, 1))
-    save_file(quantized, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
-    save_file(dequantized, os.path.join(plain, "model.safetensors"), metadata={"format": "pt"})
+    weights = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": strategy, "dynamic": False}
+    return _write_twins(path, plain, quantized, dequantized, "float-quantized", weights)
+
+
+
+PACKED = {  # compressed-tensors' pack-quantized integers (the *-W4A16 / *-W8A16 repacks), group size 32:
+    # name -> (model, bits, strategy, symmetric); shards cut inside groups and int32 words (160 at TP=3: 54/53/53)
+    "llama_w4_group": ("llama_fp8", 4, "group", True),
+    "llama_w8_channel": ("llama_fp8", 8, "channel", True),
+    "llama_w4_zero_point": ("llama_fp8_partial", 4, "group", False),  # asymmetric; 80 and 144: a partial group
+    "qwen3_moe_w4_group": ("qwen3_moe_fp8", 4, "group", True),  # per-expert keys
+}
+PACKED_GROUP = 32
+
+
+def make_packed_checkpoint(name: str, root: str) -> tuple[str, str]:
+    """``name`` as compressed-tensors stores pack-quantized integer weights (its own ``pack_to_int32``: int32
+    ``weight_packed``, a bf16 ``weight_scale`` per row and group, ``weight_zero_point`` packed along the rows
+    where asymmetric, ``weight_shape``; the LM head left whole), and beside it the same weights dequantized as
+    plain floats: the two paths."""
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    model, bits, strategy, symmetric = PACKED[name]
+    path, plain, tensors = _float_twin(name, model, root)
+    if tensors is None:
+        return path, plain
+    quantized, dequantized, low, high = dict(tensors), dict(tensors), -(1 << (bits - 1)), (1 << (bits - 1)) - 1
+    matrices = [k for k, w in tensors.items() if w.dim() == 2 and ".layers." in k and not k.endswith("mlp.gate.weight")]
+    for key in matrices:  # the router stays whole
+        weight = quantized.pop(key)
+        rows, cols = weight.shape
+        group = PACKED_GROUP if strategy == "group" else cols
+        groups = -(-cols // group)
+        padded = torch.zeros(rows, groups * group)
+        padded[:, :cols] = weight
+        blocks = padded.reshape(rows, groups, group)
+        lo, hi = blocks.amin(-1), blocks.amax(-1)
+        scale = ((blocks.abs().amax(-1) / high) if symmetric else (hi - lo) / (high - low)).to(torch.bfloat16)
+        zero = torch.zeros_like(lo) if symmetric else torch.round(low - lo / scale.float()).clamp(low, high)
+        q = (torch.round(blocks / scale.float()[..., None]) + zero[..., None]).clamp(low, high)
+        dequantized[key] = ((q - zero[..., None]) * scale.float()[..., None]).reshape(rows, -1)[:, :cols].contiguous()
+        q = q.reshape(rows, -1)[:, :cols].to(torch.int8)
+        quantized[key + "_packed"], quantized[key + "_scale"] = pack_to_int32(q, bits), scale.contiguous()
+        quantized[key + "_shape"] = torch.tensor([rows, cols])
+        if not symmetric:
+            quantized[key + "_zero_point"] = pack_to_int32(zero.to(torch.int8), bits, packed_dim=0)
+    weights = {"num_bits": bits, "type": "int", "symmetric": symmetric, "strategy": strategy, "dynamic": False,
+               "actorder": None, **({"group_size": PACKED_GROUP} if strategy == "group" else {})}
+    return _write_twins(path, plain, quantized, dequantized, "pack-quantized", weights)
+
+
+MXFP4 = {  # gpt-oss with MXFP4 experts (32 e2m1 values per e8m0 scale along the input dim): 96 = 3 groups, so
+    # TP=2's 48/48 of down_proj's input cuts a group
+    "gpt_oss_mxfp4": ("GptOssConfig", dict(MOE["gpt_oss"][1], hidden_size=64, intermediate_size=96,
+                                          num_attention_heads=4, num_key_value_heads=2, head_dim=16)),
+}  # fmt: skip
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def make_mxfp4_checkpoint(name: str, root: str) -> str:
+    """``name`` as gpt-oss ships: each expert matrix [E, in, out] stored transposed as ``<name>_blocks`` (uint8
+    [E, out, in / 32, 16], two e2m1 codes a byte, low nibble first) and ``<name>_scales`` (e8m0 exponents,
+    uint8 [E, out, in / 32]), the rest in floats, ``quant_method: mxfp4``: what plain transformers dequantizes."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    path = os.path.join(root, name)
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return path
+    make_checkpoint(name, root)
+    file, codes = os.path.join(path, "model.safetensors"), torch.tensor(FP4_VALUES)
+    tensors = load_file(file)
+    for key in [k for k in tensors if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        weight = tensors.pop(key).transpose(1, 2)  # [E, out, in]
+        groups = weight.reshape(*weight.shape[:2], -1, 32)
+        exponent = torch.ceil(torch.log2(groups.abs().amax(-1, keepdim=True) / 6.0))
+        code = ((groups / torch.exp2(exponent)).unsqueeze(-1) - codes).abs().argmin(-1).to(torch.uint8)
+        tensors[key + "_blocks"] = (code[..., 0::2] | (code[..., 1::2] << 4)).contiguous()
+        tensors[key + "_scales"] = (exponent.squeeze(-1) + 127).to(torch.uint8).contiguous()
+    save_file(tensors, file, metadata={"format": "pt"})
     with open(os.path.join(path, "config.json")) as f:
         config = json.load(f)
-    config["quantization_config"] = {
-        "quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
-        "quantization_status": "compressed",
-        "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None, "weights": {
-            "num_bits": 8, "type": "float", "symmetric": True, "strategy": strategy, "dynamic": False}}},
-    }  # fmt: skip
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}  # fmt: skip
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config, f)
-    return path, plain
-
+    return path
 
 def make_checkpoint(name: str, root: str) -> str:
     """Save a seeded random model of ``name`` under ``root/name`` (once) and return the path."""
@@ -191,7 +293,7 @@ def make_checkpoint(name: str, root: str) -> str:
     path = os.path.join(root, name)
     if os.path.isfile(os.path.join(path, "config.json")):
         return path
-    class_name, overrides = {**ARCHS, **MOE, **ENCODERS, **TRAPS, **PIPELINE, **FP8}[name]
+    class_name, overrides = {**ARCHS, **MOE, **ENCODERS, **TRAPS, **PIPELINE, **FP8, **MXFP4}[name]
     config = getattr(transformers, class_name)(**{**COMMON, **overrides})
     torch.manual_seed(sum(map(ord, name)))
     auto = transformers.AutoModel if name in ENCODERS else transformers.AutoModelForCausalLM

@@ -215,15 +215,21 @@ def verify_with_a_broken_layer(rank: int, world_size: int, path: str) -> dict | 
     return {"first": first.name, "rows": {row.name: row.relative for row in report.rows}, "text": str(report)}
 
 
-def quantized_logits(rank: int, world_size: int, paths: dict, save_root: str, sizes: dict) -> dict:
-    """Each checkpoint of ``paths`` (quantized) loaded at ``sizes``: its logits on INPUT_IDS, and a
-    gathered save under ``save_root/<name>``."""
+def quantized_logits(rank: int, world_size: int, paths: dict, save_root: str, sizes: dict, keep=False) -> dict:
+    """Each checkpoint of ``paths`` (quantized) loaded at ``sizes`` (``keep``: its weights kept quantized):
+    its logits on INPUT_IDS, and a gathered save under ``save_root/<name>``; kept, "held:<name>" the bytes
+    this rank holds (kept parts, and the parameters that are not placeholders)."""
     import hf_parallel
 
     out = {}
     for name, path in paths.items():
-        model = hf_parallel.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **sizes)
+        model = hf_parallel.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, keep_quantized=keep,
+                                                                 **sizes)  # fmt: skip
         with torch.no_grad():
             out[name] = model(INPUT_IDS).logits.tolist()
+        if keep:
+            params = {id(p): p for p in model.parameters() if p.device.type != "meta"}.values()
+            kept = hf_parallel.parallel_state(model).kept.values()
+            out["held:" + name] = sum(p.numel() * p.element_size() for p in params) + sum(w.nbytes for w in kept)
         model.save_pretrained(os.path.join(save_root, name))
     return out

@@ -22,7 +22,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import warnings
 from collections import Counter
 from contextlib import ExitStack
 
@@ -32,7 +31,9 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 from tqdm.auto import tqdm
 
+from ..compat.transformers import unexpected_key_patterns
 from ..distributed.faults import collective
+from ..tensor.kept import KeptWeight, placeholder
 from ..tensor.layout import as_slices, replicated
 from ..tensor.parallelize import ModelLayout
 from . import hugepages
@@ -40,9 +41,9 @@ from .errors import CheckpointError
 from .files import INDEX_FILE, MANIFEST_FILE, PICKLE_FILE, PICKLE_INDEX_FILE, SINGLE_FILE
 from .keys import FusedSource, checkpoint_sources, expert_shape
 from .manifest import DistributedCheckpoint
-from .quantized import ScaledFP8, companion_keys, dequantized_sources, readable
+from .quantized import Dequantized, Quantization, companion_keys, dequantized_sources, readable, with_stored_keys
 from .tiles import Tile, TiledTensor
-from .writer import SAFETENSORS_TO_TORCH, nbytes
+from .writer import nbytes, torch_dtype
 
 BYTES_READ: Counter = Counter()  # checkpoint key -> bytes requested by this process
 
@@ -95,11 +96,6 @@ class _TensorSlice:
 
     def __getitem__(self, index):
         return self.tensor[index]
-
-
-def torch_dtype(dtype) -> torch.dtype:
-    """A slice's dtype as torch names it (safetensors slices give their codes: "F32", "BF16")."""
-    return dtype if isinstance(dtype, torch.dtype) else SAFETENSORS_TO_TORCH[dtype]
 
 
 def _is_floating(dtype) -> bool:
@@ -270,7 +266,7 @@ class ShardReader:
 
     def fused(self, files: dict[str, str], name: str, source: FusedSource, full_shape, quantization=None):
         """The fused expert parameter ``name`` (a ``TiledTensor``) as tiles of its per-expert keys, each
-        checked (FP8 ones dequantized as read, ``quantization`` the config's). Tiles
+        checked (quantized ones dequantized as read, ``quantization`` the config's). Tiles
         read through this parameter's own mappings, released with it once its shard is assembled
         (through the reader's shared ones, every expert page read would stay resident to the end)."""
         tiles, dtype, opened = [], None, {}
@@ -281,7 +277,7 @@ class ShardReader:
             return opened[file]
 
         for key, box in source.boxes(full_shape):
-            tensor_slice = readable(self._shared, files, key, quantization)  # FP8: dequantized as read
+            tensor_slice = readable(self._shared, files, key, quantization)  # quantized: dequantized as read
             found, want = tuple(tensor_slice.get_shape()), expert_shape(box)
             found_dtype = torch_dtype(tensor_slice.get_dtype())
             if found != want or found_dtype != (dtype or found_dtype):
@@ -315,12 +311,14 @@ def _set_tensor(model: nn.Module, name: str, value: torch.Tensor) -> None:
 
 def _sources(model: nn.Module, path: str, layout: ModelLayout, files: dict, ignore_keys) -> tuple[dict, dict]:
     """Every parameter's checkpoint key (or per-expert keys), and the buffers' found in the checkpoint;
-    a parameter with none is an error, a key nothing reads a warning naming it."""
+    a parameter with none is an error, and so is a key nothing reads (but those transformers itself
+    ignores for the model: ``unexpected_key_patterns``), each named."""
     key_of, fused_of = checkpoint_sources(model, files)
-    sources, missing = {}, []
+    sources, missing, aliases = {}, [], set()
     for entry in layout.unique_params():
         found = [key_of.get(alias) or fused_of.get(alias) for alias in entry.aliases]
         sources[entry.name] = next((source for source in found if source is not None), None)
+        aliases.update(key for source in found if source is not None for key in _keys_of(source))  # tied copies
         if sources[entry.name] is None:
             missing.append(entry.name)
     if missing:
@@ -328,14 +326,15 @@ def _sources(model: nn.Module, path: str, layout: ModelLayout, files: dict, igno
             f"{path}: checkpoint is missing {len(missing)} parameter(s) the model needs: {', '.join(missing[:20])}"
         )
     buffers = {name: key_of[name] for name, _ in model.named_buffers() if name in key_of}
-    used = {key for source in sources.values() for key in _keys_of(source)} | set(buffers.values())
-    scales = {other for key in used | ignore_keys for other in companion_keys(key)}  # FP8 weights' scales
-    unexpected = sorted(set(files) - used - ignore_keys - scales)
+    used = aliases | set(buffers.values())
+    parts = {other for key in used | ignore_keys for other in companion_keys(key)}  # scales, packed parts
+    ignored = unexpected_key_patterns(model)
+    unexpected = sorted(key for key in set(files) - used - ignore_keys - parts if not (ignored and ignored.search(key)))
     if unexpected:
-        warnings.warn(
-            f"{path}: {len(unexpected)} checkpoint key(s) match no parameter and are ignored: "
-            f"{', '.join(unexpected[:20])}",
-            stacklevel=4,
+        raise CheckpointError(
+            f"{path}: {len(unexpected)} checkpoint key(s) match no parameter or buffer of {type(model).__name__} "
+            f"(a tensor no model class reads would be dropped silently): {', '.join(unexpected[:20])}; load it with "
+            "the class it was saved from, or remove the keys from the checkpoint"
         )
     return sources, buffers
 
@@ -348,7 +347,8 @@ def load_weights(
     allow_pickle: bool = False,
     ignore_keys: set[str] = frozenset(),
     files: dict[str, str] | None = None,
-    quantization: ScaledFP8 | None = None,
+    quantization: Quantization | None = None,
+    kept: dict | None = None,
 ) -> dict[str, str | FusedSource]:
     """Fill every parameter (and persistent buffer found in the checkpoint) with its local shard.
 
@@ -356,8 +356,10 @@ def load_weights(
     and buffer name -> key for the buffers read, which saving uses to write the source's names and form.
     ``ignore_keys``: keys another pipeline stage reads (neither read here nor unexpected).
     ``files``: ``checkpoint_files(path, allow_pickle)``, when the caller has it already.
-    ``quantization``: the config's (``quantized.read_quantization``): FP8 weights dequantized as read."""
-    files = files if files is not None else checkpoint_files(path, allow_pickle)
+    ``quantization``: the config's (``quantized.read_quantization``): its weights dequantized as read, or,
+    given ``kept`` (a dict filled here), each rank's slice of those read from one key kept as stored
+    (``tensor/kept.py``; per-expert keys are still dequantized)."""
+    files = with_stored_keys(files if files is not None else checkpoint_files(path, allow_pickle), quantization)
     check_same_checkpoint(path, files, layout.mesh)
     rank = layout.mesh.tp.rank
     sources, buffers = _sources(model, path, layout, files, ignore_keys)
@@ -370,20 +372,31 @@ def load_weights(
         for entry in layout.unique_params():  # every header against the model before any data is read
             source, param_dtype = sources[entry.name], model.get_parameter(entry.name).dtype
             if isinstance(source, FusedSource):
+                first = source.keys[0][0]
+                if kept is not None and isinstance(readable(reader._shared, files, first, quantization), Dequantized):
+                    raise CheckpointError(
+                        f"keep_quantized=True: {entry.name} is stored quantized one key per expert ({first!r}, ...), "
+                        "and hf_parallel keeps experts quantized only where the checkpoint stores them fused "
+                        "(gpt-oss); load without keep_quantized (dequantized as read)"
+                    )
                 tiled[entry.name] = reader.fused(files, entry.name, source, entry.full_shape, quantization)
                 reader.check(path, entry.name, entry.name, entry.full_shape, param_dtype, tiled[entry.name])
-            elif entry.name in tiled:  # FP8, read dequantized
+            elif entry.name in tiled:  # quantized, read dequantized
                 reader.check(files[source], source, entry.name, entry.full_shape, param_dtype, tiled[entry.name])
             else:
                 reader.check(files[source], source, entry.name, entry.full_shape, param_dtype)
         for entry in tqdm(layout.unique_params(), desc="Loading shards", disable=rank != 0, leave=False):
-            source = sources[entry.name]
-            if entry.name in tiled:
+            source, old = sources[entry.name], model.get_parameter(entry.name)
+            if kept is not None and isinstance(tiled.get(entry.name), Dequantized):
+                weight = KeptWeight.read(source, tiled.pop(entry.name), entry.layout, rank, dtype or old.dtype,
+                                         reader.device)  # fmt: skip
+                kept[entry.name], BYTES_READ[source] = weight, BYTES_READ[source] + weight.nbytes
+                local = placeholder(entry.layout.local_shape(entry.full_shape, rank), weight.dtype)
+            elif entry.name in tiled:
                 local = reader.read_tiled(tiled.pop(entry.name), entry.name, entry.layout, dtype)
             else:
                 local = reader.read(files[source], source, entry.layout, dtype)
-            old = model.get_parameter(entry.name)
-            param = nn.Parameter(local, requires_grad=old.requires_grad)
+            param = local if entry.name in (kept or ()) else nn.Parameter(local, requires_grad=old.requires_grad)
             for alias in entry.aliases:
                 _set_tensor(model, alias, param)
         for name, key in buffers.items():

@@ -1,34 +1,42 @@
-"""Quantized checkpoints: which formats hf_parallel reads, and a scaled FP8 weight read like a
-safetensors slice (any box of it, dequantized), so every rank reads only its slice of the weight and
-of its scales through the same layouts as any other tensor.
+"""Quantized checkpoints: which formats hf_parallel reads, each read like a safetensors slice (any box
+of the weight, dequantized), so every rank reads only its slice of the weight and of its scales through
+the same layouts as any other tensor; the model holds plain floats in the dtype asked for (as
+transformers does on a CPU), never dequantized whole on one rank, and saves them so, without
+``quantization_config``.
 
-FP8 with block scales (``quant_method: "fp8"``, ``weight_block_size: [bm, bn]``; DeepSeek-V3/R1,
-Qwen3-*-FP8, GLM-4.5-FP8): ``W[i, j] = q[i, j] * s[i // bm, j // bn]``, ``q`` float8 and ``s`` the
-``<name>_scale_inv`` tensor beside it. A box of rows ``[a, b)`` reads the scale rows of the blocks it
-touches, ``[a // bm, ceil(b / bm))``, so a shard boundary inside a block (64 of 128 rows) is exact: each
-row takes the scale of the block it came from. compressed-tensors' float-quantized 8-bit weights (the
-``*-FP8-dynamic`` repacks) are the same with ``<name>_scale`` per tensor, per output row (a block of one row
-and every column) or per block. The weights are dequantized on each rank as its slice is
-read, into the dtype asked for (as transformers does on a CPU), never whole on one rank; the model holds
-plain floats and saves them so, without ``quantization_config``.
+- FP8 with block scales (``quant_method: "fp8"``, ``weight_block_size: [bm, bn]``; DeepSeek-V3/R1,
+  Qwen3-*-FP8, GLM-4.5-FP8): ``W[i, j] = q[i, j] * s[i // bm, j // bn]``, ``q`` float8 and ``s`` the
+  ``<name>_scale_inv`` tensor beside it. A box of rows ``[a, b)`` reads the scale rows of the blocks it
+  touches, ``[a // bm, ceil(b / bm))``, so a shard boundary inside a block (64 of 128 rows) is exact: each
+  row takes the scale of the block it came from. compressed-tensors' float-quantized 8-bit weights (the
+  ``*-FP8-dynamic`` repacks) are the same with ``<name>_scale`` per tensor, per output row or per block.
+- compressed-tensors' pack-quantized integers (the ``*-W4A16`` / ``*-W8A16`` repacks): ``<name>_packed``
+  int32 words of 32 / bits values each along the input dim (offset to unsigned), ``<name>_scale`` per
+  group of columns or per row, ``<name>_zero_point`` packed along the rows where asymmetric,
+  ``<name>_shape``; ``W = (q - z) * s``. The format is the checkpoint's (unpacked here in a few lines;
+  the tests write it with compressed-tensors' own packer and read it back with transformers).
+- MXFP4 (gpt-oss's experts): ``<name>_blocks`` uint8 [E, out, in / 32, 16], two e2m1 codes a byte (low
+  nibble first), ``<name>_scales`` e8m0 [E, out, in / 32]; the parameter is the transpose [E, in, out].
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from .errors import CheckpointError
-from .writer import SAFETENSORS_TO_TORCH
+from .writer import torch_dtype
 
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 SUPPORTED = (
-    "fp8 (block-wise weight_scale_inv) and compressed-tensors float-quantized 8-bit (per-tensor, per-channel or "
-    "block weight_scale), dequantized at load"
+    "fp8 (block-wise weight_scale_inv), compressed-tensors float-quantized 8-bit (per-tensor, per-channel or block "
+    "weight_scale) and pack-quantized 4/8-bit integers (per group or channel, with or without zero points), and "
+    "mxfp4 (gpt-oss's experts), dequantized at load"
 )
 ACTIVATION_SCALE = "input_scale"  # static activation scales: unused once the weights are dequantized
+PARTS = ("_scale_inv", "_scale", "_blocks", "_scales", "_packed", "_zero_point", "_shape")  # every format's
 
 
 @dataclass(frozen=True)
@@ -38,36 +46,68 @@ class ScaledFP8:
     strategy: str  # "block": a scale per block of the weight; "channel": per output row; "tensor": one
     block: tuple[int, int] | None  # (rows, columns) each scale covers, for "block"
     suffix: str  # the scale's key: "<module>.weight" + suffix ("_scale_inv" for fp8, "_scale" for compressed-tensors)
+    stored_as = None  # the weight keeps its own key (float8)
 
     def block_for(self, shape) -> tuple[int, int]:
         rows, columns = shape
         return {"block": self.block, "channel": (1, columns), "tensor": (rows, columns)}[self.strategy]
 
 
+@dataclass(frozen=True)
+class PackedIntegers:
+    """compressed-tensors' pack-quantized weights, as its config states them."""
+
+    bits: int
+    strategy: str  # "group": a scale per row and group of columns; "channel": per row
+    group: int | None
+    symmetric: bool  # else a zero point per scale, packed along the rows
+    stored_as = "_packed"  # the weight's key is "<name>_packed" (and its other parts beside it)
+
+    def block_for(self, shape) -> tuple[int, int]:
+        return (1, self.group if self.strategy == "group" else shape[1])
+
+
+@dataclass(frozen=True)
+class MXFP4:
+    """gpt-oss's MXFP4 experts (the config says no more)."""
+
+    stored_as = "_blocks"
+
+
+Quantization = ScaledFP8 | PackedIntegers | MXFP4
+
+
 def _refused(config, what: str) -> ValueError:
     return ValueError(
-        f"{type(config).__name__} has a quantization_config ({what}): hf_parallel reads {SUPPORTED}; not MXFP4, "
-        "compressed-tensors' int4/int8 pack-quantized, GPTQ, AWQ, bitsandbytes, HQQ, torchao or per-tensor fp8 yet "
-        "(their weights would load without their scales); load a dequantized (bf16 / fp32) copy of the checkpoint"
+        f"{type(config).__name__} has a quantization_config ({what}): hf_parallel reads {SUPPORTED}; not GPTQ, AWQ, "
+        "bitsandbytes, HQQ, torchao, per-tensor fp8 or compressed-tensors' other formats yet (their weights would load "
+        "without their scales); load a dequantized (bf16 / fp32) copy of the checkpoint"
     )
 
 
-def _compressed_tensors(config, get) -> ScaledFP8:
-    """compressed-tensors' float-quantized format: every group's weights 8-bit floats, symmetric, one strategy."""
+def _compressed_tensors(config, get) -> ScaledFP8 | PackedIntegers:
+    """compressed-tensors: every group's weights float8 (float-quantized) or 4/8-bit integers (pack-quantized),
+    one scheme throughout."""
     found = {
         (w.get("num_bits"), w.get("type"), w.get("symmetric", True), w.get("strategy"),
-         tuple(w.get("block_structure") or ()))
+         tuple(w.get("block_structure") or ()), w.get("group_size"), w.get("actorder"))
         for w in (group.get("weights") or {} for group in (get("config_groups") or {}).values())
     }  # fmt: skip
-    if get("format") != "float-quantized" or len(found) != 1:
-        raise _refused(config, f"quant_method='compressed-tensors', format={get('format')!r}, weights {sorted(found)}")
-    ((bits, kind, symmetric, strategy, block),) = found
-    if (bits, kind, symmetric) != (8, "float", True) or strategy not in ("tensor", "channel", "block"):
-        raise _refused(config, f"quant_method='compressed-tensors', {bits}-bit {kind} weights, strategy {strategy!r}")
-    return ScaledFP8(strategy, block or None, "_scale")
+    form = get("format")
+    if form not in ("float-quantized", "pack-quantized") or len(found) != 1:
+        raise _refused(config, f"quant_method='compressed-tensors', format={form!r}, weights {sorted(found)}")
+    ((bits, kind, symmetric, strategy, block, group, actorder),) = found
+    what = f"quant_method='compressed-tensors', format={form!r}, {bits}-bit {kind} weights, strategy {strategy!r}"
+    if form == "float-quantized" and (bits, kind, symmetric) == (8, "float", True):
+        if strategy in ("tensor", "channel", "block"):
+            return ScaledFP8(strategy, block or None, "_scale")
+    elif form == "pack-quantized" and bits in (4, 8) and kind == "int" and actorder in (None, "weight", "static"):
+        if strategy == "channel" or (strategy == "group" and group):  # actorder "group" stores a g_idx: not read
+            return PackedIntegers(bits, strategy, group, symmetric)
+    raise _refused(config, what + (f", actorder {actorder!r}" if actorder else ""))
 
 
-def read_quantization(config) -> ScaledFP8 | None:
+def read_quantization(config) -> Quantization | None:
     """The quantization a config declares (None: none), removed from the config (the model holds
     plain floats and saves them so); anything hf_parallel does not read is refused by name, before
     any weight is read."""
@@ -83,82 +123,304 @@ def read_quantization(config) -> ScaledFP8 | None:
         found = _compressed_tensors(config, get)
     elif method == "fp8" and block:
         found = ScaledFP8("block", tuple(int(n) for n in block), "_scale_inv")
+    elif method == "mxfp4":
+        found = MXFP4()
     else:
         raise _refused(config, f"quant_method={method!r}" + (", per-tensor (no weight_block_size)" * (method == "fp8")))
     del config.quantization_config
     return found
 
 
+def with_stored_keys(files: dict[str, str], quantization: Quantization | None) -> dict[str, str]:
+    """``files`` (checkpoint key -> file) with each weight stored in parts under its own key too
+    (``<name>_packed`` / ``<name>_blocks`` -> ``<name>``), so it maps to its parameter like any key."""
+    suffix = getattr(quantization, "stored_as", None)
+    if not suffix:
+        return files
+    return {**{key[: -len(suffix)]: file for key, file in files.items() if key.endswith(suffix)}, **files}
+
+
 def companion_keys(key: str) -> set[str]:
-    """The keys read with the weight ``key`` (its scale, in either format's name) or made moot by its
-    dequantization (the module's activation scale)."""
+    """The keys read with the weight ``key`` (its scales, zero points, packed parts, in any format's
+    names) or made moot by its dequantization (the module's activation scale)."""
     module = key.rpartition(".")[0]
-    return {key + "_scale_inv", key + "_scale", f"{module}.{ACTIVATION_SCALE}"}
+    return {key + part for part in PARTS} | {f"{module}.{ACTIVATION_SCALE}"}
 
 
-class DequantizedSlice:
-    """A block-scaled FP8 weight, read like a safetensors slice: ``[index]`` with step-1 slices gives
-    that box of the dequantized weight (float32), reading only the box and the scales of its blocks."""
+def _span(start: int, stop: int, size: int) -> slice:
+    """The blocks of ``size`` that elements ``[start, stop)`` touch."""
+    return slice(start // size, -(-stop // size))
 
-    def __init__(self, key: str, weight, scale, quantization: ScaledFP8):
-        shape, found = tuple(weight.get_shape()), tuple(scale.get_shape())
-        if len(shape) != 2:
-            raise CheckpointError(f"{key!r} is FP8 of shape {shape}; hf_parallel dequantizes matrices")
-        self.key, self.weight, self.scale, self.block = key, weight, scale, quantization.block_for(shape)
-        want = tuple(-(-n // b) for n, b in zip(shape, self.block))
-        if found != want and not (want == (1, 1) and math.prod(found) == 1):
-            raise CheckpointError(
-                f"{key!r} {shape} scaled per {quantization.strategy} (blocks of {self.block}) needs a "
-                f"{key + quantization.suffix!r} of shape {want}, and it is {found}: written otherwise than the config "
-                "says?"
-            )
-        if found != want:  # one scale for the tensor, stored as [1] or []
-            self.scale = scale[:].reshape(1, 1) if found else scale[()].reshape(1, 1)
+
+def _spread(per_block: torch.Tensor, dim: int, size: int, offset: int, count: int) -> torch.Tensor:
+    """Values held per block of ``size`` along ``dim``, one per element of the ``count`` elements from
+    ``offset`` in the first block; one block stays one (it broadcasts)."""
+    if per_block.shape[dim] == 1:
+        return per_block
+    return per_block.repeat_interleave(size, dim).narrow(dim, offset, count)
+
+
+def box_of(index, shape) -> list[tuple[int, int]]:
+    """A tuple of step-1 slices (or fewer) as (start, stop) per dim."""
+    index = index if isinstance(index, tuple) else (index,)
+    index = index + (slice(None),) * (len(shape) - len(index))
+    out = []
+    for part, n in zip(index, shape):
+        start, stop, step = part.indices(n)
+        if step != 1:
+            raise IndexError(f"a quantized weight is read in runs, not with step {step}")
+        out.append((start, stop))
+    return out
+
+
+def _take(part, index: tuple, meta: bool) -> torch.Tensor:
+    """``part[index]`` (a safetensors slice or a tensor); with ``meta``, only its shape and dtype (no read)."""
+    if not meta or isinstance(part, torch.Tensor):
+        return part[index] if not meta else part[index].to("meta")
+    shape = [len(range(*s.indices(n))) for s, n in zip(index, part.get_shape())] + part.get_shape()[len(index) :]
+    return torch.empty(shape, dtype=torch_dtype(part.get_dtype()), device="meta")
+
+
+@dataclass
+class Kept:
+    """One box of a quantized weight as stored: the elements of its parts that the box needs, dequantized
+    on demand (``dequantize``: float32) so a rank can hold a weight quantized and compute with it; ``at``:
+    each part's field -> (its key's suffix, where the elements sit in the stored tensor), to save it back."""
+
+    at: dict[str, tuple[str, tuple]]
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {k: v for k, v in vars(self).items() if isinstance(v, torch.Tensor)}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors().values())
+
+    def to(self, device) -> "Kept":
+        return replace(self, **{k: v.to(device) for k, v in self.tensors().items()})
+
+    def stored(self) -> dict[str, tuple[tuple, torch.Tensor]]:
+        """Part suffix -> (where in the stored tensor, the elements this box holds)."""
+        return {suffix: (index, getattr(self, field)) for field, (suffix, index) in self.at.items()}
+
+
+@dataclass
+class KeptFP8(Kept):
+    weight: torch.Tensor  # float8, the box
+    scales: torch.Tensor  # of the blocks it touches
+    block: tuple[int, int]
+    offset: tuple[int, int]  # the box's start inside its first block
+
+    def dequantize(self) -> torch.Tensor:
+        (rows, columns), (bm, bn), (r, c) = self.weight.shape, self.block, self.offset
+        scales = _spread(_spread(self.scales.float(), 0, bm, r, rows), 1, bn, c, columns)
+        return self.weight.float() * scales
+
+
+@dataclass
+class KeptIntegers(Kept):
+    words: torch.Tensor  # int32, the box's rows and the words its columns touch
+    scales: torch.Tensor  # its rows, the groups its columns touch
+    zero: torch.Tensor | None  # the words its rows touch (packed along the rows), those groups; None: symmetric
+    bits: int
+    group: int
+    offset: tuple[int, int, int]  # the box's start inside its first word of rows, of columns, and its first group
+    columns: int
+
+    def dequantize(self) -> torch.Tensor:
+        (row, column, in_group), rows = self.offset, self.words.shape[0]
+        values = _unpack(self.words, self.bits, 1).narrow(1, column, self.columns).float()
+        if self.zero is not None:
+            zero = _unpack(self.zero, self.bits, 0).narrow(0, row, rows).float()
+            values = values - _spread(zero, 1, self.group, in_group, self.columns)
+        return values * _spread(self.scales.float(), 1, self.group, in_group, self.columns)
+
+
+@dataclass
+class KeptMXFP4(Kept):
+    blocks: torch.Tensor  # uint8 [E, out, groups, 16]: the box's experts and outputs, the groups of its inputs
+    scales: torch.Tensor  # uint8 [E, out, groups]
+    offset: int  # the box's first input inside its first group
+    inputs: int
+
+    def dequantize(self) -> torch.Tensor:
+        codes, table = self.blocks.to(torch.int64), FP4_VALUES.to(self.blocks.device)
+        values = torch.stack((table[codes & 0x0F], table[codes >> 4]), -1).flatten(-2)  # [e, o, g, 32]
+        values = torch.ldexp(values, (self.scales.to(torch.int32) - 127).unsqueeze(-1)).flatten(-2)
+        return values.narrow(2, self.offset, self.inputs).transpose(1, 2)
+
+
+FP4_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+
+
+class Dequantized:
+    """A quantized weight read like a safetensors slice: ``[index]`` (step-1 slices) gives that box of
+    the dequantized weight, in float32, reading only the box and the scales of its blocks (``keep``: the
+    box as stored; with ``meta``, only its parts' shapes, for a plan's bytes)."""
+
+    shape: tuple[int, ...]
+    parts: dict  # key suffix -> its safetensors slice (those a box reads elements of)
+    constants: dict[str, torch.Tensor] = {}  # key suffix -> a part written whole (a packed weight's shape)
 
     def get_shape(self) -> list[int]:
-        return list(self.weight.get_shape())
+        return list(self.shape)
 
     def get_dtype(self) -> str:
         return "F32"
 
     def __getitem__(self, index) -> torch.Tensor:
-        index = index if isinstance(index, tuple) else (index,)
-        index = index + (slice(None),) * (2 - len(index))
-        (r0, r1), (c0, c1) = (s.indices(n)[:2] for s, n in zip(index, self.get_shape()))
+        return self.keep(box_of(index, self.shape)).dequantize()
+
+
+def _scales_checked(key: str, scale, shape, block, name: str):
+    """The scale slice of a weight of ``shape`` scaled per ``block``; a single scale stored as [1] or [] is
+    read (as [1, 1]). A grid of another shape is refused naming the key."""
+    found = tuple(scale.get_shape())
+    want = tuple(-(-n // b) for n, b in zip(shape, block))
+    if found == want:
+        return scale
+    if want == (1, 1) and math.prod(found) == 1:
+        return (scale[:] if found else scale[()]).reshape(1, 1)
+    raise CheckpointError(
+        f"{key!r} {tuple(shape)} scaled per blocks of {tuple(block)} needs a {name!r} of shape {want}, and it is "
+        f"{found}: written otherwise than the config says?"
+    )
+
+
+class DequantizedFP8(Dequantized):
+    """A scaled FP8 matrix: ``W = q * s`` per block."""
+
+    def __init__(self, key: str, weight, scale, quantization: ScaledFP8):
+        self.shape = tuple(weight.get_shape())
+        if len(self.shape) != 2:
+            raise CheckpointError(f"{key!r} is FP8 of shape {self.shape}; hf_parallel dequantizes matrices")
+        self.weight, self.block, self.suffix = weight, quantization.block_for(self.shape), quantization.suffix
+        self.scale = _scales_checked(key, scale, self.shape, self.block, key + quantization.suffix)
+        self.parts = {"": weight, self.suffix: scale}  # as stored (a single scale: its own shape)
+
+    def keep(self, box, meta: bool = False) -> KeptFP8:
+        (r0, r1), (c0, c1) = box
         (bm, bn) = self.block
-        scales = self.scale[r0 // bm : -(-r1 // bm), c0 // bn : -(-c1 // bn)].float()
-        if scales.shape[0] > 1:  # several blocks down the box: a scale per row (else one, broadcast)
-            scales = scales.repeat_interleave(bm, 0)[r0 - r0 // bm * bm :][: r1 - r0]
-        if scales.shape[1] > 1:
-            scales = scales.repeat_interleave(bn, 1)[:, c0 - c0 // bn * bn :][:, : c1 - c0]
-        return self.weight[r0:r1, c0:c1].float() * scales
+        at = {"weight": ("", (slice(r0, r1), slice(c0, c1))),
+              "scales": (self.suffix, (_span(r0, r1, bm), _span(c0, c1, bn)))}  # fmt: skip
+        weight, scales = _take(self.weight, at["weight"][1], meta), _take(self.scale, at["scales"][1], meta)
+        return KeptFP8(at, weight, scales, self.block, (r0 % bm, c0 % bn))
 
 
-def readable(handle, files: dict[str, str], key: str, quantization: ScaledFP8 | None):
-    """``key``'s safetensors slice (``handle(file)``: the file opened), or, stored in FP8 with its scale
-    beside it, a ``DequantizedSlice`` of it. A float8 weight without its scale, or FP8 in a checkpoint
-    whose config declares no quantization, is refused by name."""
+def _unpack(words: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
+    """A matrix of int32 words, each ``32 // bits`` values along ``dim`` (value i at bit ``i * bits``,
+    offset to unsigned), as the signed values."""
+    shifts = torch.arange(32 // bits, dtype=torch.int32, device=words.device) * bits
+    values = (words.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)  # [rows, columns, value]
+    values = values.flatten(1) if dim == 1 else values.transpose(1, 2).flatten(0, 1)
+    return values - (1 << (bits - 1))
+
+
+class DequantizedIntegers(Dequantized):
+    """compressed-tensors' pack-quantized matrix: ``W = (q - z) * s`` per group of columns (or row)."""
+
+    def __init__(self, key: str, part, quantization: PackedIntegers):
+        self.shape = tuple(int(n) for n in part("_shape")[:].tolist())
+        self.bits, self.per = quantization.bits, 32 // quantization.bits
+        self.packed, self.zero = part("_packed"), part("_zero_point")
+        rows, columns = self.shape
+        if len(self.shape) != 2 or tuple(self.packed.get_shape()) != (rows, -(-columns // self.per)):
+            raise CheckpointError(
+                f"{key + '_packed'!r} is {tuple(self.packed.get_shape())} for a weight of shape {self.shape} "
+                f"({key + '_shape'!r}) in {self.bits}-bit words: written otherwise than the config says?"
+            )
+        self.group = quantization.block_for(self.shape)[1]
+        self.scale = _scales_checked(key, part("_scale"), self.shape, (1, self.group), key + "_scale")
+        if (self.zero is None) != quantization.symmetric:
+            raise CheckpointError(
+                f"{key + '_zero_point'!r} is {'missing' if self.zero is None else 'there'}, and the config says the "
+                f"weights are {'' if quantization.symmetric else 'not '}symmetric"
+            )
+        self.parts = {"_packed": self.packed, "_scale": self.scale, "_zero_point": self.zero}
+        self.constants = {"_shape": part("_shape")[:]}  # written back whole
+        groups = -(-columns // self.group)
+        if self.zero is not None and tuple(self.zero.get_shape()) != (-(-rows // self.per), groups):
+            raise CheckpointError(f"{key + '_zero_point'!r} is {tuple(self.zero.get_shape())}, not {rows} rows packed "
+                                  f"by {self.per} x {groups}")  # fmt: skip
+
+    def keep(self, box, meta: bool = False) -> KeptIntegers:
+        (r0, r1), (c0, c1) = box
+        groups = _span(c0, c1, self.group)
+        at = {"words": ("_packed", (slice(r0, r1), _span(c0, c1, self.per))),
+              "scales": ("_scale", (slice(r0, r1), groups))}  # fmt: skip
+        if self.zero is not None:
+            at["zero"] = ("_zero_point", (_span(r0, r1, self.per), groups))
+        taken = {field: _take(self.parts[suffix], index, meta) for field, (suffix, index) in at.items()}
+        offset = (r0 % self.per, c0 % self.per, c0 % self.group)
+        words, scales, zero = taken["words"], taken["scales"], taken.get("zero")
+        return KeptIntegers(at, words, scales, zero, self.bits, self.group, offset, c1 - c0)
+
+
+class DequantizedMXFP4(Dequantized):
+    """gpt-oss's MXFP4 experts: 32 e2m1 values per e8m0 scale along the input dim, the parameter their
+    transpose ([E, in, out]), as transformers' ``convert_moe_packed_tensors`` makes it."""
+
+    def __init__(self, key: str, blocks, scales):
+        found, grid = tuple(blocks.get_shape()), tuple(scales.get_shape())
+        if len(found) != 4 or found[-1] != 16 or grid != found[:-1]:
+            raise CheckpointError(
+                f"{key + '_blocks'!r} {found} and {key + '_scales'!r} {grid} are not MXFP4 experts "
+                "([E, out, in / 32, 16] bytes and [E, out, in / 32] exponents)"
+            )
+        self.blocks, self.scales = blocks, scales
+        self.parts = {"_blocks": blocks, "_scales": scales}
+        self.shape = (found[0], found[2] * 32, found[1])
+
+    def keep(self, box, meta: bool = False) -> KeptMXFP4:
+        (e0, e1), (i0, i1), (o0, o1) = box
+        index = (slice(e0, e1), slice(o0, o1), _span(i0, i1, 32))
+        at = {"blocks": ("_blocks", index), "scales": ("_scales", index)}
+        return KeptMXFP4(at, _take(self.blocks, index, meta), _take(self.scales, index, meta), i0 % 32, i1 - i0)
+
+
+def readable(handle, files: dict[str, str], key: str, quantization: Quantization | None):
+    """``key``'s safetensors slice (``handle(file)``: the file opened), or, stored quantized, a
+    ``Dequantized`` of it. A float8 weight without its scale, or FP8 in a checkpoint whose config
+    declares no quantization, is refused by name."""
+    stored_as = getattr(quantization, "stored_as", None)
+    if stored_as and key + stored_as in files:
+
+        def part(suffix):
+            return handle(files[key + suffix]).get_slice(key + suffix) if key + suffix in files else None
+
+        if isinstance(quantization, MXFP4):
+            return DequantizedMXFP4(key, part("_blocks"), part("_scales") or _missing(files, key, "_scales"))
+        for needed in ("_scale", "_shape"):
+            if part(needed) is None:
+                _missing(files, key, needed)
+        return DequantizedIntegers(key, part, quantization)
     weight = handle(files[key]).get_slice(key)
     dtype = weight.get_dtype()  # safetensors' code, or a torch dtype (a pickle checkpoint's)
-    if (SAFETENSORS_TO_TORCH.get(dtype) if isinstance(dtype, str) else dtype) not in FP8:
+    if torch_dtype(dtype) not in FP8:
         return weight
-    scale = None if quantization is None else key + quantization.suffix
+    scale = key + quantization.suffix if isinstance(quantization, ScaledFP8) else None
     if scale not in files:
+        missing = f"{scale!r} beside it" if scale else "quantization_config in the config"
+        if quantization is not None and scale is None:
+            missing = f"FP8 in its quantization_config ({type(quantization).__name__})"
         raise CheckpointError(
-            f"{files[key]}: {key!r} is {weight.get_dtype()} with no "
-            + ("quantization_config in the config" if quantization is None else f"{scale!r} beside it")
-            + ": its scales are unknown, so its values would load wrong"
+            f"{files[key]}: {key!r} is {weight.get_dtype()} with no {missing}: its scales are unknown, so its values "
+            "would load wrong"
         )
-    return DequantizedSlice(key, weight, handle(files[scale]).get_slice(scale), quantization)
+    return DequantizedFP8(key, weight, handle(files[scale]).get_slice(scale), quantization)
 
 
-def dequantized_sources(files: dict[str, str], sources: dict, handle, quantization: ScaledFP8 | None) -> dict:
-    """Parameter name -> ``DequantizedSlice`` for every parameter read from one key stored in FP8
+def _missing(files: dict[str, str], key: str, suffix: str):
+    raise CheckpointError(f"{files[key]}: {key!r} is stored quantized with no {key + suffix!r} beside it")
+
+
+def dequantized_sources(files: dict[str, str], sources: dict, handle, quantization: Quantization | None) -> dict:
+    """Parameter name -> ``Dequantized`` for every parameter read from one key stored quantized
     (per-expert keys are dequantized tile by tile: ``ShardReader.fused``)."""
     out = {}
     for name, key in sources.items():
         if isinstance(key, str):
             found = readable(handle, files, key, quantization)
-            if isinstance(found, DequantizedSlice):
+            if isinstance(found, Dequantized):
                 out[name] = found
     return out

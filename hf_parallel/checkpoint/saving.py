@@ -10,6 +10,7 @@ half-written file with a final name, nor destroys a previous checkpoint's files.
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import os
@@ -24,6 +25,7 @@ from ..compat.torch import is_persistent_buffer
 from ..distributed.faults import collective
 from ..distributed.mesh import Dim
 from ..distributed.tags import Tag
+from ..tensor.kept import KeptWeight, gathered_part
 from ..tensor.layout import Box, Layout, as_slices, box_shape, replicated
 from ..tensor.parallelize import ShardedParam
 from .files import INDEX_FILE
@@ -145,8 +147,14 @@ def write_standard(staging: Staging, specs: dict, tensors, max_shard_size, progr
             json.dump(index, f, indent=2, sort_keys=True)
 
 
-def save_config(model, out_dir: str) -> None:
-    model.config.save_pretrained(out_dir)
+def save_config(model, out_dir: str, quantization_config=None) -> None:
+    """The config (with the checkpoint's ``quantization_config`` when weights were kept quantized: they are
+    written as stored) and the generation config."""
+    config = model.config
+    if quantization_config is not None:
+        config = copy.copy(config)
+        config.quantization_config = quantization_config
+    config.save_pretrained(out_dir)
     if getattr(model, "generation_config", None) is not None and model.can_generate():
         model.generation_config.save_pretrained(out_dir)
 
@@ -175,15 +183,27 @@ def tensor_of(model, name: str) -> torch.Tensor:
 
 def checkpoint_tensors(model, state) -> dict[str, tuple]:
     """Checkpoint key -> (sharded parameter, box of it or None), in the source's form: a fused
-    expert parameter loaded from per-expert keys is written back as those keys."""
+    expert parameter loaded from per-expert keys is written back as those keys; a weight kept
+    quantized, as its stored parts: key -> (its ``KeptWeight``, the part's suffix)."""
     out = {}
     for entry in saved_entries(model, state):
         source = state.source_keys[entry.name]
-        if isinstance(source, FusedSource):
+        if entry.name in state.kept:
+            kept = state.kept[entry.name]
+            out.update((source + suffix, (kept, suffix)) for suffix in [*kept.stored, *kept.constants])
+        elif isinstance(source, FusedSource):
             out.update((key, (entry, box)) for key, box in source.boxes(entry.full_shape))
         else:
             out[source] = (entry, None)
     return out
+
+
+def written_spec(model, entry, box) -> tuple[tuple[int, ...], torch.dtype]:
+    """(shape, dtype) of a checkpoint key as written, from its ``checkpoint_tensors`` target."""
+    if isinstance(entry, KeptWeight):
+        part = entry.constants.get(box)
+        return (tuple(part.shape), part.dtype) if part is not None else entry.stored[box]
+    return entry.full_shape if box is None else expert_shape(box), tensor_of(model, entry.name).dtype
 
 
 def stage_owners(mesh, specs: dict) -> tuple[dict[str, int], dict]:
@@ -222,11 +242,16 @@ def gathered(model, mesh, targets: dict, specs: dict, owners: dict, keys):
             yield received_blocks(specs[key], leader, key, scratch[1]) if mesh.is_main else None
             continue
         entry, box = targets[key]
-        local = tensor_of(model, entry.name)
-        blocks = (
-            gather_block(local, entry.layout, block, mesh.tp, entry.name, scratch)
-            for block in row_blocks(entry.full_shape, box, local.dtype)
-        )
+        if isinstance(entry, KeptWeight):  # a part of a weight kept quantized: whole on the group's first rank,
+            full, (shape, dtype) = gathered_part(entry, box, mesh.tp), specs[key]  # then in row blocks as any key
+            blocks = (None if full is None else full[as_slices(b)] for b in row_blocks(shape, None, dtype))
+            box = None
+        else:
+            local = tensor_of(model, entry.name)
+            blocks = (
+                gather_block(local, entry.layout, block, mesh.tp, entry.name, scratch)
+                for block in row_blocks(entry.full_shape, box, local.dtype)
+            )
         if mesh.is_main:
             yield (as_written(block, box) for block in blocks)
             continue
@@ -261,13 +286,7 @@ def save_sharded(model, state, out_dir: str, max_shard_size="50GB") -> None:
     on its first rank, which sends them on to rank 0."""
     mesh = state.mesh
     targets = checkpoint_tensors(model, state)
-    specs = {
-        key: (
-            entry.full_shape if box is None else expert_shape(box),
-            tensor_of(model, entry.name).dtype,
-        )
-        for key, (entry, box) in targets.items()
-    }
+    specs = {key: written_spec(model, entry, box) for key, (entry, box) in targets.items()}
     owners = dict.fromkeys(specs, mesh.stage)
     if mesh.num_stages > 1:  # collective over the world: before the sequence-parallel replicas leave
         owners, specs = stage_owners(mesh, specs)
@@ -285,6 +304,6 @@ def save_sharded(model, state, out_dir: str, max_shard_size="50GB") -> None:
         if staging:
             with timed("rename"):
                 remove_stale(out_dir, set(staging.commit()))
-            save_config(model, out_dir)
+            save_config(model, out_dir, state.quantization_config if state.kept else None)
     progress.close()
     mesh.barrier()

@@ -33,10 +33,17 @@ SAFETENSORS_DTYPES = {
     torch.bool: "BOOL",
     torch.float8_e4m3fn: "F8_E4M3",
     torch.float8_e5m2: "F8_E5M2",
+    torch.float8_e8m0fnu: "F8_E8M0",
 }
 
 
 SAFETENSORS_TO_TORCH = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
+
+
+def torch_dtype(dtype) -> torch.dtype:
+    """A slice's dtype as torch names it (safetensors slices give their codes: "F32", "BF16"; a pickle's its
+    torch dtype)."""
+    return dtype if isinstance(dtype, torch.dtype) else SAFETENSORS_TO_TORCH[dtype]
 
 
 def nbytes(shape, dtype: torch.dtype) -> int:

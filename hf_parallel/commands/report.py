@@ -69,6 +69,8 @@ def plan_report(
             f"{name:<48} {rule_text:<34} {rule.style_name if rule else 'replicated':<24} {entry.layout.describe():<36} {shown} / {nbytes}"
         )
     lines += [f"left replicated by discovery: {note}" for note in shard.plan.notes]
+    if built.quantization is not None:
+        lines += quantized_lines(path, model, shard, tp, built.quantization, itemsize)
     if lora is not None:
         lines += lora_lines(model, shard, tp, lora, dtype)
     if sp > 1:
@@ -83,6 +85,56 @@ def plan_report(
             f"{[math.ceil(t / fsdp) for t in totals]} bytes per rank, the same again for gradients, twice for AdamW"
         )
     return "\n".join([*mesh_text, *lines])
+
+
+def quantized_lines(path: str, model, shard, tp: int, quantization, itemsize: int) -> list[str]:
+    """What each rank reads of a quantized checkpoint (its slices of the quantized weights, and of their
+    scales and zero points), from the files' headers; and what it holds with ``keep_quantized=True``."""
+    from contextlib import ExitStack
+
+    from safetensors import safe_open
+
+    from ..checkpoint.keys import FusedSource, checkpoint_sources
+    from ..checkpoint.loading import checkpoint_files
+    from ..checkpoint.quantized import Dequantized, box_of, readable, with_stored_keys
+
+    files = with_stored_keys(checkpoint_files(path), quantization)
+    direct, fused = checkpoint_sources(model, files)
+    read, scales, kept = [0] * tp, [0] * tp, [0] * tp  # quantized bytes read, of them scales; held if kept
+    per_expert = []  # quantized parameters read from one key per expert: dequantized, never kept
+    with ExitStack() as stack:
+        handles = {}
+
+        def handle(file):
+            return handles.get(file) or handles.setdefault(file, stack.enter_context(safe_open(file, "pt")))
+
+        for entry in shard.unique_params():
+            source = next(direct.get(a) or fused.get(a) for a in entry.aliases if a in direct or a in fused)
+            tiles = source.boxes(entry.full_shape) if isinstance(source, FusedSource) else [(source, None)]
+            tiles = [(readable(handle, files, key, quantization), tile) for key, tile in tiles]
+            for rank in range(tp):
+                runs = [box_of(index, entry.full_shape) for index in entry.layout.index(entry.full_shape, rank)]
+                if not isinstance(tiles[0][0], Dequantized):
+                    kept[rank] += math.prod(entry.layout.local_shape(entry.full_shape, rank)) * itemsize
+                    continue
+                if isinstance(source, FusedSource) and rank == 0:
+                    per_expert.append(entry.name)
+                for (weight, tile), box in ((t, box) for t in tiles for box in runs):
+                    if tile is not None:  # one expert's key: the part of the run inside it, without the expert dim
+                        inside = [(max(a, c), min(b, d)) for (a, b), (c, d) in zip(box, tile)]
+                        if any(a >= b for a, b in inside):
+                            continue
+                        box = [(a - c, b - c) for (a, b), (c, _) in zip(inside[1:], tile[1:])]
+                    held = weight.keep(box, meta=True)
+                    read[rank] += held.nbytes
+                    kept[rank] += held.nbytes
+                    scales[rank] += sum(held.tensors()[f].nbytes for f in ("scales", "zero") if f in held.tensors())
+    held = f"held as read: {kept} bytes per rank" if not per_expert else f"refused ({per_expert[0]} is per expert)"
+    return [
+        f"quantized ({type(quantization).__name__}): each rank reads {read} bytes of quantized weights, of which "
+        f"scales and zero points {scales}; dequantized into the dtype as read (the bytes per rank below); with "
+        f"keep_quantized=True {held}"
+    ]
 
 
 def parse_lora(text: str) -> dict:

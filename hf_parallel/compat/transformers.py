@@ -1,7 +1,8 @@
 """Every internal of transformers hf_parallel uses, and why no public seam serves.
 
 - The conversion registry (checkpoint key <-> parameter name, per-expert keys -> fused experts):
-  transformers' own table, so renamed and fused checkpoints load as they do in one process.
+  transformers' own table, so renamed and fused checkpoints load as they do in one process; and the keys
+  it ignores for a model (read from the class attribute and rule its loader applies).
 - A private config per attention module naming the Ulysses wrapper (``AttentionInterface`` is the
   public registry; ``set_attn_implementation`` would rewrite the model's config, which is saved).
 - The expert-parallel sentinel: ids of other ranks' experts become ``num_experts``, which transformers'
@@ -14,6 +15,7 @@
 from __future__ import annotations
 
 import copy
+import re
 
 import torch
 
@@ -60,6 +62,19 @@ def stack_then_concat_dim(converter) -> int | None | bool:
         return ops[1].dim
     return False
 
+
+
+def unexpected_key_patterns(model):
+    """The checkpoint keys transformers ignores for ``model`` without a word (its
+    ``_keys_to_ignore_on_load_unexpected``, e.g. DeepSeek-V3's multi-token-prediction layer, and old RoPE /
+    position-id buffers), as one regex (None: none), as ``PreTrainedModel._adjust_missing_and_unexpected_keys``."""
+    patterns = set(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ())
+    buffers = [name for name, _ in model.named_buffers()]
+    if any(name.endswith("rotary_emb.inv_freq") for name in buffers):
+        patterns.add(r"rotary_emb\.inv_freq")
+    if any(name.endswith("position_ids") for name in buffers):
+        patterns.add(r"(^|\.)position_ids$")
+    return re.compile("|".join(f"({pattern})" for pattern in sorted(patterns))) if patterns else None
 
 # -- attention ------------------------------------------------------------------------------------
 ATTENTION_FUNCTIONS = Seam("transformers", "transformers.modeling_utils:ALL_ATTENTION_FUNCTIONS",

@@ -80,6 +80,8 @@ class GradientSums:
         """Every recorded sum on ``model``'s parameters (no FSDP)."""
         self._registered = True
         for param in model.parameters():
+            if param.device.type == "meta":  # a kept quantized weight's placeholder (inference only: no gradient)
+                continue
             for _, hook in self._sums.get(id(param), ()):
                 param.register_hook(hook)
 
