@@ -101,8 +101,8 @@ def from_pretrained(
     # 7. the runtime around the forward, and the state every later call reads
     runtime = Runtime(model, sequence, stage, own=stage_forward)
     model.eval()
-    state = ParallelState(mesh, built.layout, source_keys, runtime, gradients, hooks, Adapters(), kept or {},
-                          built.quantization_config)  # fmt: skip
+    state = ParallelState(mesh, built.layout, source_keys, runtime, gradients, hooks, Adapters(), keep_quantized,
+                          kept or {}, built.quantization_config)  # fmt: skip
     attach(model, state)
     model.save_pretrained = functools.partial(save_pretrained, model)
     # 8. adapters (peft) and the Trainer's seams, each installed when its library is first imported
@@ -201,7 +201,7 @@ def save_pretrained(
             "save_pretrained(save_original_format=False): hf_parallel writes the checkpoint's own key names and layout"
         )
     state = parallel_state(model)
-    if distributed and state.kept:
+    if distributed and state.keep_quantized:
         raise ValueError(
             "save_pretrained(distributed=True) of a model loaded with keep_quantized=True: per-rank files of "
             "quantized parts are not written yet; save without distributed (a standard checkpoint in the source's "

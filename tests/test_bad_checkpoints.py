@@ -113,6 +113,9 @@ def test_index_that_is_not_json(sharded, tmp_path):
                                                "actorder": "group"}}}},
         {"quant_method": "compressed-tensors", "format": "naive-quantized", "config_groups": {"group_0": {
             "targets": ["Linear"], "weights": {"num_bits": 8, "type": "int", "strategy": "channel"}}}},
+        {"quant_method": "compressed-tensors", "format": "float-quantized", "kv_cache_scheme": {"num_bits": 8},
+         "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+             "num_bits": 8, "type": "float", "strategy": "channel"}}}},  # its k_scale / v_scale: not read
     ],
 )
 def test_a_quantized_checkpoint_is_refused_by_name_before_any_weight_is_read(tiny_paths, tmp_path, quantization):

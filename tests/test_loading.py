@@ -92,6 +92,7 @@ def test_unexpected_keys_are_an_error_naming_them(tiny_paths, tmp_path):
     rope = {"model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(4)}  # an old checkpoint's: transformers
     old = edited_checkpoint(tiny_paths["llama"], tmp_path / "old", lambda t: t.update(rope))  # ignores it, so do we
     hf_parallel.AutoModelForCausalLM.from_pretrained(old)
+    hf_parallel.AutoModel.from_pretrained(tiny_paths["llama"])  # a base model from a task model's: its head's keys
 
 
 def test_shape_mismatch_names_key_and_file(tiny_paths, tmp_path):

@@ -99,6 +99,8 @@ def test_quantized_weights_are_dequantized_as_read_in_one_process(quantized_path
         kept = hf_parallel.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, keep_quantized=True)
         with torch.no_grad():
             assert (kept(INPUT_IDS).logits - references[name]).abs().max().item() < TOLERANCE, name
+            greedy = dict(max_new_tokens=4, do_sample=False)
+            assert torch.equal(kept.generate(INPUT_IDS, **greedy), model.generate(INPUT_IDS, **greedy)), name
         kept.save_pretrained(str(tmp_path / "kept" / name))
         _saved_as_stored(str(tmp_path / "kept" / name), path)
 
@@ -212,7 +214,11 @@ def test_weights_kept_quantized_match_one_process_and_save_back_bitwise(
 
 def test_keep_quantized_is_refused_where_it_cannot_hold(quantized_paths, tiny_paths, tmp_path):
     """A checkpoint that is not quantized, experts quantized one key per expert (kept only where stored
-    fused), and a per-rank save of kept parts: refused by name, before anything is read or written."""
+    fused), a per-rank save of kept parts, peft adapters on a kept weight, a static activation scale (it
+    would not be saved back): refused by name, before anything is read or written; a kept weight used
+    outside its module's call raises."""
+    from safetensors.torch import load_file, save_file
+
     import hf_parallel
     from hf_parallel import CheckpointError
 
@@ -225,6 +231,19 @@ def test_keep_quantized_is_refused_where_it_cannot_hold(quantized_paths, tiny_pa
     with pytest.raises(ValueError, match=r"save_pretrained\(distributed=True\) of a model loaded with keep_quantized"):
         model.save_pretrained(str(tmp_path / "per_rank"), distributed=True)
     assert not (tmp_path / "per_rank").exists()
+    with pytest.raises(RuntimeError, match="linear on a weight held quantized"):  # outside its module's call
+        torch.nn.functional.linear(torch.ones(96), model.model.layers[0].mlp.up_proj.weight)
+    import peft
+
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.q_proj: .* around a weight held quantized"):
+        peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["q_proj"]))
+    target = _copy(quantized_paths["llama_ct_channel"], tmp_path / "static")  # a static activation scale beside it
+    tensors = load_file(os.path.join(target, "model.safetensors"))
+    tensors["model.layers.0.mlp.up_proj.input_scale"] = torch.ones(1)
+    save_file(tensors, os.path.join(target, "model.safetensors"), metadata={"format": "pt"})
+    hf_parallel.AutoModelForCausalLM.from_pretrained(target)  # dequantized: moot
+    with pytest.raises(CheckpointError, match=r"up_proj\.weight has 'model\.layers\.0\.mlp\.up_proj\.input_scale'"):
+        hf_parallel.AutoModelForCausalLM.from_pretrained(target, keep_quantized=True)
 
 
 class _Stored:
@@ -245,7 +264,7 @@ class _Stored:
 
 def _formats(bits: int):
     """(name, Dequantized, the whole weight dequantized by the formats' definitions) for FP8 blocks, packed
-    integers with zero points and MXFP4, each with partial blocks / groups / words."""
+    integers with zero points and MXFP4 (exponents as bytes and as e8m0), with partial blocks / groups / words."""
     from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
     from tiny_models import FP4_VALUES
 
@@ -267,8 +286,10 @@ def _formats(bits: int):
     codes = torch.stack((blocks & 15, blocks >> 4), -1).flatten(-2).long()  # [E, out, group, 32]
     fp4 = torch.tensor(FP4_VALUES)[codes] * torch.exp2(exponents.float() - 127)[..., None]
     mxfp4 = q.DequantizedMXFP4("w", _Stored(blocks), _Stored(exponents.to(torch.uint8)))
+    e8m0 = q.DequantizedMXFP4("w", _Stored(blocks), _Stored(exponents.to(torch.uint8).view(torch.float8_e8m0fnu)))
+    experts = fp4.flatten(-2).transpose(1, 2)
     return [("fp8", fp8, whole), ("ints", ints, (values.float() - spread(zero)) * spread(scales)),
-            ("mxfp4", mxfp4, fp4.flatten(-2).transpose(1, 2))]  # fmt: skip
+            ("mxfp4", mxfp4, experts), ("mxfp4 e8m0", e8m0, experts)]  # fmt: skip
 
 
 @given(st.data())

@@ -55,6 +55,12 @@ def _on_registered(parent: nn.Module, name: str, module):
     known = _WATCHED.get(module)
     if hasattr(module, "get_base_layer"):  # a peft layer around one of the model's modules
         base = module.get_base_layer()
+        held = [f"{path}.{attr}" for attr in base._parameters if f"{path}.{attr}" in state.kept]
+        if held:
+            raise ValueError(
+                f"{path}: {type(module).__name__} around a weight held quantized ({held[0]}, keep_quantized=True): "
+                "peft would build and merge on its placeholder; load without keep_quantized to add adapters"
+            )
         if _WATCHED.get(base, (None, None))[1] == path:
             # refuses modules whose split adapters cannot follow
             site = placement.site_for(state.layout, path, base, state.hooks)

@@ -41,7 +41,8 @@ from .errors import CheckpointError
 from .files import INDEX_FILE, MANIFEST_FILE, PICKLE_FILE, PICKLE_INDEX_FILE, SINGLE_FILE
 from .keys import FusedSource, checkpoint_sources, expert_shape
 from .manifest import DistributedCheckpoint
-from .quantized import Dequantized, Quantization, companion_keys, dequantized_sources, readable, with_stored_keys
+from .quantized import (ACTIVATION_SCALE, Dequantized, Quantization, companion_keys, dequantized_sources, readable,
+                        with_stored_keys)  # fmt: skip
 from .tiles import Tile, TiledTensor
 from .writer import nbytes, torch_dtype
 
@@ -312,7 +313,8 @@ def _set_tensor(model: nn.Module, name: str, value: torch.Tensor) -> None:
 def _sources(model: nn.Module, path: str, layout: ModelLayout, files: dict, ignore_keys) -> tuple[dict, dict]:
     """Every parameter's checkpoint key (or per-expert keys), and the buffers' found in the checkpoint;
     a parameter with none is an error, and so is a key nothing reads (but those transformers itself
-    ignores for the model: ``unexpected_key_patterns``), each named."""
+    ignores for the model: ``unexpected_key_patterns``, and a task head's when a base model is loaded from
+    its checkpoint, as transformers does), each named."""
     key_of, fused_of = checkpoint_sources(model, files)
     sources, missing, aliases = {}, [], set()
     for entry in layout.unique_params():
@@ -328,8 +330,12 @@ def _sources(model: nn.Module, path: str, layout: ModelLayout, files: dict, igno
     buffers = {name: key_of[name] for name, _ in model.named_buffers() if name in key_of}
     used = aliases | set(buffers.values())
     parts = {other for key in used | ignore_keys for other in companion_keys(key)}  # scales, packed parts
-    ignored = unexpected_key_patterns(model)
-    unexpected = sorted(key for key in set(files) - used - ignore_keys - parts if not (ignored and ignored.search(key)))
+    ignored, prefix = unexpected_key_patterns(model), getattr(model, "base_model_prefix", "")
+    heads = prefix and not hasattr(model, prefix)  # a base model from a task model's checkpoint: its head's keys
+    unexpected = sorted(
+        key for key in set(files) - used - ignore_keys - parts
+        if not (ignored and ignored.search(key)) and not (heads and not key.startswith(prefix + "."))
+    )  # fmt: skip
     if unexpected:
         raise CheckpointError(
             f"{path}: {len(unexpected)} checkpoint key(s) match no parameter or buffer of {type(model).__name__} "
@@ -388,6 +394,7 @@ def load_weights(
         for entry in tqdm(layout.unique_params(), desc="Loading shards", disable=rank != 0, leave=False):
             source, old = sources[entry.name], model.get_parameter(entry.name)
             if kept is not None and isinstance(tiled.get(entry.name), Dequantized):
+                _check_keepable(entry, source, files)
                 weight = KeptWeight.read(source, tiled.pop(entry.name), entry.layout, rank, dtype or old.dtype,
                                          reader.device)  # fmt: skip
                 kept[entry.name], BYTES_READ[source] = weight, BYTES_READ[source] + weight.nbytes
@@ -404,6 +411,20 @@ def load_weights(
             keep_dtype = old.dtype if old.is_floating_point() else None
             _set_tensor(model, name, reader.read(files[key], key, replicated(1), keep_dtype))
     return {**saved_as, **buffers}
+
+
+def _check_keepable(entry, key: str, files: dict) -> None:
+    """A weight kept quantized is dequantized in its own module's call and saved back from its stored parts:
+    one shared by several modules, or with a static activation scale beside it (which would not be written
+    back), is refused by name."""
+    activation = f"{key.rpartition('.')[0]}.{ACTIVATION_SCALE}"
+    if len(entry.aliases) > 1 or activation in files:
+        tied = len(entry.aliases) > 1
+        why = f"is tied to {', '.join(entry.aliases[1:])}" if tied else f"has {activation!r} beside it"
+        raise CheckpointError(
+            f"keep_quantized=True: {entry.name} {why}, which a weight held quantized does not carry; load without "
+            "keep_quantized (dequantized as read)"
+        )
 
 
 def _keys_of(source: str | FusedSource) -> list[str]:

@@ -1,8 +1,9 @@
 """Quantized checkpoints: which formats hf_parallel reads, each read like a safetensors slice (any box
 of the weight, dequantized), so every rank reads only its slice of the weight and of its scales through
-the same layouts as any other tensor; the model holds plain floats in the dtype asked for (as
-transformers does on a CPU), never dequantized whole on one rank, and saves them so, without
-``quantization_config``.
+the same layouts as any other tensor, never dequantized whole on one rank. By default the model holds plain
+floats in the dtype asked for (as transformers does on a CPU) and saves them so, without
+``quantization_config``; with ``keep_quantized=True`` each rank holds its boxes as stored (``Kept``,
+``tensor/kept.py``) and saves them back as the checkpoint had them.
 
 - FP8 with block scales (``quant_method: "fp8"``, ``weight_block_size: [bm, bn]``; DeepSeek-V3/R1,
   Qwen3-*-FP8, GLM-4.5-FP8): ``W[i, j] = q[i, j] * s[i // bm, j // bn]``, ``q`` float8 and ``s`` the
@@ -21,8 +22,11 @@ transformers does on a CPU), never dequantized whole on one rank, and saves them
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
+from types import MappingProxyType
 
 import torch
 
@@ -30,10 +34,11 @@ from .errors import CheckpointError
 from .writer import torch_dtype
 
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+EXPONENTS = (torch.uint8, torch.float8_e8m0fnu)  # MXFP4's scales: biased exponents (127 = 2**0)
 SUPPORTED = (
     "fp8 (block-wise weight_scale_inv), compressed-tensors float-quantized 8-bit (per-tensor, per-channel or block "
     "weight_scale) and pack-quantized 4/8-bit integers (per group or channel, with or without zero points), and "
-    "mxfp4 (gpt-oss's experts), dequantized at load"
+    "mxfp4 (gpt-oss's experts)"
 )
 ACTIVATION_SCALE = "input_scale"  # static activation scales: unused once the weights are dequantized
 PARTS = ("_scale_inv", "_scale", "_blocks", "_scales", "_packed", "_zero_point", "_shape")  # every format's
@@ -80,8 +85,8 @@ Quantization = ScaledFP8 | PackedIntegers | MXFP4
 def _refused(config, what: str) -> ValueError:
     return ValueError(
         f"{type(config).__name__} has a quantization_config ({what}): hf_parallel reads {SUPPORTED}; not GPTQ, AWQ, "
-        "bitsandbytes, HQQ, torchao, per-tensor fp8 or compressed-tensors' other formats yet (their weights would load "
-        "without their scales); load a dequantized (bf16 / fp32) copy of the checkpoint"
+        "bitsandbytes, HQQ, torchao, fp8 without weight_block_size, compressed-tensors' other formats or its KV-cache "
+        "scales yet (their weights would load without their scales); load a dequantized (bf16 / fp32) copy"
     )
 
 
@@ -98,8 +103,10 @@ def _compressed_tensors(config, get) -> ScaledFP8 | PackedIntegers:
         raise _refused(config, f"quant_method='compressed-tensors', format={form!r}, weights {sorted(found)}")
     ((bits, kind, symmetric, strategy, block, group, actorder),) = found
     what = f"quant_method='compressed-tensors', format={form!r}, {bits}-bit {kind} weights, strategy {strategy!r}"
+    if get("kv_cache_scheme"):  # k_scale / v_scale for an FP8 KV cache: not read
+        raise _refused(config, f"quant_method='compressed-tensors', kv_cache_scheme {get('kv_cache_scheme')}")
     if form == "float-quantized" and (bits, kind, symmetric) == (8, "float", True):
-        if strategy in ("tensor", "channel", "block"):
+        if strategy in ("tensor", "channel") or (strategy == "block" and len(block) == 2):
             return ScaledFP8(strategy, block or None, "_scale")
     elif form == "pack-quantized" and bits in (4, 8) and kind == "int" and actorder in (None, "weight", "static"):
         if strategy == "channel" or (strategy == "group" and group):  # actorder "group" stores a g_idx: not read
@@ -108,9 +115,9 @@ def _compressed_tensors(config, get) -> ScaledFP8 | PackedIntegers:
 
 
 def read_quantization(config) -> Quantization | None:
-    """The quantization a config declares (None: none), removed from the config (the model holds
-    plain floats and saves them so); anything hf_parallel does not read is refused by name, before
-    any weight is read."""
+    """The quantization a config declares (None: none), removed from the config (a model holding floats
+    saves none; one holding its weights kept quantized saves the original back); anything hf_parallel does
+    not read is refused by name, before any weight is read."""
     quantization = getattr(config, "quantization_config", None)
     if not quantization:
         return None
@@ -211,10 +218,14 @@ class KeptFP8(Kept):
     block: tuple[int, int]
     offset: tuple[int, int]  # the box's start inside its first block
 
-    def dequantize(self) -> torch.Tensor:
+    def dequantize(self, dtype=torch.float32) -> torch.Tensor:
         (rows, columns), (bm, bn), (r, c) = self.weight.shape, self.block, self.offset
+        grid = tuple(self.scales.shape)
+        if (r, c) == (0, 0) and (rows, columns) == (grid[0] * bm, grid[1] * bn):  # whole blocks: broadcast, no
+            blocks = self.weight.float().view(grid[0], bm, grid[1], bn)  # scale spread to every element
+            return (blocks * self.scales.float()[:, None, :, None]).view(rows, columns).to(dtype)
         scales = _spread(_spread(self.scales.float(), 0, bm, r, rows), 1, bn, c, columns)
-        return self.weight.float() * scales
+        return (self.weight.float() * scales).to(dtype)
 
 
 @dataclass
@@ -227,13 +238,13 @@ class KeptIntegers(Kept):
     offset: tuple[int, int, int]  # the box's start inside its first word of rows, of columns, and its first group
     columns: int
 
-    def dequantize(self) -> torch.Tensor:
+    def dequantize(self, dtype=torch.float32) -> torch.Tensor:
         (row, column, in_group), rows = self.offset, self.words.shape[0]
         values = _unpack(self.words, self.bits, 1).narrow(1, column, self.columns).float()
         if self.zero is not None:
             zero = _unpack(self.zero, self.bits, 0).narrow(0, row, rows).float()
             values = values - _spread(zero, 1, self.group, in_group, self.columns)
-        return values * _spread(self.scales.float(), 1, self.group, in_group, self.columns)
+        return (values * _spread(self.scales.float(), 1, self.group, in_group, self.columns)).to(dtype)
 
 
 @dataclass
@@ -243,14 +254,26 @@ class KeptMXFP4(Kept):
     offset: int  # the box's first input inside its first group
     inputs: int
 
-    def dequantize(self) -> torch.Tensor:
-        codes, table = self.blocks.to(torch.int64), FP4_VALUES.to(self.blocks.device)
-        values = torch.stack((table[codes & 0x0F], table[codes >> 4]), -1).flatten(-2)  # [e, o, g, 32]
-        values = torch.ldexp(values, (self.scales.to(torch.int32) - 127).unsqueeze(-1)).flatten(-2)
-        return values.narrow(2, self.offset, self.inputs).transpose(1, 2)
+    def dequantize(self, dtype=torch.float32) -> torch.Tensor:
+        """Expert by expert into the [E, in, out] result (the temporaries: one expert's, in float32)."""
+        experts, outputs = self.blocks.shape[:2]
+        out = torch.empty(experts, self.inputs, outputs, dtype=dtype, device=self.blocks.device)
+        table = _fp4_table(self.blocks.device)
+        exponents = self.scales.view(torch.uint8) if self.scales.dtype == torch.float8_e8m0fnu else self.scales
+        for e in range(experts):
+            codes = self.blocks[e].to(torch.int32)
+            values = torch.stack((table[codes & 0x0F], table[codes >> 4]), -1).flatten(-2)  # [o, g, 32]
+            values = torch.ldexp(values, (exponents[e].to(torch.int32) - 127).unsqueeze(-1)).flatten(-2)
+            out[e] = values.narrow(1, self.offset, self.inputs).T
+        return out
 
 
-FP4_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)  # e2m1 codes
+
+
+@functools.cache
+def _fp4_table(device) -> torch.Tensor:
+    return torch.tensor(FP4_VALUES, device=device)
 
 
 class Dequantized:
@@ -260,7 +283,7 @@ class Dequantized:
 
     shape: tuple[int, ...]
     parts: dict  # key suffix -> its safetensors slice (those a box reads elements of)
-    constants: dict[str, torch.Tensor] = {}  # key suffix -> a part written whole (a packed weight's shape)
+    constants: Mapping[str, torch.Tensor] = MappingProxyType({})  # key suffix -> a part written whole
 
     def get_shape(self) -> list[int]:
         return list(self.shape)
@@ -269,7 +292,7 @@ class Dequantized:
         return "F32"
 
     def __getitem__(self, index) -> torch.Tensor:
-        return self.keep(box_of(index, self.shape)).dequantize()
+        return self.keep(box_of(index, self.shape)).dequantize()  # float32, as a slice of floats reads
 
 
 def _scales_checked(key: str, scale, shape, block, name: str):
@@ -323,8 +346,10 @@ class DequantizedIntegers(Dequantized):
         self.shape = tuple(int(n) for n in part("_shape")[:].tolist())
         self.bits, self.per = quantization.bits, 32 // quantization.bits
         self.packed, self.zero = part("_packed"), part("_zero_point")
+        if len(self.shape) != 2:
+            raise CheckpointError(f"{key!r} is pack-quantized of shape {self.shape}; hf_parallel dequantizes matrices")
         rows, columns = self.shape
-        if len(self.shape) != 2 or tuple(self.packed.get_shape()) != (rows, -(-columns // self.per)):
+        if tuple(self.packed.get_shape()) != (rows, -(-columns // self.per)):
             raise CheckpointError(
                 f"{key + '_packed'!r} is {tuple(self.packed.get_shape())} for a weight of shape {self.shape} "
                 f"({key + '_shape'!r}) in {self.bits}-bit words: written otherwise than the config says?"
@@ -336,7 +361,7 @@ class DequantizedIntegers(Dequantized):
                 f"{key + '_zero_point'!r} is {'missing' if self.zero is None else 'there'}, and the config says the "
                 f"weights are {'' if quantization.symmetric else 'not '}symmetric"
             )
-        self.parts = {"_packed": self.packed, "_scale": self.scale, "_zero_point": self.zero}
+        self.parts = {"_packed": self.packed, "_scale": part("_scale"), "_zero_point": self.zero}
         self.constants = {"_shape": part("_shape")[:]}  # written back whole
         groups = -(-columns // self.group)
         if self.zero is not None and tuple(self.zero.get_shape()) != (-(-rows // self.per), groups):
@@ -367,6 +392,9 @@ class DequantizedMXFP4(Dequantized):
                 f"{key + '_blocks'!r} {found} and {key + '_scales'!r} {grid} are not MXFP4 experts "
                 "([E, out, in / 32, 16] bytes and [E, out, in / 32] exponents)"
             )
+        if torch_dtype(blocks.get_dtype()) != torch.uint8 or torch_dtype(scales.get_dtype()) not in EXPONENTS:
+            raise CheckpointError(f"{key + '_blocks'!r} is {blocks.get_dtype()} and {key + '_scales'!r} "
+                                  f"{scales.get_dtype()}: MXFP4 stores bytes (U8) and exponents (U8 or F8_E8M0)")
         self.blocks, self.scales = blocks, scales
         self.parts = {"_blocks": blocks, "_scales": scales}
         self.shape = (found[0], found[2] * 32, found[1])
@@ -389,7 +417,9 @@ def readable(handle, files: dict[str, str], key: str, quantization: Quantization
             return handle(files[key + suffix]).get_slice(key + suffix) if key + suffix in files else None
 
         if isinstance(quantization, MXFP4):
-            return DequantizedMXFP4(key, part("_blocks"), part("_scales") or _missing(files, key, "_scales"))
+            if part("_scales") is None:
+                _missing(files, key, "_scales")
+            return DequantizedMXFP4(key, part("_blocks"), part("_scales"))
         for needed in ("_scale", "_shape"):
             if part(needed) is None:
                 _missing(files, key, needed)

@@ -243,7 +243,7 @@ def gathered(model, mesh, targets: dict, specs: dict, owners: dict, keys):
             continue
         entry, box = targets[key]
         if isinstance(entry, KeptWeight):  # a part of a weight kept quantized: whole on the group's first rank,
-            full, (shape, dtype) = gathered_part(entry, box, mesh.tp), specs[key]  # then in row blocks as any key
+            full, (shape, dtype) = gathered_part(entry, box, mesh.tp, mesh.device), specs[key]  # then in row blocks
             blocks = (None if full is None else full[as_slices(b)] for b in row_blocks(shape, None, dtype))
             box = None
         else:
@@ -304,6 +304,6 @@ def save_sharded(model, state, out_dir: str, max_shard_size="50GB") -> None:
         if staging:
             with timed("rename"):
                 remove_stale(out_dir, set(staging.commit()))
-            save_config(model, out_dir, state.quantization_config if state.kept else None)
+            save_config(model, out_dir, state.quantization_config if state.keep_quantized else None)
     progress.close()
     mesh.barrier()

@@ -63,7 +63,6 @@ def stack_then_concat_dim(converter) -> int | None | bool:
     return False
 
 
-
 def unexpected_key_patterns(model):
     """The checkpoint keys transformers ignores for ``model`` without a word (its
     ``_keys_to_ignore_on_load_unexpected``, e.g. DeepSeek-V3's multi-token-prediction layer, and old RoPE /
@@ -75,6 +74,7 @@ def unexpected_key_patterns(model):
     if any(name.endswith("position_ids") for name in buffers):
         patterns.add(r"(^|\.)position_ids$")
     return re.compile("|".join(f"({pattern})" for pattern in sorted(patterns))) if patterns else None
+
 
 # -- attention ------------------------------------------------------------------------------------
 ATTENTION_FUNCTIONS = Seam("transformers", "transformers.modeling_utils:ALL_ATTENTION_FUNCTIONS",

@@ -3,10 +3,11 @@ slice of each quantized weight as the checkpoint stores it (FP8 and its block sc
 MXFP4) and dequantizes it module by module in the forward, so at rest it holds about the quantized bytes
 (FP8: half of bf16) and, in a forward, one module's weight in the compute dtype besides.
 
-Between calls the parameter's slot holds a placeholder on the meta device (its local shape and dtype, so
-shape checks and the plan see the weight); the module's forward pre-hook puts the dequantized weight there
-and its forward hook puts the placeholder back. Anything reading the weight outside its module's call
-gets the placeholder and fails loudly, never a stale or wrong value.
+Between calls the parameter's slot holds a ``KeptPlaceholder``: its local shape and dtype on the meta
+device (so shape checks and the plan see the weight), refusing any computation (a meta tensor alone would
+not: ``F.linear`` of a CPU input and a meta weight returns uninitialised memory). The module's forward
+pre-hook puts the dequantized weight there and its forward hook puts the placeholder back, so anything
+reading the weight outside its module's call fails loudly, never with a stale or wrong value.
 """
 
 from __future__ import annotations
@@ -49,13 +50,34 @@ class KeptWeight:
         return sum(piece.nbytes for piece in self.pieces)
 
     def dequantize(self) -> torch.Tensor:
-        parts = [piece.dequantize().to(self.dtype) for piece in self.pieces]
+        parts = [piece.dequantize(self.dtype) for piece in self.pieces]
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=self.dim)
 
 
-def placeholder(local_shape, dtype) -> nn.Parameter:
-    """What a kept weight's slot holds between calls: its shape and dtype, no data."""
-    return nn.Parameter(torch.empty(local_shape, dtype=dtype, device="meta"), requires_grad=False)
+class KeptPlaceholder(nn.Parameter):
+    """What a kept weight's slot holds between calls: its shape, dtype and device (meta), nothing to compute
+    with: any other use raises, naming it."""
+
+    METADATA = {getattr(torch.Tensor, name).__get__ for name in (
+        "shape", "dtype", "device", "requires_grad", "ndim", "is_meta", "grad", "grad_fn", "is_leaf", "layout",
+        "is_sparse", "is_quantized", "is_cuda", "is_cpu", "itemsize", "nbytes", "output_nr", "_version")}
+    METADATA |= {torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel, torch.Tensor.element_size,
+                 torch.Tensor.is_floating_point, torch.Tensor.is_complex, torch.Tensor.data_ptr, torch.Tensor.__hash__,
+                 torch.Tensor.__repr__}  # fmt: skip
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func in cls.METADATA:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
+        raise RuntimeError(
+            f"{getattr(func, '__name__', func)} on a weight held quantized (keep_quantized=True): it is dequantized "
+            "only inside its own module's call; load without keep_quantized to use the weights otherwise"
+        )
+
+
+def placeholder(local_shape, dtype) -> KeptPlaceholder:
+    return KeptPlaceholder(torch.empty(local_shape, dtype=dtype, device="meta"), requires_grad=False)
 
 
 def hold_quantized(model: nn.Module, kept: dict[str, KeptWeight]) -> list:
@@ -80,26 +102,32 @@ def hold_quantized(model: nn.Module, kept: dict[str, KeptWeight]) -> list:
     return handles
 
 
-def gathered_part(weight: KeptWeight, suffix: str, tp) -> torch.Tensor | None:
+def gathered_part(weight: KeptWeight, suffix: str, tp, device) -> torch.Tensor | None:
     """The whole stored part ``suffix`` of a kept weight on the TP group's first rank (None elsewhere), as
     the checkpoint held it: every rank's elements placed where they came from (runs that overlap, the
-    scales of a block two ranks share, agree). Where each piece goes travels as an object, its bytes as
-    bytes (float8 does not pickle). A part the ranks' pieces do not cover is refused, never written."""
+    scales of a block two ranks share, agree). Where each piece goes travels as an object to every rank,
+    which all check that the pieces cover the part (else all refuse, before any byte moves); the bytes go
+    as bytes (float8 does not pickle), on ``device`` (the groups')."""
     if suffix in weight.constants:
         return weight.constants[suffix].cpu() if tp.rank == 0 else None
     shape, dtype = weight.stored[suffix]
     mine = [(index, t) for piece in weight.pieces for part, (index, t) in piece.stored().items() if part == suffix]
-    device = mine[0][1].device
     places = [[(index, tuple(t.shape)) for index, t in mine]]
     if tp.size > 1:
-        places = [None] * tp.size if tp.rank == 0 else None
-        with collective(f"gathering {weight.key + suffix} (kept quantized) on rank {tp.ranks[0]}"):
-            dist.gather_object([(index, tuple(t.shape)) for index, t in mine], places, group=tp.group, group_dst=0)
-            for _, tensor in mine if tp.rank != 0 else ():
-                dist.send(tensor.reshape(-1).contiguous().view(torch.uint8), group_dst=0, group=tp.group)
+        mine_only, places = places[0], [None] * tp.size
+        with collective(f"listing the pieces of {weight.key + suffix} (kept quantized) on rank {tp.ranks[tp.rank]}"):
+            dist.all_gather_object(places, mine_only, group=tp.group)
+    filled = torch.zeros(shape, dtype=torch.bool)
+    for index, _ in (piece for pieces in places for piece in pieces):
+        filled[() if math.prod(shape) == 1 else index] = True
+    if not filled.all():
+        raise RuntimeError(f"{weight.key + suffix}: the ranks' kept pieces do not cover it; refusing to write it")
     if tp.rank != 0:
+        with collective(f"sending {weight.key + suffix} (kept quantized) to rank {tp.ranks[0]}"):
+            for _, tensor in mine:
+                dist.send(tensor.reshape(-1).contiguous().view(torch.uint8).to(device), group_dst=0, group=tp.group)
         return None
-    full, filled = torch.empty(shape, dtype=dtype), torch.zeros(shape, dtype=torch.bool)
+    full = torch.empty(shape, dtype=dtype)
     for rank, pieces in enumerate(places):
         for n, (index, piece_shape) in enumerate(pieces):
             if rank == 0:
@@ -111,7 +139,5 @@ def gathered_part(weight: KeptWeight, suffix: str, tp) -> torch.Tensor | None:
                 tensor = tensor.view(dtype).reshape(piece_shape)
             if math.prod(shape) == 1:  # one scale, stored as [] or [1], held as [1, 1]
                 index, tensor = (), tensor.reshape(shape)
-            full[index], filled[index] = tensor.cpu(), True
-    if not filled.all():
-        raise RuntimeError(f"{weight.key + suffix}: the ranks' kept pieces do not cover it; refusing to write it")
+            full[index] = tensor.cpu()
     return full
