@@ -201,12 +201,6 @@ def save_pretrained(
             "save_pretrained(save_original_format=False): hf_parallel writes the checkpoint's own key names and layout"
         )
     state = parallel_state(model)
-    if distributed and state.keep_quantized:
-        raise ValueError(
-            "save_pretrained(distributed=True) of a model loaded with keep_quantized=True: per-rank files of "
-            "quantized parts are not written yet; save without distributed (a standard checkpoint in the source's "
-            "format)"
-        )
     with unsharded(model):
         if distributed:
             save_distributed(model, state, save_directory)

@@ -16,7 +16,6 @@ TOLERANCE = 1e-5
 
 
 MOE = {"qwen3_moe_fp8", "qwen3_moe_w4_group", "gpt_oss_mxfp4"}  # also loaded with their experts spread whole (EP)
-PER_EXPERT = {"qwen3_moe_fp8", "qwen3_moe_w4_group"}  # quantized one key per expert: dequantized, never kept
 READABLE = {"llama_w4_group", "llama_w8_channel"}  # compressed-tensors checkpoints plain transformers decompresses:
 # the reference is transformers reading them (for zero points, packed along the rows, and MoE per-expert keys it is
 # not: the same weights dequantized as floats)
@@ -26,8 +25,16 @@ READABLE = {"llama_w4_group", "llama_w8_channel"}  # compressed-tensors checkpoi
 def quantized_paths(tiny_root):
     """FP8 with block scales, compressed-tensors' per-channel and per-tensor FP8 and pack-quantized integers,
     gpt-oss's MXFP4 experts."""
-    from tiny_models import (COMPRESSED, FP8, MXFP4, PACKED, make_compressed_checkpoint, make_fp8_checkpoint,
-                             make_mxfp4_checkpoint, make_packed_checkpoint)  # fmt: skip
+    from tiny_models import (
+        COMPRESSED,
+        FP8,
+        MXFP4,
+        PACKED,
+        make_compressed_checkpoint,
+        make_fp8_checkpoint,
+        make_mxfp4_checkpoint,
+        make_packed_checkpoint,
+    )
 
     paths = {name: make_fp8_checkpoint(name, tiny_root) for name in FP8}
     paths.update({name: make_compressed_checkpoint(name, tiny_root)[0] for name in COMPRESSED})
@@ -85,8 +92,9 @@ def _saved_as_stored(path: str, source: str) -> None:
 
 
 def test_quantized_weights_are_dequantized_as_read_in_one_process(quantized_paths, references, tmp_path):
-    import hf_parallel
     from tp_workers import INPUT_IDS
+
+    import hf_parallel
 
     for name, path in quantized_paths.items():
         model = hf_parallel.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
@@ -94,8 +102,6 @@ def test_quantized_weights_are_dequantized_as_read_in_one_process(quantized_path
             assert (model(INPUT_IDS).logits - references[name]).abs().max().item() < TOLERANCE, name
         model.save_pretrained(str(tmp_path / name))
         _saved_plainly(str(tmp_path / name), references[name])
-        if name in PER_EXPERT:
-            continue
         kept = hf_parallel.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, keep_quantized=True)
         with torch.no_grad():
             assert (kept(INPUT_IDS).logits - references[name]).abs().max().item() < TOLERANCE, name
@@ -187,18 +193,21 @@ def test_weights_kept_quantized_match_one_process_and_save_back_bitwise(
     quantized_paths, references, tmp_path, world_size, sizes
 ):
     """``keep_quantized=True``: each rank holds its slices as stored (FP8 and the scales of its blocks, packed
-    words and the groups' scales and zero points, MXFP4 blocks) and dequantizes module by module; logits
-    within 1e-5 of plain transformers' at every layout above (shards inside blocks, groups and words), what
-    each rank holds is what ``hf-parallel plan`` said, and the save gathers every part back: the source's
-    keys, bitwise, with its quantization_config (pipeline stages: each stage's parts through rank 0)."""
+    words and the groups' scales and zero points, MXFP4 blocks; experts stored one key per expert, each
+    expert's box, under expert TP and EP) and dequantizes module by module; logits within 1e-5 of plain
+    transformers' at every layout above (shards inside blocks, groups and words), what each rank holds is
+    what ``hf-parallel plan`` said, and the save gathers every part back: the source's keys, bitwise, with
+    its quantization_config (pipeline stages: each stage's parts through rank 0). The per-rank save
+    (``distributed=True``: each rank its pieces, overlapping where ranks share a block) consolidates to the
+    same bitwise checkpoint and loads back in one process."""
     import tp_workers
     from distributed import run_ranks
+    from tp_workers import INPUT_IDS
 
+    import hf_parallel
     from hf_parallel.commands.report import plan_report
 
-    paths = {name: path for name, path in quantized_paths.items() if name not in PER_EXPERT}
-    if "ep_plan" in sizes:  # gpt-oss's MXFP4 experts spread whole
-        paths = {name: path for name, path in paths.items() if name in MOE}
+    paths = {name: path for name, path in quantized_paths.items() if name in MOE or "ep_plan" not in sizes}
     results = run_ranks(world_size, tp_workers.quantized_logits, paths, str(tmp_path / "saved"), sizes, True,
                         out_dir=str(tmp_path / "out"))  # fmt: skip
     for rank, result in enumerate(results):
@@ -206,6 +215,12 @@ def test_weights_kept_quantized_match_one_process_and_save_back_bitwise(
             assert (torch.tensor(result[name]) - references[name]).abs().max().item() < TOLERANCE, (rank, name)
     for name, path in paths.items():
         _saved_as_stored(str(tmp_path / "saved" / name), path)
+        per_rank = str(tmp_path / "saved" / (name + "_per_rank"))
+        hf_parallel.consolidate(per_rank, str(tmp_path / "consolidated" / name), progress=False)
+        _saved_as_stored(str(tmp_path / "consolidated" / name), path)
+        again = hf_parallel.AutoModelForCausalLM.from_pretrained(per_rank, dtype=torch.float32, keep_quantized=True)
+        with torch.no_grad():  # the per-rank files read back in one process, held as stored again
+            assert (again(INPUT_IDS).logits - references[name]).abs().max().item() < TOLERANCE, name
         if "tp_size" in sizes and "ep_plan" not in sizes:
             line = next(line for line in plan_report(path, tp=world_size).splitlines() if "held as read" in line)
             planned = json.loads(re.search(r"held as read: (\[[\d, ]+\])", line).group(1))
@@ -213,8 +228,7 @@ def test_weights_kept_quantized_match_one_process_and_save_back_bitwise(
 
 
 def test_keep_quantized_is_refused_where_it_cannot_hold(quantized_paths, tiny_paths, tmp_path):
-    """A checkpoint that is not quantized, experts quantized one key per expert (kept only where stored
-    fused), a per-rank save of kept parts, peft adapters on a kept weight, a static activation scale (it
+    """A checkpoint that is not quantized, peft adapters on a kept weight, a static activation scale (it
     would not be saved back): refused by name, before anything is read or written; a kept weight used
     outside its module's call raises."""
     from safetensors.torch import load_file, save_file
@@ -224,13 +238,7 @@ def test_keep_quantized_is_refused_where_it_cannot_hold(quantized_paths, tiny_pa
 
     with pytest.raises(ValueError, match="keep_quantized=True: .* is not a quantized checkpoint"):
         hf_parallel.AutoModelForCausalLM.from_pretrained(tiny_paths["llama"], keep_quantized=True)
-    with pytest.raises(CheckpointError, match=r"model\.layers\.0\.mlp\.experts\.gate_up_proj is stored quantized "
-                       "one key per expert"):  # fmt: skip
-        hf_parallel.AutoModelForCausalLM.from_pretrained(quantized_paths["qwen3_moe_fp8"], keep_quantized=True)
     model = hf_parallel.AutoModelForCausalLM.from_pretrained(quantized_paths["llama_fp8"], keep_quantized=True)
-    with pytest.raises(ValueError, match=r"save_pretrained\(distributed=True\) of a model loaded with keep_quantized"):
-        model.save_pretrained(str(tmp_path / "per_rank"), distributed=True)
-    assert not (tmp_path / "per_rank").exists()
     with pytest.raises(RuntimeError, match="linear on a weight held quantized"):  # outside its module's call
         torch.nn.functional.linear(torch.ones(96), model.model.layers[0].mlp.up_proj.weight)
     import peft

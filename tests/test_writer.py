@@ -26,6 +26,21 @@ def test_row_blocks_make_the_same_file_as_the_whole_tensor(tmp_path):
     assert whole.read_bytes() == blocks.read_bytes()
 
 
+def test_a_tensor_that_is_not_contiguous_is_written_as_its_values(tmp_path):
+    """Its contiguous copy is held until its bytes are written (a buffer over a temporary freed first wrote
+    the allocator's bookkeeping into the file: a kept quantized weight's scale columns, cut from a row)."""
+    tensors = {"columns": torch.randn(40, 50)[:, 7:19], "transposed": torch.randn(30, 20).T, "float8":
+               torch.randn(16, 24).to(torch.float8_e4m3fn)[:, 8:]}  # fmt: skip
+    path = tmp_path / "strided.safetensors"
+    writer = SafetensorsWriter(str(path), {key: (tuple(t.shape), t.dtype) for key, t in tensors.items()})
+    for key, tensor in tensors.items():
+        writer.write(key, tensor)
+    writer.close()
+    loaded = load_file(path)
+    for key, tensor in tensors.items():
+        assert torch.equal(loaded[key].view(torch.uint8), tensor.contiguous().view(torch.uint8)), key
+
+
 @pytest.mark.parametrize(
     "pieces, complaint",
     [

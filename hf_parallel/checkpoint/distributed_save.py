@@ -16,9 +16,10 @@ import uuid
 import torch.distributed as dist
 
 from ..distributed.faults import collective
+from ..tensor.kept import saved_pieces
 from .files import MANIFEST_FILE, rank_file_name
 from .keys import FusedSource
-from .manifest import FORMAT, VERSION, manifest_entry
+from .manifest import FORMAT, VERSION, manifest_entry, pieces_entry
 from .saving import save_config, saved_entries, stage_owners, tensor_of
 from .staging import Staging, remove_stale
 from .writer import SAFETENSORS_DTYPES, SafetensorsWriter
@@ -44,9 +45,11 @@ def _fused(state, entry) -> FusedSource | None:
 
 def save_distributed(model, state, out_dir: str) -> None:
     """Each rank writes its local tensors (replicated ones only on its stage's first rank) plus
-    rank 0's manifest; a pipeline stage's files follow the previous stage's."""
+    rank 0's manifest; a pipeline stage's files follow the previous stage's. Weights kept quantized
+    are written as their stored parts, each rank its pieces (``kept.saved_pieces``)."""
     mesh = state.mesh
-    entries = {_manifest_key(state.source_keys[e.name], e.name): e for e in saved_entries(model, state)}
+    entries = {_manifest_key(state.source_keys[e.name], e.name): e for e in saved_entries(model, state)
+               if e.name not in state.kept}  # fmt: skip
     save_id = _save_id(mesh)
     tp = mesh.tp  # the layouts are written in TP ranks: one file per TP rank of each pipeline stage
     stage_sizes = mesh.shape.stage_tp_sizes
@@ -58,6 +61,9 @@ def save_distributed(model, state, out_dir: str) -> None:
         )
         for key, e in entries.items()
     }
+    kept, kept_described = saved_pieces(list(state.kept.values()), tp, first_file)
+    described.update({key: pieces_entry(shape, SAFETENSORS_DTYPES[dtype], pieces)
+                      for key, (shape, dtype, pieces) in kept_described.items()})  # fmt: skip
     owners = dict.fromkeys(described, mesh.stage)
     if mesh.num_stages > 1:  # a tied weight of the first and last stage is written by the first
         owners, described = stage_owners(mesh, described)
@@ -66,6 +72,7 @@ def save_distributed(model, state, out_dir: str) -> None:
         for key, e in entries.items()
         if owners[key] == mesh.stage and (tp.rank == 0 or not e.layout.is_replicated)
     }
+    mine.update(kept)
     os.makedirs(out_dir, exist_ok=True)
     if mesh.holds_copy:  # a sequence- or data-parallel copy of the TP shards another rank writes
         mesh.barrier()
@@ -93,5 +100,5 @@ def save_distributed(model, state, out_dir: str) -> None:
             with open(staging.new_file(MANIFEST_FILE), "w") as f:
                 json.dump(manifest, f, indent=1)
             remove_stale(out_dir, set(staging.commit()) | set(names))
-        save_config(model, out_dir)
+        save_config(model, out_dir, state.quantization_config if state.keep_quantized else None)
     mesh.barrier()

@@ -41,8 +41,15 @@ from .errors import CheckpointError
 from .files import INDEX_FILE, MANIFEST_FILE, PICKLE_FILE, PICKLE_INDEX_FILE, SINGLE_FILE
 from .keys import FusedSource, checkpoint_sources, expert_shape
 from .manifest import DistributedCheckpoint
-from .quantized import (ACTIVATION_SCALE, Dequantized, Quantization, companion_keys, dequantized_sources, readable,
-                        with_stored_keys)  # fmt: skip
+from .quantized import (
+    ACTIVATION_SCALE,
+    Dequantized,
+    Quantization,
+    companion_keys,
+    dequantized_sources,
+    readable,
+    with_stored_keys,
+)
 from .tiles import Tile, TiledTensor
 from .writer import nbytes, torch_dtype
 
@@ -273,6 +280,8 @@ class ShardReader:
         tiles, dtype, opened = [], None, {}
 
         def handle(file):
+            if file.endswith(MANIFEST_FILE):  # per-expert keys of a per-rank save (a model kept quantized)
+                return self._shared(file)
             if file not in opened:
                 opened[file] = safe_open(file, framework="pt")
             return opened[file]
@@ -363,8 +372,7 @@ def load_weights(
     ``ignore_keys``: keys another pipeline stage reads (neither read here nor unexpected).
     ``files``: ``checkpoint_files(path, allow_pickle)``, when the caller has it already.
     ``quantization``: the config's (``quantized.read_quantization``): its weights dequantized as read, or,
-    given ``kept`` (a dict filled here), each rank's slice of those read from one key kept as stored
-    (``tensor/kept.py``; per-expert keys are still dequantized)."""
+    given ``kept`` (a dict filled here), each rank's slices of them kept as stored (``tensor/kept.py``)."""
     files = with_stored_keys(files if files is not None else checkpoint_files(path, allow_pickle), quantization)
     check_same_checkpoint(path, files, layout.mesh)
     rank = layout.mesh.tp.rank
@@ -375,16 +383,14 @@ def load_weights(
             fused_from = reader._shared(manifest).fused
             saved_as = {name: fused_from.get(source, source) for name, source in sources.items()}
         tiled = dequantized_sources(files, sources, lambda file: reader._shared(file), quantization)
+        keepable = {}  # parameter -> its tiles (key, box, Dequantized), to keep as stored
         for entry in layout.unique_params():  # every header against the model before any data is read
             source, param_dtype = sources[entry.name], model.get_parameter(entry.name).dtype
             if isinstance(source, FusedSource):
-                first = source.keys[0][0]
-                if kept is not None and isinstance(readable(reader._shared, files, first, quantization), Dequantized):
-                    raise CheckpointError(
-                        f"keep_quantized=True: {entry.name} is stored quantized one key per expert ({first!r}, ...), "
-                        "and hf_parallel keeps experts quantized only where the checkpoint stores them fused "
-                        "(gpt-oss); load without keep_quantized (dequantized as read)"
-                    )
+                if kept is not None:  # quantized per expert: each expert key's box kept as stored
+                    tiles = [(key, box, readable(reader._shared, files, key, quantization))
+                             for key, box in source.boxes(entry.full_shape)]  # fmt: skip
+                    keepable[entry.name] = tiles if isinstance(tiles[0][2], Dequantized) else None
                 tiled[entry.name] = reader.fused(files, entry.name, source, entry.full_shape, quantization)
                 reader.check(path, entry.name, entry.name, entry.full_shape, param_dtype, tiled[entry.name])
             elif entry.name in tiled:  # quantized, read dequantized
@@ -394,11 +400,14 @@ def load_weights(
         for entry in tqdm(layout.unique_params(), desc="Loading shards", disable=rank != 0, leave=False):
             source, old = sources[entry.name], model.get_parameter(entry.name)
             if kept is not None and isinstance(tiled.get(entry.name), Dequantized):
-                _check_keepable(entry, source, files)
-                weight = KeptWeight.read(source, tiled.pop(entry.name), entry.layout, rank, dtype or old.dtype,
-                                         reader.device)  # fmt: skip
-                kept[entry.name], BYTES_READ[source] = weight, BYTES_READ[source] + weight.nbytes
-                local = placeholder(entry.layout.local_shape(entry.full_shape, rank), weight.dtype)
+                keepable[entry.name] = [(source, tuple((0, n) for n in entry.full_shape), tiled[entry.name])]
+            if keepable.get(entry.name):
+                tiles, _ = keepable.pop(entry.name), tiled.pop(entry.name)
+                _check_keepable(entry, [key for key, _, _ in tiles], files)
+                weight = KeptWeight.read(entry.name, tiles, entry.layout, rank, dtype or old.dtype, reader.device)
+                kept[entry.name] = weight
+                BYTES_READ.update(Counter({piece.key: piece.kept.nbytes for piece in weight.pieces}))
+                local = placeholder(weight.shape, weight.dtype)
             elif entry.name in tiled:
                 local = reader.read_tiled(tiled.pop(entry.name), entry.name, entry.layout, dtype)
             else:
@@ -413,12 +422,13 @@ def load_weights(
     return {**saved_as, **buffers}
 
 
-def _check_keepable(entry, key: str, files: dict) -> None:
+def _check_keepable(entry, keys: list[str], files: dict) -> None:
     """A weight kept quantized is dequantized in its own module's call and saved back from its stored parts:
     one shared by several modules, or with a static activation scale beside it (which would not be written
     back), is refused by name."""
-    activation = f"{key.rpartition('.')[0]}.{ACTIVATION_SCALE}"
-    if len(entry.aliases) > 1 or activation in files:
+    activation = next((f"{k.rpartition('.')[0]}.{ACTIVATION_SCALE}" for k in keys
+                       if f"{k.rpartition('.')[0]}.{ACTIVATION_SCALE}" in files), None)  # fmt: skip
+    if len(entry.aliases) > 1 or activation:
         tied = len(entry.aliases) > 1
         why = f"is tied to {', '.join(entry.aliases[1:])}" if tied else f"has {activation!r} beside it"
         raise CheckpointError(

@@ -10,7 +10,9 @@ tensors under their checkpoint keys (replicated tensors only in rank 0's), and o
 
 The layout is the loader's own ``Layout``, so a full tensor is rebuilt without a process group,
 and any rank of any world size can read just the part it needs (``DistributedSlice``): resharding
-is reading the intersection of the box it wants with each saved piece.
+is reading the intersection of the box it wants with each saved piece. A tensor saved as pieces no
+layout describes (the stored parts of a weight kept quantized: each rank's boxes, the scales of a
+block two ranks share overlapping) lists them instead: ``"pieces": [[file index, name, box], ...]``.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from safetensors import SafetensorError, safe_open
 from ..tensor.layout import Layout, as_slices
 from .errors import CheckpointError
 from .keys import FusedSource
-from .tiles import Tile, TiledTensor
+from .tiles import Tile, TiledTensor, disjoint
 from .writer import SAFETENSORS_DTYPES, SAFETENSORS_TO_TORCH
 
 FORMAT, VERSION = "hf_parallel.distributed", 1
@@ -44,6 +46,12 @@ def manifest_entry(
     return entry
 
 
+def pieces_entry(shape, dtype_name: str, pieces: list) -> dict:
+    """A tensor saved as pieces: (file index, its name in that file, its box in the tensor) each."""
+    return {"shape": list(shape), "dtype": dtype_name,
+            "pieces": [[file, name, [list(edge) for edge in box]] for file, name, box in pieces]}  # fmt: skip
+
+
 class DistributedCheckpoint:
     """A directory's manifest and rank files, opened like a safetensors handle (``get_slice``).
 
@@ -60,10 +68,15 @@ class DistributedCheckpoint:
                 raise ValueError(f"format {manifest.get('format')!r} version {manifest.get('version')!r}")
             names = [str(name) for name in manifest["files"]]
             self.first_file = {str(key): int(e.get("first_file", 0)) for key, e in manifest["tensors"].items()}
+            self.pieces = {
+                str(key): [(int(f), str(name), tuple((int(a), int(b)) for a, b in box)) for f, name, box in pieces]
+                for key, e in manifest["tensors"].items() if (pieces := e.get("pieces")) is not None
+            }  # fmt: skip
             self.tensors = {
-                str(key): self._parse(entry, len(names) - self.first_file[str(key)])
+                str(key): self._parse(entry, len(names) - self.first_file[str(key)]) if key not in self.pieces
+                else (tuple(int(n) for n in entry["shape"]), SAFETENSORS_TO_TORCH[entry["dtype"]], None, [])
                 for key, entry in manifest["tensors"].items()
-            }
+            }  # fmt: skip
             self.fused = {
                 str(key): FusedSource(
                     tuple(tuple(map(str, k)) for k in e["fused_from"]["keys"]), e["fused_from"]["concat_dim"]
@@ -82,6 +95,8 @@ class DistributedCheckpoint:
         for key, (shape, dtype, layout, ranks) in self.tensors.items():
             for rank in ranks:
                 self._check_piece(key, shape, dtype, layout, rank)
+            for file, name, box in self.pieces.get(key, ()):
+                self._check_saved(file, name, tuple(b - a for a, b in box), dtype, f"it holds {key!r}'s piece {box} as")
 
     def file_of(self, key: str, rank: int) -> int:
         """The file index of layout rank ``rank`` of ``key``."""
@@ -129,23 +144,32 @@ class DistributedCheckpoint:
             raise CheckpointError(f"{file}: not a valid safetensors file: {error}") from None
 
     def _check_piece(self, key, shape, dtype, layout, rank) -> None:
-        index = self.file_of(key, rank)
-        file, handle = self.files[index], self.handle(index)
-        if key not in handle.keys():
-            raise CheckpointError(f"{file}: the manifest says it holds {key!r}, but it does not")
-        found = handle.get_slice(key)
         want = layout.local_shape(shape, rank)
-        if tuple(found.get_shape()) != want or found.get_dtype() != SAFETENSORS_DTYPES[dtype]:
+        self._check_saved(self.file_of(key, rank), key, want, dtype, f"rank {rank} holds")
+
+    def _check_saved(self, index: int, name: str, want, dtype, what: str) -> None:
+        file, handle = self.files[index], self.handle(index)
+        if name not in handle.keys():
+            raise CheckpointError(f"{file}: the manifest says it holds {name!r}, but it does not")
+        found = handle.get_slice(name)
+        if tuple(found.get_shape()) != tuple(want) or found.get_dtype() != SAFETENSORS_DTYPES[dtype]:
             raise CheckpointError(
-                f"{file}: {key!r} is {found.get_dtype()} {tuple(found.get_shape())}, but the manifest says "
-                f"rank {rank} holds {SAFETENSORS_DTYPES[dtype]} {want}"
+                f"{file}: {name!r} is {found.get_dtype()} {tuple(found.get_shape())}, but the manifest says "
+                f"{what} {SAFETENSORS_DTYPES[dtype]} {tuple(want)}"
             )
 
     def keys(self) -> list[str]:
         return list(self.tensors)
 
-    def get_slice(self, key: str) -> "DistributedSlice":
+    def get_slice(self, key: str) -> TiledTensor:
+        if key in self.pieces:  # overlapping pieces made disjoint; each read from its file
+            shape, dtype, _, _ = self.tensors[key]
+            tiles = [Tile(box, self._piece_reader(file, name)) for file, name, box in self.pieces[key]]
+            return TiledTensor(f"{self.path}: {key!r}", shape, dtype, disjoint(tiles))
         return DistributedSlice(self, key)
+
+    def _piece_reader(self, file: int, name: str):
+        return lambda box: self.handle(file).get_slice(name)[as_slices(box)]
 
 
 class DistributedSlice(TiledTensor):

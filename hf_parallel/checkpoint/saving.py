@@ -184,13 +184,13 @@ def tensor_of(model, name: str) -> torch.Tensor:
 def checkpoint_tensors(model, state) -> dict[str, tuple]:
     """Checkpoint key -> (sharded parameter, box of it or None), in the source's form: a fused
     expert parameter loaded from per-expert keys is written back as those keys; a weight kept
-    quantized, as its stored parts: key -> (its ``KeptWeight``, the part's suffix)."""
+    quantized, as its stored parts: key -> (its ``KeptWeight``, the key)."""
     out = {}
     for entry in saved_entries(model, state):
         source = state.source_keys[entry.name]
         if entry.name in state.kept:
             kept = state.kept[entry.name]
-            out.update((source + suffix, (kept, suffix)) for suffix in [*kept.stored, *kept.constants])
+            out.update((key, (kept, key)) for key in [*kept.stored, *kept.constants])
         elif isinstance(source, FusedSource):
             out.update((key, (entry, box)) for key, box in source.boxes(entry.full_shape))
         else:

@@ -26,6 +26,37 @@ def intersect(a: Box, b: Box) -> Box | None:
     return out if all(start < stop for start, stop in out) else None
 
 
+def subtract(a: Box, b: Box) -> list[Box]:
+    """``a`` less ``b``, as disjoint boxes (none when ``b`` covers ``a``)."""
+    inside = intersect(a, b)
+    if inside is None:
+        return [a]
+    out, rest = [], list(a)
+    for dim, ((a0, a1), (i0, i1)) in enumerate(zip(a, inside)):
+        sides = [part for part in ((a0, i0), (i1, a1)) if part[0] < part[1]]  # before and after b along dim
+        out += [tuple(rest[:dim]) + (part,) + tuple(rest[dim + 1 :]) for part in sides]
+        rest[dim] = (i0, i1)
+    return out
+
+
+def disjoint(tiles: list[Tile]) -> list[Tile]:
+    """Tiles that may overlap (pieces two ranks both hold, equal where they overlap) as disjoint ones
+    covering the same union: each later tile keeps only what the earlier ones do not cover."""
+    out: list[Tile] = []
+    for tile in tiles:
+        parts = [tile.box]
+        for earlier in out:
+            parts = [rest for part in parts for rest in subtract(part, earlier.box)]
+        for part in parts:
+            origin = _relative(part, tile.box)
+            out.append(Tile(part, lambda box, read=tile.read, origin=origin: read(_shift(box, origin))))
+    return out
+
+
+def _shift(box: Box, origin: Box) -> Box:
+    return tuple((start + o, stop + o) for (start, stop), (o, _) in zip(box, origin))
+
+
 class TiledTensor:
     """``tiles`` must not overlap (drop identical replicas before) and must cover ``shape``."""
 

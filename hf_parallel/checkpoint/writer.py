@@ -169,7 +169,8 @@ class SafetensorsWriter:
                     f"got {tuple(block.shape)} {block.dtype}"
                 )
             written += block.numel()
-            self.file.write(host_bytes(block.detach().cpu().contiguous()))
+            block = block.detach().cpu().contiguous()  # held while its bytes are written: host_bytes
+            self.file.write(host_bytes(block))  # keeps no reference, and a temporary copy would be freed
         if written != math.prod(shape):
             raise RuntimeError(
                 f"writer expected {key} {tuple(shape)}, got {written} of its {math.prod(shape)} elements"

@@ -89,19 +89,20 @@ def plan_report(
 
 def quantized_lines(path: str, model, shard, tp: int, quantization, itemsize: int) -> list[str]:
     """What each rank reads of a quantized checkpoint (its slices of the quantized weights, and of their
-    scales and zero points), from the files' headers; and what it holds with ``keep_quantized=True``."""
+    scales and zero points), from the files' headers (``placed_boxes``, as the load places them); and what
+    it holds with ``keep_quantized=True``."""
     from contextlib import ExitStack
 
     from safetensors import safe_open
 
     from ..checkpoint.keys import FusedSource, checkpoint_sources
     from ..checkpoint.loading import checkpoint_files
-    from ..checkpoint.quantized import Dequantized, box_of, readable, with_stored_keys
+    from ..checkpoint.quantized import Dequantized, readable, with_stored_keys
+    from ..tensor.kept import placed_boxes
 
     files = with_stored_keys(checkpoint_files(path), quantization)
     direct, fused = checkpoint_sources(model, files)
     read, scales, kept = [0] * tp, [0] * tp, [0] * tp  # quantized bytes read, of them scales; held if kept
-    per_expert = []  # quantized parameters read from one key per expert: dequantized, never kept
     with ExitStack() as stack:
         handles = {}
 
@@ -110,30 +111,22 @@ def quantized_lines(path: str, model, shard, tp: int, quantization, itemsize: in
 
         for entry in shard.unique_params():
             source = next(direct.get(a) or fused.get(a) for a in entry.aliases if a in direct or a in fused)
-            tiles = source.boxes(entry.full_shape) if isinstance(source, FusedSource) else [(source, None)]
-            tiles = [(readable(handle, files, key, quantization), tile) for key, tile in tiles]
+            whole = tuple((0, n) for n in entry.full_shape)
+            boxes = source.boxes(entry.full_shape) if isinstance(source, FusedSource) else [(source, whole)]
+            tiles = [(key, box, readable(handle, files, key, quantization)) for key, box in boxes]
             for rank in range(tp):
-                runs = [box_of(index, entry.full_shape) for index in entry.layout.index(entry.full_shape, rank)]
-                if not isinstance(tiles[0][0], Dequantized):
+                if not isinstance(tiles[0][2], Dequantized):
                     kept[rank] += math.prod(entry.layout.local_shape(entry.full_shape, rank)) * itemsize
                     continue
-                if isinstance(source, FusedSource) and rank == 0:
-                    per_expert.append(entry.name)
-                for (weight, tile), box in ((t, box) for t in tiles for box in runs):
-                    if tile is not None:  # one expert's key: the part of the run inside it, without the expert dim
-                        inside = [(max(a, c), min(b, d)) for (a, b), (c, d) in zip(box, tile)]
-                        if any(a >= b for a, b in inside):
-                            continue
-                        box = [(a - c, b - c) for (a, b), (c, _) in zip(inside[1:], tile[1:])]
-                    held = weight.keep(box, meta=True)
-                    read[rank] += held.nbytes
-                    kept[rank] += held.nbytes
-                    scales[rank] += sum(held.tensors()[f].nbytes for f in ("scales", "zero") if f in held.tensors())
-    held = f"held as read: {kept} bytes per rank" if not per_expert else f"refused ({per_expert[0]} is per expert)"
+                for _, weight, box, _ in placed_boxes(tiles, entry.layout, rank, entry.full_shape):
+                    held = weight.keep(box, meta=True).tensors()
+                    read[rank] += sum(t.nbytes for t in held.values())
+                    scales[rank] += sum(held[f].nbytes for f in ("scales", "zero") if f in held)
+    kept = [k + r for k, r in zip(kept, read)]
     return [
         f"quantized ({type(quantization).__name__}): each rank reads {read} bytes of quantized weights, of which "
         f"scales and zero points {scales}; dequantized into the dtype as read (the bytes per rank below); with "
-        f"keep_quantized=True {held}"
+        f"keep_quantized=True held as read: {kept} bytes per rank"
     ]
 
 

@@ -19,39 +19,82 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..checkpoint.quantized import Dequantized, Kept, box_of
+from ..checkpoint.quantized import Kept, box_of
 from ..checkpoint.writer import torch_dtype
 from ..distributed.faults import collective
 
 
+def placed_boxes(tiles: list, layout, rank: int, full_shape):
+    """Where this rank's shard of a parameter comes from: for each run of its layout and each checkpoint
+    tile that run meets (``tiles``: (key, the tile's box in the parameter, its ``Dequantized``); one tile the
+    whole parameter, or one per expert key of fused experts), (key, dequantized, the box to read of the
+    tile, where it goes in the local tensor). A tile with one dim fewer than the parameter is one expert's."""
+    offset = 0
+    for index in layout.index(tuple(full_shape), rank):
+        run = box_of(index, full_shape)
+        for key, tile, source in tiles:
+            inside = [(max(a, c), min(b, d)) for (a, b), (c, d) in zip(run, tile)]
+            if any(a >= b for a, b in inside):
+                continue
+            read = [(a - c, b - c) for (a, b), (c, _) in zip(inside, tile)][len(tile) - len(source.shape) :]
+            shift = [offset - r if dim == layout.dim else 0 for dim, (r, _) in enumerate(run)]
+            yield key, source, read, tuple(slice(a + s, b + s) for (a, b), s in zip(inside, shift))
+        if layout.dim is not None:
+            offset += run[layout.dim][1] - run[layout.dim][0]
+
+
+@dataclass
+class Placed:
+    key: str  # the checkpoint key its parts were read from
+    kept: Kept
+    at: tuple  # where it goes in the local tensor
+
+
 @dataclass
 class KeptWeight:
-    """One parameter's local shard as stored: a ``Kept`` box per run of its layout, concatenated along
-    the layout's dim once dequantized. ``stored``: each part of its checkpoint key (suffix -> full shape,
-    dtype) and ``constants`` the parts kept whole, to save it back as it was."""
+    """One parameter's local shard as stored: ``Kept`` boxes (one per run of its layout, or per expert key
+    of fused experts) placed in the local tensor once dequantized. ``stored``: every part of every key it
+    comes from (full key -> shape, dtype) and ``constants`` those kept whole, on every rank (a save lists
+    the same keys everywhere), to save it back as it was."""
 
-    key: str
-    pieces: list[Kept]
-    dim: int | None
+    name: str
+    pieces: list[Placed]
+    shape: tuple[int, ...]
     dtype: torch.dtype
     stored: dict[str, tuple[tuple[int, ...], torch.dtype]]
     constants: dict[str, torch.Tensor]
 
     @classmethod
-    def read(cls, key: str, source: Dequantized, layout, rank: int, dtype, device) -> "KeptWeight":
-        index = layout.index(tuple(source.shape), rank)
-        pieces = [source.keep(box_of(i, source.shape)).to(device) for i in index]
-        stored = {suffix: (tuple(part.get_shape()), torch_dtype(part.get_dtype()))
-                  for suffix, part in source.parts.items() if part is not None}  # fmt: skip
-        return cls(key, pieces, layout.dim, dtype, stored, dict(source.constants))
+    def read(cls, name: str, tiles: list, layout, rank: int, dtype, device) -> "KeptWeight":
+        full_shape = tuple(max(box[d][1] for _, box, _ in tiles) for d in range(len(tiles[0][1])))
+        pieces = [Placed(key, source.keep(box).to(device), at)
+                  for key, source, box, at in placed_boxes(tiles, layout, rank, full_shape)]  # fmt: skip
+        stored = {key + suffix: (tuple(part.get_shape()), torch_dtype(part.get_dtype()))
+                  for key, _, source in tiles for suffix, part in source.parts.items() if part is not None}  # fmt: skip
+        constants = {key + suffix: value for key, _, source in tiles for suffix, value in source.constants.items()}
+        return cls(name, pieces, tuple(layout.local_shape(full_shape, rank)), dtype, stored, constants)
 
     @property
     def nbytes(self) -> int:
-        return sum(piece.nbytes for piece in self.pieces)
+        return sum(piece.kept.nbytes for piece in self.pieces)
 
     def dequantize(self) -> torch.Tensor:
-        parts = [piece.dequantize(self.dtype) for piece in self.pieces]
-        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=self.dim)
+        first = self.pieces[0]
+        if len(self.pieces) == 1 and _covers(first.at, self.shape):  # its one run: no copy
+            return first.kept.dequantize(self.dtype).reshape(self.shape)
+        out = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        for piece in self.pieces:
+            target = out[piece.at]
+            target.copy_(piece.kept.dequantize(self.dtype).reshape(target.shape))
+        return out
+
+    @property
+    def device(self) -> torch.device:
+        return next(iter(self.pieces[0].kept.tensors().values())).device
+
+
+def _covers(at: tuple, shape) -> bool:
+    return all(s.start == 0 and s.stop == n for s, n in zip(at, shape))
 
 
 class KeptPlaceholder(nn.Parameter):
@@ -102,28 +145,29 @@ def hold_quantized(model: nn.Module, kept: dict[str, KeptWeight]) -> list:
     return handles
 
 
-def gathered_part(weight: KeptWeight, suffix: str, tp, device) -> torch.Tensor | None:
-    """The whole stored part ``suffix`` of a kept weight on the TP group's first rank (None elsewhere), as
-    the checkpoint held it: every rank's elements placed where they came from (runs that overlap, the
-    scales of a block two ranks share, agree). Where each piece goes travels as an object to every rank,
+def gathered_part(weight: KeptWeight, part: str, tp, device) -> torch.Tensor | None:
+    """The whole stored ``part`` (a checkpoint key) of a kept weight on the TP group's first rank (None
+    elsewhere), as the checkpoint held it: every rank's elements placed where they came from (runs that
+    overlap, the scales of a block two ranks share, agree). Where each piece goes travels as an object to every rank,
     which all check that the pieces cover the part (else all refuse, before any byte moves); the bytes go
     as bytes (float8 does not pickle), on ``device`` (the groups')."""
-    if suffix in weight.constants:
-        return weight.constants[suffix].cpu() if tp.rank == 0 else None
-    shape, dtype = weight.stored[suffix]
-    mine = [(index, t) for piece in weight.pieces for part, (index, t) in piece.stored().items() if part == suffix]
+    if part in weight.constants:
+        return weight.constants[part].cpu() if tp.rank == 0 else None
+    shape, dtype = weight.stored[part]
+    mine = [(index, t) for piece in weight.pieces for suffix, (index, t) in piece.kept.stored().items()
+            if piece.key + suffix == part]  # fmt: skip
     places = [[(index, tuple(t.shape)) for index, t in mine]]
     if tp.size > 1:
         mine_only, places = places[0], [None] * tp.size
-        with collective(f"listing the pieces of {weight.key + suffix} (kept quantized) on rank {tp.ranks[tp.rank]}"):
+        with collective(f"listing the pieces of {part} (kept quantized) on rank {tp.ranks[tp.rank]}"):
             dist.all_gather_object(places, mine_only, group=tp.group)
     filled = torch.zeros(shape, dtype=torch.bool)
     for index, _ in (piece for pieces in places for piece in pieces):
         filled[() if math.prod(shape) == 1 else index] = True
     if not filled.all():
-        raise RuntimeError(f"{weight.key + suffix}: the ranks' kept pieces do not cover it; refusing to write it")
+        raise RuntimeError(f"{part}: the ranks' kept pieces do not cover it; refusing to write it")
     if tp.rank != 0:
-        with collective(f"sending {weight.key + suffix} (kept quantized) to rank {tp.ranks[0]}"):
+        with collective(f"sending {part} (kept quantized) to rank {tp.ranks[0]}"):
             for _, tensor in mine:
                 dist.send(tensor.reshape(-1).contiguous().view(torch.uint8).to(device), group_dst=0, group=tp.group)
         return None
@@ -134,10 +178,45 @@ def gathered_part(weight: KeptWeight, suffix: str, tp, device) -> torch.Tensor |
                 tensor = mine[n][1]
             else:
                 tensor = torch.empty(math.prod(piece_shape) * dtype.itemsize, dtype=torch.uint8, device=device)
-                with collective(f"receiving {weight.key + suffix} from rank {tp.ranks[rank]}"):
+                with collective(f"receiving {part} from rank {tp.ranks[rank]}"):
                     dist.recv(tensor, group_src=rank, group=tp.group)
                 tensor = tensor.view(dtype).reshape(piece_shape)
             if math.prod(shape) == 1:  # one scale, stored as [] or [1], held as [1, 1]
                 index, tensor = (), tensor.reshape(shape)
             full[index] = tensor.cpu()
     return full
+
+
+def saved_pieces(weights: list[KeptWeight], tp, first_file: int) -> tuple[dict, dict]:
+    """For a per-rank save: (this rank's tensors by their name in its file, every stored part's
+    (shape, dtype, [(file, name, box)]), the same on every rank of the group). A rank's pieces of a part
+    are named ``<key>@<tp rank>.<n>``; a part kept whole is written by the group's first rank as its key."""
+    mine, listed, specs = {}, {}, {}  # listed: key -> this rank's [(name, box)]
+
+    def whole(shape) -> tuple:
+        return tuple((0, n) for n in shape)
+
+    for weight in weights:
+        specs.update(weight.stored)
+        for key, value in weight.constants.items():
+            specs[key] = (tuple(value.shape), value.dtype)
+            if tp.rank == 0:
+                mine[key], listed[key] = value, [(key, whole(value.shape))]
+        for piece in weight.pieces:
+            for suffix, (index, tensor) in piece.kept.stored().items():
+                key = piece.key + suffix
+                shape, single = weight.stored[key][0], math.prod(weight.stored[key][0]) == 1
+                name = f"{key}@{tp.rank}.{len(listed.get(key, ()))}"
+                mine[name] = tensor.reshape(shape) if single else tensor  # one scale: stored [] or [1], held [1, 1]
+                listed.setdefault(key, []).append((name, whole(shape) if single else tuple(box_of(index, shape))))
+    everyone = [listed]
+    if tp.size > 1:
+        everyone = [None] * tp.size
+        with collective(f"listing the kept pieces each rank saves (rank {tp.ranks[tp.rank]})"):
+            dist.all_gather_object(everyone, listed, group=tp.group)
+    described = {
+        key: (shape, dtype, [(first_file + rank, name, box) for rank, theirs in enumerate(everyone)
+                             for name, box in theirs.get(key, ())])
+        for key, (shape, dtype) in specs.items()
+    }  # fmt: skip
+    return mine, described
