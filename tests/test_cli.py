@@ -81,3 +81,29 @@ def test_prompts_file_is_generated_in_batches_and_sampling_follows_the_seed(smol
     for number, (prompt, text) in enumerate(zip(prompts, want), start=1):
         block = stdout.split(f"### prompt {number}: {prompt}\n", 1)[1]
         assert block.split("\n\n")[0].split("\n[")[0].strip() == text.strip(), stdout
+
+
+def test_generate_keeps_a_real_fp8_model_quantized(smollm2, tmp_path):
+    """SmolLM2 as FP8 releases store it (64 x 64 block scales: 576 = 9 blocks, its 3 KV heads 3 blocks),
+    generated at TP=2 with ``--keep-quantized`` (each rank holds its slices as stored, dequantized module by
+    module): rank 0 streams the greedy text plain transformers generates from the same FP8 checkpoint in one
+    process (which dequantizes it)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from tiny_models import fp8_config, quantize_fp8
+
+    path = tmp_path / "smollm2-fp8"
+    shutil.copytree(smollm2, path, ignore=shutil.ignore_patterns("*.safetensors*"))
+    tensors = {}
+    for name in sorted(os.listdir(smollm2)):
+        if name.endswith(".safetensors"):
+            tensors.update(load_file(os.path.join(smollm2, name)))
+    quantized, _, partial = quantize_fp8({k: t.float() for k, t in tensors.items()}, block=(64, 64))
+    assert not partial
+    save_file(quantized, path / "model.safetensors", metadata={"format": "pt"})
+    fp8_config(str(path), block=(64, 64))
+    want = reference_text(str(path), 8)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    stdout = run(torchrun, str(path), ["--prompt", PROMPT, "--max-new-tokens", "8", "--keep-quantized"])
+    assert stdout.split("[8 tokens in")[0].strip() == want.strip(), stdout

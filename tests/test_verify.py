@@ -56,3 +56,13 @@ def test_verify_under_sequence_parallelism(tiny_paths):
     assert done.returncode == 0, done.stderr[-3000:]
     assert "tp=1 x sp=2" in done.stdout and "PASS" in done.stdout
     assert [line.split()[0] for line in done.stdout.splitlines() if line.endswith(" ok")][-1] == "logits"
+
+
+def test_verify_passes_a_quantized_checkpoint(tiny_root):
+    """An FP8 block-scaled checkpoint (32-row blocks split inside at TP=2): every layer of the parallel load,
+    each rank dequantizing its slices, against plain transformers dequantizing the whole in one process."""
+    from tiny_models import make_fp8_checkpoint
+
+    done = _verify(make_fp8_checkpoint("llama_fp8", tiny_root), "--tp", "2")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "PASS" in done.stdout, done.stdout

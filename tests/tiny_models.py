@@ -88,27 +88,14 @@ FP8 = {  # FP8 with 32 x 32 block scales (DeepSeek-V3 / Qwen3-FP8's format): dim
 }  # fmt: skip
 
 
-def make_fp8_checkpoint(name: str, root: str) -> str:
-    """``name`` of FP8 as its releases store it: every decoder layer's matrix float8_e4m3fn with a float32
-    ``weight_scale_inv`` per block (``W ~ q * s``; experts per expert), embeddings, norms, routers and LM head
-    left whole, and the config's ``quantization_config``. Where plain transformers cannot be the reference
-    (partial blocks, e8m0 scales), the dequantized weights beside it as ``<path>_dequantized``."""
-    import json
-    import shutil
-
-    from safetensors.torch import load_file, save_file
-
-    path = os.path.join(root, name)
-    if os.path.isfile(os.path.join(path, "config.json")):
-        return path
-    make_checkpoint(name, root)
-    file = os.path.join(path, "model.safetensors")
-    tensors = load_file(file)
-    ue8m0 = name.endswith("ue8m0")
-    bm, bn = FP8_BLOCK
-    dequantized, partial = dict(tensors), False
+def quantize_fp8(tensors: dict, block=FP8_BLOCK, ue8m0: bool = False) -> tuple[dict, dict, bool]:
+    """Every decoder matrix (the MoE router left whole) as FP8 releases store it: float8_e4m3fn with a float32
+    ``weight_scale_inv`` per block (``W ~ q * s``; power-of-two scales stored as e8m0 with ``ue8m0``). Returns
+    the quantized tensors, the same weights dequantized as floats, and whether a dim ends in a partial block."""
+    bm, bn = block
+    quantized, dequantized, partial = dict(tensors), dict(tensors), False
     matrices = [k for k, w in tensors.items() if w.dim() == 2 and ".layers." in k]
-    for key in [k for k in matrices if not k.endswith("mlp.gate.weight")]:  # the router stays whole
+    for key in [k for k in matrices if not k.endswith("mlp.gate.weight")]:
         rows, cols = tensors[key].shape
         partial |= rows % bm != 0 or cols % bn != 0
         padded = torch.zeros(-(-rows // bm) * bm, -(-cols // bn) * bn)  # the last blocks' missing rows: zeros
@@ -117,22 +104,44 @@ def make_fp8_checkpoint(name: str, root: str) -> str:
         scale = blocks.abs().amax(dim=(1, 3)) / torch.finfo(torch.float8_e4m3fn).max
         if ue8m0:
             scale = torch.exp2(torch.ceil(torch.log2(scale)))
-        quantized = (blocks / scale[:, None, :, None]).reshape(padded.shape)[:rows, :cols].to(torch.float8_e4m3fn)
-        tensors[key] = quantized
-        tensors[key + "_scale_inv"] = scale.to(torch.float8_e8m0fnu if ue8m0 else torch.float32).contiguous()
-        whole = scale.repeat_interleave(bm, 0).repeat_interleave(bn, 1)[:rows, :cols]
-        dequantized[key] = quantized.float() * whole
+        q = (blocks / scale[:, None, :, None]).reshape(padded.shape)[:rows, :cols].to(torch.float8_e4m3fn)
+        quantized[key] = q
+        quantized[key + "_scale_inv"] = scale.to(torch.float8_e8m0fnu if ue8m0 else torch.float32).contiguous()
+        dequantized[key] = q.float() * scale.repeat_interleave(bm, 0).repeat_interleave(bn, 1)[:rows, :cols]
+    return quantized, dequantized, partial
+
+
+def fp8_config(path: str, block=FP8_BLOCK, ue8m0: bool = False) -> None:
+    import json
+
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": list(block),
+                                     "activation_scheme": "dynamic", **({"scale_fmt": "ue8m0"} if ue8m0 else {})}
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+
+
+def make_fp8_checkpoint(name: str, root: str) -> str:
+    """``name`` of FP8 as its releases store it (``quantize_fp8``), and the config's ``quantization_config``.
+    Where plain transformers cannot be the reference (partial blocks, e8m0 scales), the dequantized weights
+    beside it as ``<path>_dequantized``."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    path = os.path.join(root, name)
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return path
+    make_checkpoint(name, root)
+    file, ue8m0 = os.path.join(path, "model.safetensors"), name.endswith("ue8m0")
+    tensors, dequantized, partial = quantize_fp8(load_file(file), ue8m0=ue8m0)
     save_file(tensors, file, metadata={"format": "pt"})
     if partial or ue8m0:  # plain transformers' own FP8 loader assumes whole blocks of float32 scales: the
         plain = path + "_dequantized"  # reference is the same weights dequantized, saved as floats
         shutil.copytree(path, plain)
         save_file(dequantized, os.path.join(plain, "model.safetensors"), metadata={"format": "pt"})
-    with open(os.path.join(path, "config.json")) as f:
-        config = json.load(f)
-    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": list(FP8_BLOCK),
-                                     "activation_scheme": "dynamic", **({"scale_fmt": "ue8m0"} if ue8m0 else {})}
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(config, f)
+    fp8_config(path, ue8m0=ue8m0)
     return path
 
 

@@ -43,6 +43,7 @@ from .keys import FusedSource, checkpoint_sources, expert_shape
 from .manifest import DistributedCheckpoint
 from .quantized import (
     ACTIVATION_SCALE,
+    PARTS,
     Dequantized,
     Quantization,
     companion_keys,
@@ -319,7 +320,7 @@ def _set_tensor(model: nn.Module, name: str, value: torch.Tensor) -> None:
     setattr(module, attr, value)  # a registered buffer's name stays a buffer
 
 
-def _sources(model: nn.Module, path: str, layout: ModelLayout, files: dict, ignore_keys) -> tuple[dict, dict]:
+def _sources(model: nn.Module, path: str, layout: ModelLayout, files: dict, ignore_keys, quantization) -> tuple:
     """Every parameter's checkpoint key (or per-expert keys), and the buffers' found in the checkpoint;
     a parameter with none is an error, and so is a key nothing reads (but those transformers itself
     ignores for the model: ``unexpected_key_patterns``, and a task head's when a base model is loaded from
@@ -338,13 +339,19 @@ def _sources(model: nn.Module, path: str, layout: ModelLayout, files: dict, igno
         )
     buffers = {name: key_of[name] for name, _ in model.named_buffers() if name in key_of}
     used = aliases | set(buffers.values())
-    parts = {other for key in used | ignore_keys for other in companion_keys(key)}  # scales, packed parts
+    parts = {other for key in used | ignore_keys for other in companion_keys(key, quantization)}  # scales, ...
     ignored, prefix = unexpected_key_patterns(model), getattr(model, "base_model_prefix", "")
     heads = prefix and not hasattr(model, prefix)  # a base model from a task model's checkpoint: its head's keys
     unexpected = sorted(
         key for key in set(files) - used - ignore_keys - parts
         if not (ignored and ignored.search(key)) and not (heads and not key.startswith(prefix + "."))
     )  # fmt: skip
+    parts = [key for key in unexpected if key.endswith(PARTS)]
+    if parts and quantization is None:
+        raise CheckpointError(
+            f"{path}: {parts[0]!r} (and {len(parts) - 1} more) are parts of quantized weights (scales, packed values), "
+            "and its config has no quantization_config: those weights would load without them, wrong"
+        )
     if unexpected:
         raise CheckpointError(
             f"{path}: {len(unexpected)} checkpoint key(s) match no parameter or buffer of {type(model).__name__} "
@@ -376,7 +383,7 @@ def load_weights(
     files = with_stored_keys(files if files is not None else checkpoint_files(path, allow_pickle), quantization)
     check_same_checkpoint(path, files, layout.mesh)
     rank = layout.mesh.tp.rank
-    sources, buffers = _sources(model, path, layout, files, ignore_keys)
+    sources, buffers = _sources(model, path, layout, files, ignore_keys, quantization)
     with ShardReader(rank, layout.mesh.device) as reader:
         saved_as, manifest = sources, os.path.join(path, MANIFEST_FILE)
         if os.path.isfile(manifest):  # a distributed save records the per-expert form it came from

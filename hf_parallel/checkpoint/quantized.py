@@ -41,7 +41,7 @@ SUPPORTED = (
     "mxfp4 (gpt-oss's experts)"
 )
 ACTIVATION_SCALE = "input_scale"  # static activation scales: unused once the weights are dequantized
-PARTS = ("_scale_inv", "_scale", "_blocks", "_scales", "_packed", "_zero_point", "_shape")  # every format's
+PARTS = ("_scale_inv", "_scale", "_blocks", "_scales", "_packed", "_zero_point", "_shape")  # every format's parts
 
 
 @dataclass(frozen=True)
@@ -52,6 +52,10 @@ class ScaledFP8:
     block: tuple[int, int] | None  # (rows, columns) each scale covers, for "block"
     suffix: str  # the scale's key: "<module>.weight" + suffix ("_scale_inv" for fp8, "_scale" for compressed-tensors)
     stored_as = None  # the weight keeps its own key (float8)
+
+    @property
+    def parts(self) -> tuple[str, ...]:
+        return (self.suffix,)
 
     def block_for(self, shape) -> tuple[int, int]:
         rows, columns = shape
@@ -67,6 +71,7 @@ class PackedIntegers:
     group: int | None
     symmetric: bool  # else a zero point per scale, packed along the rows
     stored_as = "_packed"  # the weight's key is "<name>_packed" (and its other parts beside it)
+    parts = ("_packed", "_scale", "_zero_point", "_shape")
 
     def block_for(self, shape) -> tuple[int, int]:
         return (1, self.group if self.strategy == "group" else shape[1])
@@ -77,6 +82,7 @@ class MXFP4:
     """gpt-oss's MXFP4 experts (the config says no more)."""
 
     stored_as = "_blocks"
+    parts = ("_blocks", "_scales")
 
 
 Quantization = ScaledFP8 | PackedIntegers | MXFP4
@@ -147,11 +153,13 @@ def with_stored_keys(files: dict[str, str], quantization: Quantization | None) -
     return {**{key[: -len(suffix)]: file for key, file in files.items() if key.endswith(suffix)}, **files}
 
 
-def companion_keys(key: str) -> set[str]:
-    """The keys read with the weight ``key`` (its scales, zero points, packed parts, in any format's
-    names) or made moot by its dequantization (the module's activation scale)."""
-    module = key.rpartition(".")[0]
-    return {key + part for part in PARTS} | {f"{module}.{ACTIVATION_SCALE}"}
+def companion_keys(key: str, quantization: Quantization | None) -> set[str]:
+    """The keys read with the weight ``key`` in the checkpoint's format (its scales, zero points, packed
+    parts) or made moot by its dequantization (an FP8 module's activation scale); none without one."""
+    if quantization is None:
+        return set()
+    moot = {f"{key.rpartition('.')[0]}.{ACTIVATION_SCALE}"} if isinstance(quantization, ScaledFP8) else set()
+    return {key + part for part in quantization.parts} | moot
 
 
 def _span(start: int, stop: int, size: int) -> slice:

@@ -53,7 +53,9 @@ def cmd_generate(args) -> None:
 
     path = args.model or default_checkpoint()
     start = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(path, tp_plan="auto", dtype=args.dtype, **pipeline_kwargs(args))
+    kept = dict(keep_quantized=True) if args.keep_quantized else {}
+    model = AutoModelForCausalLM.from_pretrained(path, tp_plan="auto", dtype=args.dtype, **pipeline_kwargs(args),
+                                                 **kept)  # fmt: skip
     load_seconds = time.perf_counter() - start
     mesh = parallel_state(model).mesh
     main, layout = mesh.is_main, str(mesh.shape)
@@ -231,6 +233,8 @@ def main(argv=None) -> None:
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--dtype", default="float32")
     gen.add_argument("--no-chat-template", action="store_true")
+    gen.add_argument("--keep-quantized", action="store_true",
+                     help="a quantized checkpoint's weights held as stored, dequantized module by module")  # fmt: skip
     add_pipeline_args(gen)
     gen.add_argument(
         "--micro-batches", type=int, help="with --pp/--stage-tp: micro-batches per forward (default: stages)"
