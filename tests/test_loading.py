@@ -93,6 +93,13 @@ def test_unexpected_keys_are_an_error_naming_them(tiny_paths, tmp_path):
     old = edited_checkpoint(tiny_paths["llama"], tmp_path / "old", lambda t: t.update(rope))  # ignores it, so do we
     hf_parallel.AutoModelForCausalLM.from_pretrained(old)
     hf_parallel.AutoModel.from_pretrained(tiny_paths["llama"])  # a base model from a task model's: its head's keys
+    import transformers
+
+    base = tmp_path / "base"  # a base model's own checkpoint (no prefix): a stray key there is still an error
+    transformers.AutoModel.from_pretrained(tiny_paths["llama"]).save_pretrained(base)
+    stray = edited_checkpoint(str(base), tmp_path / "base_extra", lambda t: t.update({"extra.weight": torch.zeros(2)}))
+    with pytest.raises(CheckpointError, match=r"match no parameter .*extra\.weight"):
+        hf_parallel.AutoModel.from_pretrained(stray)
 
 
 def test_shape_mismatch_names_key_and_file(tiny_paths, tmp_path):

@@ -232,8 +232,8 @@ def test_weights_kept_quantized_match_one_process_and_save_back_bitwise(
 
 def test_keep_quantized_is_refused_where_it_cannot_hold(quantized_paths, tiny_paths, tmp_path):
     """A checkpoint that is not quantized, peft adapters on a kept weight, a static activation scale (it
-    would not be saved back): refused by name, before anything is read or written; a kept weight used
-    outside its module's call raises."""
+    would not be saved back), a scale beside a weight stored as floats: refused by name, before anything is
+    read or written; a kept weight used outside its module's call raises."""
     from safetensors.torch import load_file, save_file
 
     import hf_parallel
@@ -253,8 +253,15 @@ def test_keep_quantized_is_refused_where_it_cannot_hold(quantized_paths, tiny_pa
     tensors["model.layers.0.mlp.up_proj.input_scale"] = torch.ones(1)
     save_file(tensors, os.path.join(target, "model.safetensors"), metadata={"format": "pt"})
     hf_parallel.AutoModelForCausalLM.from_pretrained(target)  # dequantized: moot
+
     with pytest.raises(CheckpointError, match=r"up_proj\.weight has 'model\.layers\.0\.mlp\.up_proj\.input_scale'"):
         hf_parallel.AutoModelForCausalLM.from_pretrained(target, keep_quantized=True)
+    stray = _copy(quantized_paths["llama_fp8"], tmp_path / "stray")  # a scale beside a weight stored as floats
+    tensors = load_file(os.path.join(stray, "model.safetensors"))
+    tensors["model.norm.weight_scale_inv"] = torch.ones(1)
+    save_file(tensors, os.path.join(stray, "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"'model\.norm\.weight_scale_inv' .* beside weights stored as floats"):
+        hf_parallel.AutoModelForCausalLM.from_pretrained(stray)
 
 
 class _Stored:

@@ -45,6 +45,7 @@ from .quantized import (
     ACTIVATION_SCALE,
     PARTS,
     Dequantized,
+    DequantizedFP8,
     Quantization,
     companion_keys,
     dequantized_sources,
@@ -339,17 +340,18 @@ def _sources(model: nn.Module, path: str, layout: ModelLayout, files: dict, igno
         )
     buffers = {name: key_of[name] for name, _ in model.named_buffers() if name in key_of}
     used = aliases | set(buffers.values())
-    parts = {other for key in used | ignore_keys for other in companion_keys(key, quantization)}  # scales, ...
+    mine = {other for key in used for other in companion_keys(key, quantization)} & set(files)  # scales, ...
+    elsewhere = {other for key in ignore_keys for other in companion_keys(key, quantization)}  # other stages'
     ignored, prefix = unexpected_key_patterns(model), getattr(model, "base_model_prefix", "")
-    heads = prefix and not hasattr(model, prefix)  # a base model from a task model's checkpoint: its head's keys
-    unexpected = sorted(
-        key for key in set(files) - used - ignore_keys - parts
+    heads = prefix and not hasattr(model, prefix) and any(key.startswith(prefix + ".") for key in files)
+    unexpected = sorted(  # heads: a base model from a task model's checkpoint ignores the head's keys
+        key for key in set(files) - used - ignore_keys - mine - elsewhere
         if not (ignored and ignored.search(key)) and not (heads and not key.startswith(prefix + "."))
     )  # fmt: skip
-    parts = [key for key in unexpected if key.endswith(PARTS)]
-    if parts and quantization is None:
+    stray = [key for key in unexpected if key.endswith(PARTS)]
+    if stray and quantization is None:
         raise CheckpointError(
-            f"{path}: {parts[0]!r} (and {len(parts) - 1} more) are parts of quantized weights (scales, packed values), "
+            f"{path}: {stray[0]!r} (and {len(stray) - 1} more) are parts of quantized weights (scales, packed values), "
             "and its config has no quantization_config: those weights would load without them, wrong"
         )
     if unexpected:
@@ -358,7 +360,7 @@ def _sources(model: nn.Module, path: str, layout: ModelLayout, files: dict, igno
             f"(a tensor no model class reads would be dropped silently): {', '.join(unexpected[:20])}; load it with "
             "the class it was saved from, or remove the keys from the checkpoint"
         )
-    return sources, buffers
+    return sources, buffers, mine
 
 
 def load_weights(
@@ -383,37 +385,40 @@ def load_weights(
     files = with_stored_keys(files if files is not None else checkpoint_files(path, allow_pickle), quantization)
     check_same_checkpoint(path, files, layout.mesh)
     rank = layout.mesh.tp.rank
-    sources, buffers = _sources(model, path, layout, files, ignore_keys, quantization)
+    sources, buffers, companions = _sources(model, path, layout, files, ignore_keys, quantization)
     with ShardReader(rank, layout.mesh.device) as reader:
         saved_as, manifest = sources, os.path.join(path, MANIFEST_FILE)
         if os.path.isfile(manifest):  # a distributed save records the per-expert form it came from
             fused_from = reader._shared(manifest).fused
             saved_as = {name: fused_from.get(source, source) for name, source in sources.items()}
         tiled = dequantized_sources(files, sources, lambda file: reader._shared(file), quantization)
-        keepable = {}  # parameter -> its tiles (key, box, Dequantized), to keep as stored
+        quantized = {}  # parameter -> its tiles (key, box, Dequantized) where stored quantized
         for entry in layout.unique_params():  # every header against the model before any data is read
             source, param_dtype = sources[entry.name], model.get_parameter(entry.name).dtype
             if isinstance(source, FusedSource):
-                if kept is not None:  # quantized per expert: each expert key's box kept as stored
-                    tiles = [(key, box, readable(reader._shared, files, key, quantization))
-                             for key, box in source.boxes(entry.full_shape)]  # fmt: skip
-                    keepable[entry.name] = tiles if isinstance(tiles[0][2], Dequantized) else None
+                tiles = [(key, box, readable(reader._shared, files, key, quantization))
+                         for key, box in source.boxes(entry.full_shape)]  # fmt: skip
+                if any(isinstance(dequantized, Dequantized) for _, _, dequantized in tiles):
+                    quantized[entry.name] = tiles  # (all of them: refused below otherwise)
                 tiled[entry.name] = reader.fused(files, entry.name, source, entry.full_shape, quantization)
                 reader.check(path, entry.name, entry.name, entry.full_shape, param_dtype, tiled[entry.name])
             elif entry.name in tiled:  # quantized, read dequantized
                 reader.check(files[source], source, entry.name, entry.full_shape, param_dtype, tiled[entry.name])
             else:
                 reader.check(files[source], source, entry.name, entry.full_shape, param_dtype)
+            if isinstance(tiled.get(entry.name), Dequantized):
+                quantized[entry.name] = [(source, tuple((0, n) for n in entry.full_shape), tiled[entry.name])]
+            if entry.name in quantized:
+                _check_quantized(entry, quantized[entry.name], files, kept is not None)
+        _check_claimed(path, companions, quantized.values())
         for entry in tqdm(layout.unique_params(), desc="Loading shards", disable=rank != 0, leave=False):
             source, old = sources[entry.name], model.get_parameter(entry.name)
-            if kept is not None and isinstance(tiled.get(entry.name), Dequantized):
-                keepable[entry.name] = [(source, tuple((0, n) for n in entry.full_shape), tiled[entry.name])]
-            if keepable.get(entry.name):
-                tiles, _ = keepable.pop(entry.name), tiled.pop(entry.name)
-                _check_keepable(entry, [key for key, _, _ in tiles], files)
-                weight = KeptWeight.read(entry.name, tiles, entry.layout, rank, dtype or old.dtype, reader.device)
+            if kept is not None and entry.name in quantized:
+                tiles, _ = quantized[entry.name], tiled.pop(entry.name)
+                weight = KeptWeight.read(tiles, entry.layout, rank, entry.full_shape, dtype or old.dtype, reader.device)
                 kept[entry.name] = weight
-                BYTES_READ.update(Counter({piece.key: piece.kept.nbytes for piece in weight.pieces}))
+                for piece in weight.pieces:
+                    BYTES_READ[piece.key] += piece.kept.nbytes
                 local = placeholder(weight.shape, weight.dtype)
             elif entry.name in tiled:
                 local = reader.read_tiled(tiled.pop(entry.name), entry.name, entry.layout, dtype)
@@ -429,18 +434,42 @@ def load_weights(
     return {**saved_as, **buffers}
 
 
-def _check_keepable(entry, keys: list[str], files: dict) -> None:
-    """A weight kept quantized is dequantized in its own module's call and saved back from its stored parts:
-    one shared by several modules, or with a static activation scale beside it (which would not be written
-    back), is refused by name."""
-    activation = next((f"{k.rpartition('.')[0]}.{ACTIVATION_SCALE}" for k in keys
+def _check_quantized(entry, tiles: list, files: dict, keep: bool) -> None:
+    """A parameter read from quantized keys: all of them quantized (a fused expert parameter with some
+    experts stored otherwise is refused), and, to be kept as stored (dequantized in its own module's call,
+    saved back from its stored parts), neither shared by several modules nor beside a static activation
+    scale (which would not be written back)."""
+    plain = [key for key, _, dequantized in tiles if not isinstance(dequantized, Dequantized)]
+    if plain:
+        raise CheckpointError(
+            f"{entry.name}: its experts' keys are stored partly quantized and partly not ({plain[0]!r} is not); "
+            "one format per parameter"
+        )
+    activation = next((f"{k.rpartition('.')[0]}.{ACTIVATION_SCALE}" for k, _, _ in tiles
                        if f"{k.rpartition('.')[0]}.{ACTIVATION_SCALE}" in files), None)  # fmt: skip
-    if len(entry.aliases) > 1 or activation:
+    if keep and (len(entry.aliases) > 1 or activation):
         tied = len(entry.aliases) > 1
         why = f"is tied to {', '.join(entry.aliases[1:])}" if tied else f"has {activation!r} beside it"
         raise CheckpointError(
             f"keep_quantized=True: {entry.name} {why}, which a weight held quantized does not carry; load without "
             "keep_quantized (dequantized as read)"
+        )
+
+
+def _check_claimed(path: str, companions: set[str], quantized) -> None:
+    """Every scale or quantized part beside a weight this rank reads belongs to a weight stored quantized: one
+    beside a weight stored as floats (a stray ``_scale_inv`` next to a norm) is refused, never skipped."""
+    claimed = set()
+    for tiles in quantized:
+        for key, _, dequantized in tiles:
+            claimed |= {key + suffix for suffix in [*dequantized.parts, *dequantized.constants]}
+            if isinstance(dequantized, DequantizedFP8):  # its module's static activation scale: moot once dequantized
+                claimed.add(f"{key.rpartition('.')[0]}.{ACTIVATION_SCALE}")
+    stray = sorted(companions - claimed)
+    if stray:
+        raise CheckpointError(
+            f"{path}: {stray[0]!r} (and {len(stray) - 1} more) sit beside weights stored as floats, not quantized: "
+            "a scale or quantized part nothing reads"
         )
 
 

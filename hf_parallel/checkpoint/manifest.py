@@ -18,6 +18,7 @@ block two ranks share overlapping) lists them instead: ``"pieces": [[file index,
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import torch
@@ -26,7 +27,7 @@ from safetensors import SafetensorError, safe_open
 from ..tensor.layout import Layout, as_slices
 from .errors import CheckpointError
 from .keys import FusedSource
-from .tiles import Tile, TiledTensor, disjoint
+from .tiles import Tile, TiledTensor, disjoint, disjoint_boxes
 from .writer import SAFETENSORS_DTYPES, SAFETENSORS_TO_TORCH
 
 FORMAT, VERSION = "hf_parallel.distributed", 1
@@ -95,6 +96,7 @@ class DistributedCheckpoint:
         for key, (shape, dtype, layout, ranks) in self.tensors.items():
             for rank in ranks:
                 self._check_piece(key, shape, dtype, layout, rank)
+            self._check_pieces(key, shape)
             for file, name, box in self.pieces.get(key, ()):
                 self._check_saved(file, name, tuple(b - a for a, b in box), dtype, f"it holds {key!r}'s piece {box} as")
 
@@ -142,6 +144,18 @@ class DistributedCheckpoint:
             return safe_open(file, framework="pt")
         except (SafetensorError, OSError) as error:
             raise CheckpointError(f"{file}: not a valid safetensors file: {error}") from None
+
+    def _check_pieces(self, key: str, shape) -> None:
+        """A tensor saved as pieces: each in a listed file, a box inside the tensor, together covering it."""
+        pieces = self.pieces.get(key, [])
+        for file, name, box in pieces:
+            inside = len(box) == len(shape) and all(0 <= a < b <= n for (a, b), n in zip(box, shape))
+            if not 0 <= file < len(self.files) or not inside:
+                raise CheckpointError(f"{self.path}: {key!r}'s piece {name!r} ({box} in file {file}) is not inside "
+                                      f"the tensor {shape} or a listed file")  # fmt: skip
+        boxes = disjoint_boxes([box for _, _, box in pieces])
+        if key in self.pieces and sum(math.prod(b - a for a, b in box) for box in boxes) != math.prod(shape):
+            raise CheckpointError(f"{self.path}: {key!r}'s pieces do not cover the tensor {shape}")
 
     def _check_piece(self, key, shape, dtype, layout, rank) -> None:
         want = layout.local_shape(shape, rank)

@@ -217,6 +217,12 @@ def stage_owners(mesh, specs: dict) -> tuple[dict[str, int], dict]:
     return owners, merged
 
 
+def on_the_wire(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor as a collective carries it: float8 (a kept quantized part) as its bytes, which
+    every backend sends (NCCL knows no e8m0)."""
+    return tensor.view(torch.uint8) if tensor.dtype.itemsize == 1 and tensor.is_floating_point() else tensor
+
+
 def received_blocks(spec, source: int, key: str, wire: Scratch):
     """On rank 0: a key another stage owns, block by block from that stage's first rank (received
     on the groups' device; the writer copies each to the host)."""
@@ -227,7 +233,7 @@ def received_blocks(spec, source: int, key: str, wire: Scratch):
             timed("gather"),
             collective(f"receiving {key} from rank {source} (its pipeline stage's first rank) on rank 0"),
         ):
-            dist.recv(buffer, src=source, tag=Tag.SAVE)
+            dist.recv(on_the_wire(buffer), src=source, tag=Tag.SAVE)
         yield buffer
 
 
@@ -258,7 +264,7 @@ def gathered(model, mesh, targets: dict, specs: dict, owners: dict, keys):
         for block in blocks:
             if block is not None:  # this stage's first rank, not rank 0: on to rank 0
                 with collective(f"sending {key} from rank {mesh.rank} to rank 0"):
-                    dist.send(as_written(block, box).to(mesh.device).contiguous(), dst=0, tag=Tag.SAVE)
+                    dist.send(on_the_wire(as_written(block, box).to(mesh.device).contiguous()), dst=0, tag=Tag.SAVE)
         yield None
 
 

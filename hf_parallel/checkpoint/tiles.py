@@ -39,6 +39,17 @@ def subtract(a: Box, b: Box) -> list[Box]:
     return out
 
 
+def disjoint_boxes(boxes: list[Box]) -> list[Box]:
+    """Boxes that may overlap as disjoint ones covering the same union (later ones keep what is left)."""
+    out: list[Box] = []
+    for box in boxes:
+        parts = [box]
+        for earlier in out:
+            parts = [rest for part in parts for rest in subtract(part, earlier)]
+        out += parts
+    return out
+
+
 def disjoint(tiles: list[Tile]) -> list[Tile]:
     """Tiles that may overlap (pieces two ranks both hold, equal where they overlap) as disjoint ones
     covering the same union: each later tile keeps only what the earlier ones do not cover."""

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..checkpoint.quantized import Kept, box_of
+from ..checkpoint.tiles import disjoint_boxes
 from ..checkpoint.writer import torch_dtype
 from ..distributed.faults import collective
 
@@ -28,7 +29,8 @@ def placed_boxes(tiles: list, layout, rank: int, full_shape):
     """Where this rank's shard of a parameter comes from: for each run of its layout and each checkpoint
     tile that run meets (``tiles``: (key, the tile's box in the parameter, its ``Dequantized``); one tile the
     whole parameter, or one per expert key of fused experts), (key, dequantized, the box to read of the
-    tile, where it goes in the local tensor). A tile with one dim fewer than the parameter is one expert's."""
+    tile, where it goes in the local tensor). A ``Dequantized`` with one dim fewer than its tile's box is
+    one expert's (the box's leading expert dim dropped)."""
     offset = 0
     for index in layout.index(tuple(full_shape), rank):
         run = box_of(index, full_shape)
@@ -57,22 +59,24 @@ class KeptWeight:
     comes from (full key -> shape, dtype) and ``constants`` those kept whole, on every rank (a save lists
     the same keys everywhere), to save it back as it was."""
 
-    name: str
     pieces: list[Placed]
     shape: tuple[int, ...]
     dtype: torch.dtype
     stored: dict[str, tuple[tuple[int, ...], torch.dtype]]
     constants: dict[str, torch.Tensor]
+    listing: dict | None = None  # every part -> each TP rank's pieces, once a save has asked (``_listing``)
 
     @classmethod
-    def read(cls, name: str, tiles: list, layout, rank: int, dtype, device) -> "KeptWeight":
-        full_shape = tuple(max(box[d][1] for _, box, _ in tiles) for d in range(len(tiles[0][1])))
+    def read(cls, tiles: list, layout, rank: int, full_shape, dtype, device) -> "KeptWeight":
+        shape = tuple(layout.local_shape(tuple(full_shape), rank))
         pieces = [Placed(key, source.keep(box).to(device), at)
                   for key, source, box, at in placed_boxes(tiles, layout, rank, full_shape)]  # fmt: skip
+        if not pieces or sum(math.prod(s.stop - s.start for s in p.at) for p in pieces) != math.prod(shape):
+            raise RuntimeError(f"{tiles[0][0]}: the kept pieces do not make this rank's shard {shape}")
         stored = {key + suffix: (tuple(part.get_shape()), torch_dtype(part.get_dtype()))
                   for key, _, source in tiles for suffix, part in source.parts.items() if part is not None}  # fmt: skip
         constants = {key + suffix: value for key, _, source in tiles for suffix, value in source.constants.items()}
-        return cls(name, pieces, tuple(layout.local_shape(full_shape, rank)), dtype, stored, constants)
+        return cls(pieces, shape, dtype, stored, constants)
 
     @property
     def nbytes(self) -> int:
@@ -105,6 +109,7 @@ class KeptPlaceholder(nn.Parameter):
         "shape", "dtype", "device", "requires_grad", "ndim", "is_meta", "grad", "grad_fn", "is_leaf", "layout",
         "is_sparse", "is_quantized", "is_cuda", "is_cpu", "itemsize", "nbytes", "output_nr", "_version")}
     METADATA |= {torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel, torch.Tensor.element_size,
+                 torch.Tensor.requires_grad_,  # model.requires_grad_(False): nothing to compute
                  torch.Tensor.is_floating_point, torch.Tensor.is_complex, torch.Tensor.data_ptr, torch.Tensor.__hash__,
                  torch.Tensor.__repr__}  # fmt: skip
 
@@ -145,37 +150,59 @@ def hold_quantized(model: nn.Module, kept: dict[str, KeptWeight]) -> list:
     return handles
 
 
+def _listing(weight: KeptWeight, tp) -> dict[str, list]:
+    """Every part of ``weight`` -> each TP rank's pieces of it [(index, shape)], one object all-gather for all
+    the weight's parts (kept on the weight: a save asks for its parts one after another, in the same order on
+    every rank); every rank checks each part is covered, so a refusal is every rank's, before any byte moves."""
+    if weight.listing is None:
+        mine: dict[str, list] = {}
+        for piece in weight.pieces:
+            for suffix, (index, tensor) in piece.kept.stored().items():
+                mine.setdefault(piece.key + suffix, []).append((index, tuple(tensor.shape)))
+        everyone = [mine]
+        if tp.size > 1:
+            everyone = [None] * tp.size
+            with collective(f"listing the kept pieces of {weight.pieces[0].key} (rank {tp.ranks[tp.rank]})"):
+                dist.all_gather_object(everyone, mine, group=tp.group)
+        weight.listing = {key: [theirs.get(key, []) for theirs in everyone] for key in weight.stored}
+        for key, (shape, _) in weight.stored.items():
+            boxes = [_box(index, shape) for pieces in weight.listing[key] for index, _ in pieces]
+            if covered(boxes) != math.prod(shape):
+                raise RuntimeError(f"{key}: the ranks' kept pieces do not cover it; refusing to write it")
+    return weight.listing
+
+
+def _box(index, shape) -> tuple:
+    """Where a kept piece sits in its stored part (one scale, stored as [] or [1] and held as [1, 1]: all of it)."""
+    return tuple((0, n) for n in shape) if math.prod(shape) == 1 else tuple(box_of(index, shape))
+
+
+def covered(boxes: list) -> int:
+    """Elements of the union of ``boxes``."""
+    return sum(math.prod(b - a for a, b in box) for box in disjoint_boxes(boxes))
+
+
 def gathered_part(weight: KeptWeight, part: str, tp, device) -> torch.Tensor | None:
     """The whole stored ``part`` (a checkpoint key) of a kept weight on the TP group's first rank (None
     elsewhere), as the checkpoint held it: every rank's elements placed where they came from (runs that
-    overlap, the scales of a block two ranks share, agree). Where each piece goes travels as an object to every rank,
-    which all check that the pieces cover the part (else all refuse, before any byte moves); the bytes go
-    as bytes (float8 does not pickle), on ``device`` (the groups')."""
+    overlap, the scales of a block two ranks share, agree). Where each piece goes is listed once per weight
+    (``_listing``); the bytes go as bytes (float8 does not pickle), on ``device`` (the groups' device)."""
     if part in weight.constants:
         return weight.constants[part].cpu() if tp.rank == 0 else None
     shape, dtype = weight.stored[part]
-    mine = [(index, t) for piece in weight.pieces for suffix, (index, t) in piece.kept.stored().items()
+    mine = [t for piece in weight.pieces for suffix, (_, t) in piece.kept.stored().items()
             if piece.key + suffix == part]  # fmt: skip
-    places = [[(index, tuple(t.shape)) for index, t in mine]]
-    if tp.size > 1:
-        mine_only, places = places[0], [None] * tp.size
-        with collective(f"listing the pieces of {part} (kept quantized) on rank {tp.ranks[tp.rank]}"):
-            dist.all_gather_object(places, mine_only, group=tp.group)
-    filled = torch.zeros(shape, dtype=torch.bool)
-    for index, _ in (piece for pieces in places for piece in pieces):
-        filled[() if math.prod(shape) == 1 else index] = True
-    if not filled.all():
-        raise RuntimeError(f"{part}: the ranks' kept pieces do not cover it; refusing to write it")
+    places = _listing(weight, tp)[part]
     if tp.rank != 0:
         with collective(f"sending {part} (kept quantized) to rank {tp.ranks[0]}"):
-            for _, tensor in mine:
+            for tensor in mine:
                 dist.send(tensor.reshape(-1).contiguous().view(torch.uint8).to(device), group_dst=0, group=tp.group)
         return None
     full = torch.empty(shape, dtype=dtype)
     for rank, pieces in enumerate(places):
         for n, (index, piece_shape) in enumerate(pieces):
             if rank == 0:
-                tensor = mine[n][1]
+                tensor = mine[n]
             else:
                 tensor = torch.empty(math.prod(piece_shape) * dtype.itemsize, dtype=torch.uint8, device=device)
                 with collective(f"receiving {part} from rank {tp.ranks[rank]}"):
@@ -219,4 +246,7 @@ def saved_pieces(weights: list[KeptWeight], tp, first_file: int) -> tuple[dict, 
                              for name, box in theirs.get(key, ())])
         for key, (shape, dtype) in specs.items()
     }  # fmt: skip
+    for key, (shape, _, pieces) in described.items():  # on every rank, before anything is written
+        if covered([box for _, _, box in pieces]) != math.prod(shape):
+            raise RuntimeError(f"{key}: the ranks' kept pieces do not cover it; refusing to write it")
     return mine, described
