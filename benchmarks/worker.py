@@ -61,7 +61,7 @@ def count_one_decode_step(impl: str, model, token, cache) -> dict:
     """Collectives of one more (untimed) decode step. transformers' are counted at the dispatcher;
     hf_parallel's by its own counter, which also sees the shared-memory transport the dispatcher
     does not (with HF_PARALLEL_SHM=0 both counters agree)."""
-    if impl == "hf_parallel":
+    if impl.startswith("hf_parallel"):
         from hf_parallel.distributed.comm import COUNTS
 
         before = dict(COUNTS)
