@@ -42,11 +42,11 @@ from .files import INDEX_FILE, MANIFEST_FILE, PICKLE_FILE, PICKLE_INDEX_FILE, SI
 from .keys import FusedSource, checkpoint_sources, expert_shape
 from .manifest import DistributedCheckpoint
 from .quantized import (
-    ACTIVATION_SCALE,
     PARTS,
     Dequantized,
     DequantizedFP8,
     Quantization,
+    activation_scale,
     companion_keys,
     dequantized_sources,
     readable,
@@ -274,9 +274,10 @@ class ShardReader:
             BYTES_READ[key] += piece.numel() * piece.element_size()
         return usable
 
-    def fused(self, files: dict[str, str], name: str, source: FusedSource, full_shape, quantization=None):
-        """The fused expert parameter ``name`` (a ``TiledTensor``) as tiles of its per-expert keys, each
-        checked (quantized ones dequantized as read, ``quantization`` the config's). Tiles
+    def fused(self, files: dict[str, str], name: str, headers: list, full_shape, quantization=None):
+        """The fused expert parameter ``name`` (a ``TiledTensor``) as tiles of its per-expert keys
+        (``headers``: (key, its box, its slice as ``readable`` gives it) each), each checked (quantized ones
+        dequantized as read, ``quantization`` the config's). Tiles
         read through this parameter's own mappings, released with it once its shard is assembled
         (through the reader's shared ones, every expert page read would stay resident to the end)."""
         tiles, dtype, opened = [], None, {}
@@ -288,8 +289,7 @@ class ShardReader:
                 opened[file] = safe_open(file, framework="pt")
             return opened[file]
 
-        for key, box in source.boxes(full_shape):
-            tensor_slice = readable(self._shared, files, key, quantization)  # quantized: dequantized as read
+        for key, box, tensor_slice in headers:
             found, want = tuple(tensor_slice.get_shape()), expert_shape(box)
             found_dtype = torch_dtype(tensor_slice.get_dtype())
             if found != want or found_dtype != (dtype or found_dtype):
@@ -400,7 +400,7 @@ def load_weights(
                          for key, box in source.boxes(entry.full_shape)]  # fmt: skip
                 if any(isinstance(dequantized, Dequantized) for _, _, dequantized in tiles):
                     quantized[entry.name] = tiles  # (all of them: refused below otherwise)
-                tiled[entry.name] = reader.fused(files, entry.name, source, entry.full_shape, quantization)
+                tiled[entry.name] = reader.fused(files, entry.name, tiles, entry.full_shape, quantization)
                 reader.check(path, entry.name, entry.name, entry.full_shape, param_dtype, tiled[entry.name])
             elif entry.name in tiled:  # quantized, read dequantized
                 reader.check(files[source], source, entry.name, entry.full_shape, param_dtype, tiled[entry.name])
@@ -445,8 +445,7 @@ def _check_quantized(entry, tiles: list, files: dict, keep: bool) -> None:
             f"{entry.name}: its experts' keys are stored partly quantized and partly not ({plain[0]!r} is not); "
             "one format per parameter"
         )
-    activation = next((f"{k.rpartition('.')[0]}.{ACTIVATION_SCALE}" for k, _, _ in tiles
-                       if f"{k.rpartition('.')[0]}.{ACTIVATION_SCALE}" in files), None)  # fmt: skip
+    activation = next((activation_scale(k) for k, _, _ in tiles if activation_scale(k) in files), None)
     if keep and (len(entry.aliases) > 1 or activation):
         tied = len(entry.aliases) > 1
         why = f"is tied to {', '.join(entry.aliases[1:])}" if tied else f"has {activation!r} beside it"
@@ -464,7 +463,7 @@ def _check_claimed(path: str, companions: set[str], quantized) -> None:
         for key, _, dequantized in tiles:
             claimed |= {key + suffix for suffix in [*dequantized.parts, *dequantized.constants]}
             if isinstance(dequantized, DequantizedFP8):  # its module's static activation scale: moot once dequantized
-                claimed.add(f"{key.rpartition('.')[0]}.{ACTIVATION_SCALE}")
+                claimed.add(activation_scale(key))
     stray = sorted(companions - claimed)
     if stray:
         raise CheckpointError(

@@ -27,7 +27,7 @@ from safetensors import SafetensorError, safe_open
 from ..tensor.layout import Layout, as_slices
 from .errors import CheckpointError
 from .keys import FusedSource
-from .tiles import Tile, TiledTensor, disjoint, disjoint_boxes
+from .tiles import Tile, TiledTensor, disjoint, union_volume
 from .writer import SAFETENSORS_DTYPES, SAFETENSORS_TO_TORCH
 
 FORMAT, VERSION = "hf_parallel.distributed", 1
@@ -153,8 +153,7 @@ class DistributedCheckpoint:
             if not 0 <= file < len(self.files) or not inside:
                 raise CheckpointError(f"{self.path}: {key!r}'s piece {name!r} ({box} in file {file}) is not inside "
                                       f"the tensor {shape} or a listed file")  # fmt: skip
-        boxes = disjoint_boxes([box for _, _, box in pieces])
-        if key in self.pieces and sum(math.prod(b - a for a, b in box) for box in boxes) != math.prod(shape):
+        if key in self.pieces and union_volume([box for _, _, box in pieces]) != math.prod(shape):
             raise CheckpointError(f"{self.path}: {key!r}'s pieces do not cover the tensor {shape}")
 
     def _check_piece(self, key, shape, dtype, layout, rank) -> None:

@@ -153,12 +153,17 @@ def with_stored_keys(files: dict[str, str], quantization: Quantization | None) -
     return {**{key[: -len(suffix)]: file for key, file in files.items() if key.endswith(suffix)}, **files}
 
 
+def activation_scale(key: str) -> str:
+    """The static activation scale of the module whose weight is ``key``."""
+    return f"{key.rpartition('.')[0]}.{ACTIVATION_SCALE}"
+
+
 def companion_keys(key: str, quantization: Quantization | None) -> set[str]:
     """The keys read with the weight ``key`` in the checkpoint's format (its scales, zero points, packed
     parts) or made moot by its dequantization (an FP8 module's activation scale); none without one."""
     if quantization is None:
         return set()
-    moot = {f"{key.rpartition('.')[0]}.{ACTIVATION_SCALE}"} if isinstance(quantization, ScaledFP8) else set()
+    moot = {activation_scale(key)} if isinstance(quantization, ScaledFP8) else set()
     return {key + part for part in quantization.parts} | moot
 
 
@@ -228,11 +233,14 @@ class KeptFP8(Kept):
 
     def dequantize(self, dtype=torch.float32) -> torch.Tensor:
         (rows, columns), (bm, bn), (r, c) = self.weight.shape, self.block, self.offset
-        grid = tuple(self.scales.shape)
+        scales = self.scales.float()
+        if scales.dim() != 2:  # one scale, as stored ([] or [1])
+            scales = scales.reshape(1, 1)
+        grid = tuple(scales.shape)
         if (r, c) == (0, 0) and (rows, columns) == (grid[0] * bm, grid[1] * bn):  # whole blocks: broadcast, no
             blocks = self.weight.float().view(grid[0], bm, grid[1], bn)  # scale spread to every element
-            return (blocks * self.scales.float()[:, None, :, None]).view(rows, columns).to(dtype)
-        scales = _spread(_spread(self.scales.float(), 0, bm, r, rows), 1, bn, c, columns)
+            return (blocks * scales[:, None, :, None]).view(rows, columns).to(dtype)
+        scales = _spread(_spread(scales, 0, bm, r, rows), 1, bn, c, columns)
         return (self.weight.float() * scales).to(dtype)
 
 
@@ -303,15 +311,13 @@ class Dequantized:
         return self.keep(box_of(index, self.shape)).dequantize()  # float32, as a slice of floats reads
 
 
-def _scales_checked(key: str, scale, shape, block, name: str):
-    """The scale slice of a weight of ``shape`` scaled per ``block``; a single scale stored as [1] or [] is
-    read (as [1, 1]). A grid of another shape is refused naming the key."""
+def _check_scales(key: str, scale, shape, block, name: str) -> None:
+    """The scales of a weight of ``shape`` scaled per ``block`` are a grid of one per block (a single scale
+    may be stored as [1] or []); another shape is refused naming the key."""
     found = tuple(scale.get_shape())
     want = tuple(-(-n // b) for n, b in zip(shape, block))
-    if found == want:
-        return scale
-    if want == (1, 1) and math.prod(found) == 1:
-        return (scale[:] if found else scale[()]).reshape(1, 1)
+    if found == want or (want == (1, 1) and math.prod(found) == 1):
+        return
     raise CheckpointError(
         f"{key!r} {tuple(shape)} scaled per blocks of {tuple(block)} needs a {name!r} of shape {want}, and it is "
         f"{found}: written otherwise than the config says?"
@@ -326,14 +332,15 @@ class DequantizedFP8(Dequantized):
         if len(self.shape) != 2:
             raise CheckpointError(f"{key!r} is FP8 of shape {self.shape}; hf_parallel dequantizes matrices")
         self.weight, self.block, self.suffix = weight, quantization.block_for(self.shape), quantization.suffix
-        self.scale = _scales_checked(key, scale, self.shape, self.block, key + quantization.suffix)
-        self.parts = {"": weight, self.suffix: scale}  # as stored (a single scale: its own shape)
+        _check_scales(key, scale, self.shape, self.block, key + quantization.suffix)
+        self.scale, self.parts = scale, {"": weight, self.suffix: scale}
 
     def keep(self, box, meta: bool = False) -> KeptFP8:
         (r0, r1), (c0, c1) = box
         (bm, bn) = self.block
-        at = {"weight": ("", (slice(r0, r1), slice(c0, c1))),
-              "scales": (self.suffix, (_span(r0, r1, bm), _span(c0, c1, bn)))}  # fmt: skip
+        grid = tuple(self.scale.get_shape())  # a single scale is read whole, as stored ([] or [1])
+        scales = (_span(r0, r1, bm), _span(c0, c1, bn)) if len(grid) == 2 else tuple(slice(0, n) for n in grid)
+        at = {"weight": ("", (slice(r0, r1), slice(c0, c1))), "scales": (self.suffix, scales)}
         weight, scales = _take(self.weight, at["weight"][1], meta), _take(self.scale, at["scales"][1], meta)
         return KeptFP8(at, weight, scales, self.block, (r0 % bm, c0 % bn))
 
@@ -363,13 +370,14 @@ class DequantizedIntegers(Dequantized):
                 f"({key + '_shape'!r}) in {self.bits}-bit words: written otherwise than the config says?"
             )
         self.group = quantization.block_for(self.shape)[1]
-        self.scale = _scales_checked(key, part("_scale"), self.shape, (1, self.group), key + "_scale")
+        self.scale = part("_scale")
+        _check_scales(key, self.scale, self.shape, (1, self.group), key + "_scale")
         if (self.zero is None) != quantization.symmetric:
             raise CheckpointError(
                 f"{key + '_zero_point'!r} is {'missing' if self.zero is None else 'there'}, and the config says the "
                 f"weights are {'' if quantization.symmetric else 'not '}symmetric"
             )
-        self.parts = {"_packed": self.packed, "_scale": part("_scale"), "_zero_point": self.zero}
+        self.parts = {"_packed": self.packed, "_scale": self.scale, "_zero_point": self.zero}
         self.constants = {"_shape": part("_shape")[:]}  # written back whole
         groups = -(-columns // self.group)
         if self.zero is not None and tuple(self.zero.get_shape()) != (-(-rows // self.per), groups):

@@ -39,15 +39,20 @@ def subtract(a: Box, b: Box) -> list[Box]:
     return out
 
 
-def disjoint_boxes(boxes: list[Box]) -> list[Box]:
-    """Boxes that may overlap as disjoint ones covering the same union (later ones keep what is left)."""
-    out: list[Box] = []
+def _uncovered(box: Box, earlier: list[Box]) -> list[Box]:
+    """What of ``box`` none of ``earlier`` covers, as disjoint boxes."""
+    parts = [box]
+    for other in earlier:
+        parts = [rest for part in parts for rest in subtract(part, other)]
+    return parts
+
+
+def union_volume(boxes: list[Box]) -> int:
+    """Elements of the union of boxes that may overlap."""
+    covered: list[Box] = []
     for box in boxes:
-        parts = [box]
-        for earlier in out:
-            parts = [rest for part in parts for rest in subtract(part, earlier)]
-        out += parts
-    return out
+        covered += _uncovered(box, covered)
+    return sum(_volume(box) for box in covered)
 
 
 def disjoint(tiles: list[Tile]) -> list[Tile]:
@@ -55,10 +60,7 @@ def disjoint(tiles: list[Tile]) -> list[Tile]:
     covering the same union: each later tile keeps only what the earlier ones do not cover."""
     out: list[Tile] = []
     for tile in tiles:
-        parts = [tile.box]
-        for earlier in out:
-            parts = [rest for part in parts for rest in subtract(part, earlier.box)]
-        for part in parts:
+        for part in _uncovered(tile.box, [earlier.box for earlier in out]):
             origin = _relative(part, tile.box)
             out.append(Tile(part, lambda box, read=tile.read, origin=origin: read(_shift(box, origin))))
     return out

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..checkpoint.quantized import Kept, box_of
-from ..checkpoint.tiles import disjoint_boxes
+from ..checkpoint.tiles import intersect, union_volume
 from ..checkpoint.writer import torch_dtype
 from ..distributed.faults import collective
 
@@ -35,8 +35,8 @@ def placed_boxes(tiles: list, layout, rank: int, full_shape):
     for index in layout.index(tuple(full_shape), rank):
         run = box_of(index, full_shape)
         for key, tile, source in tiles:
-            inside = [(max(a, c), min(b, d)) for (a, b), (c, d) in zip(run, tile)]
-            if any(a >= b for a, b in inside):
+            inside = intersect(tuple(run), tile)
+            if inside is None:
                 continue
             read = [(a - c, b - c) for (a, b), (c, _) in zip(inside, tile)][len(tile) - len(source.shape) :]
             shift = [offset - r if dim == layout.dim else 0 for dim, (r, _) in enumerate(run)]
@@ -166,20 +166,10 @@ def _listing(weight: KeptWeight, tp) -> dict[str, list]:
                 dist.all_gather_object(everyone, mine, group=tp.group)
         weight.listing = {key: [theirs.get(key, []) for theirs in everyone] for key in weight.stored}
         for key, (shape, _) in weight.stored.items():
-            boxes = [_box(index, shape) for pieces in weight.listing[key] for index, _ in pieces]
-            if covered(boxes) != math.prod(shape):
+            boxes = [tuple(box_of(index, shape)) for pieces in weight.listing[key] for index, _ in pieces]
+            if union_volume(boxes) != math.prod(shape):
                 raise RuntimeError(f"{key}: the ranks' kept pieces do not cover it; refusing to write it")
     return weight.listing
-
-
-def _box(index, shape) -> tuple:
-    """Where a kept piece sits in its stored part (one scale, stored as [] or [1] and held as [1, 1]: all of it)."""
-    return tuple((0, n) for n in shape) if math.prod(shape) == 1 else tuple(box_of(index, shape))
-
-
-def covered(boxes: list) -> int:
-    """Elements of the union of ``boxes``."""
-    return sum(math.prod(b - a for a, b in box) for box in disjoint_boxes(boxes))
 
 
 def gathered_part(weight: KeptWeight, part: str, tp, device) -> torch.Tensor | None:
@@ -208,8 +198,6 @@ def gathered_part(weight: KeptWeight, part: str, tp, device) -> torch.Tensor | N
                 with collective(f"receiving {part} from rank {tp.ranks[rank]}"):
                     dist.recv(tensor, group_src=rank, group=tp.group)
                 tensor = tensor.view(dtype).reshape(piece_shape)
-            if math.prod(shape) == 1:  # one scale, stored as [] or [1], held as [1, 1]
-                index, tensor = (), tensor.reshape(shape)
             full[index] = tensor.cpu()
     return full
 
@@ -219,23 +207,18 @@ def saved_pieces(weights: list[KeptWeight], tp, first_file: int) -> tuple[dict, 
     (shape, dtype, [(file, name, box)]), the same on every rank of the group). A rank's pieces of a part
     are named ``<key>@<tp rank>.<n>``; a part kept whole is written by the group's first rank as its key."""
     mine, listed, specs = {}, {}, {}  # listed: key -> this rank's [(name, box)]
-
-    def whole(shape) -> tuple:
-        return tuple((0, n) for n in shape)
-
     for weight in weights:
         specs.update(weight.stored)
         for key, value in weight.constants.items():
             specs[key] = (tuple(value.shape), value.dtype)
             if tp.rank == 0:
-                mine[key], listed[key] = value, [(key, whole(value.shape))]
+                mine[key], listed[key] = value, [(key, tuple((0, n) for n in value.shape))]
         for piece in weight.pieces:
             for suffix, (index, tensor) in piece.kept.stored().items():
                 key = piece.key + suffix
-                shape, single = weight.stored[key][0], math.prod(weight.stored[key][0]) == 1
                 name = f"{key}@{tp.rank}.{len(listed.get(key, ()))}"
-                mine[name] = tensor.reshape(shape) if single else tensor  # one scale: stored [] or [1], held [1, 1]
-                listed.setdefault(key, []).append((name, whole(shape) if single else tuple(box_of(index, shape))))
+                mine[name] = tensor
+                listed.setdefault(key, []).append((name, tuple(box_of(index, weight.stored[key][0]))))
     everyone = [listed]
     if tp.size > 1:
         everyone = [None] * tp.size
@@ -247,6 +230,6 @@ def saved_pieces(weights: list[KeptWeight], tp, first_file: int) -> tuple[dict, 
         for key, (shape, dtype) in specs.items()
     }  # fmt: skip
     for key, (shape, _, pieces) in described.items():  # on every rank, before anything is written
-        if covered([box for _, _, box in pieces]) != math.prod(shape):
+        if union_volume([box for _, _, box in pieces]) != math.prod(shape):
             raise RuntimeError(f"{key}: the ranks' kept pieces do not cover it; refusing to write it")
     return mine, described
