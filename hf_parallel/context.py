@@ -9,7 +9,6 @@ it runs in, and only that one. Tensor parallelism's hooks need no context.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from contextvars import ContextVar
 from dataclasses import dataclass, field
 
 import torch
@@ -44,12 +43,13 @@ class Call:
     training: StepRecord | None = None  # set by train_step on a pipeline stage
 
 
-_CURRENT: ContextVar[Call | None] = ContextVar("hf_parallel_call", default=None)
+_CALLS: list[Call | None] = []  # the calls in progress, innermost last (a list: torch.compile traces it,
+# where a ContextVar's set is a graph break; forwards run on one thread)
 
 
 def current_call() -> Call | None:
     """The call in progress (None outside a forward the runtime runs)."""
-    return _CURRENT.get()
+    return _CALLS[-1] if _CALLS else None
 
 
 def keeping_the_call(checkpoint):
@@ -70,11 +70,11 @@ def keeping_the_call(checkpoint):
 
 @contextmanager
 def calling(call: Call):
-    token = _CURRENT.set(call)
+    _CALLS.append(call)
     try:
         yield call
     finally:
-        _CURRENT.reset(token)
+        _CALLS.pop()
 
 
 def batch_inputs(kwargs: dict) -> torch.Tensor:

@@ -33,8 +33,12 @@ class Runtime:
         becomes ``self.forward``."""
         self.sequence, self.stage = sequence, stage
         own = own or model.forward
-        # weakly: the state keeps the runtime, and must not keep the model alive
-        self._own = weakref.WeakMethod(own) if inspect.ismethod(own) else (lambda: own)
+        # weakly: the state keeps the runtime, and must not keep the model alive (a function and a
+        # weak reference to its object, not a WeakMethod: torch.compile traces these)
+        if inspect.ismethod(own):
+            self._function, self._owner = own.__func__, weakref.ref(own.__self__)
+        else:
+            self._function, self._owner = own, None
         self._signature = inspect.signature(model.forward)
         self._warned: list = []
         if sequence is not None or stage is not None:
@@ -47,7 +51,9 @@ class Runtime:
     @property
     def own(self):
         """The model's own forward, which ``run`` calls once per micro-batch."""
-        return self._own()
+        if self._owner is None:
+            return self._function
+        return functools.partial(self._function, self._owner())
 
     def bound(self, args: tuple, kwargs: dict) -> dict:
         """A forward's arguments by name, as this rank was called with them."""

@@ -45,6 +45,8 @@ def _install_registration_hook() -> None:
 
 
 def _on_registered(parent: nn.Module, name: str, module):
+    if torch.compiler.is_compiling():  # a traced forward registers only transformers' fresh slices of its
+        return None  # layer list; looking them up would guard on every watched module (ms per call)
     watched = _WATCHED.get(parent)
     if watched is None or not isinstance(module, nn.Module):
         return None

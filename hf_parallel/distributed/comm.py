@@ -31,8 +31,11 @@ from collections import Counter
 
 import torch
 import torch.distributed as dist
+from torch.utils._pytree import tree_map_only
 
+from . import ops  # noqa: F401  (registers the collectives as torch ops)
 from .faults import collective
+from .headers import DTYPES, header_of
 from .shm import channel_for
 
 COUNTS: Counter = Counter()  # op name -> calls;  op name + ":bytes" -> payload bytes
@@ -56,15 +59,27 @@ def _shm(group, x: torch.Tensor):
     return channel if channel is not None and channel.fits(x.numel() * x.element_size()) else None
 
 
+def _compiling() -> bool:
+    """Traced by ``torch.compile``: collectives go in the graph as ``ops.py``'s ops."""
+    return torch.compiler.is_compiling()
+
+
 def all_reduce(x: torch.Tensor, group) -> torch.Tensor:
     if _world(group) == 1:
         return x
+    if _compiling():
+        return torch.ops.hf_parallel.all_reduce(x, group.group_name)
+    return all_reduce_now(x, group)
+
+
+def all_reduce_now(x: torch.Tensor, group) -> torch.Tensor:
+    """The sum over ``group``, run now (``all_reduce``'s eager transport; the op's implementation)."""
     _count("all_reduce", x)
     channel = _shm(group, x)
     if channel is not None:
         return channel.all_reduce(x)
     x = x.contiguous().clone()
-    with collective(f"all-reduce of {tuple(x.shape)}"):
+    with collective(lambda: f"all-reduce of {tuple(x.shape)}"):
         dist.all_reduce(x, group=group)
     return x
 
@@ -73,6 +88,13 @@ def all_gather(x: torch.Tensor, dim: int, sizes, group) -> torch.Tensor:
     """Concatenate every rank's ``x`` along ``dim``; ``sizes[r]`` is rank r's extent there."""
     if _world(group) == 1:
         return x
+    if _compiling():
+        return torch.ops.hf_parallel.all_gather(x, dim % x.dim(), list(sizes), group.group_name)
+    return all_gather_now(x, dim, sizes, group)
+
+
+def all_gather_now(x: torch.Tensor, dim: int, sizes, group) -> torch.Tensor:
+    """``all_gather``'s eager transport (the op's implementation)."""
     dim = dim % x.dim()
     biggest = max(sizes)
     padded = x
@@ -87,7 +109,7 @@ def all_gather(x: torch.Tensor, dim: int, sizes, group) -> torch.Tensor:
         parts = channel.all_gather(padded)  # views into shared memory, consumed by the cat below
     else:
         parts = [torch.empty_like(padded) for _ in sizes]
-        with collective(f"all-gather of {tuple(padded.shape)}"):
+        with collective(lambda: f"all-gather of {tuple(padded.shape)}"):
             dist.all_gather(parts, padded, group=group)
     return torch.cat([part.narrow(dim, 0, size) for part, size in zip(parts, sizes)], dim)
 
@@ -100,7 +122,7 @@ def exchange(pieces: list[torch.Tensor], shapes: list[tuple[int, ...]], group) -
     counts = [math.prod(shape) for shape in shapes]
     recv = send.new_empty(sum(counts))
     _count("all_to_all", send)
-    with collective(f"all-to-all of {[tuple(p.shape) for p in pieces]}"):
+    with collective(lambda: f"all-to-all of {[tuple(p.shape) for p in pieces]}"):
         dist.all_to_all_single(recv, send, counts, [piece.numel() for piece in pieces], group=group)
     return [part.view(shape) for part, shape in zip(recv.split(counts), shapes)]
 
@@ -180,6 +202,15 @@ class _AllToAll(torch.autograd.Function):
 
 
 def all_to_all_raw(x, split_dim: int, cat_dim: int, split_sizes, cat_sizes, group) -> torch.Tensor:
+    if _compiling():
+        return torch.ops.hf_parallel.all_to_all(
+            x, split_dim, cat_dim, list(split_sizes), list(cat_sizes), dist.get_rank(group), group.group_name
+        )
+    return all_to_all_now(x, split_dim, cat_dim, split_sizes, cat_sizes, group)
+
+
+def all_to_all_now(x, split_dim: int, cat_dim: int, split_sizes, cat_sizes, group) -> torch.Tensor:
+    """``all_to_all``'s eager transport (the op's implementation)."""
     rank = dist.get_rank(group)
     channel = channel_for(group) if x.device.type == "cpu" else None
     if channel is not None:  # straight from x's pieces into the output's, through shared memory
@@ -278,6 +309,9 @@ def broadcast_batch(batch, group, device: torch.device):
     received into a buffer on ``device``. Non-tensor leaves travel with the structure."""
     if _world(group) == 1:
         return batch
+    if _compiling():  # one op per tensor; every rank's compiled graph has the batch's structure already
+        name = group.group_name
+        return tree_map_only(torch.Tensor, lambda t: torch.ops.hf_parallel.broadcast(t.to(device), name), batch)
     leaves = []
 
     def describe(value):
@@ -330,3 +364,32 @@ def broadcast_batch(batch, group, device: torch.device):
         return rest[0]
 
     return build(layout)
+
+
+def broadcast_now(x: torch.Tensor, group) -> torch.Tensor:
+    """The group's first rank's ``x`` on every rank, each passing the tensor it expects (a compiled
+    forward's batch: the graph was traced with this rank's shapes). A rank whose shape or dtype
+    differs from the first rank's is an error naming both, not a misread buffer."""
+    header = header_of(x, x.device)
+    channel = channel_for(group) if x.device.type == "cpu" else None
+    mine = dist.get_rank(group) == 0
+    received = None if channel is None else channel.broadcast(x if mine else None, 0, "broadcasting a batch tensor")
+    if received is None:  # the group's backend: the header first, then the bytes
+        first, received = header.clone(), x.contiguous().clone()
+        with collective(lambda: f"broadcasting a batch tensor of {tuple(x.shape)}"):
+            dist.broadcast(first, src=dist.get_global_rank(group, 0), group=group)
+            if torch.equal(first, header):
+                dist.broadcast(received, src=dist.get_global_rank(group, 0), group=group)
+    else:
+        first = header_of(received, x.device)
+    if not torch.equal(first, header):
+        raise ValueError(
+            f"hf_parallel: the ranks of a sequence-parallel group called the compiled forward with different "
+            f"batches: the first rank's tensor is {_described(first)}, this rank's {_described(header)}"
+        )
+    return received
+
+
+def _described(header: torch.Tensor) -> str:
+    dtype, ndim, *shape = header.tolist()
+    return f"{DTYPES[dtype]} of shape {tuple(shape[:ndim])}"

@@ -17,14 +17,16 @@ def timeout_seconds() -> float:
 
 
 @contextmanager
-def collective(what: str):
+def collective(what):
     """Turn the backend's error for a failed collective (gloo: "Timed out waiting 3000ms for recv",
-    "Connection reset by peer") into a RankFailure that says what this rank was doing and why."""
+    "Connection reset by peer") into a RankFailure that says what this rank was doing and why.
+    ``what``: the words, or a function giving them (built only on failure: the hot path pays nothing)."""
     try:
         yield
     except RuntimeError as error:
         text = str(error).strip()
         backend = text.splitlines()[0] if text else type(error).__name__
+        what = what() if callable(what) else what
         raise RankFailure(
             f"hf_parallel: {what} failed: another rank died, hangs past HF_PARALLEL_TIMEOUT="
             f"{timeout_seconds():g}s, or issued a different collective (backend: {backend})"

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from . import ops
 from .faults import collective, timeout_seconds
 from .shape import MeshShape, asked
 from .shm import attach, attach_pipes, channel_for
@@ -178,9 +179,9 @@ class Mesh:
     def _new_group(self, ranks: tuple[int, ...]):
         if len(ranks) < 2:
             return None
-        if len(ranks) == self.world_size:
-            return dist.group.WORLD
-        return dist.new_group(list(ranks), timeout=default_timeout())
+        group = dist.group.WORLD if len(ranks) == self.world_size else dist.new_group(list(ranks), timeout=default_timeout())
+        ops.register(group)
+        return group
 
     def __str__(self) -> str:
         """``rank 3: pp 1/2, tp 1/2, sp 0/1``: this rank's stage, then its index in each group (and in
@@ -280,6 +281,7 @@ def _create(shape: MeshShape, timeout: datetime.timedelta) -> Mesh:
                 )
                 if rank in ranks:
                     groups[ranks] = group
+                    ops.register(group)
                 else:
                     groups.setdefault(ranks, None)
     mesh = Mesh(shape, rank, device, {ranks: g for ranks, g in groups.items() if g is not None})

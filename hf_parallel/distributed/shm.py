@@ -47,6 +47,8 @@ class ShmChannel:
         self.memory = torch.from_file(path, shared=True, size=self.size(world_size, slot_bytes), dtype=torch.uint8)
         self.flags = np.frombuffer(self.memory[: self.header].numpy(), dtype=np.int64)[::FLAG_STRIDE]
         self.seq = 0
+        # every slot's view, made once: a decoded token runs ~60 collectives, each op on them costs ~1 us
+        self.slots = [[self._slot(parity, rank) for rank in range(world_size)] for parity in (0, 1)]
 
     @staticmethod
     def size(world_size: int, slot_bytes: int = SLOT_BYTES) -> int:
@@ -70,11 +72,12 @@ class ShmChannel:
         """One step of the protocol: ``write(my slot)``, publish, wait for every rank; every rank's
         slot of this step (read them before the next call). ``what`` names it in a RankFailure."""
         self.seq += 1
-        parity = self.seq % 2
-        write(self._slot(parity, self.rank))
+        slots = self.slots[self.seq % 2]
+        write(slots[self.rank])
         self.flags[self.rank] = self.seq
-        self._wait(self.seq, what)
-        return [self._slot(parity, r) for r in range(self.world_size)]
+        if self.flags.min() < self.seq:
+            self._wait(self.seq, what)
+        return slots
 
     def exchange(self, payload: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's ``payload`` (uint8, same size on all ranks). Read the views before the next call."""
@@ -152,14 +155,22 @@ class ShmChannel:
         return out.copy_(slot[header_bytes : header_bytes + out.nbytes].view(out.dtype).view(out.shape))
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum in rank order on every rank, so all ranks get bitwise the same result."""
-        parts = self.exchange(x.contiguous().reshape(-1).view(torch.uint8))
-        parts = [part.view(x.dtype).view(x.shape) for part in parts]
-        low = x.dtype in (torch.bfloat16, torch.float16)  # accumulated in fp32, rounded once
-        out = parts[0].to(torch.float32) if low else parts[0].clone()  # its own tensor: callers may add in place
+        """Sum in rank order on every rank, so all ranks get bitwise the same result. Low precision
+        is accumulated in fp32 and rounded once (two ranks: their bf16/fp16 sum is exact in fp32, so
+        adding in the dtype itself rounds it the same way, without the conversions)."""
+        flat = x.reshape(-1)
+        n = flat.numel()
+        slots = self._round(lambda slot: slot.view(x.dtype)[:n].copy_(flat))
+        parts = [slot.view(x.dtype)[:n] for slot in slots]
+        if self.world_size == 2 or x.dtype not in (torch.bfloat16, torch.float16):
+            out = parts[0] + parts[1]  # its own tensor: callers may add in place
+            for part in parts[2:]:
+                out += part
+            return out.view(x.shape)
+        out = parts[0].to(torch.float32)
         for part in parts[1:]:
             out += part
-        return out.to(x.dtype) if low else out
+        return out.to(x.dtype).view(x.shape)
 
     def all_gather(self, x: torch.Tensor) -> list[torch.Tensor]:
         """Views of every rank's ``x`` in shared memory: consume them before the next collective."""

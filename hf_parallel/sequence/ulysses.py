@@ -13,7 +13,6 @@ the module, so ``num_key_value_groups`` is never changed on the module itself.
 
 from __future__ import annotations
 
-import copy
 import sys
 from dataclasses import dataclass
 from functools import lru_cache
@@ -59,17 +58,22 @@ def ulysses_attention(module, query, key, value, attention_mask, **kwargs):
     group, seq = sequence.split.group, sequence.sizes
     spread = head_spread(query.shape[1], key.shape[1], len(seq))
     query = comm.all_to_all(query, 1, 2, spread.q_sizes, seq, group)
-    target = module
-    if spread.kv_heads is not None:
+    if spread.kv_heads is not None:  # one key/value head per query head is sent
         index = torch.tensor(spread.kv_heads, device=key.device)
         key, value = key.index_select(1, index), value.index_select(1, index)
-        target = copy.copy(module)  # one query head per key/value head here, on this copy only
-        target.num_key_value_groups = 1
     key = comm.all_to_all(key, 1, 2, spread.kv_sizes, seq, group)
     value = comm.all_to_all(value, 1, 2, spread.kv_sizes, seq, group)
     if attention_mask is not None and attention_mask.shape[-1] < query.shape[2]:
         attention_mask = _mask_padding(attention_mask, query.shape[2])
-    out, _ = _inner_function(module, sequence.split.inner)(target, query, key, value, attention_mask, **kwargs)
+    inner = _inner_function(module, sequence.split.inner)
+    if spread.kv_heads is None:
+        out, _ = inner(module, query, key, value, attention_mask, **kwargs)
+    else:  # so for the inner call alone (set and restored: torch.compile traces this, not a copy of the module)
+        groups, module.num_key_value_groups = module.num_key_value_groups, 1
+        try:
+            out, _ = inner(module, query, key, value, attention_mask, **kwargs)
+        finally:
+            module.num_key_value_groups = groups
     # [batch, seq, heads/sp, dim] -> [batch, seq/sp, heads, dim]; attention weights stay with the heads' ranks
     return comm.all_to_all(out, 1, 2, seq, spread.q_sizes, group), None
 

@@ -1,0 +1,159 @@
+"""Decode speed, eager and compiled: hf_parallel at TP=N against one process (and transformers' own TP
+where it can split the model), side by side in one run, greedy, through ``generate`` itself.
+
+    python benchmarks/decode.py [--models smollm2-135m llama-1gb] [--tp 2] [--new-tokens 32] [--rounds 3]
+
+Per implementation, two modes: ``eager`` (generate's default dynamic cache) and ``compiled`` (a static
+cache and ``torch.compile(model.forward, fullgraph=True)``, gpt-fast's recipe; one warm-up generate
+compiles). A token's time is the gap between two consecutive tokens reaching generate's streamer, so
+prefill is left out; each mode reports the median gap. One process gets every core, N ranks cores/N
+threads each. Prints ratios (tokens/s against one process eager, and compiled against compiled) and
+writes ``decode.json``; every run's tokens must agree with one process's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def worker(args) -> None:
+    import torch
+    import transformers
+
+    rank = int(os.environ.get("RANK", 0))
+    if args.impl == "hf_parallel":
+        import hf_parallel
+
+        model = hf_parallel.AutoModelForCausalLM.from_pretrained(args.model, tp_plan="auto", dtype=torch.bfloat16)
+    else:
+        tp = dict(tp_plan="auto") if args.impl == "transformers" else {}
+        model = transformers.AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16, **tp)
+    vocab = model.config.vocab_size
+    prompt = torch.randint(3, vocab, (1, args.prompt_len), generator=torch.Generator().manual_seed(0))
+    result = {"impl": args.impl, "mode": args.mode, "rank": rank, "threads": torch.get_num_threads()}
+    options = dict(max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False)
+    if args.mode == "compiled":
+        options["cache_implementation"] = "static"
+        model.forward = torch.compile(model.forward, fullgraph=True)
+    stamps = []
+
+    class Clock(transformers.generation.streamers.BaseStreamer):
+        def put(self, value):
+            stamps.append(time.perf_counter())
+
+        def end(self):
+            pass
+
+    with torch.inference_mode():
+        start = time.perf_counter()
+        model.generate(prompt, **options)  # warm-up (compiles)
+        result["warm_up_s"] = time.perf_counter() - start
+        gaps = []
+        for _ in range(args.repeats):
+            stamps.clear()
+            out = model.generate(prompt, streamer=Clock(), **options)
+            gaps += [b - a for a, b in zip(stamps[2:], stamps[3:])]  # stamps[0]: the prompt, [1]: prefill's token
+    result["s_per_token"] = statistics.median(gaps)
+    result["tokens"] = out[0, args.prompt_len :].tolist()
+    with open(os.path.join(args.out, f"{args.impl}-{args.mode}-rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+    if "hf_parallel" in sys.modules:
+        sys.modules["hf_parallel"].distributed.mesh.shutdown()
+    elif torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+
+
+def launch(impl: str, mode: str, nproc: int, model: str, args) -> dict:
+    threads = max(1, (os.cpu_count() or 1) // nproc)
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": HERE}
+    command = [os.path.abspath(__file__), "--worker", "--impl", impl, "--mode", mode, "--model", model]
+    command += ["--out", args.out, "--new-tokens", str(args.new_tokens), "--prompt-len", str(args.prompt_len)]
+    command += ["--repeats", str(args.repeats)]
+    if nproc == 1:
+        command = [sys.executable, *command]
+    else:
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *command]
+    path = os.path.join(args.out, f"{impl}-{mode}-rank0.json")
+    if os.path.exists(path):
+        os.remove(path)
+    log = os.path.join(args.out, f"{impl}-{mode}.log")
+    print(f"  {impl} {mode} x{nproc} ({threads} thread(s) each) ...", flush=True)
+    with open(log, "w") as f:
+        subprocess.run(command, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=args.timeout, check=False)
+    if not os.path.exists(path):
+        return {"error": f"no result (log: {log})"}
+    with open(path) as f:
+        return json.load(f)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--worker", action="store_true")
+    parser.add_argument("--impl", default="single")
+    parser.add_argument("--mode", default="eager")
+    parser.add_argument("--model")
+    parser.add_argument("--models", nargs="+", default=["smollm2-135m"])
+    parser.add_argument("--tp", type=int, default=2)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--prompt-len", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--transformers-tp", action="store_true", help="also transformers' own TP (where it splits)")
+    parser.add_argument("--out", default=os.path.join(HERE, "results"))
+    parser.add_argument("--timeout", type=int, default=1800)
+    args = parser.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    if args.worker:
+        return worker(args)
+    sys.path.insert(0, HERE)
+    from checkpoints import CHECKPOINTS
+
+    report = {}
+    for name in args.models:
+        path = CHECKPOINTS[name]()
+        runs = [("single", 1), ("hf_parallel", args.tp)] + [("transformers", args.tp)] * args.transformers_tp
+        rows: dict = {}
+        for _ in range(args.rounds):  # rounds interleave the implementations: a noisy spell hits all of them
+            for impl, nproc in runs:
+                for mode in ("eager", "compiled"):
+                    rows.setdefault(f"{impl} {mode}", []).append(launch(impl, mode, nproc, path, args))
+        report[name] = {key: summarize(results) for key, results in rows.items()}
+        print(table(name, report[name], args.tp))
+    with open(os.path.join(args.out, "decode.json"), "w") as f:
+        json.dump(report, f, indent=1)
+
+
+def summarize(results: list[dict]) -> dict:
+    failed = next((r for r in results if "error" in r), None)
+    if failed is not None:
+        return failed
+    return {**results[0], "s_per_token": statistics.median(r["s_per_token"] for r in results)}
+
+
+def table(name: str, rows: dict, tp: int) -> str:
+    base = rows["single eager"]
+    lines = [f"\n## {name}: decode, bf16, TP={tp}\n", "| run | ms/token | tokens/s | x one process eager |"
+             " x one process compiled | tokens as one process eager |", "|---|---|---|---|---|---|"]  # fmt: skip
+    for key, row in rows.items():
+        if "error" in row:
+            lines.append(f"| {key} | failed: {row['error']} | | | | |")
+            continue
+        speed = lambda other: "-" if "error" in other else f"{other['s_per_token'] / row['s_per_token']:.2f}x"  # noqa: E731
+        same = "-" if "error" in base else f"{sum(a == b for a, b in zip(row['tokens'], base['tokens']))}/{len(base['tokens'])}"
+        compiled = rows.get("single compiled", {"error": "-"})
+        lines.append(f"| {key} | {row['s_per_token'] * 1e3:.1f} | {1 / row['s_per_token']:.1f} | {speed(base)} | "
+                     f"{speed(compiled)} | {same} |")  # fmt: skip
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
