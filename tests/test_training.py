@@ -107,6 +107,8 @@ TRAINER_CASES = {  # world size -> case -> layout (transformers' Trainer, unchan
     2: {
         "tp2": dict(tp_size=2),
         "fsdp2": dict(fsdp_size=2, tp_plan=None),
+        "tp2_compiled": dict(tp_size=2, trainer=dict(torch_compile=True)),
+        "fsdp2_compiled": dict(fsdp_size=2, tp_plan=None, trainer=dict(torch_compile=True)),
         "pp2": dict(pp_size=2, tp_plan=None),
         "unplaced": dict(tp_size=2),
     },
@@ -161,6 +163,7 @@ def test_trainer_matches_one_process(trainer_runs, trainer_reference, world_size
     for rank, result in enumerate(results):
         got = result[case]
         assert not got["wrapped"].startswith("DistributedDataParallel"), got["wrapped"]
+        assert (got["wrapped"] == "OptimizedModule") == case.endswith("_compiled"), got["wrapped"]  # torch_compile=True
         assert len(got["losses"]) == training_workers.STEPS
         assert max(abs(a - b) for a, b in zip(got["losses"], want["losses"])) < LOSS_TOLERANCE, (rank, got, want)
         assert max(abs(a - b) for a, b in zip(got["norms"], want["norms"])) < NORM_TOLERANCE, (rank, got, want)

@@ -154,12 +154,13 @@ def trainer_cases(rank: int, world_size: int, path: str, cases: dict, global_bat
             except ValueError as error:
                 results[name] = str(error)
             continue
+        sizes = dict(sizes)
+        overrides = sizes.pop("trainer", {})  # TrainingArguments of the case (torch_compile=True)
         model = hf_parallel.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **sizes)
         dp = hf_parallel.parallel_state(model).mesh.dp.size
         data = trainer_dataset(model.config.vocab_size, global_batch * STEPS)
-        trainer = transformers.Trainer(
-            model=model, args=trainer_arguments(os.path.join(root, name), global_batch // dp), train_dataset=data
-        )
+        args = trainer_arguments(os.path.join(root, name), global_batch // dp, **overrides)
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=data)
         trainer.train()
         trainer.save_model(os.path.join(root, name, "final"))
         results[name] = {**trainer_history(trainer), "wrapped": type(trainer.model_wrapped).__name__}

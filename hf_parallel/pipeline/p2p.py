@@ -7,6 +7,9 @@ a shape. Sends are asynchronous (``isend``): a stage goes on with its next micro
 last one is in flight; ``flush`` waits for them (and keeps their buffers alive until then). A
 receive that does not complete within ``HF_PARALLEL_TIMEOUT`` raises ``RankFailure`` naming this
 stage, the stage it waited for and what it waited for.
+
+Under ``torch.compile`` the links run eagerly (``torch.compiler.disable``): a stage's forward is
+traced in pieces between its receive and its send, which wait on another process.
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ class StageLink:
         """The shared-memory pipe for hidden states and their gradients between stages on one host."""
         return self.mesh.pipes.get((sender, receiver)) if tag in (Tag.FORWARD, Tag.BACKWARD) else None
 
+    @torch.compiler.disable
     def send(self, tensor: torch.Tensor, stage: int, what: str, tag: Tag = Tag.FORWARD) -> None:
         """Send ``tensor`` to ``stage``'s first rank, without waiting; only this stage's first rank sends."""
         if not self.leads:
@@ -69,6 +73,7 @@ class StageLink:
                 work = dist.isend(buffer, dst=self.leader(stage), tag=tag)
             self._pending.append((work, buffer, what, stage))
 
+    @torch.compiler.disable
     def recv(self, stage: int, what: str, tag: Tag = Tag.FORWARD) -> torch.Tensor:
         """A tensor from ``stage``'s first rank, on every rank of this stage (broadcast over TP)."""
         waiting = f"stage {self.stage} (rank {self.mesh.rank}) waiting for {what} from {self._where(stage)}"
@@ -101,6 +106,7 @@ class StageLink:
             with collective(f"stage {self.stage} (rank {self.mesh.rank}) sending {what} to {self._where(stage)}"):
                 work.wait()
 
+    @torch.compiler.disable
     def broadcast_from_last(self, tensor: torch.Tensor | None) -> torch.Tensor:
         """The last stage's ``tensor`` on every rank of this model replica (header first)."""
         source = self.mesh.stage_ranks(self.num_stages - 1)[0]  # the same rank for every rank of the replica

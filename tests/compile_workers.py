@@ -1,0 +1,116 @@
+"""Rank workers for test_compile.py: parallel forwards under ``torch.compile`` against their own eager runs."""
+
+from __future__ import annotations
+
+import torch
+
+INPUT_IDS = [[5, 7, 9, 11, 13, 17, 19, 23, 29, 31, 37]]
+HOST_SYNCS = {"item", "tolist", "numpy", "_local_scalar_dense"}  # what stops a CUDA graph (and waits for the device)
+
+
+def _load(path: str, sizes: dict):
+    import hf_parallel
+
+    return hf_parallel.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **sizes)
+
+
+def recording(graphs: list, inductor: bool):
+    """A torch.compile backend that keeps each graph dynamo hands it, then compiles it with inductor
+    (or runs it through AOT autograd with the ops' fake implementations, faster to build)."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.aot_autograd import make_boxed_func
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        if inductor:
+            from torch._inductor.compile_fx import compile_fx
+
+            return compile_fx(gm, example_inputs)
+        return aot_autograd(fw_compiler=lambda g, _: make_boxed_func(g.forward))(gm, example_inputs)
+
+    return backend
+
+
+def graph_facts(graphs: list, device: str = "cpu") -> dict:
+    """The collectives each traced graph holds, and any host synchronisation in it (a copy to the
+    host too, where the model is on another device: on the CPU, transformers' ``.to(x.device)`` is one)."""
+    collectives, syncs = 0, []
+    for gm in graphs:
+        for node in gm.graph.nodes:
+            target = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
+            if "hf_parallel" in str(node.target):
+                collectives += 1
+            if node.op in ("call_method", "call_function") and target in HOST_SYNCS:
+                syncs.append(f"{node.op} {target}")
+            copies = target == "cpu" or (target == "to" and "cpu" in str((node.args[1:], node.kwargs)))
+            if device != "cpu" and node.op == "call_method" and copies:
+                syncs.append(f"{target}(cpu)")
+    return {"graphs": len(graphs), "collectives": collectives, "host_syncs": syncs}
+
+
+def explained(model, *args, **kwargs) -> dict:
+    torch._dynamo.reset()
+    explanation = torch._dynamo.explain(model)(*args, **kwargs)
+    torch._dynamo.reset()
+    return {"explain_graphs": explanation.graph_count, "breaks": [b.reason[:300] for b in explanation.break_reasons]}
+
+
+def forward_case(path: str, sizes: dict, inductor: bool, fullgraph: bool = True) -> dict:
+    """Logits of the eager forward and of the compiled one."""
+    model = _load(path, sizes)
+    ids = torch.tensor(INPUT_IDS)
+    with torch.no_grad():
+        eager = model(ids).logits
+        facts = explained(model, ids)
+        graphs = []
+        compiled = torch.compile(model, fullgraph=fullgraph, backend=recording(graphs, inductor))(ids).logits
+    return {**facts, **graph_facts(graphs), "logits": (compiled - eager).abs().max().item()}
+
+
+def lora_case(path: str, sizes: dict) -> dict:
+    """LoRA at TP: loss and every adapter gradient, eager and compiled."""
+    import peft
+
+    torch.manual_seed(0)
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_proj", "down_proj"],
+                             init_lora_weights=False)  # fmt: skip
+    model = peft.get_peft_model(_load(path, sizes), config)
+    model.train()
+    ids = torch.randint(3, 100, (2, 12), generator=torch.Generator().manual_seed(1))
+
+    def step(forward):
+        model.zero_grad(set_to_none=True)
+        loss = forward(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+    eager_loss, eager_grads = step(model)
+    facts = explained(model, input_ids=ids, labels=ids)
+    graphs = []
+    loss, grads = step(torch.compile(model, fullgraph=True, backend=recording(graphs, inductor=False)))
+    diff = max((grads[n] - eager_grads[n]).abs().max().item() for n in eager_grads)
+    return {**facts, **graph_facts(graphs), "loss": abs(loss - eager_loss), "grads": diff, "adapters": len(grads)}
+
+
+def static_generate_case(path: str, sizes: dict) -> dict:
+    """Greedy generate with a static cache and a compiled forward (gpt-fast's recipe) against eager
+    generate; scalar outputs are captured into the graph, so a ``.item()`` would show as a node."""
+    model = _load(path, sizes)
+    ids = torch.tensor(INPUT_IDS)
+    options = dict(max_new_tokens=6, do_sample=False, cache_implementation="static")
+    eager = model.generate(ids, **options)
+    graphs = []
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(capture_scalar_outputs=True):
+        model.forward = torch.compile(model.forward, fullgraph=True, backend=recording(graphs, inductor=True))
+        compiled = model.generate(ids, **options)
+    return {**graph_facts(graphs), "tokens": compiled.tolist(), "eager_tokens": eager.tolist()}
+
+
+def compiled_cases(rank: int, world_size: int, cases: dict) -> dict:
+    results = {}
+    for name, (kind, path, sizes, options) in cases.items():
+        torch._dynamo.reset()
+        run = {"forward": forward_case, "lora": lora_case, "generate": static_generate_case}[kind]
+        results[name] = run(path, sizes, **options)
+    return results
