@@ -74,7 +74,8 @@ def worker(args) -> None:
 
 def launch(impl: str, mode: str, nproc: int, model: str, args) -> dict:
     threads = max(1, (os.cpu_count() or 1) // nproc)
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": HERE}
+    pythonpath = os.pathsep.join(p for p in (HERE, os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": pythonpath}
     command = [os.path.abspath(__file__), "--worker", "--impl", impl, "--mode", mode, "--model", model]
     command += ["--out", args.out, "--new-tokens", str(args.new_tokens), "--prompt-len", str(args.prompt_len)]
     command += ["--repeats", str(args.repeats)]

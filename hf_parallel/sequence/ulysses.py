@@ -46,6 +46,12 @@ def head_spread(num_heads: int, num_kv_heads: int, sp: int) -> HeadSpread:
     return HeadSpread(q_sizes, q_sizes, kv_heads)
 
 
+@lru_cache(maxsize=None)
+def _head_index(kv_heads: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """The key/value head sent for each query head, made once per device (not per call)."""
+    return torch.tensor(kv_heads, device=device)
+
+
 def _inner_function(module, name: str):
     if name == "eager":  # the model's own eager function (Gemma 2's soft-capping, ...)
         return sys.modules[type(module).__module__].eager_attention_forward
@@ -59,7 +65,7 @@ def ulysses_attention(module, query, key, value, attention_mask, **kwargs):
     spread = head_spread(query.shape[1], key.shape[1], len(seq))
     query = comm.all_to_all(query, 1, 2, spread.q_sizes, seq, group)
     if spread.kv_heads is not None:  # one key/value head per query head is sent
-        index = torch.tensor(spread.kv_heads, device=key.device)
+        index = _head_index(spread.kv_heads, key.device)
         key, value = key.index_select(1, index), value.index_select(1, index)
     key = comm.all_to_all(key, 1, 2, spread.kv_sizes, seq, group)
     value = comm.all_to_all(value, 1, 2, spread.kv_sizes, seq, group)

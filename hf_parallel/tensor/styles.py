@@ -332,7 +332,7 @@ class ShardedRMSNorm(ParallelStyle):
                 torch.full((stop - start,), 1.0 / count)
                 for (start, stop), count in zip(layout.ranges[ctx.rank], layout.replica_counts(ctx.rank))
             ]
-        )
+        ).to(module.weight.device)  # made once; the call's .to is a no-op unless the module moved
         ctx.gradients.sum_pieces(module.weight, layout, ctx.rank, ctx.kv_group)
 
         def around(forward, hidden_states):
