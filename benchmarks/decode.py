@@ -29,13 +29,14 @@ def worker(args) -> None:
     import transformers
 
     rank = int(os.environ.get("RANK", 0))
+    dtype = getattr(torch, args.dtype)
     if args.impl == "hf_parallel":
         import hf_parallel
 
-        model = hf_parallel.AutoModelForCausalLM.from_pretrained(args.model, tp_plan="auto", dtype=torch.bfloat16)
+        model = hf_parallel.AutoModelForCausalLM.from_pretrained(args.model, tp_plan="auto", dtype=dtype)
     else:
         tp = dict(tp_plan="auto") if args.impl == "transformers" else {}
-        model = transformers.AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16, **tp)
+        model = transformers.AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, **tp)
     vocab = model.config.vocab_size
     prompt = torch.randint(3, vocab, (1, args.prompt_len), generator=torch.Generator().manual_seed(0))
     result = {"impl": args.impl, "mode": args.mode, "rank": rank, "threads": torch.get_num_threads()}
@@ -78,7 +79,7 @@ def launch(impl: str, mode: str, nproc: int, model: str, args) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": pythonpath}
     command = [os.path.abspath(__file__), "--worker", "--impl", impl, "--mode", mode, "--model", model]
     command += ["--out", args.out, "--new-tokens", str(args.new_tokens), "--prompt-len", str(args.prompt_len)]
-    command += ["--repeats", str(args.repeats)]
+    command += ["--repeats", str(args.repeats), "--dtype", args.dtype]
     if nproc == 1:
         command = [sys.executable, *command]
     else:
@@ -102,11 +103,12 @@ def main() -> None:
     parser.add_argument("--impl", default="single")
     parser.add_argument("--mode", default="eager")
     parser.add_argument("--model")
-    parser.add_argument("--models", nargs="+", default=["smollm2-135m"])
+    parser.add_argument("--models", nargs="+", default=["smollm2-135m"], help="names in checkpoints.py, or paths")
     parser.add_argument("--tp", type=int, default=2)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--prompt-len", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--transformers-tp", action="store_true", help="also transformers' own TP (where it splits)")
     parser.add_argument("--out", default=os.path.join(HERE, "results"))
@@ -120,7 +122,7 @@ def main() -> None:
 
     report = {}
     for name in args.models:
-        path = CHECKPOINTS[name]()
+        path = CHECKPOINTS[name]() if name in CHECKPOINTS else name
         runs = [("single", 1), ("hf_parallel", args.tp)] + [("transformers", args.tp)] * args.transformers_tp
         rows: dict = {}
         for _ in range(args.rounds):  # rounds interleave the implementations: a noisy spell hits all of them
@@ -128,7 +130,7 @@ def main() -> None:
                 for mode in ("eager", "compiled"):
                     rows.setdefault(f"{impl} {mode}", []).append(launch(impl, mode, nproc, path, args))
         report[name] = {key: summarize(results) for key, results in rows.items()}
-        print(table(name, report[name], args.tp))
+        print(table(name, report[name], args.tp, args.dtype))
     with open(os.path.join(args.out, "decode.json"), "w") as f:
         json.dump(report, f, indent=1)
 
@@ -140,9 +142,9 @@ def summarize(results: list[dict]) -> dict:
     return {**results[0], "s_per_token": statistics.median(r["s_per_token"] for r in results)}
 
 
-def table(name: str, rows: dict, tp: int) -> str:
+def table(name: str, rows: dict, tp: int, dtype: str) -> str:
     base = rows["single eager"]
-    lines = [f"\n## {name}: decode, bf16, TP={tp}\n", "| run | ms/token | tokens/s | x one process eager |"
+    lines = [f"\n## {name}: decode, {dtype}, TP={tp}\n", "| run | ms/token | tokens/s | x one process eager |"
              " x one process compiled | tokens as one process eager |", "|---|---|---|---|---|---|"]  # fmt: skip
     for key, row in rows.items():
         if "error" in row:

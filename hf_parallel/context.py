@@ -43,8 +43,8 @@ class Call:
     training: StepRecord | None = None  # set by train_step on a pipeline stage
 
 
-_CALLS: list[Call | None] = []  # the calls in progress, innermost last (a list: torch.compile traces it,
-# where a ContextVar's set is a graph break; forwards run on one thread)
+_CALLS: list[Call | None] = []  # the calls in progress, innermost last: a list, which torch.compile traces
+# (a ContextVar's set is a graph break); one thread runs a process's parallel forwards, as its collectives need
 
 
 def current_call() -> Call | None:
@@ -74,7 +74,8 @@ def calling(call: Call):
     try:
         yield call
     finally:
-        _CALLS.pop()
+        if _CALLS.pop() is not call:
+            raise RuntimeError("hf_parallel: parallel forwards ended out of order (run them from one thread)")
 
 
 def batch_inputs(kwargs: dict) -> torch.Tensor:

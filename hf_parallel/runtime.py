@@ -53,7 +53,10 @@ class Runtime:
         """The model's own forward, which ``run`` calls once per micro-batch."""
         if self._owner is None:
             return self._function
-        return functools.partial(self._function, self._owner())
+        owner = self._owner()
+        if owner is None:
+            raise RuntimeError("hf_parallel: the model this runtime ran has been freed")
+        return functools.partial(self._function, owner)
 
     def bound(self, args: tuple, kwargs: dict) -> dict:
         """A forward's arguments by name, as this rank was called with them."""

@@ -55,16 +55,31 @@ def explained(model, *args, **kwargs) -> dict:
     return {"explain_graphs": explanation.graph_count, "breaks": [b.reason[:300] for b in explanation.break_reasons]}
 
 
-def forward_case(path: str, sizes: dict, inductor: bool, fullgraph: bool = True) -> dict:
-    """Logits of the eager forward and of the compiled one."""
+def forward_case(path: str, sizes: dict, inductor: bool, fullgraph: bool = True, per_rank: bool = False) -> dict:
+    """Logits of the eager forward and of the compiled one. ``per_rank``: each rank passes other ids of
+    the same shape (a sequence-parallel group computes its first rank's batch, eager and compiled)."""
     model = _load(path, sizes)
-    ids = torch.tensor(INPUT_IDS)
+    ids = torch.tensor(INPUT_IDS) + (torch.distributed.get_rank() if per_rank else 0)
     with torch.no_grad():
         eager = model(ids).logits
         facts = explained(model, ids)
         graphs = []
         compiled = torch.compile(model, fullgraph=fullgraph, backend=recording(graphs, inductor))(ids).logits
-    return {**facts, **graph_facts(graphs), "logits": (compiled - eager).abs().max().item()}
+    return {**facts, **graph_facts(graphs), "logits": (compiled - eager).abs().max().item(),
+            "last_logits": compiled[0, -1, :5].tolist()}  # fmt: skip
+
+
+def mismatch_case(path: str, sizes: dict) -> dict:
+    """A sequence-parallel group's ranks calling the compiled forward with different shapes: every
+    rank's error, raised before any byte is read into the wrong shape."""
+    model = _load(path, sizes)
+    ids = torch.tensor(INPUT_IDS)[:, : 8 + torch.distributed.get_rank()]
+    try:
+        with torch.no_grad():
+            torch.compile(model, fullgraph=True, backend=recording([], inductor=False))(ids)
+    except ValueError as error:
+        return {"error": str(error)}
+    return {"error": None}
 
 
 def lora_case(path: str, sizes: dict) -> dict:
@@ -111,6 +126,8 @@ def compiled_cases(rank: int, world_size: int, cases: dict) -> dict:
     results = {}
     for name, (kind, path, sizes, options) in cases.items():
         torch._dynamo.reset()
-        run = {"forward": forward_case, "lora": lora_case, "generate": static_generate_case}[kind]
+        run = {"forward": forward_case, "lora": lora_case, "generate": static_generate_case, "mismatch": mismatch_case}[
+            kind
+        ]
         results[name] = run(path, sizes, **options)
     return results

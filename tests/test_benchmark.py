@@ -105,3 +105,18 @@ def test_training_benchmark_runs_every_configuration(tiny_paths, tmp_path):
         assert row["tokens_per_s"] > 0 and row["peak_rss_mib"] > 0, (name, row)
         assert row["loss_error"] < 1e-5, (name, row)  # the same losses as one process
     assert "per-rank peak RSS, hf_parallel FSDP=2 / one process" in done.stdout
+
+
+def test_decode_benchmark_runs_eager_and_compiled_side_by_side(tiny_paths, tmp_path):
+    """benchmarks/decode.py: one process and hf_parallel TP=2, each eager and compiled (static cache,
+    fullgraph), every run's greedy tokens one process's."""
+    command = [sys.executable, os.path.join(ROOT, "benchmarks", "decode.py"), "--models", tiny_paths["llama"]]
+    command += ["--dtype", "float32", "--new-tokens", "4", "--prompt-len", "5", "--repeats", "1", "--out", str(tmp_path)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    rows = json.loads((tmp_path / "decode.json").read_text())[tiny_paths["llama"]]
+    assert set(rows) == {f"{impl} {mode}" for impl in ("single", "hf_parallel") for mode in ("eager", "compiled")}
+    for key, row in rows.items():
+        assert "error" not in row, (key, row.get("error"))
+        assert row["tokens"] == rows["single eager"]["tokens"] and row["s_per_token"] > 0, (key, row)
+    assert "| hf_parallel compiled |" in done.stdout

@@ -14,7 +14,8 @@ CASES = {  # world size -> name -> (kind, checkpoint, layout, options)
     2: {
         "tp2": ("forward", "llama", dict(tp_size=2), dict(inductor=True)),  # 9 / 3 heads: 6 + 3 per rank
         "tp2_ep": ("forward", "qwen3_moe", dict(tp_size=2, ep_plan="auto"), dict(inductor=False)),
-        "sp2": ("forward", "llama", dict(sp_size=2, tp_plan=None), dict(inductor=False)),
+        "sp2": ("forward", "llama", dict(sp_size=2, tp_plan=None), dict(inductor=False, per_rank=True)),
+        "sp2_shapes_differ": ("mismatch", "llama", dict(sp_size=2, tp_plan=None), {}),
         "tp2_lora": ("lora", "llama", dict(tp_size=2), {}),
         "tp2_static_generate": ("generate", "llama", dict(tp_size=2), {}),
         # a pipeline stage's receive and send wait on another process: traced around, not through
@@ -48,10 +49,21 @@ def test_a_compiled_forward_is_one_graph_with_eager_logits(compiled, world_size,
         got = results[case]
         assert got["logits"] < TOL, (rank, case, got)
         if case == "pp2":  # pieces between the stage's links, no other break
-            assert all("disable" in reason or "skip" in reason.lower() for reason in got["breaks"]), got["breaks"]
+            assert got["graphs"] > 1 and all("disable" in reason for reason in got["breaks"]), got
             continue
         assert got["explain_graphs"] == 1 and got["breaks"] == [], (rank, case, got["breaks"])
         assert got["graphs"] == 1 and got["collectives"] > 0, (rank, case, got)
+
+
+@pytest.mark.distributed
+def test_a_sequence_parallel_group_computes_its_first_ranks_batch_compiled(compiled):
+    """Each rank passes other ids: compiled, as eager, every rank gets the first rank's logits; a rank
+    passing another shape makes every rank raise, naming both shapes."""
+    ranks = compiled(2)
+    assert ranks[0]["sp2"]["last_logits"] == ranks[1]["sp2"]["last_logits"]
+    for rank, results in enumerate(ranks):
+        error = results["sp2_shapes_differ"]["error"]
+        assert error is not None and "(1, 8)" in error and "rank 1's" in error and "(1, 9)" in error, (rank, error)
 
 
 @pytest.mark.distributed
@@ -85,3 +97,11 @@ def test_the_host_sync_check_sees_an_item_in_a_graph():
         torch.compile(step, fullgraph=True, backend=compile_workers.recording(graphs, inductor=False))(torch.ones(3))
     torch._dynamo.reset()
     assert compile_workers.graph_facts(graphs)["host_syncs"] == ["call_method item"]
+
+
+def test_a_group_no_mesh_created_is_named_in_the_error():
+    from hf_parallel.distributed import ops
+
+    ops.register(-100)  # what new_group hands a rank outside the group: nothing to register
+    with pytest.raises(RuntimeError, match="'7'.*no hf_parallel mesh created"):
+        ops.group_named("7")

@@ -163,7 +163,8 @@ def test_trainer_matches_one_process(trainer_runs, trainer_reference, world_size
     for rank, result in enumerate(results):
         got = result[case]
         assert not got["wrapped"].startswith("DistributedDataParallel"), got["wrapped"]
-        assert (got["wrapped"] == "OptimizedModule") == case.endswith("_compiled"), got["wrapped"]  # torch_compile=True
+        compiled = case.endswith("_compiled")  # torch_compile=True: the model wrapped, and graphs compiled
+        assert (got["wrapped"] == "OptimizedModule") == compiled and (got["compiled_graphs"] > 0) == compiled, got
         assert len(got["losses"]) == training_workers.STEPS
         assert max(abs(a - b) for a, b in zip(got["losses"], want["losses"])) < LOSS_TOLERANCE, (rank, got, want)
         assert max(abs(a - b) for a, b in zip(got["norms"], want["norms"])) < NORM_TOLERANCE, (rank, got, want)

@@ -161,9 +161,11 @@ def trainer_cases(rank: int, world_size: int, path: str, cases: dict, global_bat
         data = trainer_dataset(model.config.vocab_size, global_batch * STEPS)
         args = trainer_arguments(os.path.join(root, name), global_batch // dp, **overrides)
         trainer = transformers.Trainer(model=model, args=args, train_dataset=data)
+        graphs_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
         trainer.train()
         trainer.save_model(os.path.join(root, name, "final"))
-        results[name] = {**trainer_history(trainer), "wrapped": type(trainer.model_wrapped).__name__}
+        results[name] = {**trainer_history(trainer), "wrapped": type(trainer.model_wrapped).__name__,
+                         "compiled_graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs_before}
     return results
 
 

@@ -9,6 +9,8 @@
   the gradient sums hf_parallel registers go on that parameter once (``tensor/gradients.py``).
 - FSDP2 shards dim 0 as ``torch.chunk`` does: the global gradient norm weighs each row of a slice by
   the TP pieces it holds (``training/clipping.py``).
+- An op registered as an ordered effect keeps its place among the others in a compiled graph: the
+  collectives (``distributed/ops.py``), which inductor could otherwise reorder differently on each rank.
 """
 
 from __future__ import annotations
@@ -63,3 +65,16 @@ def fsdp_rows(full_rows: int, shard_rows: int, index: int, size: int) -> slice:
     FSDP_CHUNKS.get()
     chunk = -(-full_rows // size)
     return slice(min(index * chunk, full_rows), min(index * chunk, full_rows) + shard_rows)
+
+
+ORDERED_EFFECT = Seam("torch", "torch.library:_register_effectful_op",
+                      "(collectives run in program order in a compiled graph, the same on every rank)",
+                      parameters=("op", "effect"))  # fmt: skip
+
+
+def keep_in_order(op: str) -> None:
+    """``op`` (a qualified name) runs where the program put it, relative to every other ordered op:
+    AOT autograd threads a token through them, so no pass of the compiler moves one past another."""
+    import torch
+
+    ORDERED_EFFECT.get()(op, torch.library.EffectType.ORDERED)

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_map_only
 
-from . import ops  # noqa: F401  (registers the collectives as torch ops)
+from .ops import exchanged_shape  # (importing ops registers the collectives as torch ops)
 from .faults import collective
 from .headers import DTYPES, header_of
 from .shm import channel_for
@@ -214,9 +214,7 @@ def all_to_all_now(x, split_dim: int, cat_dim: int, split_sizes, cat_sizes, grou
     rank = dist.get_rank(group)
     channel = channel_for(group) if x.device.type == "cpu" else None
     if channel is not None:  # straight from x's pieces into the output's, through shared memory
-        shape = list(x.shape)
-        shape[split_dim], shape[cat_dim] = split_sizes[rank], sum(cat_sizes)
-        out = x.new_empty(shape)
+        out = x.new_empty(exchanged_shape(x.shape, split_dim, cat_dim, split_sizes[rank], sum(cat_sizes)))
         sends = list(x.split(list(split_sizes), split_dim))
         _count("all_to_all", x)
         row = x.element_size() * math.prod(x.shape) // (x.shape[split_dim] * x.shape[cat_dim] or 1)
@@ -224,11 +222,7 @@ def all_to_all_now(x, split_dim: int, cat_dim: int, split_sizes, cat_sizes, grou
         channel.all_to_all(sends, list(out.split(list(cat_sizes), cat_dim)), largest)
         return out
     pieces = [piece.contiguous() for piece in x.split(list(split_sizes), split_dim)]
-    shapes = []
-    for size in cat_sizes:
-        shape = list(x.shape)
-        shape[split_dim], shape[cat_dim] = split_sizes[rank], size
-        shapes.append(tuple(shape))
+    shapes = [tuple(exchanged_shape(x.shape, split_dim, cat_dim, split_sizes[rank], size)) for size in cat_sizes]
     return torch.cat(exchange(pieces, shapes, group), cat_dim)
 
 
@@ -309,8 +303,8 @@ def broadcast_batch(batch, group, device: torch.device):
     received into a buffer on ``device``. Non-tensor leaves travel with the structure."""
     if _world(group) == 1:
         return batch
-    if _compiling():  # one op per tensor; every rank's compiled graph has the batch's structure already
-        name = group.group_name
+    if _compiling():  # one op per tensor, the first rank's values in each rank's shapes (checked); the
+        name = group.group_name  # structure and non-tensor arguments are each rank's own, as its graph was traced
         return tree_map_only(torch.Tensor, lambda t: torch.ops.hf_parallel.broadcast(t.to(device), name), batch)
     leaves = []
 
@@ -367,27 +361,28 @@ def broadcast_batch(batch, group, device: torch.device):
 
 
 def broadcast_now(x: torch.Tensor, group) -> torch.Tensor:
-    """The group's first rank's ``x`` on every rank, each passing the tensor it expects (a compiled
-    forward's batch: the graph was traced with this rank's shapes). A rank whose shape or dtype
-    differs from the first rank's is an error naming both, not a misread buffer."""
+    """The group's first rank's ``x`` on every rank, as a new contiguous tensor, each rank passing the
+    tensor it expects (a compiled forward's batch: each rank traced its graph with its own shapes).
+    Every rank's description is gathered first, so a rank whose shape or dtype differs from the first
+    rank's makes every rank raise, naming both, before any byte is read into the wrong shape."""
     header = header_of(x, x.device)
-    channel = channel_for(group) if x.device.type == "cpu" else None
+    headers = all_gather_now(header.unsqueeze(0), 0, [1] * _world(group), group)
+    for rank, other in enumerate(headers):
+        if not torch.equal(other, headers[0]):
+            raise ValueError(
+                f"hf_parallel: the ranks of a sequence-parallel group called the compiled forward with different "
+                f"batches: the first rank's tensor is {_described(headers[0])}, rank {rank}'s {_described(other)}"
+            )
     mine = dist.get_rank(group) == 0
-    received = None if channel is None else channel.broadcast(x if mine else None, 0, "broadcasting a batch tensor")
-    if received is None:  # the group's backend: the header first, then the bytes
-        first, received = header.clone(), x.contiguous().clone()
-        with collective(lambda: f"broadcasting a batch tensor of {tuple(x.shape)}"):
-            dist.broadcast(first, src=dist.get_global_rank(group, 0), group=group)
-            if torch.equal(first, header):
-                dist.broadcast(received, src=dist.get_global_rank(group, 0), group=group)
-    else:
-        first = header_of(received, x.device)
-    if not torch.equal(first, header):
-        raise ValueError(
-            f"hf_parallel: the ranks of a sequence-parallel group called the compiled forward with different "
-            f"batches: the first rank's tensor is {_described(first)}, this rank's {_described(header)}"
-        )
-    return received
+    out = x.clone(memory_format=torch.contiguous_format) if mine else None
+    channel = channel_for(group) if x.device.type == "cpu" else None
+    received = None if channel is None else channel.broadcast(out, 0, "broadcasting a batch tensor")
+    if received is not None:  # the first rank's own copy, a new tensor elsewhere
+        return received
+    out = out if mine else torch.empty_like(x, memory_format=torch.contiguous_format)
+    with collective(lambda: f"broadcasting a batch tensor of {tuple(x.shape)}"):
+        dist.broadcast(out, src=dist.get_global_rank(group, 0), group=group)
+    return out
 
 
 def _described(header: torch.Tensor) -> str:

@@ -3,7 +3,9 @@
 Traced, ``comm``'s transports call these ops instead of running: the graph holds
 ``hf_parallel.all_reduce(x, "1")`` where eager code would spin on shared-memory flags or call gloo,
 and no Python branches on data inside a compiled forward (vLLM registers its custom all-reduce the
-same way). Each op's implementation is the eager transport itself, chosen per call (shared memory or
+same way). They are ordered effects: a compiler pass that moved two independent collectives past each
+other on one rank only (graphs differ between ranks where heads split unevenly) would pair the wrong
+tensors. Each op's implementation is the eager transport itself, chosen per call (shared memory or
 the group's backend), and its fake implementation gives the output's shape from the arguments alone.
 Eager code does not go through the dispatcher (a few microseconds a call, about a hundred calls per
 decoded token): ``comm`` calls its transports directly unless ``torch.compiler.is_compiling()``.
@@ -16,13 +18,17 @@ from __future__ import annotations
 
 import torch
 
+from ..compat.torch import keep_in_order
+
 _GROUPS: dict[str, object] = {}  # group_name -> process group
 
 
 def register(group) -> None:
-    """Make ``group`` reachable by name from the ops (the mesh calls this for each group it creates)."""
-    if group is not None:
-        _GROUPS[group.group_name] = group
+    """Make ``group`` reachable by name from the ops (the mesh calls this for each group it creates;
+    ``new_group`` hands a rank outside the group a sentinel, which has no name)."""
+    name = getattr(group, "group_name", None)
+    if name is not None:
+        _GROUPS[name] = group
 
 
 def group_named(name: str):
@@ -41,12 +47,14 @@ def _transports():
 
 
 torch.library.define("hf_parallel::all_reduce", "(Tensor x, str group) -> Tensor")
-torch.library.define("hf_parallel::all_gather", "(Tensor x, int dim, int[] sizes, str group) -> Tensor")
+torch.library.define("hf_parallel::all_gather", "(Tensor x, int dim, SymInt[] sizes, str group) -> Tensor")
 torch.library.define(
     "hf_parallel::all_to_all",
-    "(Tensor x, int split_dim, int cat_dim, int[] split_sizes, int[] cat_sizes, int rank, str group) -> Tensor",
+    "(Tensor x, int split_dim, int cat_dim, SymInt[] split_sizes, SymInt[] cat_sizes, int rank, str group) -> Tensor",
 )
 torch.library.define("hf_parallel::broadcast", "(Tensor x, str group) -> Tensor")
+for _op in ("all_reduce", "all_gather", "all_to_all", "broadcast"):
+    keep_in_order(f"hf_parallel::{_op}")  # ranks whose graphs differ (uneven heads) must not reorder them
 
 
 @torch.library.impl("hf_parallel::all_reduce", "CompositeExplicitAutograd")
@@ -61,12 +69,15 @@ def _all_gather(x, dim, sizes, group):
 
 @torch.library.impl("hf_parallel::all_to_all", "CompositeExplicitAutograd")
 def _all_to_all(x, split_dim, cat_dim, split_sizes, cat_sizes, rank, group):
-    return _transports().all_to_all_now(x, split_dim, cat_dim, split_sizes, cat_sizes, group_named(group))
+    process_group = group_named(group)
+    if torch.distributed.get_rank(process_group) != rank:  # the rank the graph was traced (and shaped) for
+        raise RuntimeError(f"hf_parallel: an all-to-all traced for rank {rank} of group {group!r} ran elsewhere")
+    return _transports().all_to_all_now(x, split_dim, cat_dim, split_sizes, cat_sizes, process_group)
 
 
 @torch.library.impl("hf_parallel::broadcast", "CompositeExplicitAutograd")
 def _broadcast(x, group):
-    return _transports().broadcast_now(x.clone(), group_named(group))  # an op's output never aliases its input
+    return _transports().broadcast_now(x, group_named(group))  # a new tensor: an op's output never aliases its input
 
 
 @torch.library.register_fake("hf_parallel::all_reduce")
@@ -81,11 +92,17 @@ def _all_gather_fake(x, dim, sizes, group):
     return x.new_empty(shape)
 
 
+def exchanged_shape(shape, split_dim: int, cat_dim: int, split_size, cat_size) -> list:
+    """An all-to-all's piece (or, with every rank's ``cat_size`` summed, its output): ``shape`` with
+    this rank's extent along ``split_dim`` and ``cat_size`` along ``cat_dim``."""
+    shape = list(shape)
+    shape[split_dim], shape[cat_dim] = split_size, cat_size
+    return shape
+
+
 @torch.library.register_fake("hf_parallel::all_to_all")
 def _all_to_all_fake(x, split_dim, cat_dim, split_sizes, cat_sizes, rank, group):
-    shape = list(x.shape)
-    shape[split_dim], shape[cat_dim] = split_sizes[rank], sum(cat_sizes)
-    return x.new_empty(shape)
+    return x.new_empty(exchanged_shape(x.shape, split_dim, cat_dim, split_sizes[rank], sum(cat_sizes)))
 
 
 @torch.library.register_fake("hf_parallel::broadcast")

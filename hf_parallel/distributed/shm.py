@@ -156,8 +156,8 @@ class ShmChannel:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum in rank order on every rank, so all ranks get bitwise the same result. Low precision
-        is accumulated in fp32 and rounded once (two ranks: their bf16/fp16 sum is exact in fp32, so
-        adding in the dtype itself rounds it the same way, without the conversions)."""
+        is accumulated in fp32 and rounded once; for two ranks that is what adding in the dtype does
+        (torch adds bf16/fp16 on the CPU in fp32 and rounds once), without the conversions."""
         flat = x.reshape(-1)
         n = flat.numel()
         slots = self._round(lambda slot: slot.view(x.dtype)[:n].copy_(flat))

@@ -7,8 +7,9 @@ slice of the heads, with the mask the model built for the whole sequence. Heads 
 the first ``heads % sp`` ranks take one more query head. Key/value heads follow their query heads:
 when both counts divide by sp each rank takes whole groups as they are; otherwise each rank
 receives, for every one of its query heads, that head's key/value head (replicated where ranks
-share a group), and its attention runs with one query head per key/value head on a shallow copy of
-the module, so ``num_key_value_groups`` is never changed on the module itself.
+share a group), and its attention runs with one query head per key/value head: the module's
+``num_key_value_groups`` is 1 for that inner call alone, and restored after it (a module without one,
+GPT-2's, repeats nothing anyway).
 """
 
 from __future__ import annotations
@@ -46,12 +47,6 @@ def head_spread(num_heads: int, num_kv_heads: int, sp: int) -> HeadSpread:
     return HeadSpread(q_sizes, q_sizes, kv_heads)
 
 
-@lru_cache(maxsize=None)
-def _head_index(kv_heads: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """The key/value head sent for each query head, made once per device (not per call)."""
-    return torch.tensor(kv_heads, device=device)
-
-
 def _inner_function(module, name: str):
     if name == "eager":  # the model's own eager function (Gemma 2's soft-capping, ...)
         return sys.modules[type(module).__module__].eager_attention_forward
@@ -65,17 +60,18 @@ def ulysses_attention(module, query, key, value, attention_mask, **kwargs):
     spread = head_spread(query.shape[1], key.shape[1], len(seq))
     query = comm.all_to_all(query, 1, 2, spread.q_sizes, seq, group)
     if spread.kv_heads is not None:  # one key/value head per query head is sent
-        index = _head_index(spread.kv_heads, key.device)
+        index = torch.tensor(spread.kv_heads, device=key.device)
         key, value = key.index_select(1, index), value.index_select(1, index)
     key = comm.all_to_all(key, 1, 2, spread.kv_sizes, seq, group)
     value = comm.all_to_all(value, 1, 2, spread.kv_sizes, seq, group)
     if attention_mask is not None and attention_mask.shape[-1] < query.shape[2]:
         attention_mask = _mask_padding(attention_mask, query.shape[2])
     inner = _inner_function(module, sequence.split.inner)
-    if spread.kv_heads is None:
+    groups = getattr(module, "num_key_value_groups", None)
+    if spread.kv_heads is None or groups is None:
         out, _ = inner(module, query, key, value, attention_mask, **kwargs)
-    else:  # so for the inner call alone (set and restored: torch.compile traces this, not a copy of the module)
-        groups, module.num_key_value_groups = module.num_key_value_groups, 1
+    else:  # for the inner call alone (set and restored: torch.compile traces this, not a copy of the module)
+        module.num_key_value_groups = 1
         try:
             out, _ = inner(module, query, key, value, attention_mask, **kwargs)
         finally:
