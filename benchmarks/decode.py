@@ -150,8 +150,11 @@ def table(name: str, rows: dict, tp: int, dtype: str) -> str:
         if "error" in row:
             lines.append(f"| {key} | failed: {row['error']} | | | | |")
             continue
-        speed = lambda other: "-" if "error" in other else f"{other['s_per_token'] / row['s_per_token']:.2f}x"  # noqa: E731
-        same = "-" if "error" in base else f"{sum(a == b for a, b in zip(row['tokens'], base['tokens']))}/{len(base['tokens'])}"
+        def speed(other: dict) -> str:  # how many times faster than ``other``
+            return "-" if "error" in other else f"{other['s_per_token'] / row['s_per_token']:.2f}x"
+
+        agree = sum(a == b for a, b in zip(row["tokens"], base.get("tokens", [])))
+        same = "-" if "error" in base else f"{agree}/{len(base['tokens'])}"
         compiled = rows.get("single compiled", {"error": "-"})
         lines.append(f"| {key} | {row['s_per_token'] * 1e3:.1f} | {1 / row['s_per_token']:.1f} | {speed(base)} | "
                      f"{speed(compiled)} | {same} |")  # fmt: skip

@@ -33,9 +33,9 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_map_only
 
-from .ops import exchanged_shape  # (importing ops registers the collectives as torch ops)
 from .faults import collective
 from .headers import DTYPES, header_of
+from .ops import exchanged_shape  # (importing ops registers the collectives as torch ops)
 from .shm import channel_for
 
 COUNTS: Counter = Counter()  # op name -> calls;  op name + ":bytes" -> payload bytes

@@ -179,7 +179,8 @@ class Mesh:
     def _new_group(self, ranks: tuple[int, ...]):
         if len(ranks) < 2:
             return None
-        group = dist.group.WORLD if len(ranks) == self.world_size else dist.new_group(list(ranks), timeout=default_timeout())
+        whole = len(ranks) == self.world_size
+        group = dist.group.WORLD if whole else dist.new_group(list(ranks), timeout=default_timeout())
         ops.register(group)
         return group
 

@@ -161,16 +161,16 @@ class ShmChannel:
         flat = x.reshape(-1)
         n = flat.numel()
         slots = self._round(lambda slot: slot.view(x.dtype)[:n].copy_(flat))
-        parts = [slot.view(x.dtype)[:n] for slot in slots]
+        parts = [slot.view(x.dtype)[:n].view(x.shape) for slot in slots]
         if self.world_size == 2 or x.dtype not in (torch.bfloat16, torch.float16):
-            out = parts[0] + parts[1]  # its own tensor: callers may add in place
+            out = parts[0] + parts[1]  # its own tensor, not a view: callers (autograd's too) may add in place
             for part in parts[2:]:
                 out += part
-            return out.view(x.shape)
+            return out
         out = parts[0].to(torch.float32)
         for part in parts[1:]:
             out += part
-        return out.to(x.dtype).view(x.shape)
+        return out.to(x.dtype)
 
     def all_gather(self, x: torch.Tensor) -> list[torch.Tensor]:
         """Views of every rank's ``x`` in shared memory: consume them before the next collective."""
