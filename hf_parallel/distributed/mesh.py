@@ -179,10 +179,7 @@ class Mesh:
     def _new_group(self, ranks: tuple[int, ...]):
         if len(ranks) < 2:
             return None
-        whole = len(ranks) == self.world_size
-        group = dist.group.WORLD if whole else dist.new_group(list(ranks), timeout=default_timeout())
-        ops.register(group)
-        return group
+        return _new_group(ranks, self.world_size, default_timeout())
 
     def __str__(self) -> str:
         """``rank 3: pp 1/2, tp 1/2, sp 0/1``: this rank's stage, then its index in each group (and in
@@ -265,6 +262,14 @@ def get_mesh(
     return _MESHES[shape]
 
 
+def _new_group(ranks: tuple[int, ...], world_size: int, timeout: datetime.timedelta):
+    """The process group of ``ranks`` (collective over the world; a sentinel on a rank outside it),
+    registered by name for the compiled collectives."""
+    group = dist.group.WORLD if len(ranks) == world_size else dist.new_group(list(ranks), timeout=timeout)
+    ops.register(group)
+    return group
+
+
 def _create(shape: MeshShape, timeout: datetime.timedelta) -> Mesh:
     rank = dist.get_rank()
     device = torch.device("cpu")
@@ -277,12 +282,9 @@ def _create(shape: MeshShape, timeout: datetime.timedelta) -> Mesh:
             for ranks in shape.groups(dim):
                 if ranks in groups or (len(ranks) < 2 and not (shape.dp > 1 and dim in FSDP_DIMS)):
                     continue
-                group = (
-                    dist.group.WORLD if len(ranks) == shape.world_size else dist.new_group(list(ranks), timeout=timeout)
-                )
+                group = _new_group(ranks, shape.world_size, timeout)
                 if rank in ranks:
                     groups[ranks] = group
-                    ops.register(group)
                 else:
                     groups.setdefault(ranks, None)
     mesh = Mesh(shape, rank, device, {ranks: g for ranks, g in groups.items() if g is not None})
