@@ -11,6 +11,8 @@ import importlib
 _EXPORTS = {  # public name -> the module that owns it
     "AutoModel": ".api",
     "AutoModelForCausalLM": ".api",
+    "AutoModelForSeq2SeqLM": ".api",
+    "AutoModelForSpeechSeq2Seq": ".api",
     "from_pretrained": ".api",
     "save_pretrained": ".api",
     "ParallelState": ".state",

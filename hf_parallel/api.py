@@ -223,3 +223,11 @@ class AutoModelForCausalLM(_AutoDropIn):
 
 class AutoModel(_AutoDropIn):
     _auto_class = transformers.AutoModel
+
+
+class AutoModelForSeq2SeqLM(_AutoDropIn):
+    _auto_class = transformers.AutoModelForSeq2SeqLM
+
+
+class AutoModelForSpeechSeq2Seq(_AutoDropIn):
+    _auto_class = transformers.AutoModelForSpeechSeq2Seq

@@ -68,6 +68,25 @@ def keys_held_elsewhere(model: nn.Module, split: StageSplit, stage: int, keys) -
     return frozenset(found)
 
 
+def check_encoder_decoder(config, mesh: Mesh) -> None:
+    """Encoder-decoders (T5, BART, Whisper) split by tensor parallelism alone: the other dimensions
+    assume one stack of layers over one sequence (Ulysses would split the encoder's and the decoder's
+    sequences, of different lengths, around cross-attention; pipeline stages and FSDP cut one list
+    of layers). Refused by name before any weight is read."""
+    asked = {
+        "sp_size": mesh.sp.size,
+        "pp_size / stage_tp_sizes": mesh.num_stages,
+        "fsdp_size": mesh.shape.dp_shard,
+        "dp_replicate_size": mesh.shape.dp_replicate,
+    }
+    refused = [f"{name}={size}" for name, size in asked.items() if size > 1]
+    if refused:
+        raise ValueError(
+            f"{type(config).__name__} is an encoder-decoder (T5, BART, Whisper, ...): hf_parallel splits it by tensor "
+            f"parallelism (tp_size) only, not {', '.join(refused)}"
+        )
+
+
 def build_rank_model(
     auto_class,
     config,
@@ -84,11 +103,8 @@ def build_rank_model(
         raise ValueError(f"stage_layers={list(stage_layers)} needs pipeline stages: pass pp_size or stage_tp_sizes")
     quantization_config = getattr(config, "quantization_config", None)
     quantization = read_quantization(config)  # others refused by name; the config left without it
-    if getattr(config, "is_encoder_decoder", False) and mesh.world_size > 1:
-        raise ValueError(
-            f"{type(config).__name__} is an encoder-decoder (T5, BART, Whisper, ...): hf_parallel splits decoder-only "
-            f"models and encoders so far, not cross-attention ({mesh.shape} asked); load it in one process"
-        )
+    if getattr(config, "is_encoder_decoder", False):
+        check_encoder_decoder(config, mesh)
     model = build_empty(auto_class, config, dtype)
     if mesh.sp.size > 1:
         check_sequence_parallel(model, mesh.sp.size)

@@ -66,6 +66,35 @@ PIPELINE = {  # more layers than stages, uneven over 2 and 3 stages; one tied em
     "pp_qwen2_moe": ("Qwen2MoeConfig", dict(MOE["qwen2_moe"][1], num_hidden_layers=4)),
     "pp_tied": ("LlamaConfig", dict(ARCHS["llama_tied_kvrep"][1], num_hidden_layers=4)),
 }
+# Hybrids: recurrent mixers (Mamba-1/2, Gated DeltaNet, short convolutions) beside attention. Group regimes:
+# B/C groups (Mamba-2) or key heads (DeltaNet) whole per rank, one group shared by all ranks (n_groups=1: its
+# norm's sum of squares summed), and shared by some (2 groups at TP=3: subgroups); heads uneven at TP=3.
+HYBRID_ATTENTION = dict(hidden_size=48, intermediate_size=80, num_attention_heads=6, num_key_value_heads=2,
+                        tie_word_embeddings=False)
+DELTANET = dict(linear_num_key_heads=2, linear_num_value_heads=6, linear_key_head_dim=8, linear_value_head_dim=8,
+                linear_conv_kernel_dim=4, layer_types=["linear_attention", "full_attention"], head_dim=8)
+MAMBA2 = dict(mamba_n_heads=8, mamba_d_head=12, mamba_n_groups=1, mamba_d_state=8, mamba_d_conv=4, mamba_chunk_size=4)
+HYBRIDS = {
+    "falcon_h1": ("FalconH1Config", dict(HYBRID_ATTENTION, head_dim=8, **dict(MAMBA2, mamba_d_head=8), mamba_d_ssm=64,
+                                         mamba_rms_norm=True)),
+    "bamba": ("BambaConfig", dict(HYBRID_ATTENTION, **MAMBA2, attn_layer_indices=[1])),
+    "nemotron_h": ("NemotronHConfig", dict(HYBRID_ATTENTION, num_hidden_layers=3, head_dim=8, mamba_num_heads=8,
+                                           mamba_head_dim=8, n_groups=2, ssm_state_size=8, conv_kernel=4, chunk_size=4,
+                                           layers_block_type=["mamba", "attention", "mlp"])),
+    "granitemoehybrid": ("GraniteMoeHybridConfig", dict(HYBRID_ATTENTION, **MAMBA2, shared_intermediate_size=80,
+                                                        num_local_experts=0, layer_types=["mamba", "attention"])),
+    "jamba": ("JambaConfig", dict(HYBRID_ATTENTION, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=8,
+                                  num_experts=4, num_experts_per_tok=2, expert_layer_period=2, expert_layer_offset=1,
+                                  attn_layer_period=2, attn_layer_offset=1)),
+    "qwen3_next": ("Qwen3NextConfig", dict(HYBRID_ATTENTION, **DELTANET, moe_intermediate_size=32,
+                                           shared_expert_intermediate_size=40, num_experts=4, num_experts_per_tok=2)),
+    "qwen3_5_text": ("Qwen3_5TextConfig", dict(HYBRID_ATTENTION, **DELTANET)),
+    "qwen3_5_moe_text": ("Qwen3_5MoeTextConfig", dict(HYBRID_ATTENTION, **DELTANET, moe_intermediate_size=32,
+                                                      shared_expert_intermediate_size=40, num_experts=4,
+                                                      num_experts_per_tok=2)),
+    "lfm2": ("Lfm2Config", dict(HYBRID_ATTENTION, conv_L_cache=3, layer_types=["conv", "full_attention"])),
+    "hunyuan_v1_dense": ("HunYuanDenseV1Config", dict(HYBRID_ATTENTION, head_dim=8)),  # no shipped plan: discovery
+}
 DISCOVERED = ["gpt2", "opt", "falcon_new", "falcon_multi_query", "falcon_alibi", "bloom", "gptj", "stablelm"]
 # fmt: on
 
@@ -302,7 +331,7 @@ def make_checkpoint(name: str, root: str) -> str:
     path = os.path.join(root, name)
     if os.path.isfile(os.path.join(path, "config.json")):
         return path
-    class_name, overrides = {**ARCHS, **MOE, **ENCODERS, **TRAPS, **PIPELINE, **FP8, **MXFP4}[name]
+    class_name, overrides = {**ARCHS, **MOE, **ENCODERS, **TRAPS, **PIPELINE, **FP8, **MXFP4, **HYBRIDS}[name]
     config = getattr(transformers, class_name)(**{**COMMON, **overrides})
     torch.manual_seed(sum(map(ord, name)))
     auto = transformers.AutoModel if name in ENCODERS else transformers.AutoModelForCausalLM

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -55,12 +56,19 @@ def against_one_process(model, single, state, what: str = "grad") -> tuple[float
 
 
 def compare_tp(
-    rank: int, world_size: int, cases: dict, save_root: str | None, encoder: bool = False, distributed: bool = False
+    rank: int,
+    world_size: int,
+    cases: dict,
+    save_root: str | None,
+    encoder: bool = False,
+    distributed: bool = False,
+    generate: int = 0,
 ) -> dict:
     """For each case (checkpoint path, tp_plan[, reference path]): TP output/grads vs single process
     (of the reference path, when the checkpoint is one transformers cannot read), collectives per
-    forward, and a save (``distributed``: per-rank files). ``encoder``: AutoModel and its last hidden
-    state instead of logits."""
+    forward, the fraction of the parameters this rank holds, and a save (``distributed``: per-rank
+    files). ``encoder``: AutoModel and its last hidden state instead of logits. ``generate``: that many
+    greedy tokens (caches of split layers), the parallel model's and one process's."""
     import hf_parallel
     from hf_parallel.distributed import comm
 
@@ -85,7 +93,19 @@ def compare_tp(
                 continue
             want = expected_slice(ref_grads[entry.name], entry.layout, rank)
             grad_error = max(grad_error, (grad - want).abs().max().item() if grad.numel() else 0.0)
+        full = sum(math.prod(entry.full_shape) for entry in state.layout.unique_params())
+        held = sum(p.numel() for p in model.parameters()) / full
+        if generate:
+            import transformers
+
+            single = transformers.AutoModelForCausalLM.from_pretrained(reference_path[0] if reference_path else path)
+            tokens = {
+                "parallel": model.generate(INPUT_IDS[:1], max_new_tokens=generate, do_sample=False)[0].tolist(),
+                "single": single.generate(INPUT_IDS[:1], max_new_tokens=generate, do_sample=False)[0].tolist(),
+            }
         results[name] = {
+            "held": held,
+            **({"tokens": tokens} if generate else {}),
             "logits": (output.detach() - ref_output).abs().max().item(),
             "grads": grad_error,
             "missing_grads": missing,
@@ -198,9 +218,9 @@ def verify_with_a_broken_layer(rank: int, world_size: int, path: str) -> dict | 
     import torch.nn.functional as F
 
     from hf_parallel import register_style
+    from hf_parallel.commands.verify import verify
     from hf_parallel.tensor.plan import curated_plan_for
     from hf_parallel.tensor.styles import Hooks, Rowwise
-    from hf_parallel.commands.verify import verify
 
     class RowwiseWithoutSum(Rowwise):
         def prepare(self, module, ctx, layouts):

@@ -92,6 +92,12 @@ def site_for(layout, path: str, base: nn.Module, hooks: dict | None = None) -> A
     """How adapters on the module at ``path`` split, from its rule in ``layout`` (the model's ``ModelLayout``);
     refused by name where they cannot."""
     rule = layout.rules.get(path)
+    placed = layout.params.get(f"{path}.weight")
+    if rule is None and placed is not None and not placed.layout.is_replicated:
+        raise ValueError(
+            f"{path}: its weight is split by the block rule {placed.rule.pattern!r} ({placed.rule.style_name}) "
+            "together with the rest of that block, which a LoRA adapter cannot follow; leave it out of target_modules"
+        )
     split = WHOLE if rule is None else rule.style.adapters
     if split is None:
         raise ValueError(

@@ -17,12 +17,21 @@ from ..tensor.attention import outermost
 from ..tensor.geometry import attention_geometry
 
 
+def default_auto_class(config):
+    """The class the dry run builds: an encoder-decoder's generating class (text, else speech), else the causal LM."""
+    if getattr(config, "is_encoder_decoder", False):
+        for auto in (transformers.AutoModelForSeq2SeqLM, transformers.AutoModelForSpeechSeq2Seq):
+            if type(config) in auto._model_mapping:
+                return auto
+    return transformers.AutoModelForCausalLM
+
+
 def plan_report(
     path: str,
     tp: int,
     tp_plan="auto",
     dtype=None,
-    auto_class=transformers.AutoModelForCausalLM,
+    auto_class=None,
     sp: int = 1,
     seq=None,
     pp_size: int = 1,
@@ -37,6 +46,7 @@ def plan_report(
     heads, the sequence split, the data-parallel sizes and the adapters asked for. Long because it is
     one report read top to bottom; each section is a few lines."""
     config = transformers.AutoConfig.from_pretrained(path)
+    auto_class = auto_class or default_auto_class(config)
     dtype = resolve_dtype(dtype, config)
     shape = MeshShape.requested(
         tp_size=None if stage_tp_sizes else tp, sp_size=sp, pp_size=pp_size, stage_tp_sizes=stage_tp_sizes,

@@ -21,6 +21,7 @@ modules; the micro-batch running, its shape and train_step's record are the call
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -38,23 +39,40 @@ class StageDone(Exception):
 class MissingLayer(nn.Module):
     """A layer held by another stage (vLLM's ``PPMissingLayer``)."""
 
-    def __init__(self, layer_idx: int, stage: int):
+    def __init__(self, layer_idx: int, stage: int, original: nn.Module | None = None):
         super().__init__()
         self.layer_idx, self.stage = layer_idx, stage
+        self.returns_tuple = False
+        if original is not None:  # what the model's loop reads of a layer: its kind (hybrids pick the mask
+            for name, value in vars(original).items():  # by ``block_type`` / ``layer_type``), its output's form
+                if not name.startswith("_") and isinstance(value, (str, int, float, bool)) and name != "training":
+                    setattr(self, name, value)
+            self.layer_idx, self.stage = layer_idx, stage
+            returns = inspect.signature(type(original).forward).return_annotation
+            self.returns_tuple = str(returns).startswith(("tuple", "typing.Tuple"))
 
     def forward(self, hidden_states, *args, past_key_values=None, **kwargs):
         """Only layers before the stage's first own layer run (a stage ends at its last), and the
         first own layer replaces their output with the received hidden states: what they return is
         never used, whatever the model's loop does with it (some index a tuple)."""
-        if past_key_values is not None:  # the tokens' length in this layer's slot, at one element each
+        cache = getattr(past_key_values, "self_attention_cache", past_key_values)
+        if cache is not None and _counts_tokens(cache, self.layer_idx):  # the tokens' length, one element each
             call = current_call()
             rows, tokens = (call.rows, call.tokens) if call is not None else hidden_states.shape[:2]
             marker = torch.zeros(rows, 1, tokens, 1, device=hidden_states.device)
-            getattr(past_key_values, "self_attention_cache", past_key_values).update(marker, marker, self.layer_idx)
-        return hidden_states
+            cache.update(marker, marker, self.layer_idx)
+        return (hidden_states, None) if self.returns_tuple else hidden_states
 
     def extra_repr(self) -> str:
         return f"layer {self.layer_idx}, held by stage {self.stage}"
+
+
+def _counts_tokens(cache, layer_idx: int) -> bool:
+    """Whether the cache's slot for ``layer_idx`` holds keys and values (an attention layer's, which
+    transformers' mask sizing reads), not a recurrent layer's conv and state (hybrid models), which
+    counts no tokens and has no ``update``."""
+    layers = getattr(cache, "layers", None)
+    return layers is None or layer_idx >= len(layers) or hasattr(layers[layer_idx], "update")
 
 
 def zeros_like_output(width: int | None, dtype: torch.dtype):
@@ -105,7 +123,7 @@ def cut_to_stage(model: nn.Module, split: StageSplit, stage: int) -> StageCut:
     elsewhere, kept_for_tied_weights = set(), set()
     for index in range(len(layers)):
         if index not in own:
-            layers[index] = MissingLayer(index, split.stage_of_layer(index))
+            layers[index] = MissingLayer(index, split.stage_of_layer(index), layers[index])
             elsewhere.add(f"{split.layer_list}.{index}")
     others = [(p, 0) for p in split.head if stage != 0] + [(p, split.num_stages - 1) for p in split.tail]
     others = [(path, owner) for path, owner in others if owner != stage]

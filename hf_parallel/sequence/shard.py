@@ -40,6 +40,7 @@ from ..distributed import comm
 from ..layers import repeated_layers
 from ..tensor import attention
 from ..tensor.gradients import GradientSums
+from ..tensor.mixers import recurrent_mixers
 from .tokens import token_range, token_sizes
 
 SERVED_IMPLEMENTATIONS = ("sdpa", "eager")
@@ -70,6 +71,15 @@ def check_sequence_parallel(model: nn.Module, sp: int) -> None:
         )
     if not repeated_layers(model) or model.get_output_embeddings() is None:
         raise ValueError(f"sp_size={sp}: {type(model).__name__} has no repeated decoder layers and LM head to split")
+    mixers = recurrent_mixers(model)
+    if mixers:
+        path, module = mixers[0]
+        raise ValueError(
+            f"sp_size={sp}: {path} ({type(module).__name__}, and {len(mixers) - 1} more like it) carries a state along "
+            "the sequence (a causal convolution and a recurrence): each token needs the state of the tokens before it, "
+            "so splitting the sequence needs a state handed from rank to rank, which hf_parallel does not implement; "
+            "split this model by tensor parallelism (tp_size) instead"
+        )
     for path, module in attention.outermost(model):
         if not computes_through_registry(module):
             raise ValueError(

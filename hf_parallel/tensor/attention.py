@@ -18,6 +18,7 @@ from .heads import HeadSplit
 
 HEAD_ATTRIBUTES = {
     "num_heads": "q",
+    "n_heads": "q",  # T5 (its cross-attention's zero position bias is built for n_heads)
     "num_attention_heads": "q",
     "num_key_value_heads": "kv",
     "num_kv_heads": "kv",
@@ -26,7 +27,7 @@ HEAD_ATTRIBUTES = {
 
 
 # attributes holding the width of all query heads (heads x head_dim), used to split or merge heads
-WIDTH_ATTRIBUTES = ("split_size", "embed_dim", "all_head_size", "hidden_size")
+WIDTH_ATTRIBUTES = ("split_size", "embed_dim", "all_head_size", "hidden_size", "inner_dim")
 
 
 def is_attention(module: nn.Module) -> bool:

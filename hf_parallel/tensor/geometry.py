@@ -22,11 +22,14 @@ QKV_ROLES = {
 QKV_NAMES = set(QKV_ROLES)
 FUSED_QKV_NAMES = {"c_attn", "query_key_value", "qkv_proj", "qkv", "Wqkv", "W_pack"}
 OUT_NAMES = {"o_proj", "out_proj", "dense", "c_proj", "wo", "o", "output.dense"}
-HEAD_DIM_ATTRS = ("head_dim", "head_size", "attention_head_size")
-Q_HEAD_ATTRS = ("num_heads", "num_attention_heads", "n_head")
+HEAD_DIM_ATTRS = ("head_dim", "head_size", "attention_head_size", "key_value_proj_dim")  # the last: T5
+Q_HEAD_ATTRS = ("num_heads", "num_attention_heads", "n_head", "n_heads")  # the last: T5
 KV_HEAD_ATTRS = ("num_key_value_heads", "num_kv_heads", "kv_heads")
 CONFIG_Q_ATTRS = ("num_attention_heads", "n_head")
 CONFIG_KV_ATTRS = ("num_key_value_heads", "num_kv_heads")
+# gated attention: q_proj's rows hold each head's query and its output gate side by side
+# ([q_h | gate_h], two head widths a head; the model chunks them per head after the projection)
+GATED_QUERY_ATTENTION = {"Qwen3NextAttention", "Qwen3_5Attention", "Qwen3_5MoeAttention"}
 
 
 @dataclass(frozen=True)
@@ -34,6 +37,7 @@ class Geometry:
     num_heads: int
     num_kv_heads: int
     head_dim: int
+    gated_query: bool = False  # q_proj holds [q_h | gate_h] per head (GATED_QUERY_ATTENTION)
 
 
 def is_conv1d(module: nn.Module) -> bool:
@@ -112,9 +116,13 @@ def attention_geometry(module: nn.Module, config, path: str) -> tuple[Geometry, 
             raise ValueError(f"{path}: {what} of width {width} is not a whole number of heads of {hd} ({head_dim[0]})")
         return width // hd
 
+    gated = type(module).__name__ in GATED_QUERY_ATTENTION
     if {"q", "k"} <= set(separate):
         used = {"q": heads_in(fan_out(separate["q"]), "q"), "kv": heads_in(fan_out(separate["k"]), "k")}
         source = f"the q/k projections' widths ({fan_out(separate['q'])}, {fan_out(separate['k'])}) / {hd}"
+        if gated:
+            used["q"] //= 2
+            source += " (q_proj: a query and an output gate a head)"
     elif len(fused) == 1:
         total = heads_in(fan_out(fused[0]), "the fused q/k/v projection")
         if kv_attr is not None:
@@ -142,7 +150,7 @@ def attention_geometry(module: nn.Module, config, path: str) -> tuple[Geometry, 
         raise ValueError(f"{path}: {groups[0]}={groups[1]} disagrees with {source}")
     if used["q"] % used["kv"]:
         raise ValueError(f"{path}: {used['q']} query heads do not form whole groups over {used['kv']} key/value heads")
-    geometry = Geometry(used["q"], used["kv"], hd)
+    geometry = Geometry(used["q"], used["kv"], hd, gated)
     ignored = [
         f"{name}={value} (the model uses {getattr(geometry, field)})"
         for role, field in (("q", "num_heads"), ("kv", "num_kv_heads"), ("head_dim", "head_dim"))

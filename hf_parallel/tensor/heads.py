@@ -26,6 +26,7 @@ class HeadSplit:
     head_dim: int
     q_ranges: tuple[tuple[int, int], ...]  # per rank, in heads
     kv_ranges: tuple[tuple[int, int], ...]  # per rank, in heads (equal ranges: a replicated KV head)
+    gated_query: bool = False  # q_proj holds [q_h | gate_h] per head: 2 x head_dim rows a head
 
     @property
     def world_size(self) -> int:

@@ -85,7 +85,8 @@ def model_head_split(model: nn.Module, attention_paths: set[str], mesh: Mesh) ->
     ((geometry, (path, ignored)),) = found.items()
     if ignored and mesh.is_main:
         warnings.warn(f"{path} (and each split attention like it): {ignored}", ConfigIgnoredWarning, stacklevel=5)
-    return split_heads(geometry.num_heads, geometry.num_kv_heads, geometry.head_dim, mesh.tp.size)
+    split = split_heads(geometry.num_heads, geometry.num_kv_heads, geometry.head_dim, mesh.tp.size)
+    return replace(split, gated_query=geometry.gated_query)
 
 
 def model_layout(model: nn.Module, plan: Plan, mesh: Mesh, held_elsewhere: frozenset[str] = frozenset()) -> ModelLayout:
@@ -119,7 +120,7 @@ def model_layout(model: nn.Module, plan: Plan, mesh: Mesh, held_elsewhere: froze
         names = tuple(aliases[id(param)])
         layout, rule = None, None
         for alias in names:
-            path, _, attr = alias.rpartition(".")
+            path, attr = _owner(alias, rules, layouts)
             own = rules.get(alias) or rules.get(path)
             if own is None:
                 continue
@@ -139,6 +140,20 @@ def model_layout(model: nn.Module, plan: Plan, mesh: Mesh, held_elsewhere: froze
     shard = ModelLayout(plan, mesh, heads, rules, contexts, layouts, params)
     warn_unsharded_matrices(model, shard)
     return shard
+
+
+def _owner(name: str, rules: dict[str, Rule], layouts: dict) -> tuple[str, str]:
+    """(module path, attribute) whose rule places parameter ``name``: its own module's, or, with no
+    rule there, the nearest enclosing module whose style places its descendants (a mixer block)."""
+    path, _, attr = name.rpartition(".")
+    if name in rules or path in rules:
+        return path, attr
+    parts = name.split(".")
+    for cut in range(len(parts) - 2, 0, -1):
+        block, rest = ".".join(parts[:cut]), ".".join(parts[cut:])
+        if block in rules and rules[block].style.places_descendants and rest in layouts.get(block, {}):
+            return block, rest
+    return path, attr
 
 
 def _check_split(name: str, shape: tuple, layout: Layout, rule) -> None:
@@ -203,7 +218,7 @@ def check_heads_add_up(path: str, module: nn.Module, heads: HeadSplit, layouts: 
     whole or split along the other dim would be reshaped to the wrong heads without an error."""
     hd, ranks = heads.head_dim, range(heads.world_size)
     want = {
-        "q": [heads.local_q(r) * hd for r in ranks],
+        "q": [heads.local_q(r) * hd * (2 if heads.gated_query else 1) for r in ranks],
         "k": [heads.local_kv(r) * hd for r in ranks],
         "qkv": [(heads.local_q(r) + 2 * heads.local_kv(r)) * hd for r in ranks],
         "out": [heads.local_q(r) * hd for r in ranks],
@@ -239,12 +254,16 @@ class UnshardedWarning(UserWarning):
 def warn_unsharded_matrices(model: nn.Module, shard: ModelLayout) -> None:
     """Warn, with sizes, about replicated matrices at least twice as large as the smallest matrix
     the plan does split: usually a rule that is missing or misspelt, costing that memory on every
-    rank. Position / token-type embeddings (not the vocabulary) are replicated by design."""
+    rank. Position / token-type embeddings (not the vocabulary) and convolutional stems (Whisper's
+    conv1 / conv2) are replicated by design."""
     if shard.mesh.tp.size == 1:
         return
     vocab = model.get_input_embeddings()
     by_design = {
-        f"{path}.weight" for path, m in model.named_modules() if isinstance(m, nn.Embedding) and m is not vocab
+        f"{path}.weight"
+        for path, m in model.named_modules()
+        if (isinstance(m, nn.Embedding) and getattr(m, "weight", None) is not getattr(vocab, "weight", 0))
+        or isinstance(m, nn.modules.conv._ConvNd)
     }
     entries = [e for e in shard.unique_params() if len(e.full_shape) >= 2]
     split = [math.prod(e.full_shape) for e in entries if not e.layout.is_replicated]

@@ -21,6 +21,9 @@ from .rules import Plan, Rule, validate_rule
 # model_type -> (rules, source); filled from plans/*.toml on first use, extended by register_plan
 _REGISTERED: dict[str, tuple[dict[str, str], str]] = {}
 _FILES_LOADED = False
+# plans/ file -> its ``optional`` patterns: rules for modules only some variants of the family have
+# (T5 v1.0's DenseReluDense.wi, v1.1 / Flan-T5's wi_0 and wi_1), not warned about when unused
+_OPTIONAL: dict[str, frozenset[str]] = {}
 
 
 def register_plan(model_type: str, rules: dict[str, str], *, source: str = "register_plan") -> None:
@@ -46,6 +49,7 @@ def _curated() -> dict[str, tuple[dict[str, str], str]]:
         for entry in sorted(_plan_files().iterdir(), key=lambda e: e.name):
             if entry.name.endswith(".toml"):
                 data = tomllib.loads(entry.read_text())
+                _OPTIONAL[f"plans/{entry.name}"] = frozenset(data.get("optional", ()))
                 for model_type in data["model_types"]:
                     _REGISTERED.setdefault(model_type, (data["rules"], f"plans/{entry.name}"))
     return _REGISTERED
@@ -78,7 +82,10 @@ def resolve_plan(model: nn.Module, tp_plan, ep_plan=None) -> Plan:
     prefix = getattr(model, "base_model_prefix", "") or ""
     model_type = getattr(model.config, "model_type", None)
     curated = curated_plan_for(model_type)
-    shipped = {**(getattr(model.config, "base_model_tp_plan", None) or {}), **(getattr(model, "tp_plan", None) or {})}
+    base = getattr(model.config, "base_model_tp_plan", None) or {}
+    # the head's rule alone (a causal-LM class's ``lm_head``, its base model with no plan) splits
+    # nothing of the layers: discovery does better
+    shipped = {**base, **(getattr(model, "tp_plan", None) or {})} if base else {}
     notes = []
     if tp_plan is None:
         rules, source = {}, "tp_plan=None (every parameter replicated)"
@@ -103,7 +110,8 @@ def resolve_plan(model: nn.Module, tp_plan, ep_plan=None) -> Plan:
         raise ValueError(
             f"tp_plan must be 'auto', 'discover', a registered model_type or a dict of rules, got {tp_plan!r}"
         )
-    return Plan([validate_rule(p, s, source) for p, s in rules.items()], source, prefix, notes=notes)
+    rules = [validate_rule(p, s, source) for p, s in rules.items()]
+    return Plan(rules, source, prefix, notes=notes, optional=_OPTIONAL.get(source, frozenset()))
 
 
 def with_expert_parallel(plan: Plan, keep_tensor_parallel: bool) -> Plan:
@@ -126,21 +134,37 @@ def with_expert_parallel(plan: Plan, keep_tensor_parallel: bool) -> Plan:
 
 
 def tie_embedding_rules(model: nn.Module, assigned: dict[str, Rule]) -> None:
-    """Tied input/output embeddings share one tensor, so they must share one vocab split:
-    give the unplanned side the matching style (embedding_rowwise / colwise_gather_output)."""
+    """Tied input/output embeddings share one tensor, so they must share one vocab split, and so
+    must every other module that holds it (an encoder-decoder's ``shared`` table is also its
+    encoder's and decoder's ``embed_tokens``, each a module of its own): once one holder splits the
+    vocab, each holder without a rule gets the matching style (lookups ``embedding_rowwise``,
+    projections ``colwise_gather_output``). A holder left whole would look ids up in a table of
+    this rank's rows only (``IndexError: index out of range``) or project onto them."""
     inp, out = model.get_input_embeddings(), model.get_output_embeddings()
-    if inp is None or out is None or getattr(inp, "weight", None) is not getattr(out, "weight", 0):
+    weight = getattr(inp, "weight", None) if inp is not None else None
+    if weight is None or out is None or weight is not getattr(out, "weight", 0):
         return
-    names = {module: path for path, module in model.named_modules()}
-    inp_path, out_path = names[inp], names[out]
-    inp_rule, out_rule = assigned.get(inp_path), assigned.get(out_path)
+    holders = {path: m for path, m in model.named_modules() if path and getattr(m, "weight", None) is weight}
     vocab_split = {"colwise", "colwise_gather_output", "embedding_rowwise"}
-    if out_rule and out_rule.style_name in vocab_split and not inp_rule:
-        assigned[inp_path] = Rule(inp_path, "embedding_rowwise", f"tied to {out_path}")
-    elif inp_rule and inp_rule.style_name == "embedding_rowwise" and not out_rule:
-        assigned[out_path] = Rule(out_path, "colwise_gather_output", f"tied to {inp_path}")
-    elif inp_rule and out_rule and (inp_rule.style_name in vocab_split) != (out_rule.style_name in vocab_split):
+    ruled = {path: assigned[path] for path in holders if path in assigned}
+    split = sorted(path for path, rule in ruled.items() if rule.style_name in vocab_split)
+    whole = sorted(path for path, rule in ruled.items() if rule.style_name not in vocab_split)
+    if split and whole:
+        listed = ", ".join(f"{p}: {ruled[p].pattern!r} -> {ruled[p].style_name}" for p in split + whole)
         raise ValueError(
-            f"{inp_path} and {out_path} share one tied weight but their rules split it differently: "
-            f"{inp_rule.pattern!r} -> {inp_rule.style_name}, {out_rule.pattern!r} -> {out_rule.style_name}"
+            f"{', '.join(sorted(holders))} share one tied weight but their rules split it differently ({listed})"
         )
+    if not split:
+        return
+    for path, module in holders.items():
+        if path in assigned:
+            continue
+        if isinstance(module, nn.Embedding):
+            assigned[path] = Rule(path, "embedding_rowwise", f"tied to {split[0]}")
+        elif isinstance(module, nn.Linear):
+            assigned[path] = Rule(path, "colwise_gather_output", f"tied to {split[0]}")
+        else:
+            raise ValueError(
+                f"{path} ({type(module).__name__}) holds the tied embedding that {split[0]} splits by vocab rows, and "
+                "hf_parallel knows no vocab-parallel style for it; give it a rule or keep the embedding replicated"
+            )

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from .experts import GroupedGemm, MoEEPExperts, MoETPExperts
+from .mixers import GatedDeltaNet, Mamba1Mixer, Mamba2Mixer, ShortConv
 from .styles import (
     Colwise,
     ColwiseGatherOutput,
     EmbeddingColwise,
+    EmbeddingHeads,
     EmbeddingRowwise,
     GroupedQKVColwise,
     PackedColwise,
@@ -35,8 +37,13 @@ STYLES: dict[str, ParallelStyle] = {
     "grouped_gemm": GroupedGemm(),
     "embedding_rowwise": EmbeddingRowwise(),
     "embedding_colwise": EmbeddingColwise(),
+    "embedding_heads": EmbeddingHeads(),  # T5's relative position bias: [buckets, heads], split by heads
     "sequence_parallel": TokensOverTP(),  # transformers' name; Megatron's token split inside TP, not Ulysses
     "sharded_rmsnorm": ShardedRMSNorm(),
+    "mamba2_mixer": Mamba2Mixer(),  # a whole mixer block, every parameter below it placed by heads
+    "mamba1_mixer": Mamba1Mixer(),
+    "gated_deltanet": GatedDeltaNet(),
+    "short_conv": ShortConv(),
 }
 
 

@@ -64,6 +64,7 @@ class Plan:
     base_prefix: str = ""
     used: set = field(default_factory=set)
     notes: list[str] = field(default_factory=list)  # modules deliberately left replicated, and why
+    optional: frozenset = frozenset()  # patterns only some variants of the family have: unused is no warning
 
     def rule_for(self, path: str) -> Rule | None:
         candidates = [path]
@@ -81,15 +82,28 @@ class Plan:
         self.used.update(hit.pattern for hit in hits if hit.style_name == rule.style_name)  # agreeing spellings
         return rule
 
+    def _could_match_below(self, rule: Rule, path: str) -> bool:
+        """Whether ``rule`` may match a module under ``path`` (held by another pipeline stage, whose
+        children this one never sees: a hybrid's layer kinds differ from stage to stage)."""
+        parts, candidates = rule.pattern.split("."), [path]
+        if self.base_prefix and path.startswith(self.base_prefix + "."):
+            candidates.append(path[len(self.base_prefix) + 1 :])
+        for candidate in candidates:
+            depth = candidate.count(".") + 1
+            if len(parts) > depth and compile_pattern(".".join(parts[:depth])).fullmatch(candidate):
+                return True
+        return False
+
     def assign(self, model: nn.Module, held_elsewhere: frozenset[str] = frozenset()) -> dict[str, Rule]:
         """Module (or parameter) path -> rule for everything a rule matches; warns about rules that
         match nothing. Parameter rules (``experts.gate_up_proj``) split one 3-D parameter of a module.
         ``held_elsewhere``: modules another pipeline stage holds (stand-ins here, with no children):
-        their rules count as used, and assign nothing."""
+        their rules, and the rules that could match below them, count as used, and assign nothing."""
         assigned = {}
         for path, module in model.named_modules():
             rule = self.rule_for(path) if path else None
             if path in held_elsewhere:
+                self.used.update(rule.pattern for rule in self.rules if self._could_match_below(rule, path))
                 continue
             if rule is not None:
                 assigned[path] = rule
@@ -98,7 +112,7 @@ class Plan:
                 if rule is not None:
                     assigned[f"{path}.{name}" if path else name] = rule
         for rule in self.rules:
-            if rule.pattern not in self.used:
+            if rule.pattern not in self.used and rule.pattern not in self.optional:
                 warnings.warn(
                     f"plan rule {rule.pattern!r} ({rule.style_name}, from {rule.source}) matches no module of {type(model).__name__}",
                     stacklevel=3,

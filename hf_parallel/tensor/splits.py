@@ -75,6 +75,8 @@ def split_ranges(size: int, ctx: ShardContext, name: str) -> list[tuple[int, int
     hd = heads.head_dim
     if size == heads.num_heads * hd:
         return in_units(heads.q_ranges, hd)
+    if heads.gated_query and size == 2 * heads.num_heads * hd:
+        return in_units(heads.q_ranges, 2 * hd)  # per-head [q_h | gate_h] (gated attention's q_proj)
     if size == heads.num_heads:  # one value per query head (GPT-OSS attention sinks)
         return list(heads.q_ranges)
     if size == heads.num_kv_heads * hd:

@@ -92,6 +92,7 @@ class ParallelStyle:
     """Base: replicated parameters, forward unchanged."""
 
     shards_heads = False  # True: the attention module around it must run on local heads
+    places_descendants = False  # True: ``layouts`` also names parameters of submodules ("in_proj.weight")
     adapters: AdapterSplit | None = None  # None: a LoRA adapter on such a module is refused
 
     def layouts(self, module: nn.Module, ctx: ShardContext, name: str) -> dict[str, Layout]:
@@ -291,6 +292,26 @@ class EmbeddingColwise(ParallelStyle):
     def prepare(self, module, ctx, layouts):
         sizes, group = local_sizes(layouts["weight"]), ctx.group
         return Hooks(post=lambda out: comm.gather_from(out, -1, sizes, group))
+
+
+class EmbeddingHeads(ParallelStyle):
+    """A lookup table of one value per attention head (T5's relative position bias, [buckets, heads]):
+    each rank keeps its heads' columns, so the bias it builds has exactly its local heads. No
+    collective; each rank's gradient is its own columns' (no other rank computes them)."""
+
+    shards_heads = True
+
+    def layouts(self, module, ctx, name):
+        if ctx.heads is None:
+            raise ValueError(
+                f"{name}: embedding_heads splits a per-head table, so it must sit inside a split attention"
+            )
+        size = module.weight.shape[1]
+        if size != ctx.heads.num_heads:
+            raise ValueError(
+                f"{name}: embedding_heads expects one column per query head ({ctx.heads.num_heads}), got {size}"
+            )
+        return {"weight": per_rank(1, split_ranges(size, ctx, name))}
 
 
 class TokensOverTP(ParallelStyle):

@@ -1,0 +1,83 @@
+"""Hybrid decoders: Mamba-1/2 mixers, Gated DeltaNet and short convolutions beside (gated) attention,
+split by their heads at TP=2 and 3 against one process: logits, every gradient's slice, greedy tokens
+through the conv and recurrent caches, the share of the weights a rank holds, and a save bitwise equal
+to the source; pipeline stages on two ranks; sequence parallelism refused by name."""
+
+import os
+
+import hybrid_workers
+import pytest
+from checks import assert_same_checkpoint
+from conftest import once_per_world_size
+from distributed import run_ranks
+from tiny_models import HYBRIDS, make_checkpoint
+
+TOL = 1e-5
+# stages: layers whose kind the model's loop reads (Nemotron-H's block_type), layers returning tuples
+# (Bamba), a recurrent layer's cache slot (LFM2), a layer list of two kinds (Qwen3-Next)
+PIPELINED = ["bamba", "nemotron_h", "lfm2", "qwen3_next"]
+
+
+@pytest.fixture(scope="session")
+def hybrid_paths(tiny_root):
+    return {name: make_checkpoint(name, tiny_root) for name in HYBRIDS}
+
+
+@pytest.fixture(scope="session")
+def hybrid_results(hybrid_paths, tmp_path_factory):
+    def run(world_size):
+        root = str(tmp_path_factory.mktemp(f"hybrids{world_size}"))
+        cases = {name: (path, "auto") for name, path in hybrid_paths.items()}
+        pipelined = PIPELINED if world_size == 2 else []
+        ranks = run_ranks(
+            world_size, hybrid_workers.tensor_and_pipeline, cases, os.path.join(root, "saved"), pipelined,
+            out_dir=os.path.join(root, "results"),
+        )  # fmt: skip
+        return ranks, os.path.join(root, "saved")
+
+    return once_per_world_size(run)
+
+
+PLAN_FILE = {"bamba": "falcon_h1", "qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_next"}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("family", sorted(HYBRIDS))
+def test_hybrid_matches_one_process_and_saves_its_source(hybrid_results, hybrid_paths, family, world_size):
+    ranks, saved = hybrid_results(world_size)
+    for rank, results in enumerate(ranks):
+        r = results["tp"][family]
+        assert r["logits"] < TOL, f"rank {rank}: logits differ by {r['logits']}"
+        assert not r["missing_grads"], f"rank {rank}: no gradient for {r['missing_grads']}"
+        assert r["grads"] < TOL, f"rank {rank}: gradients differ by {r['grads']}"
+        assert r["tokens"]["parallel"] == r["tokens"]["single"]
+        assert r["held"] <= (0.6 if world_size == 2 else 0.45), f"rank {rank} holds {r['held']:.2f} of the weights"
+    source = ranks[0]["tp"][family]["plan_source"]
+    if family == "hunyuan_v1_dense":  # transformers ships only its LM head's rule: discovery splits the layers
+        assert source == "discovered from the HunYuanDenseV1ForCausalLM module tree"
+    else:
+        assert source == f"plans/{PLAN_FILE.get(family, family)}.toml"
+    assert_same_checkpoint(hybrid_paths[family], os.path.join(saved, family))
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("family", PIPELINED)
+def test_hybrid_in_pipeline_stages_matches_one_process(hybrid_results, family):
+    for results in hybrid_results(2)[0]:
+        r = results["pp"][family]
+        assert r["logits"] < TOL
+        assert r["tokens"][0] == r["tokens"][1]
+
+
+def test_plan_dry_run_shows_a_mixer_split_by_heads_and_refuses_sequence_parallelism(hybrid_paths):
+    """Bamba at TP=3: 8 SSM heads of 12 channels split 3/3/2, its one B/C group of 8 on every rank (in_proj's
+    z|x|B|C|dt rows: 36+36+8+8+3 = 91, and 24+24+8+8+2 = 66); Ulysses cannot split its recurrence, refused
+    by name."""
+    from hf_parallel.commands.report import plan_report
+
+    report = plan_report(hybrid_paths["bamba"], tp=3)
+    line = next(row for row in report.splitlines() if "layers.0.mamba.in_proj.weight" in row)
+    assert "mamba2_mixer" in line and "heads(dim=0, sizes=[91,91,66])" in line, line
+    with pytest.raises(ValueError, match=r"sp_size=2: model.layers.0.mamba \(BambaMixer, and 0 more like it\) carries"):
+        plan_report(hybrid_paths["bamba"], tp=1, sp=2)
