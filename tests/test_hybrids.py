@@ -38,7 +38,7 @@ def hybrid_results(hybrid_paths, tmp_path_factory):
     return once_per_world_size(run)
 
 
-PLAN_FILE = {"bamba": "falcon_h1", "qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_next"}
+PLAN_FILE = {"bamba": "falcon_h1", "qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_next", "falcon_mamba": "mamba"}
 
 
 @pytest.mark.distributed
@@ -59,6 +59,16 @@ def test_hybrid_matches_one_process_and_saves_its_source(hybrid_results, hybrid_
     else:
         assert source == f"plans/{PLAN_FILE.get(family, family)}.toml"
     assert_same_checkpoint(hybrid_paths[family], os.path.join(saved, family))
+
+
+@pytest.mark.distributed
+def test_lora_on_a_projection_inside_a_mixer_block_is_refused_by_name(hybrid_results):
+    for results in hybrid_results(2)[0]:
+        assert results["lora"] == (
+            "ValueError: model.layers.0.mamba.in_proj: its weight is split by the block rule 'layers.*.mamba' "
+            "(mamba2_mixer) together with the rest of that block, which a LoRA adapter cannot follow; leave it out "
+            "of target_modules"
+        )
 
 
 @pytest.mark.distributed

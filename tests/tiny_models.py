@@ -74,6 +74,7 @@ HYBRID_ATTENTION = dict(hidden_size=48, intermediate_size=80, num_attention_head
 DELTANET = dict(linear_num_key_heads=2, linear_num_value_heads=6, linear_key_head_dim=8, linear_value_head_dim=8,
                 linear_conv_kernel_dim=4, layer_types=["linear_attention", "full_attention"], head_dim=8)
 MAMBA2 = dict(mamba_n_heads=8, mamba_d_head=12, mamba_n_groups=1, mamba_d_state=8, mamba_d_conv=4, mamba_chunk_size=4)
+MAMBA1 = dict(hidden_size=48, state_size=8, expand=2, time_step_rank=8, conv_kernel=4)
 HYBRIDS = {
     "falcon_h1": ("FalconH1Config", dict(HYBRID_ATTENTION, head_dim=8, **dict(MAMBA2, mamba_d_head=8), mamba_d_ssm=64,
                                          mamba_rms_norm=True)),
@@ -94,6 +95,9 @@ HYBRIDS = {
                                                       num_experts_per_tok=2)),
     "lfm2": ("Lfm2Config", dict(HYBRID_ATTENTION, conv_L_cache=3, layer_types=["conv", "full_attention"])),
     "hunyuan_v1_dense": ("HunYuanDenseV1Config", dict(HYBRID_ATTENTION, head_dim=8)),  # no shipped plan: discovery
+    # attention-free, embedding tied to the LM head
+    "mamba": ("MambaConfig", MAMBA1),
+    "falcon_mamba": ("FalconMambaConfig", MAMBA1),
 }
 DISCOVERED = ["gpt2", "opt", "falcon_new", "falcon_multi_query", "falcon_alibi", "bloom", "gptj", "stablelm"]
 # fmt: on

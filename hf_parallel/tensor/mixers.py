@@ -272,7 +272,7 @@ class ShortConv(_MixerStyle):
 
 
 class Mamba1Mixer(_MixerStyle):
-    """Mamba-1 (Jamba, Falcon-Mamba's layout): every channel its own recurrence, so the channels split
+    """Mamba-1 (Jamba, Mamba, Falcon-Mamba): every channel its own recurrence, so the channels split
     evenly. ``in_proj`` rows x | z, ``conv1d`` / ``dt_proj`` rows / ``A_log`` / ``D`` per channel,
     ``out_proj`` rowwise. ``x_proj`` reads all channels for the shared dt | B | C: each rank's
     partial product is summed (``all_reduce_sum``: every rank's channels use the sum, so its
@@ -314,9 +314,10 @@ class Mamba1Mixer(_MixerStyle):
             x_proj = module.x_proj
             apply_hooks(x_proj, Hooks(around=lambda forward, x: F.linear(x, x_proj.weight),
                                       post=lambda y: comm.all_reduce_sum(y, tp)))  # fmt: skip
-            for norm in ("dt_layernorm", "b_layernorm", "c_layernorm"):
-                for param in module.get_submodule(norm).parameters():
-                    ctx.gradients.sum_over(param, tp)
+            for child, norm in module.named_children():  # Jamba's dt / B / C norms (Falcon-Mamba's weightless)
+                if child.endswith("layernorm"):
+                    for param in norm.parameters():
+                        ctx.gradients.sum_over(param, tp)
 
         return self.install_around(module, ctx, layouts, localize)
 
