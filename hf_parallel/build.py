@@ -17,6 +17,7 @@ from .distributed.mesh import Mesh
 from .pipeline.split import StageSplit, split_stages
 from .pipeline.stage import StageCut, cut_to_stage
 from .sequence.shard import check_sequence_parallel
+from .tensor.mixers import recurrent_mixers
 from .tensor.parallelize import ModelLayout, model_layout
 from .tensor.plan import resolve_plan
 from .training.data_parallel import layers_to_shard, return_freed_blocks_to_the_os
@@ -87,6 +88,20 @@ def check_encoder_decoder(config, mesh: Mesh) -> None:
         )
 
 
+def check_mixers_under_fsdp(model: nn.Module, tp: int, fsdp: int) -> None:
+    """Recurrent mixers split by TP under FSDP are refused: a group's rows held by several ranks need
+    gradient sums, which under FSDP hook the unsharded parameters when their module runs, and the
+    mixers read their conv weight without calling its module (the sum would be skipped silently)."""
+    mixers = recurrent_mixers(model) if tp > 1 and fsdp > 1 else []
+    if mixers:
+        path, module = mixers[0]
+        raise ValueError(
+            f"fsdp_size={fsdp} with tp_size={tp}: {path} ({type(module).__name__}) is a "
+            "recurrent mixer, which hf_parallel splits by tensor parallelism or shards with FSDP, not both; "
+            "use one of the two for this model"
+        )
+
+
 def build_rank_model(
     auto_class,
     config,
@@ -108,6 +123,7 @@ def build_rank_model(
     model = build_empty(auto_class, config, dtype)
     if mesh.sp.size > 1:
         check_sequence_parallel(model, mesh.sp.size)
+    check_mixers_under_fsdp(model, mesh.tp.size, mesh.shape.dp_shard)
     if mesh.shape.dp > 1:
         layers_to_shard(model, mesh)  # FSDP wraps them one by one: a model without them is refused here
         if mesh.device.type == "cpu":

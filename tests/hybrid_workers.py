@@ -26,6 +26,11 @@ def tensor_and_pipeline(rank: int, world_size: int, cases: dict, save_root: str,
             results["lora"] = None
         except ValueError as error:
             results["lora"] = f"ValueError: {error}"
+        try:  # each rank's attention weights are its own heads'
+            model(INPUT_IDS, output_attentions=True)
+            results["output_attentions"] = None
+        except ValueError as error:
+            results["output_attentions"] = str(error)
     for name in pipelined:
         path = cases[name][0]
         single = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)

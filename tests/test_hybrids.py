@@ -72,6 +72,12 @@ def test_lora_on_a_projection_inside_a_mixer_block_is_refused_by_name(hybrid_res
 
 
 @pytest.mark.distributed
+def test_attention_weights_of_local_heads_are_refused_at_the_call(hybrid_results):
+    for results in hybrid_results(2)[0]:
+        assert results["output_attentions"].startswith("output_attentions=True: under tensor parallelism each rank's")
+
+
+@pytest.mark.distributed
 @pytest.mark.parametrize("family", PIPELINED)
 def test_hybrid_in_pipeline_stages_matches_one_process(hybrid_results, family):
     for results in hybrid_results(2)[0]:
@@ -91,3 +97,22 @@ def test_plan_dry_run_shows_a_mixer_split_by_heads_and_refuses_sequence_parallel
     assert "mamba2_mixer" in line and "heads(dim=0, sizes=[91,91,66])" in line, line
     with pytest.raises(ValueError, match=r"sp_size=2: model.layers.0.mamba \(BambaMixer, and 0 more like it\) carries"):
         plan_report(hybrid_paths["bamba"], tp=1, sp=2)
+
+
+def test_what_hybrids_cannot_combine_is_refused_by_name_before_any_weight_is_read(hybrid_paths):
+    """A rule under a mixer's block rule (the block computes with its own split: the other would be ignored
+    silently), and TP with FSDP on a recurrent mixer (FSDP's gradient hooks run with a module's forward, and
+    a mixer reads its conv weight without calling its module)."""
+    from hf_parallel.commands.report import plan_report
+
+    path = hybrid_paths["bamba"]
+    rules = {"layers.*.mamba": "mamba2_mixer", "layers.*.mamba.in_proj": "colwise", "lm_head": "colwise_gather_output"}
+    both = r"model.layers.0.mamba.in_proj.weight: rule 'layers.\*.mamba.in_proj' \(colwise\) names a parameter that"
+    with pytest.raises(ValueError, match=both + r" the block rule 'layers.\*.mamba'"):
+        plan_report(path, tp=2, tp_plan=rules)
+    with pytest.raises(
+        ValueError, match=r"fsdp_size=2 with tp_size=2: model.layers.0.mamba \(BambaMixer\) is a recurrent"
+    ):
+        plan_report(path, tp=2, fsdp_size=2)
+    assert "at rest under FSDP2" in plan_report(path, tp=1, fsdp_size=2)  # FSDP alone shards it like any layer
+

@@ -7,7 +7,7 @@ import math
 import torch
 import transformers
 
-from ..build import build_empty, build_rank_model, resolve_dtype
+from ..build import build_empty, build_rank_model, check_mixers_under_fsdp, resolve_dtype
 from ..distributed.mesh import Mesh
 from ..distributed.shape import MeshShape
 from ..pipeline.stage import tied_across_stages
@@ -58,6 +58,7 @@ def plan_report(
         return "\n".join([*mesh_text, report])
     built = build_rank_model(auto_class, config, dtype, Mesh.dry_run(tp_size=tp, sp_size=sp), tp_plan=tp_plan)
     model, shard = built.model, built.layout
+    check_mixers_under_fsdp(model, tp, shape.dp_shard)  # the dry run's mesh has no data-parallel sizes
     itemsize = torch.empty((), dtype=dtype).element_size()
     lines = [f"plan for {path} ({config.model_type}) at tp={tp}: rules from {shard.plan.source}"]
     if shard.heads is not None:

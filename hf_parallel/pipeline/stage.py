@@ -22,6 +22,7 @@ modules; the micro-batch running, its shape and train_step's record are the call
 from __future__ import annotations
 
 import inspect
+import typing
 from dataclasses import dataclass
 
 import torch
@@ -48,8 +49,7 @@ class MissingLayer(nn.Module):
                 if not name.startswith("_") and isinstance(value, (str, int, float, bool)) and name != "training":
                     setattr(self, name, value)
             self.layer_idx, self.stage = layer_idx, stage
-            returns = inspect.signature(type(original).forward).return_annotation
-            self.returns_tuple = str(returns).startswith(("tuple", "typing.Tuple"))
+            self.returns_tuple = _returns_tuple(type(original).forward)
 
     def forward(self, hidden_states, *args, past_key_values=None, **kwargs):
         """Only layers before the stage's first own layer run (a stage ends at its last), and the
@@ -65,6 +65,16 @@ class MissingLayer(nn.Module):
 
     def extra_repr(self) -> str:
         return f"layer {self.layer_idx}, held by stage {self.stage}"
+
+
+def _returns_tuple(forward) -> bool:
+    """Whether a layer's forward is annotated to return a tuple (Bamba's ``hidden, attn = layer(...)``)."""
+    try:
+        returns = typing.get_type_hints(forward).get("return")
+    except Exception:  # noqa: BLE001 - an annotation naming what its module cannot resolve: read the text
+        returns = inspect.signature(forward).return_annotation
+        return isinstance(returns, str) and returns.lower().startswith(("tuple", "typing.tuple"))
+    return typing.get_origin(returns) is tuple
 
 
 def _counts_tokens(cache, layer_idx: int) -> bool:

@@ -85,6 +85,22 @@ def localize(module: nn.Module, heads: HeadSplit, rank: int) -> None:
         module.config = local
 
 
+def refuse_attention_weights(model: nn.Module) -> None:
+    """A model whose attention runs on local heads returns each rank's own heads' attention weights:
+    ``output_attentions`` (and what reads them, Whisper's token timestamps by alignment head) is
+    refused at the call instead of answered with another set of heads."""
+
+    def check(module, args, kwargs):
+        if kwargs.get("output_attentions") or getattr(module.config, "output_attentions", False):
+            raise ValueError(
+                "output_attentions=True: under tensor parallelism each rank's attention weights are its own heads' "
+                "(hf_parallel does not gather them), so they, and what reads them (Whisper's return_token_timestamps), "
+                "would be wrong; call without them"
+            )
+
+    model.register_forward_pre_hook(check, with_kwargs=True)
+
+
 def _slice_alibi(module: nn.Module, signature: inspect.Signature, heads: HeadSplit, rank: int) -> None:
     """The model builds ALiBi biases for all heads (BLOOM: ``alibi`` [batch * heads, 1, keys];
     Falcon: folded into a [batch, heads, queries, keys] ``attention_mask``); keep this rank's heads."""

@@ -30,7 +30,7 @@ from .styles import Hooks, ParallelStyle, Rowwise, apply_hooks
 def _pieces(dim: int, per_rank: list[list[Range]]) -> Layout:
     """A layout from each rank's pieces in order. Adjacent pieces stay apart: a piece several ranks
     hold (a shared group's rows) must be the same piece on each, for its gradient sum."""
-    return Layout(dim, tuple(tuple(piece for piece in pieces if piece[1] > piece[0]) for pieces in per_rank), "heads")
+    return Layout(dim, tuple(tuple(pieces) for pieces in per_rank), "heads")
 
 
 def _blocks(split: HeadSplit, rank: int, blocks: list[tuple[int, str, int]]) -> list[Range]:
@@ -38,6 +38,22 @@ def _blocks(split: HeadSplit, rank: int, blocks: list[tuple[int, str, int]]) -> 
     this rank's heads (or groups) of each block."""
     ranges = {"heads": split.q_ranges[rank], "groups": split.kv_ranges[rank]}
     return [(offset + ranges[by][0] * width, offset + ranges[by][1] * width) for offset, by, width in blocks]
+
+
+def _by_heads(split: HeadSplit, dim: int, blocks: list[tuple[int, str, int]]) -> Layout:
+    """The layout of a dim made of ``blocks`` (``_blocks``), every rank's pieces."""
+    return _pieces(dim, [_blocks(split, rank, blocks) for rank in range(split.world_size)])
+
+
+def _with_biases(module: nn.Module, out: dict[str, Layout], like_weights) -> dict[str, Layout]:
+    """``out`` and the biases: of ``like_weights`` (children split on their output) as their weights,
+    ``out_proj``'s whole (added once, after the sum)."""
+    for child in like_weights:
+        if module.get_submodule(child).bias is not None:
+            out[f"{child}.bias"] = out[f"{child}.weight"]
+    if module.out_proj.bias is not None:
+        out["out_proj.bias"] = replicated(out["out_proj.weight"].world_size)
+    return out
 
 
 class _MixerStyle(ParallelStyle):
@@ -113,28 +129,16 @@ class Mamba2Mixer(_MixerStyle):
         inner = heads * hd
         if module.intermediate_size != inner:
             raise ValueError(f"{name}: intermediate_size {module.intermediate_size} is not {heads} heads x {hd}")
-        split, ws = self.split(module, ctx.size), ctx.size
-        gs = groups * state
+        split, gs = self.split(module, ctx.size), groups * state
         conv = [(0, "heads", hd), (inner, "groups", state), (inner + gs, "groups", state)]
         proj = [(0, "heads", hd)] + [(inner + o, by, w) for o, by, w in conv] + [(2 * inner + 2 * gs, "heads", 1)]
-        by_rank = {
-            "in": [_blocks(split, r, proj) for r in range(ws)],
-            "conv": [_blocks(split, r, conv) for r in range(ws)],
-            "heads": [_blocks(split, r, [(0, "heads", 1)]) for r in range(ws)],
-            "channels": [_blocks(split, r, [(0, "heads", hd)]) for r in range(ws)],
-        }
-        out = {"in_proj.weight": _pieces(0, by_rank["in"]), "conv1d.weight": _pieces(0, by_rank["conv"])}
-        out |= {attr: _pieces(0, by_rank["heads"]) for attr in ("dt_bias", "A_log", "D")}
-        out["out_proj.weight"] = _pieces(1, by_rank["channels"])
-        if module.in_proj.bias is not None:
-            out["in_proj.bias"] = out["in_proj.weight"]
-        if module.conv1d.bias is not None:
-            out["conv1d.bias"] = out["conv1d.weight"]
+        per_head, channels = _by_heads(split, 0, [(0, "heads", 1)]), [(0, "heads", hd)]
+        out = {"in_proj.weight": _by_heads(split, 0, proj), "conv1d.weight": _by_heads(split, 0, conv)}
+        out |= {attr: per_head for attr in ("dt_bias", "A_log", "D")}
+        out["out_proj.weight"] = _by_heads(split, 1, channels)
         if isinstance(getattr(module.norm, "weight", None), nn.Parameter):
-            out["norm.weight"] = _pieces(0, by_rank["channels"])
-        if module.out_proj.bias is not None:
-            out["out_proj.bias"] = replicated(ws)
-        return out
+            out["norm.weight"] = _by_heads(split, 0, channels)
+        return _with_biases(module, out, ("in_proj", "conv1d"))
 
     def prepare(self, module, ctx, layouts):
         if not layouts:
@@ -198,19 +202,22 @@ class GatedDeltaNet(_MixerStyle):
         return split_heads(module.num_v_heads, module.num_k_heads, 1, size)
 
     def layouts(self, module, ctx, name):
+        if not all(hasattr(module, a) for a in ("num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim", "conv1d")):
+            raise ValueError(f"{name}: gated_deltanet splits a Gated DeltaNet (key / value heads, conv1d); "
+                             f"{type(module).__name__} is not one")  # fmt: skip
         nk, nv, dk, dv = module.num_k_heads, module.num_v_heads, module.head_k_dim, module.head_v_dim
         split, ws, per = self.split(module, ctx.size), ctx.size, nv // nk
         key_dim = nk * dk
         conv = [(0, "groups", dk), (key_dim, "groups", dk), (2 * key_dim, "heads", dv)]
         out = {
-            "conv1d.weight": _pieces(0, [_blocks(split, r, conv) for r in range(ws)]),
-            "dt_bias": _pieces(0, [_blocks(split, r, [(0, "heads", 1)]) for r in range(ws)]),
-            "A_log": _pieces(0, [_blocks(split, r, [(0, "heads", 1)]) for r in range(ws)]),
-            "out_proj.weight": _pieces(1, [_blocks(split, r, [(0, "heads", dv)]) for r in range(ws)]),
+            "conv1d.weight": _by_heads(split, 0, conv),
+            "dt_bias": _by_heads(split, 0, [(0, "heads", 1)]),
+            "A_log": _by_heads(split, 0, [(0, "heads", 1)]),
+            "out_proj.weight": _by_heads(split, 1, [(0, "heads", dv)]),
         }
         if hasattr(module, "in_proj_qkv"):  # Qwen3.5: q | k | v as the conv, z / b / a per value head
             out["in_proj_qkv.weight"] = out["conv1d.weight"]
-            out["in_proj_z.weight"] = _pieces(0, [_blocks(split, r, [(0, "heads", dv)]) for r in range(ws)])
+            out["in_proj_z.weight"] = _by_heads(split, 0, [(0, "heads", dv)])
             out["in_proj_b.weight"] = out["in_proj_a.weight"] = out["dt_bias"]
             return out
         if not hasattr(module, "in_proj_qkvz"):
@@ -252,20 +259,18 @@ class ShortConv(_MixerStyle):
         return split_heads(channels, channels, 1, size)
 
     def layouts(self, module, ctx, name):
-        channels, ws = module.conv.weight.shape[0], ctx.size
-        split = self.split(module, ws)
-        blocks = [(i * channels, "heads", 1) for i in range(3)]
-        out = {
-            "in_proj.weight": _pieces(0, [_blocks(split, r, blocks) for r in range(ws)]),
-            "conv.weight": _pieces(0, [_blocks(split, r, [(0, "heads", 1)]) for r in range(ws)]),
-            "out_proj.weight": _pieces(1, [_blocks(split, r, [(0, "heads", 1)]) for r in range(ws)]),
+        conv, in_proj = getattr(module, "conv", None), getattr(module, "in_proj", None)
+        channels = conv.weight.shape[0] if isinstance(conv, nn.Conv1d) else None
+        if channels is None or conv.groups != channels or in_proj.weight.shape[0] != 3 * channels:
+            raise ValueError(f"{name}: short_conv splits LFM2's in_proj (B | C | x) and depthwise conv; "
+                             f"{type(module).__name__} is laid out otherwise")  # fmt: skip
+        split = self.split(module, ctx.size)
+        out = {"in_proj.weight": _by_heads(split, 0, [(i * channels, "heads", 1) for i in range(3)])}
+        out |= {
+            "conv.weight": _by_heads(split, 0, [(0, "heads", 1)]),
+            "out_proj.weight": _by_heads(split, 1, [(0, "heads", 1)]),
         }
-        for attr, like in (("in_proj.bias", "in_proj.weight"), ("conv.bias", "conv.weight")):
-            if module.get_submodule(attr.split(".")[0]).bias is not None:
-                out[attr] = out[like]
-        if module.out_proj.bias is not None:
-            out["out_proj.bias"] = replicated(ws)
-        return out
+        return _with_biases(module, out, ("in_proj", "conv"))
 
     def prepare(self, module, ctx, layouts):
         return self.install_around(module, ctx, layouts, lambda group: None)
@@ -285,24 +290,14 @@ class Mamba1Mixer(_MixerStyle):
     def layouts(self, module, ctx, name):
         if not hasattr(module, "x_proj"):
             return {}
-        channels, split, ws = module.intermediate_size, self.split(module, ctx.size), ctx.size
-        rows = [_blocks(split, r, [(0, "heads", 1)]) for r in range(ws)]
-        x_and_z = [(0, "heads", 1), (channels, "heads", 1)]
-        out = {
-            "in_proj.weight": _pieces(0, [_blocks(split, r, x_and_z) for r in range(ws)]),
-            "conv1d.weight": _pieces(0, rows),
-            "x_proj.weight": _pieces(1, rows),
-            "dt_proj.weight": _pieces(0, rows),
-            "A_log": _pieces(0, rows),
-            "D": _pieces(0, rows),
-            "out_proj.weight": _pieces(1, rows),
-        }
-        for child, like in (("in_proj", "in_proj.weight"), ("conv1d", "conv1d.weight"), ("dt_proj", "dt_proj.weight")):
-            if module.get_submodule(child).bias is not None:
-                out[f"{child}.bias"] = out[like]
-        if module.out_proj.bias is not None:
-            out["out_proj.bias"] = replicated(ws)
-        return out
+        channels, split = module.intermediate_size, self.split(module, ctx.size)
+        if module.x_proj.bias is not None:  # the partial products' sum would count it once per rank
+            raise ValueError(f"{name}: mamba1_mixer splits x_proj's input, and x_proj here has a bias")
+        rows, columns = _by_heads(split, 0, [(0, "heads", 1)]), _by_heads(split, 1, [(0, "heads", 1)])
+        out = {"in_proj.weight": _by_heads(split, 0, [(0, "heads", 1), (channels, "heads", 1)])}
+        out |= {"conv1d.weight": rows, "dt_proj.weight": rows, "A_log": rows, "D": rows}
+        out |= {"x_proj.weight": columns, "out_proj.weight": columns}
+        return _with_biases(module, out, ("in_proj", "conv1d", "dt_proj"))
 
     def prepare(self, module, ctx, layouts):
         if not layouts:
@@ -325,7 +320,8 @@ class Mamba1Mixer(_MixerStyle):
 def recurrent_mixers(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """The modules that carry a state along the sequence (Mamba, Gated DeltaNet, short convolutions):
     each holds a depthwise causal convolution over the tokens. Token splits (Ulysses) cannot serve
-    them: every token needs the state of the ones before it."""
+    them: every token needs the state of the ones before it. A recurrence with no such convolution
+    (RWKV, xLSTM) is not found here; it meets Ulysses' own checks (attention through the registry)."""
     found = []
     for path, module in model.named_modules():
         convs = [c for c in module.children() if isinstance(c, nn.Conv1d) and c.groups == c.in_channels > 1]

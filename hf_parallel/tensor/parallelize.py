@@ -143,15 +143,21 @@ def model_layout(model: nn.Module, plan: Plan, mesh: Mesh, held_elsewhere: froze
 
 
 def _owner(name: str, rules: dict[str, Rule], layouts: dict) -> tuple[str, str]:
-    """(module path, attribute) whose rule places parameter ``name``: its own module's, or, with no
-    rule there, the nearest enclosing module whose style places its descendants (a mixer block)."""
+    """(module path, attribute) whose rule places parameter ``name``: its own module's, or the nearest
+    enclosing module whose style places its descendants (a mixer block). Both is an error: the block
+    computes with its own split of every parameter it places, whatever another rule says."""
     path, _, attr = name.rpartition(".")
-    if name in rules or path in rules:
-        return path, attr
     parts = name.split(".")
     for cut in range(len(parts) - 2, 0, -1):
         block, rest = ".".join(parts[:cut]), ".".join(parts[cut:])
         if block in rules and rules[block].style.places_descendants and rest in layouts.get(block, {}):
+            own = rules.get(name) or rules.get(path)
+            if own is not None:
+                raise ValueError(
+                    f"{name}: rule {own.pattern!r} ({own.style_name}) names a parameter that the block rule "
+                    f"{rules[block].pattern!r} ({rules[block].style_name}) places with the rest of {block}; "
+                    "drop one of the two"
+                )
             return block, rest
     return path, attr
 
@@ -187,8 +193,11 @@ def install(
         if path in modules and path not in kept_for_tied_weights:  # parameter rules only set a layout
             context = replace(shard.contexts[path], gradients=gradients)
             hooks[path] = rule.style.install(modules[path], context, shard.layouts.get(path, {}))
-    for _, module in _attention_on_local_heads(modules, shard.rules, shard.heads, shard.mesh):
+    local = [module for _, module in _attention_on_local_heads(modules, shard.rules, shard.heads, shard.mesh)]
+    for module in local:
         attention.localize(module, shard.heads, shard.mesh.tp.rank)
+    if local and getattr(model, "config", None) is not None:
+        attention.refuse_attention_weights(model)
     return hooks
 
 

@@ -140,11 +140,18 @@ def tie_embedding_rules(model: nn.Module, assigned: dict[str, Rule]) -> None:
     vocab, each holder without a rule gets the matching style (lookups ``embedding_rowwise``,
     projections ``colwise_gather_output``). A holder left whole would look ids up in a table of
     this rank's rows only (``IndexError: index out of range``) or project onto them."""
-    inp, out = model.get_input_embeddings(), model.get_output_embeddings()
-    weight = getattr(inp, "weight", None) if inp is not None else None
-    if weight is None or out is None or weight is not getattr(out, "weight", 0):
-        return
-    holders = {path: m for path, m in model.named_modules() if path and getattr(m, "weight", None) is weight}
+    shared: dict[int, dict[str, nn.Module]] = {}  # every weight several modules hold (tied to the LM head or not:
+    for path, module in model.named_modules():  # an encoder-decoder's embed_tokens share ``shared`` either way)
+        weight = getattr(module, "weight", None)
+        if path and isinstance(weight, nn.Parameter):
+            shared.setdefault(id(weight), {})[path] = module
+    for holders in shared.values():
+        if len(holders) > 1:
+            _tie_holders(holders, assigned)
+
+
+def _tie_holders(holders: dict[str, nn.Module], assigned: dict[str, Rule]) -> None:
+    """One tied weight's holders: one vocab split for all of them, or none."""
     vocab_split = {"colwise", "colwise_gather_output", "embedding_rowwise"}
     ruled = {path: assigned[path] for path in holders if path in assigned}
     split = sorted(path for path, rule in ruled.items() if rule.style_name in vocab_split)
