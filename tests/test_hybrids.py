@@ -116,3 +116,20 @@ def test_what_hybrids_cannot_combine_is_refused_by_name_before_any_weight_is_rea
         plan_report(path, tp=2, fsdp_size=2)
     assert "at rest under FSDP2" in plan_report(path, tp=1, fsdp_size=2)  # FSDP alone shards it like any layer
 
+
+@pytest.mark.parametrize(
+    "family, block, style",
+    [("falcon_h1", "model.layers.*.mamba", "mamba2_mixer"), ("lfm2", "model.layers.*.conv", "short_conv"),
+     ("mamba", "backbone.layers.*.mixer", "mamba1_mixer")],
+)  # fmt: skip
+def test_discovery_gives_a_known_mixer_class_its_block_style(hybrid_paths, family, block, style):
+    import torch
+    import transformers
+
+    from hf_parallel.build import build_empty
+    from hf_parallel.tensor.discover import discover_plan
+
+    config = transformers.AutoConfig.from_pretrained(hybrid_paths[family])
+    found = discover_plan(build_empty(transformers.AutoModelForCausalLM, config, torch.float32))
+    assert found.rules[block] == style
+    assert not any(block.rsplit(".", 1)[-1] + "." in rule for rule in found.rules)  # nothing under it ruled apart

@@ -8,7 +8,9 @@ module(s) and the rest. A projection is given a role only when its name *and* it
   (``heads x head_dim -> hidden``) rowwise; per-head norms replicated with summed gradients;
 - the rest: up/gate projections (``hidden -> I``) colwise, the down projection (``I -> hidden``)
   rowwise, norms of the residual stream replicated;
-- the input embedding vocab-parallel, the output embedding vocab-parallel with gathered logits.
+- the input embedding vocab-parallel, the output embedding vocab-parallel with gathered logits;
+- a recurrent mixer of a class known to lay its parameters out as a mixer style expects
+  (``mixers.KNOWN_MIXERS``: Mamba-1/2, Gated DeltaNet, LFM2's short convolution) gets that style.
 
 A module whose role cannot be settled that way (an unknown projection, a fused q/k/v of unknown
 packing, a norm acting on sharded activations, a mixture of experts) is left replicated, and the
@@ -25,6 +27,7 @@ from torch import nn
 from ..layers import repeated_layers
 from . import attention
 from .geometry import FUSED_QKV_NAMES, OUT_NAMES, QKV_NAMES, attention_geometry, is_conv1d, named, text_config
+from .mixers import KNOWN_MIXERS
 from .rules import compile_pattern
 
 UP_NAMES = {"up_proj", "gate_proj", "fc1", "fc_in", "c_fc", "dense_h_to_4h", "w1", "w3", "intermediate.dense"}
@@ -150,6 +153,10 @@ def classify_mlp(linears: list[Projection], others, hidden: int) -> dict[str, st
 
 def classify_block(block: nn.Module, hidden: int, config, qkv_style) -> tuple[dict[str, str], list[str]]:
     rules, notes = {}, []
+    mixers = {
+        path: KNOWN_MIXERS[type(m).__name__] for path, m in block.named_modules() if type(m).__name__ in KNOWN_MIXERS
+    }
+    rules.update(mixers)  # a known recurrent mixer: its block style places all of it
     regions = [path for path, _ in attention.outermost(block)]
     for path in regions:
         try:
@@ -161,7 +168,7 @@ def classify_block(block: nn.Module, hidden: int, config, qkv_style) -> tuple[di
             rules.update({f"{path}.{p}": style for p, style in found.items()})
         except Unclassified as why:
             notes.append(f"{path}: replicated, {why}")
-    linears, others = _projections(block, skip=regions)
+    linears, others = _projections(block, skip=regions + list(mixers))
     try:
         rules.update(classify_mlp(linears, others, hidden))
     except Unclassified as why:
