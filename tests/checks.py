@@ -16,6 +16,13 @@ def read_checkpoint(path: str) -> dict[str, torch.Tensor]:
     return out
 
 
+def assert_like_one_process(result: dict, rank: int, tol: float = 1e-5) -> None:
+    """One rank's ``tp_workers.compare_tp`` result: logits and every gradient's slice within ``tol``."""
+    assert result["logits"] < tol, f"rank {rank}: logits differ by {result['logits']}"
+    assert not result["missing_grads"], f"rank {rank}: no gradient for {result['missing_grads']}"
+    assert result["grads"] < tol, f"rank {rank}: gradients differ by {result['grads']}"
+
+
 def assert_same_checkpoint(source: str, saved: str) -> None:
     """Key for key, dtype for dtype, bit for bit."""
     want, got = read_checkpoint(source), read_checkpoint(saved)
