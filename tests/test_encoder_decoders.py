@@ -142,3 +142,10 @@ def test_encoder_and_decoder_with_different_heads_are_refused(tmp_path):
     config.save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="differ in their heads"):
         _rank_model(str(tmp_path), tp_size=2)
+
+
+def test_verify_refuses_an_encoder_decoder_by_name(seq2seq_paths):
+    from hf_parallel.commands.verify import verify
+
+    with pytest.raises(ValueError, match="T5Config is an encoder-decoder, and verify compares a causal LM's layers"):
+        verify(seq2seq_paths["t5"])

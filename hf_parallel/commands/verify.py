@@ -197,6 +197,12 @@ def verify(
     from ..distributed.mesh import get_mesh
     from ..state import parallel_state
 
+    config = transformers.AutoConfig.from_pretrained(path)
+    if getattr(config, "is_encoder_decoder", False):
+        raise ValueError(
+            f"{path}: {type(config).__name__} is an encoder-decoder, and verify compares a causal LM's layers with one "
+            "process's (tests/test_encoder_decoders.py compares T5, BART and Whisper)"
+        )
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     tolerance = TOLERANCES.get(dtype, 1e-2) if tolerance is None else tolerance
     vtp = stages.get("stage_tp_sizes") is not None
@@ -204,7 +210,7 @@ def verify(
         None if vtp else tp_size, sp_size=sp_size, pp_size=stages.get("pp_size", 1),
         stage_tp_sizes=stages.get("stage_tp_sizes"),
     )  # fmt: skip
-    batch = probe_batch(transformers.AutoConfig.from_pretrained(path))
+    batch = probe_batch(config)
     reference = None
     reference_memory = default_reference_memory(path) if reference_memory is None else reference_memory
     if mesh.is_main:  # the single-process model is freed before the parallel one loads
