@@ -94,7 +94,7 @@ def sweep_cases(rank: int, world_size: int, paths: dict) -> dict:
 
     os.environ["HF_PARALLEL_TIMEOUT"] = "60"  # a desynchronised architecture fails fast instead of hanging
     import transformers
-    import workers
+    import tp_workers as workers
 
     from hf_parallel.build import build_empty
     from hf_parallel.tensor.discover import discover_plan
