@@ -131,3 +131,39 @@ def test_discovery_gives_a_known_mixer_class_its_block_style(hybrid_paths, famil
     found = discover_plan(build_empty(transformers.AutoModelForCausalLM, config, torch.float32))
     assert found.rules[block] == style
     assert not any(block.rsplit(".", 1)[-1] + "." in rule for rule in found.rules)  # nothing under it ruled apart
+
+
+# 5 AdamW steps with clipping: Bamba's one B/C group shared by both ranks (summed rows, a shared norm) and
+# Jamba's x_proj (partial products summed, gradients summed back) at TP=2; FSDP=2 alone on Bamba
+TRAINED = {
+    "bamba_tp": ("bamba", {"tp_size": 2}, "backward"),
+    "bamba_fsdp": ("bamba", {"fsdp_size": 2, "tp_plan": None}, "backward"),
+    "jamba_tp": ("jamba", {"tp_size": 2}, "train_step"),
+}
+
+
+@pytest.fixture(scope="module")
+def hybrid_training(hybrid_paths, tmp_path_factory):
+    import training_workers
+
+    root = str(tmp_path_factory.mktemp("hybrid_training"))
+    cases = {name: (hybrid_paths[family], sizes, loop) for name, (family, sizes, loop) in TRAINED.items()}
+    ranks = run_ranks(2, training_workers.train, cases, root, out_dir=os.path.join(root, "results"))
+    references = {family: training_workers.one_process(hybrid_paths[family]) for family in {"bamba", "jamba"}}
+    return ranks, root, references
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("case", sorted(TRAINED))
+def test_hybrid_training_steps_match_one_process(hybrid_training, case):
+    """Losses, clipped global gradient norms and the gathered weights after 5 steps, as test_training's."""
+    import training_workers
+
+    ranks, root, references = hybrid_training
+    want = references[TRAINED[case][0]]
+    for rank, results in enumerate(ranks):
+        got = results[case]
+        assert max(abs(a - b) for a, b in zip(got["losses"], want["losses"])) < TOL, (rank, got, want)
+        assert max(abs(a - b) for a, b in zip(got["norms"], want["norms"])) < TOL, (rank, got, want)
+    assert min(want["norms"]) > training_workers.MAX_NORM  # clipping acted on every step
+    assert training_workers.saved_against(want["weights"], os.path.join(root, case)) < TOL
