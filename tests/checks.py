@@ -23,6 +23,19 @@ def assert_like_one_process(result: dict, rank: int, tol: float = 1e-5) -> None:
     assert result["grads"] < tol, f"rank {rank}: gradients differ by {result['grads']}"
 
 
+def assert_steps_like_one_process(ranks: list[dict], case: str, want: dict, saved: str, tol: float = 1e-5) -> None:
+    """``training_workers.train``'s ``case`` on every rank against ``training_workers.one_process``: the losses,
+    clipped global gradient norms (clipping acting on every step) and the saved final weights within ``tol``."""
+    import training_workers
+
+    for rank, results in enumerate(ranks):
+        got = results[case]
+        assert max(abs(a - b) for a, b in zip(got["losses"], want["losses"])) < tol, (rank, got, want)
+        assert max(abs(a - b) for a, b in zip(got["norms"], want["norms"])) < tol, (rank, got, want)
+    assert min(want["norms"]) > training_workers.MAX_NORM  # clipping acted on every step
+    assert training_workers.saved_against(want["weights"], saved) < tol
+
+
 def assert_same_checkpoint(source: str, saved: str) -> None:
     """Key for key, dtype for dtype, bit for bit."""
     want, got = read_checkpoint(source), read_checkpoint(saved)

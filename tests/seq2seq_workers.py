@@ -8,7 +8,7 @@ import os
 import warnings
 
 import torch
-from tp_workers import expected_slice
+from tp_workers import gradient_error
 
 COMMON = dict(vocab_size=101, pad_token_id=0, bos_token_id=1, eos_token_id=2)
 # Geometry traps: T5's head size (d_kv=6) is not d_model / heads (8), so the heads must come from the
@@ -136,19 +136,8 @@ def compare_seq2seq(rank: int, world_size: int, cases: dict, save_root: str) -> 
         counts = {op: comm.COUNTS[op] for op in ("all_reduce", "all_gather")}
         logits, loss = _step(model, family)
         loss.backward()
-        grad_error, worst, missing, split = 0.0, None, [], []
-        for entry in state.layout.unique_params():
-            grad = model.get_parameter(entry.name).grad
-            if not entry.layout.is_replicated:
-                split.append(entry.name)
-            if grad is None:
-                if ref_grads[entry.name] is not None:
-                    missing.append(entry.name)
-                continue
-            want = expected_slice(ref_grads[entry.name], entry.layout, state.mesh.tp.rank)
-            error = (grad - want).abs().max().item() if grad.numel() else 0.0
-            if error >= grad_error:
-                grad_error, worst = error, (entry.name, want.abs().max().item() if grad.numel() else 0.0)
+        grad_error, worst, missing = gradient_error(model, state, ref_grads, state.mesh.tp.rank)
+        split = [entry.name for entry in state.layout.unique_params() if not entry.layout.is_replicated]
         model.zero_grad(set_to_none=True)
         gen = _generate(model, family)
         config = model.config

@@ -7,7 +7,7 @@ import os
 
 import hybrid_workers
 import pytest
-from checks import assert_like_one_process, assert_same_checkpoint
+from checks import assert_like_one_process, assert_same_checkpoint, assert_steps_like_one_process
 from conftest import once_per_world_size
 from distributed import run_ranks
 from tiny_models import HYBRIDS, make_checkpoint
@@ -157,13 +157,5 @@ def hybrid_training(hybrid_paths, tmp_path_factory):
 @pytest.mark.parametrize("case", sorted(TRAINED))
 def test_hybrid_training_steps_match_one_process(hybrid_training, case):
     """Losses, clipped global gradient norms and the gathered weights after 5 steps, as test_training's."""
-    import training_workers
-
     ranks, root, references = hybrid_training
-    want = references[TRAINED[case][0]]
-    for rank, results in enumerate(ranks):
-        got = results[case]
-        assert max(abs(a - b) for a, b in zip(got["losses"], want["losses"])) < TOL, (rank, got, want)
-        assert max(abs(a - b) for a, b in zip(got["norms"], want["norms"])) < TOL, (rank, got, want)
-    assert min(want["norms"]) > training_workers.MAX_NORM  # clipping acted on every step
-    assert training_workers.saved_against(want["weights"], os.path.join(root, case)) < TOL
+    assert_steps_like_one_process(ranks, case, references[TRAINED[case][0]], os.path.join(root, case), TOL)

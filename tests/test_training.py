@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 
 import pytest
+from checks import assert_steps_like_one_process
 from conftest import once_per_world_size
 
 LOSS_TOLERANCE = NORM_TOLERANCE = WEIGHT_TOLERANCE = 1e-5
@@ -83,17 +84,9 @@ def loop_runs(paths, tmp_path_factory):
 def test_steps_match_one_process(loop_runs, references, world_size, case):
     """Losses, clipped global gradient norms and the gathered final weights of 5 steps equal one
     process's on the same global batches, on every rank."""
-    import training_workers
-
     results, root = loop_runs(world_size)
-    arch = LOOP_CASES[world_size][case][0]
-    want = references[arch]
-    for rank, result in enumerate(results):
-        got = result[case]
-        assert max(abs(a - b) for a, b in zip(got["losses"], want["losses"])) < LOSS_TOLERANCE, (rank, got, want)
-        assert max(abs(a - b) for a, b in zip(got["norms"], want["norms"])) < NORM_TOLERANCE, (rank, got, want)
-    assert min(want["norms"]) > training_workers.MAX_NORM  # clipping acted on every step
-    assert training_workers.saved_against(want["weights"], os.path.join(root, case)) < WEIGHT_TOLERANCE
+    want = references[LOOP_CASES[world_size][case][0]]
+    assert_steps_like_one_process(results, case, want, os.path.join(root, case), LOSS_TOLERANCE)
 
 
 @pytest.mark.distributed

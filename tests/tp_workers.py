@@ -55,6 +55,24 @@ def against_one_process(model, single, state, what: str = "grad") -> tuple[float
     return error, scale
 
 
+def gradient_error(model, state, ref_grads: dict, rank: int) -> tuple[float, tuple | None, list[str]]:
+    """This rank's gradients against its slices of one process's: the largest difference, the parameter
+    where it is (with that slice's largest value), and the parameters with no gradient where one process
+    has one (one unused in this forward, as cross-attention in a decoder-only pass, has none in either)."""
+    error, worst, missing = 0.0, None, []
+    for entry in state.layout.unique_params():
+        grad = model.get_parameter(entry.name).grad
+        if grad is None:
+            if ref_grads[entry.name] is not None:
+                missing.append(entry.name)
+            continue
+        want = expected_slice(ref_grads[entry.name], entry.layout, rank)
+        difference = (grad - want).abs().max().item() if grad.numel() else 0.0
+        if difference >= error:
+            error, worst = difference, (entry.name, want.abs().max().item() if grad.numel() else 0.0)
+    return error, worst, missing
+
+
 def compare_tp(
     rank: int,
     world_size: int,
@@ -83,16 +101,8 @@ def compare_tp(
         counts = {op: comm.COUNTS[op] for op in ("all_reduce", "all_gather")}
         output, loss = _output_and_loss(model, encoder)
         loss.backward()
-        grad_error, missing = 0.0, []
         state = hf_parallel.parallel_state(model)
-        for entry in state.layout.unique_params():
-            grad = model.get_parameter(entry.name).grad
-            if grad is None:
-                if ref_grads[entry.name] is not None:  # unused in this forward (cross-attention) is fine
-                    missing.append(entry.name)
-                continue
-            want = expected_slice(ref_grads[entry.name], entry.layout, rank)
-            grad_error = max(grad_error, (grad - want).abs().max().item() if grad.numel() else 0.0)
+        grad_error, _, missing = gradient_error(model, state, ref_grads, rank)
         full = sum(math.prod(entry.full_shape) for entry in state.layout.unique_params())
         held = sum(p.numel() for p in model.parameters()) / full
         if generate:

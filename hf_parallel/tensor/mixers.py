@@ -209,16 +209,13 @@ class GatedDeltaNet(_MixerStyle):
         split, ws, per = self.split(module, ctx.size), ctx.size, nv // nk
         key_dim = nk * dk
         conv = [(0, "groups", dk), (key_dim, "groups", dk), (2 * key_dim, "heads", dv)]
-        out = {
-            "conv1d.weight": _by_heads(split, 0, conv),
-            "dt_bias": _by_heads(split, 0, [(0, "heads", 1)]),
-            "A_log": _by_heads(split, 0, [(0, "heads", 1)]),
-            "out_proj.weight": _by_heads(split, 1, [(0, "heads", dv)]),
-        }
+        per_head = _by_heads(split, 0, [(0, "heads", 1)])
+        out = {"conv1d.weight": _by_heads(split, 0, conv), "dt_bias": per_head, "A_log": per_head}
+        out["out_proj.weight"] = _by_heads(split, 1, [(0, "heads", dv)])
         if hasattr(module, "in_proj_qkv"):  # Qwen3.5: q | k | v as the conv, z / b / a per value head
             out["in_proj_qkv.weight"] = out["conv1d.weight"]
             out["in_proj_z.weight"] = _by_heads(split, 0, [(0, "heads", dv)])
-            out["in_proj_b.weight"] = out["in_proj_a.weight"] = out["dt_bias"]
+            out["in_proj_b.weight"] = out["in_proj_a.weight"] = per_head
             return out
         if not hasattr(module, "in_proj_qkvz"):
             raise ValueError(f"{name}: gated_deltanet knows Qwen3-Next's in_proj_qkvz / in_proj_ba and Qwen3.5's "
@@ -333,9 +330,8 @@ def recurrent_mixers(model: nn.Module) -> list[tuple[str, nn.Module]]:
     each holds a depthwise causal convolution over the tokens. Token splits (Ulysses) cannot serve
     them: every token needs the state of the ones before it. A recurrence with no such convolution
     (RWKV, xLSTM) is not found here; it meets Ulysses' own checks (attention through the registry)."""
-    found = []
-    for path, module in model.named_modules():
-        convs = [c for c in module.children() if isinstance(c, nn.Conv1d) and c.groups == c.in_channels > 1]
-        if convs:
-            found.append((path, module))
-    return found
+    return [
+        (path, module)
+        for path, module in model.named_modules()
+        if any(isinstance(c, nn.Conv1d) and c.groups == c.in_channels > 1 for c in module.children())
+    ]

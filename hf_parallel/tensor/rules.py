@@ -66,11 +66,14 @@ class Plan:
     notes: list[str] = field(default_factory=list)  # modules deliberately left replicated, and why
     optional: frozenset = frozenset()  # patterns only some variants of the family have: unused is no warning
 
-    def rule_for(self, path: str) -> Rule | None:
-        candidates = [path]
+    def _candidates(self, path: str) -> list[str]:
+        """``path`` as rules may spell it: in full, and relative to the base model."""
         if self.base_prefix and path.startswith(self.base_prefix + "."):
-            candidates.append(path[len(self.base_prefix) + 1 :])
-        hits = [rule for rule in self.rules if rule.matches(candidates)]
+            return [path, path[len(self.base_prefix) + 1 :]]
+        return [path]
+
+    def rule_for(self, path: str) -> Rule | None:
+        hits = [rule for rule in self.rules if rule.matches(self._candidates(path))]
         if not hits:
             return None
         best = max(rule.specificity for rule in hits)
@@ -85,10 +88,8 @@ class Plan:
     def _could_match_below(self, rule: Rule, path: str) -> bool:
         """Whether ``rule`` may match a module under ``path`` (held by another pipeline stage, whose
         children this one never sees: a hybrid's layer kinds differ from stage to stage)."""
-        parts, candidates = rule.pattern.split("."), [path]
-        if self.base_prefix and path.startswith(self.base_prefix + "."):
-            candidates.append(path[len(self.base_prefix) + 1 :])
-        for candidate in candidates:
+        parts = rule.pattern.split(".")
+        for candidate in self._candidates(path):
             depth = candidate.count(".") + 1
             if len(parts) > depth and compile_pattern(".".join(parts[:depth])).fullmatch(candidate):
                 return True
