@@ -17,6 +17,7 @@ from .build import build_rank_model, resolve_dtype
 from .checkpoint.distributed_save import save_distributed
 from .checkpoint.loading import checkpoint_files, load_weights
 from .checkpoint.saving import save_sharded
+from .distributed.devices import check_on_device, move_module_state
 from .distributed.mesh import get_mesh
 from .pipeline.stage import install_stage
 from .runtime import Runtime
@@ -92,6 +93,7 @@ def from_pretrained(
     sequence = install_sequence(model, mesh, built.split, gradients) if mesh.sp.size > 1 else None
     # 5. the pipeline stage: receive, send, stop
     stage = install_stage(model, built.split, cut, built.layout, mesh, micro_batches) if cut is not None else None
+    move_module_state(model, mesh.device)  # buffers and tables the checkpoint did not hold, to this rank's device
     # 6. the data dimensions (FSDP2 / HSDP), then every gradient sum registered once
     stage_forward = None
     if mesh.shape.dp > 1:
@@ -108,6 +110,7 @@ def from_pretrained(
     # 8. adapters (peft) and the Trainer's seams, each installed when its library is first imported
     watch(model, state)
     install_trainer_seams(model, state)
+    check_on_device(model, mesh.device)
     return model
 
 

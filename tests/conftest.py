@@ -9,6 +9,9 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))  # spawned ranks import tests' helper modules by name
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# every point-to-point transfer of every test under NCCL's rules (hf_parallel/distributed/strict.py): a send
+# that would wait forever for its receive on GPUs fails here too, inherited by every spawned rank
+os.environ.setdefault("HF_PARALLEL_P2P_RULES", "nccl")
 
 
 def once_per_world_size(compute):

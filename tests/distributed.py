@@ -24,7 +24,7 @@ def _entry(rank: int, world_size: int, port: int, fn, args, out_dir: str) -> Non
         LOCAL_RANK=str(rank),
         WORLD_SIZE=str(world_size),
         OMP_NUM_THREADS="1",
-        HF_PARALLEL_TIMEOUT="300",
+        HF_PARALLEL_TIMEOUT=os.environ.get("HF_PARALLEL_TIMEOUT", "300"),  # a test may bound it tighter
     )
     import torch
 

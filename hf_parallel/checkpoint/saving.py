@@ -17,14 +17,13 @@ import os
 from contextlib import nullcontext
 
 import torch
-import torch.distributed as dist
 from huggingface_hub import split_state_dict_into_shards_factory
 from tqdm.auto import tqdm
 
 from ..compat.torch import is_persistent_buffer
-from ..distributed.faults import collective
+from ..distributed import p2p
+from ..distributed.devices import to_wire
 from ..distributed.mesh import Dim
-from ..distributed.tags import Tag
 from ..tensor.kept import KeptWeight, gathered_part
 from ..tensor.layout import Box, Layout, as_slices, box_shape, replicated
 from ..tensor.parallelize import ShardedParam
@@ -54,13 +53,12 @@ class Scratch:
         return self.buffer[:size].view(dtype).view(tuple(shape))
 
 
-def receive_into(target: torch.Tensor, wire: Scratch, what: str, **source) -> None:
-    """Receive a message into ``target``: straight into it where it is contiguous and on the wire's
-    device (the groups' device), else through ``wire`` and a copy."""
+def receive_into(target: torch.Tensor, wire: Scratch, what: str, source: int, group) -> None:
+    """Receive a message from global rank ``source`` into ``target``: straight into it where it is
+    contiguous and on the wire (the device the groups' backend carries), else through ``wire`` and a copy."""
     direct = target.is_contiguous() and target.device == wire.device
     buffer = target if direct else wire.take(target.shape, target.dtype)
-    with collective(what):
-        dist.recv(buffer, **source)
+    p2p.recv(buffer, source, what, group)
     if not direct:
         target.copy_(buffer)
 
@@ -70,8 +68,9 @@ def gather_block(
 ) -> torch.Tensor | None:
     """The ``box`` of the full tensor on the TP group's first rank (None elsewhere), in
     ``scratch[0]`` (host memory, where the writer reads it). Every rank sends only its runs of the
-    box (``Layout.place``); the first rank places each as it arrives (``receive_into``, with
-    ``scratch[1]`` on the groups' device)."""
+    box (``Layout.place``), one message at a time (each waited for: NCCL's watchdog times an operation
+    from when it is queued, so a sender never queues a whole save); the first rank places each as it
+    arrives (``receive_into``, with ``scratch[1]`` on the wire)."""
     first = tp.rank == 0
     if layout.is_replicated or tp.size == 1:
         return local.detach()[as_slices(box)].cpu() if first else None
@@ -83,11 +82,11 @@ def gather_block(
             if first:
                 target.copy_(part)
                 return
-            with collective(f"sending {name} from rank {tp.ranks[rank]} to rank {tp.ranks[0]}"):
-                dist.send(part.to(wire).contiguous(), group_dst=0, group=tp.group)
+            what = f"sending {name} from rank {tp.ranks[rank]} to rank {tp.ranks[0]}"
+            p2p.send(to_wire(part, wire), tp.ranks[0], what, tp.group)
         elif first:
             what = f"receiving {name} from rank {tp.ranks[rank]} on rank {tp.ranks[0]}"
-            receive_into(target, scratch[1], what, group_src=rank, group=tp.group)
+            receive_into(target, scratch[1], what, tp.ranks[rank], tp.group)
 
     with timed("gather"):
         return layout.place(scratch[0].take(box_shape(box), local.dtype) if first else None, box, fill)
@@ -223,17 +222,15 @@ def on_the_wire(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.view(torch.uint8) if tensor.dtype.itemsize == 1 and tensor.is_floating_point() else tensor
 
 
-def received_blocks(spec, source: int, key: str, wire: Scratch):
+def received_blocks(spec, source: int, key: str, wire: Scratch, group):
     """On rank 0: a key another stage owns, block by block from that stage's first rank (received
-    on the groups' device; the writer copies each to the host)."""
+    on the wire; the writer copies each to the host)."""
     shape, dtype = spec
     for block in row_blocks(shape, None, dtype):
         buffer = wire.take(box_shape(block), dtype)
-        with (
-            timed("gather"),
-            collective(f"receiving {key} from rank {source} (its pipeline stage's first rank) on rank 0"),
-        ):
-            dist.recv(on_the_wire(buffer), src=source, tag=Tag.SAVE)
+        with timed("gather"):
+            what = f"receiving {key} from rank {source} (its pipeline stage's first rank) on rank 0"
+            p2p.recv(on_the_wire(buffer), source, what, group)
         yield buffer
 
 
@@ -241,15 +238,15 @@ def gathered(model, mesh, targets: dict, specs: dict, owners: dict, keys):
     """Per key, its row blocks as rank 0 gathers them (an iterator consumed block by block); the
     other ranks send their parts here, in the same order, and yield None. ``targets``: key ->
     (sharded parameter, box); ``owners``: key -> the pipeline stage that holds it."""
-    scratch = (Scratch(), Scratch(mesh.device))  # (the block, assembled on the host; what arrives)
+    scratch = (Scratch(), Scratch(mesh.wire))  # (the block, assembled on the host; what arrives)
     for key in keys:
         if owners[key] != mesh.stage:
             leader = mesh.stage_ranks(owners[key])[0]
-            yield received_blocks(specs[key], leader, key, scratch[1]) if mesh.is_main else None
+            yield received_blocks(specs[key], leader, key, scratch[1], mesh.world.group) if mesh.is_main else None
             continue
         entry, box = targets[key]
         if isinstance(entry, KeptWeight):  # a part of a weight kept quantized: whole on the group's first rank,
-            full, (shape, dtype) = gathered_part(entry, box, mesh.tp, mesh.device), specs[key]  # then in row blocks
+            full, (shape, dtype) = gathered_part(entry, box, mesh.tp, mesh.wire), specs[key]  # then in row blocks
             blocks = (None if full is None else full[as_slices(b)] for b in row_blocks(shape, None, dtype))
             box = None
         else:
@@ -262,9 +259,9 @@ def gathered(model, mesh, targets: dict, specs: dict, owners: dict, keys):
             yield (as_written(block, box) for block in blocks)
             continue
         for block in blocks:
-            if block is not None:  # this stage's first rank, not rank 0: on to rank 0
-                with collective(f"sending {key} from rank {mesh.rank} to rank 0"):
-                    dist.send(on_the_wire(as_written(block, box).to(mesh.device).contiguous()), dst=0, tag=Tag.SAVE)
+            if block is not None:  # this stage's first rank, not rank 0: on to rank 0, one block at a time
+                data = on_the_wire(to_wire(as_written(block, box), mesh.wire))
+                p2p.send(data, 0, f"sending {key} from rank {mesh.rank} to rank 0", mesh.world.group)
         yield None
 
 

@@ -225,9 +225,11 @@ def verify(
         path, tp_plan=tp_plan, dtype=dtype, tp_size=None if vtp else mesh.tp.size, sp_size=sp_size, **stages,
     )  # fmt: skip
     state = parallel_state(model)
-    parallel, error = outputs_by_layer(model, batch, state)
+    on_device = {name: tensor.to(mesh.device) for name, tensor in batch.items()}  # the reference ran on the host
+    parallel, error = outputs_by_layer(model, on_device, state)
     if mesh.sp.size > 1 and error is None:
         parallel = whole_sequences(parallel, batch["input_ids"].shape[1], mesh)
+    parallel = {name: out.cpu() for name, out in parallel.items()}  # compared (and gathered as objects) on the host
     if mesh.num_stages > 1:
         parallel = every_stage(parallel, mesh)
     mesh.barrier()

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from . import ops
+from .devices import Placement, activate, default_backend, device_identity, group_backend, this_device
 from .faults import collective, timeout_seconds
 from .shape import MeshShape, asked
 from .shm import attach, attach_pipes, channel_for
@@ -51,8 +52,11 @@ class Mesh:
     """Every dimension's group for this rank: ``mesh.tp``, ``mesh.sp``, ``mesh.pp``, ``mesh.ep``,
     ``mesh.world``, or ``mesh[name]``."""
 
-    def __init__(self, shape: MeshShape, rank: int, device: torch.device, groups: dict[tuple[int, ...], object]):
-        self.shape, self.rank, self.device = shape, rank, device
+    def __init__(self, shape: MeshShape, rank: int, placement: Placement, groups: dict[tuple[int, ...], object]):
+        self.shape, self.rank = shape, rank
+        self.device = placement.device  # where this rank computes: every parameter, buffer and scratch tensor
+        self.wire = placement.wire  # where the groups' backend moves tensors from (``devices.py``)
+        self.backend = placement.backend
         self._groups = groups  # ranks -> process group (only the groups this rank belongs to)
         self._subgroups: dict = {}
         self._device_mesh = None
@@ -66,7 +70,7 @@ class Mesh:
     @classmethod
     def dry_run(cls, rank: int = 0, **sizes) -> Mesh:
         """``rank``'s view of a mesh with no processes (``hf-parallel plan``): sizes, no groups."""
-        return cls(MeshShape.requested(**sizes), rank, torch.device("cpu"), {})
+        return cls(MeshShape.requested(**sizes), rank, Placement(torch.device("cpu"), "gloo"), {})
 
     def __getitem__(self, name: str) -> Dim:
         if name == "ep":
@@ -179,7 +183,7 @@ class Mesh:
     def _new_group(self, ranks: tuple[int, ...]):
         if len(ranks) < 2:
             return None
-        return _new_group(ranks, self.world_size, default_timeout())
+        return _new_group(ranks, self.world_size, default_timeout(), self.backend)
 
     def __str__(self) -> str:
         """``rank 3: pp 1/2, tp 1/2, sp 0/1``: this rank's stage, then its index in each group (and in
@@ -239,7 +243,10 @@ def get_mesh(
     timeout: datetime.timedelta | None = None,
 ) -> Mesh:
     """The mesh of this shape over torchrun's ranks, joining (or creating) the default process
-    group first: gloo on CPU, nccl on CUDA. Its groups are created on the first call."""
+    group first, on the device ``devices.this_device`` picks (host tensors over gloo, an accelerator's
+    over its own collective library; the mesh's groups are gloo groups where ranks share a device). Its
+    groups are created on the first call. One process (no torchrun) computes on the accelerator too,
+    when there is one (``HF_PARALLEL_DEVICE=cpu`` keeps it on the host)."""
     sizes = dict(tp_size=tp_size, sp_size=sp_size, pp_size=pp_size, stage_tp_sizes=stage_tp_sizes,
                  fsdp_size=fsdp_size, dp_replicate_size=dp_replicate_size)  # fmt: skip
     if not dist.is_initialized():
@@ -249,10 +256,13 @@ def get_mesh(
                     f"{asked(**sizes)} was asked for, but this process was not started by torchrun "
                     "(WORLD_SIZE is unset or 1)"
                 )
-            return Mesh(MeshShape((1,)), 0, torch.device("cpu"), {})
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+            device = this_device()
+            activate(device)
+            return Mesh(MeshShape((1,)), 0, Placement(device, default_backend(device)), {})
+        device = this_device()
+        activate(device)
         with collective(f"joining the process group (rank {os.environ.get('RANK')} of {os.environ['WORLD_SIZE']})"):
-            dist.init_process_group(backend=backend, timeout=timeout or default_timeout())
+            dist.init_process_group(backend=default_backend(device), timeout=timeout or default_timeout())
     shape = MeshShape.of(dist.get_world_size(), **sizes)
     if not _MESHES:
         atexit.unregister(_leave_at_exit)  # registered once, however often meshes are made anew
@@ -262,32 +272,39 @@ def get_mesh(
     return _MESHES[shape]
 
 
-def _new_group(ranks: tuple[int, ...], world_size: int, timeout: datetime.timedelta):
-    """The process group of ``ranks`` (collective over the world; a sentinel on a rank outside it),
-    registered by name for the compiled collectives."""
-    group = dist.group.WORLD if len(ranks) == world_size else dist.new_group(list(ranks), timeout=timeout)
+def _new_group(ranks: tuple[int, ...], world_size: int, timeout: datetime.timedelta, backend: str):
+    """The process group of ``ranks`` with ``backend`` (collective over the world; a sentinel on a rank
+    outside it), registered by name for the compiled collectives."""
+    if len(ranks) == world_size and backend == str(dist.get_backend()):
+        group = dist.group.WORLD
+    else:
+        group = dist.new_group(list(ranks), timeout=timeout, backend=backend)
     ops.register(group)
     return group
 
 
 def _create(shape: MeshShape, timeout: datetime.timedelta) -> Mesh:
     rank = dist.get_rank()
-    device = torch.device("cpu")
-    if torch.cuda.is_available() and dist.get_backend() == "nccl":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
-        torch.cuda.set_device(device)
+    device = this_device()
+    activate(device)
+    placement = Placement(device, str(dist.get_backend()))
+    if device.type != "cpu":  # which ranks share a device, over gloo (NCCL cannot even be asked when they do)
+        identities = [None] * shape.world_size
+        with collective(f"comparing the ranks' devices on rank {rank}"):
+            dist.all_gather_object(identities, device_identity(device), group=dist.new_group(backend="gloo"))
+        placement = Placement(device, group_backend(placement.backend, device, identities))
     groups = {}
     with collective(f"creating the process groups of the mesh on rank {rank}"):
         for dim in ("world", *DIMS):  # the same order on every rank: new_group is collective over the world
             for ranks in shape.groups(dim):
                 if ranks in groups or (len(ranks) < 2 and not (shape.dp > 1 and dim in FSDP_DIMS)):
                     continue
-                group = _new_group(ranks, shape.world_size, timeout)
+                group = _new_group(ranks, shape.world_size, timeout, placement.backend)
                 if rank in ranks:
                     groups[ranks] = group
                 else:
                     groups.setdefault(ranks, None)
-    mesh = Mesh(shape, rank, device, {ranks: g for ranks, g in groups.items() if g is not None})
+    mesh = Mesh(shape, rank, placement, {ranks: g for ranks, g in groups.items() if g is not None})
     if device.type == "cpu":
         for dim in SHM_DIMS:  # in a fixed order: attaching is collective over each group
             d = mesh[dim]

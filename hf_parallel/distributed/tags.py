@@ -1,5 +1,7 @@
-"""Tags of point-to-point messages. Messages between the same pair of ranks are matched in order per
-tag, so each kind of traffic has its own: one enum, so no two kinds can share a number by accident."""
+"""Kinds of point-to-point traffic between pipeline stages. NCCL ignores tags, so messages between two
+ranks match by order alone (``p2p.py`` passes none to any backend); a kind decides which transport
+carries a message: hidden states and their gradients go through shared-memory pipes between stages on
+one host, everything else through the process group."""
 
 from __future__ import annotations
 
@@ -10,4 +12,3 @@ class Tag(IntEnum):
     FORWARD = 1  # a pipeline stage's hidden states, to the next stage
     BACKWARD = 2  # the gradient of a stage's input, back to the stage before
     TIED = 3  # a tied weight's gradient, between the first and the last stage
-    SAVE = 4  # a gathered save's blocks, from a stage's first rank to rank 0

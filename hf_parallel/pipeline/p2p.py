@@ -3,10 +3,16 @@ next receives and broadcasts within its TP group (MindSpeed's VTP scheme), so ad
 have different TP sizes: a stage's output is replicated over its TP group, any one copy will do.
 
 Every tensor is preceded by its header (``distributed/headers.py``), so a receiver never guesses
-a shape. Sends are asynchronous (``isend``): a stage goes on with its next micro-batch while the
-last one is in flight; ``flush`` waits for them (and keeps their buffers alive until then). A
-receive that does not complete within ``HF_PARALLEL_TIMEOUT`` raises ``RankFailure`` naming this
-stage, the stage it waited for and what it waited for.
+a shape. Sends are asynchronous: a stage goes on with its next micro-batch while the last one is in
+flight; ``flush`` waits for them (and keeps their buffers alive until then). A receive that does not
+complete within ``HF_PARALLEL_TIMEOUT`` raises ``RankFailure`` naming this stage, the stage it waited
+for and what it waited for.
+
+NCCL's rules (``distributed/p2p.py``) hold: a send does not complete until its receive runs, and a
+pair's operations run in issue order. Two stages that each send the other something before receiving
+(the 1F1B steady state: stage i's forward output and stage i+1's backward gradient; the tied weight's
+two gradients) would wait for each other forever, so such a send is *held* (``hold_sends``) and posted
+with the next receive in one batch, headers first, then bytes (Megatron's ``send_forward_recv_backward``).
 
 Under ``torch.compile`` the links run eagerly (``torch.compiler.disable``): a stage's forward is
 traced in pieces between its receive and its send, which wait on another process.
@@ -15,10 +21,13 @@ traced in pieces between its receive and its send, which wait on another process
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
 
+from ..distributed import p2p
+from ..distributed.devices import to_wire
 from ..distributed.faults import collective, timeout_seconds
 from ..distributed.headers import empty_from, empty_header, header_of
 from ..distributed.mesh import Mesh
@@ -33,9 +42,11 @@ class StageLink:
         self.mesh = mesh
         self.stage, self.num_stages = mesh.stage, mesh.num_stages
         self.leads = mesh.tp.rank == 0  # the stage's first rank: the one that talks to other stages
-        self._pending: list = []  # (work, buffer) of sends not yet known complete
+        self._pending: list[p2p.Posted] = []  # sends not yet known complete (they keep their buffers)
+        self._held: list[tuple[torch.Tensor, int, str]] = []  # sends to post with the next receive
+        self._holding = False
         self.waited = 0.0  # seconds spent blocked on other stages (the pipeline bubble, measured)
-        self.wire = mesh.device  # where messages are sent from and received into: the groups' device
+        self.wire = mesh.wire  # where messages are sent from and received into: the groups' backend's device
 
     @property
     def is_first(self) -> bool:
@@ -57,60 +68,96 @@ class StageLink:
         """The shared-memory pipe for hidden states and their gradients between stages on one host."""
         return self.mesh.pipes.get((sender, receiver)) if tag in (Tag.FORWARD, Tag.BACKWARD) else None
 
+    @contextmanager
+    def hold_sends(self):
+        """Sends made inside go out with the next receive, in one batch (see the module's docstring)."""
+        self._holding = True
+        try:
+            yield
+        finally:
+            self._holding = False
+
     @torch.compiler.disable
     def send(self, tensor: torch.Tensor, stage: int, what: str, tag: Tag = Tag.FORWARD) -> None:
         """Send ``tensor`` to ``stage``'s first rank, without waiting; only this stage's first rank sends."""
         if not self.leads:
             return
-        data = tensor.detach().to(self.wire).contiguous()
+        data = to_wire(tensor.detach(), self.wire)
         pipe = self._pipe(self.mesh.rank, self.leader(stage), tag)
         if pipe is not None:
             pipe.send(header_of(data, self.wire))
             pipe.send(data)
             return
-        for buffer in (header_of(data, self.wire), data):
-            with collective(f"stage {self.stage} (rank {self.mesh.rank}) sending {what} to {self._where(stage)}"):
-                work = dist.isend(buffer, dst=self.leader(stage), tag=tag)
-            self._pending.append((work, buffer, what, stage))
+        what = f"stage {self.stage} (rank {self.mesh.rank}) sending {what} to {self._where(stage)}"
+        if self._holding:
+            self._held.append((data, self.leader(stage), what))
+            return
+        self._pending.append(self._post([("send", data, self.leader(stage), what)]))
+
+    def _post(self, messages: list[tuple]) -> p2p.Posted:
+        """Each message's header, then its bytes, as two batches: a receiver sizes its buffer from the
+        header, and a batch's receive of bytes it cannot size yet would hold up the pair."""
+        headers = [p2p.Op(kind, header_of(t, self.wire) if kind == "send" else t, peer, f"{what} (header)")
+                   for kind, t, peer, what in messages]  # fmt: skip
+        p2p.run(headers, self.mesh.world.group)
+        data = [p2p.Op(kind, t if kind == "send" else empty_from(header.tensor, self.wire), peer, what)
+                for (kind, t, peer, what), header in zip(messages, headers)]  # fmt: skip
+        return p2p.post(data, self.mesh.world.group)
 
     @torch.compiler.disable
     def recv(self, stage: int, what: str, tag: Tag = Tag.FORWARD) -> torch.Tensor:
         """A tensor from ``stage``'s first rank, on every rank of this stage (broadcast over TP)."""
         waiting = f"stage {self.stage} (rank {self.mesh.rank}) waiting for {what} from {self._where(stage)}"
         start = time.perf_counter()
-        header = self._take(empty_header(self.wire), stage, tag, waiting)
-        out = self._take(empty_from(header, self.wire), stage, tag, waiting)
+        out = self._receive(stage, tag, waiting)
+        tp = self.mesh.tp
+        if tp.group is not None:
+            header = header_of(out, self.wire) if self.leads else empty_header(self.wire)
+            with collective(f"{waiting} (broadcast of the header from rank {tp.ranks[0]})"):
+                dist.broadcast(header, group_src=0, group=tp.group)
+            out = out if self.leads else empty_from(header, self.wire)
+            with collective(f"{waiting} (broadcast from rank {tp.ranks[0]})"):
+                dist.broadcast(out, group_src=0, group=tp.group)
         self.waited += time.perf_counter() - start
         return out.to(self.mesh.device)
 
-    def _take(self, buffer: torch.Tensor, stage: int, tag: int, waiting: str) -> torch.Tensor:
-        """Fill ``buffer`` on this stage's first rank from ``stage``'s, then on the rest of its TP group."""
-        pipe = self._pipe(self.leader(stage), self.mesh.rank, tag)
-        if pipe is not None and self.leads:
-            pipe.recv(buffer, waiting)
-        elif self.leads:
-            with collective(waiting):
-                dist.recv(buffer, src=self.leader(stage), tag=tag)
-        tp = self.mesh.tp
-        if tp.group is not None:
-            with collective(f"{waiting} (broadcast from rank {tp.ranks[0]})"):
-                dist.broadcast(buffer, group_src=0, group=tp.group)
-        return buffer
+    def _receive(self, stage: int, tag: Tag, waiting: str) -> torch.Tensor | None:
+        """On this stage's first rank: the tensor from ``stage``'s, with any held sends in the same batches."""
+        if not self.leads:
+            return None
+        source = self.leader(stage)
+        pipe = self._pipe(source, self.mesh.rank, tag)
+        if pipe is not None:
+            self.release()
+            header = empty_header(self.wire)
+            pipe.recv(header, waiting)
+            return pipe.recv(empty_from(header, self.wire), waiting)
+        held, self._held = self._held, []
+        posted = self._post([*(("send", t, peer, what) for t, peer, what in held),
+                             ("recv", empty_header(self.wire), source, waiting)])  # fmt: skip
+        posted.wait()
+        return posted.ops[-1].tensor
+
+    def release(self) -> None:
+        """Post the held sends on their own."""
+        held, self._held = self._held, []
+        if held:
+            self._pending.append(self._post([("send", t, peer, what) for t, peer, what in held]))
 
     def flush(self) -> None:
         """Wait until every send of this rank has completed."""
+        self.release()
         if self.mesh.pipes:
             drain(timeout_seconds(), f"stage {self.stage} (rank {self.mesh.rank}) sending to the next stages")
         pending, self._pending = self._pending, []
-        for work, _, what, stage in pending:
-            with collective(f"stage {self.stage} (rank {self.mesh.rank}) sending {what} to {self._where(stage)}"):
-                work.wait()
-
+        for posted in pending:
+            posted.wait()
     @torch.compiler.disable
     def broadcast_from_last(self, tensor: torch.Tensor | None) -> torch.Tensor:
         """The last stage's ``tensor`` on every rank of this model replica (header first)."""
+        self.release()  # a collective: nothing this rank holds back may be what another rank waits for
         source = self.mesh.stage_ranks(self.num_stages - 1)[0]  # the same rank for every rank of the replica
-        mine = tensor.detach().to(self.wire).contiguous() if self.mesh.rank == source else None
+        mine = to_wire(tensor.detach(), self.wire) if self.mesh.rank == source else None
         what = f"rank {self.mesh.rank} (stage {self.stage}) receiving the last stage's output from rank {source}"
         start = time.perf_counter()
         channel = channel_for(self.mesh.model.group) if self.wire.type == "cpu" else None

@@ -3,7 +3,8 @@
 Each copy gets half of the gradient (the embedding lookup's on the first stage, the LM head's on
 the last); both must step with the sum. The two stages may split the vocabulary differently (VTP:
 TP=2 on one, TP=1 on the other), so shards cannot be paired rank by rank: each stage assembles
-its full gradient over its TP group, the two first ranks swap them, every rank adds the two in
+its full gradient over its TP group, the two first ranks swap them (one batch of a send and a receive
+each: two sends first would wait for each other on NCCL), every rank adds the two in
 the same order (bitwise the same sum on both stages) and keeps its own rows.
 """
 
@@ -49,7 +50,8 @@ def sum_tied_gradients(model, state) -> None:
         grad = param.grad if param.grad is not None else torch.zeros_like(param)
         sharded = hasattr(grad, "full_tensor")  # FSDP's slice: whole over the data-parallel ranks first
         mine = full_tensor(grad.full_tensor() if sharded else grad, entry.layout, entry.full_shape, tp)
-        link.send(mine, other, f"the gradient of the tied {entry.name}", tag=Tag.TIED)
+        with link.hold_sends():  # both stages send and receive: one batch each (NCCL's rules)
+            link.send(mine, other, f"the gradient of the tied {entry.name}", tag=Tag.TIED)
         theirs = link.recv(other, f"the gradient of the tied {entry.name}", tag=Tag.TIED)
         total = mine + theirs if link.is_first else theirs + mine
         summed = entry.layout.extract(total, tp.rank, out=total.new_empty(param.shape))

@@ -22,6 +22,8 @@ from torch import nn
 from ..checkpoint.quantized import Kept, box_of
 from ..checkpoint.tiles import intersect, union_volume
 from ..checkpoint.writer import torch_dtype
+from ..distributed import p2p
+from ..distributed.devices import to_wire
 from ..distributed.faults import collective
 
 
@@ -176,7 +178,8 @@ def gathered_part(weight: KeptWeight, part: str, tp, device) -> torch.Tensor | N
     """The whole stored ``part`` (a checkpoint key) of a kept weight on the TP group's first rank (None
     elsewhere), as the checkpoint held it: every rank's elements placed where they came from (runs that
     overlap, the scales of a block two ranks share, agree). Where each piece goes is listed once per weight
-    (``_listing``); the bytes go as bytes (float8 does not pickle), on ``device`` (the groups' device)."""
+    (``_listing``); the bytes go as bytes (float8 does not pickle), on ``device`` (the wire: the device
+    the groups' backend carries)."""
     if part in weight.constants:
         return weight.constants[part].cpu() if tp.rank == 0 else None
     shape, dtype = weight.stored[part]
@@ -184,9 +187,9 @@ def gathered_part(weight: KeptWeight, part: str, tp, device) -> torch.Tensor | N
             if piece.key + suffix == part]  # fmt: skip
     places = _listing(weight, tp)[part]
     if tp.rank != 0:
-        with collective(f"sending {part} (kept quantized) to rank {tp.ranks[0]}"):
-            for tensor in mine:
-                dist.send(tensor.reshape(-1).contiguous().view(torch.uint8).to(device), group_dst=0, group=tp.group)
+        for tensor in mine:
+            data = to_wire(tensor.reshape(-1).contiguous().view(torch.uint8), device)
+            p2p.send(data, tp.ranks[0], f"sending {part} (kept quantized) to rank {tp.ranks[0]}", tp.group)
         return None
     full = torch.empty(shape, dtype=dtype)
     for rank, pieces in enumerate(places):
@@ -195,8 +198,7 @@ def gathered_part(weight: KeptWeight, part: str, tp, device) -> torch.Tensor | N
                 tensor = mine[n]
             else:
                 tensor = torch.empty(math.prod(piece_shape) * dtype.itemsize, dtype=torch.uint8, device=device)
-                with collective(f"receiving {part} from rank {tp.ranks[rank]}"):
-                    dist.recv(tensor, group_src=rank, group=tp.group)
+                p2p.recv(tensor, tp.ranks[rank], f"receiving {part} from rank {tp.ranks[rank]}", tp.group)
                 tensor = tensor.view(dtype).reshape(piece_shape)
             full[index] = tensor.cpu()
     return full

@@ -24,14 +24,14 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
-def _piece_weights(layout, rank: int, local_shape: tuple[int, ...], rows: slice | None) -> torch.Tensor | float:
-    """1 / holders of each element of ``rank``'s TP shard (broadcastable), cut to FSDP's ``rows``."""
+def _piece_weights(layout, rank: int, local_shape: tuple[int, ...], rows: slice | None, device) -> torch.Tensor | float:
+    """1 / holders of each element of ``rank``'s TP shard (broadcastable, on ``device``: the gradient's),
+    cut to FSDP's ``rows``."""
     counts = layout.replica_counts(rank)
     if layout.is_replicated or max(counts, default=1) == 1:
         return 1.0
-    weights = torch.cat(
-        [torch.full((stop - start,), 1.0 / count) for (start, stop), count in zip(layout.ranges[rank], counts)]
-    )
+    ranges = zip(layout.ranges[rank], counts)
+    weights = torch.cat([torch.full((stop - start,), 1.0 / count, device=device) for (start, stop), count in ranges])
     weights = weights.reshape([-1 if d == layout.dim else 1 for d in range(len(local_shape))])
     return weights if rows is None or layout.dim != 0 else weights[rows]
 
@@ -58,7 +58,7 @@ def grad_norm_squares(model, state) -> torch.Tensor:
         else:
             local_shape = tuple(param.shape)
             rows = fsdp_rows(local_shape[0], grad.shape[0], mesh.fsdp.rank, mesh.fsdp.size) if sharded else None
-            weight = weight * _piece_weights(entry.layout, mesh.tp.rank, local_shape, rows)
+            weight = weight * _piece_weights(entry.layout, mesh.tp.rank, local_shape, rows, grad.device)
         total += (grad.pow(2) * weight).sum() if isinstance(weight, torch.Tensor) else grad.pow(2).sum() * weight
     return total
 

@@ -1,0 +1,185 @@
+"""Where this rank computes and what its process groups carry: the one owner of both facts.
+
+A rank's **compute device** holds every parameter, buffer and scratch tensor of its model. Its
+**wire** is the device whose tensors the groups' backend moves: NCCL (or XCCL) carries the
+accelerator's memory, gloo carries the host's. The two differ when several ranks share one GPU
+(NCCL refuses two ranks on one device, so their groups are gloo groups: a laptop GPU, a one-card test
+machine) or when a user runs a GPU model over gloo; a point-to-point message then goes through pinned
+host memory (``to_wire``), while gloo's collectives stage accelerator tensors themselves. vLLM keeps a
+CPU group and a device group per ``GroupCoordinator``; here one backend serves every group of a mesh,
+and the mesh asks ``wire_of`` once.
+
+The choice is made of pure functions of what the process sees, so each case is tested without the
+hardware:
+- ``choose_device``: ``HF_PARALLEL_DEVICE`` (``cpu``, ``cuda``, ``cuda:1``) first; else an accelerator
+  (``torch.accelerator``: CUDA, XPU) at index ``LOCAL_RANK`` modulo the visible devices (one visible
+  device per process, as schedulers set ``CUDA_VISIBLE_DEVICES``, is index 0); else the CPU;
+- ``default_backend``: ``"cpu:gloo,cuda:nccl"`` for an accelerator (host tensors over gloo, device
+  tensors over NCCL, whose communicators start at their first use), gloo on the CPU;
+- ``group_backend``: once the default group is up, every rank's device identity (host and device
+  UUID) is gathered over gloo; where two ranks share a device, the mesh's groups are gloo groups.
+A process group the user created first keeps its backend unless ranks share a device.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+DEVICE_ENV = "HF_PARALLEL_DEVICE"
+COLLECTIVE_BACKENDS = {"cuda": "nccl", "xpu": "xccl"}  # what carries each accelerator's memory between ranks
+
+
+@dataclass(frozen=True)
+class Placement:
+    """A rank's compute device and the backend of its mesh's process groups."""
+
+    device: torch.device
+    backend: str  # as ``init_process_group`` / ``new_group`` take it ("gloo", "nccl", "cpu:gloo,cuda:nccl")
+
+    @property
+    def wire(self) -> torch.device:
+        return wire_of(self.backend, self.device)
+
+
+def backend_for(backend: str, device_type: str) -> str | None:
+    """The backend a (possibly mixed, ``"cpu:gloo,cuda:nccl"``) backend string uses for ``device_type``."""
+    if ":" not in backend:
+        return backend
+    by_device = dict(part.split(":") for part in backend.split(","))
+    return by_device.get(device_type)
+
+
+def wire_of(backend: str, device: torch.device) -> torch.device:
+    """The device whose tensors ``backend`` moves for a rank computing on ``device``: the device itself
+    when its backend is the accelerator's collective library, else the host."""
+    if device.type == "cpu":
+        return device
+    return device if backend_for(backend, device.type) == COLLECTIVE_BACKENDS.get(device.type) else torch.device("cpu")
+
+
+def choose_device(
+    *, requested: str | None, accelerator: str | None, device_count: int, local_rank: int
+) -> torch.device:
+    """This rank's compute device (``accelerator``: ``torch.accelerator``'s device type, or None)."""
+    if requested:
+        device = torch.device(requested)
+        if device.type != "cpu" and device.index is None:
+            device = torch.device(device.type, local_rank % max(device_count, 1))
+    elif accelerator is not None and device_count > 0:
+        device = torch.device(accelerator, local_rank % device_count)
+    else:
+        return torch.device("cpu")
+    if device.type != "cpu" and not 0 <= device.index < device_count:
+        raise ValueError(f"{DEVICE_ENV}={requested!r}: this process sees {device_count} {device.type} device(s)")
+    return device
+
+
+def default_backend(device: torch.device) -> str:
+    """The default process group's backend for a rank computing on ``device``."""
+    if device.type == "cpu" or device.type not in COLLECTIVE_BACKENDS:
+        return "gloo"
+    return f"cpu:gloo,{device.type}:{COLLECTIVE_BACKENDS[device.type]}"
+
+
+def group_backend(initialized: str, device: torch.device, identities: list[str]) -> str:
+    """The mesh groups' backend: the default group's, or gloo where two ranks compute on one device
+    (``identities``: every rank's ``device_identity``)."""
+    if device.type != "cpu" and len(set(identities)) < len(identities):
+        return "gloo"
+    return initialized
+
+
+def device_identity(device: torch.device) -> str:
+    """What tells two ranks' devices apart: the host and the device's UUID (its index where the
+    backend reports none)."""
+    if device.type == "cpu":
+        return f"{socket.gethostname()}:cpu:{os.getpid()}"
+    properties = torch.get_device_module(device.type).get_device_properties(device.index)
+    return f"{socket.gethostname()}:{device.type}:{getattr(properties, 'uuid', device.index)}"
+
+
+def this_device() -> torch.device:
+    """``choose_device`` with this process's environment and hardware."""
+    accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    return choose_device(
+        requested=os.environ.get(DEVICE_ENV),
+        accelerator=accelerator.type if accelerator is not None else None,
+        device_count=torch.accelerator.device_count() if accelerator is not None else 0,
+        local_rank=int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0"))),
+    )
+
+
+def activate(device: torch.device) -> None:
+    """Make ``device`` this process's current accelerator (kernels and NCCL streams land there)."""
+    if device.type != "cpu":
+        torch.accelerator.set_device_index(device.index)
+
+
+def to_wire(tensor: torch.Tensor, wire: torch.device) -> torch.Tensor:
+    """``tensor`` contiguous on ``wire``: an accelerator tensor bound for gloo goes through pinned host
+    memory (the copy is synchronous: the bytes must be there before the backend reads them)."""
+    if tensor.device == wire:
+        return tensor.contiguous()
+    if wire.type == "cpu":
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        return host.copy_(tensor)
+    return tensor.to(wire).contiguous()
+
+
+def wire_buffer(shape, dtype: torch.dtype, wire: torch.device) -> torch.Tensor:
+    """An empty buffer to receive into on ``wire`` (pinned when the compute device is elsewhere)."""
+    pinned = wire.type == "cpu" and torch.accelerator.is_available()
+    return torch.empty(shape, dtype=dtype, device=wire, pin_memory=pinned)
+
+
+def _tensor_attributes(module: nn.Module):
+    """A module's tensors that are neither parameters nor buffers (a cached table kept as an attribute)."""
+    for name, value in vars(module).items():
+        if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
+            yield name, value
+
+
+def move_module_state(model: nn.Module, device: torch.device) -> None:
+    """Every buffer (RoPE tables, position ids, BERT's token types, Gemma's embedding scale, Falcon-H1's
+    ``mup_vector``, a bias the checkpoint did not hold) and tensor attribute of ``model`` onto ``device``.
+    Parameters are read there already; a buffer left on the host is copied to the GPU by every forward
+    that uses it (a host sync), or fails ("index is on cpu"), and keeps inductor from CUDA graphs."""
+    for module in model.modules():
+        for name, buffer in module._buffers.items():
+            if buffer is not None and not buffer.is_meta and buffer.device != device:
+                module._buffers[name] = buffer.to(device)
+        for name, value in list(_tensor_attributes(module)):
+            if not value.is_meta and value.device != device:
+                setattr(module, name, value.to(device))
+
+
+def left_behind(model: nn.Module, device: torch.device) -> list[str]:
+    """The names of ``model``'s parameters, buffers and tensor attributes that are not on ``device``
+    (meta placeholders of weights kept quantized excepted: their data lives beside them, on ``device``)."""
+    from ..tensor.kept import KeptPlaceholder
+
+    names = []
+    for path, module in model.named_modules():
+        prefix = f"{path}." if path else ""
+        held = [*module._parameters.items(), *module._buffers.items(), *_tensor_attributes(module)]
+        for name, tensor in held:
+            if tensor is None or isinstance(tensor, KeptPlaceholder):
+                continue
+            if tensor.device != device:
+                names.append(f"{prefix}{name} ({tensor.device})")
+    return names
+
+
+def check_on_device(model: nn.Module, device: torch.device) -> None:
+    """Refuse a model with anything off this rank's device, naming it (the load's last check)."""
+    stray = left_behind(model, device)
+    if stray:
+        raise RuntimeError(
+            f"hf_parallel: after loading, {len(stray)} tensor(s) are not on this rank's device {device}: "
+            f"{', '.join(stray[:8])}{' ...' if len(stray) > 8 else ''}"
+        )

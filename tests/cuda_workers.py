@@ -1,0 +1,111 @@
+"""Workers of the ``cuda`` tier (``test_cuda.py``): every rank computes on the GPU (``HF_PARALLEL_DEVICE``),
+one process's reference on the CPU in fp32, and every comparison is made on the host. Several ranks share
+one GPU (the mesh's groups are then gloo groups, and point-to-point messages are staged through pinned
+host memory), so one card runs every layout."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+INPUT_IDS = torch.tensor([[1, 51, 42, 34, 99, 68, 8], [3, 64, 26, 76, 31, 9, 50]])
+
+
+def _worst(got: torch.Tensor, want: torch.Tensor) -> float:
+    """The largest difference, NaN when either side is not finite (a NaN never hides behind a max)."""
+    got, want = got.detach().float().cpu(), want.detach().float().cpu()
+    if got.shape != want.shape or not (torch.isfinite(got).all() and torch.isfinite(want).all()):
+        return math.nan
+    return (got - want).abs().max().item() if got.numel() else 0.0
+
+
+def _forward(model, encoder: bool, device):
+    ids = INPUT_IDS.to(device)
+    if encoder:
+        out = model(ids)
+        return out.last_hidden_state, out.last_hidden_state.square().mean()
+    out = model(ids, labels=ids)
+    return out.logits, out.loss
+
+
+def on_gpu(rank: int, world_size: int, cases: dict, save_root: str) -> dict:
+    """Each case (checkpoint, from_pretrained keywords, what to run): where every tensor lives, output and
+    every gradient's slice against one process, greedy tokens, a compiled forward, saves to compare."""
+    import transformers
+
+    import hf_parallel
+    from hf_parallel.distributed.devices import left_behind
+
+    results = {}
+    for name, (path, kwargs, runs) in cases.items():
+        encoder = "encoder" in runs
+        auto = transformers.AutoModel if encoder else transformers.AutoModelForCausalLM
+        single = auto.from_pretrained(path, dtype=torch.float32)
+        ref_output, ref_loss = _forward(single, encoder, "cpu")
+        ref_loss.backward()
+        parallel = hf_parallel.AutoModel if encoder else hf_parallel.AutoModelForCausalLM
+        model = parallel.from_pretrained(path, dtype=torch.float32, **kwargs)
+        state = hf_parallel.parallel_state(model)
+        device = state.mesh.device
+        out = {"device": str(device), "wire": str(state.mesh.wire), "left_behind": left_behind(model, device)}
+        if "train_step" in runs:  # pipeline stages: the schedule's loss and every gradient
+            model.train()
+            loss = hf_parallel.train_step(model, input_ids=INPUT_IDS.to(device), labels=INPUT_IDS.to(device),
+                                          micro_batches=4, schedule="1f1b")  # fmt: skip
+            out["loss"] = abs(loss.item() - ref_loss.item())
+        else:  # eval mode, as one process's: no dropout (BERT's would differ)
+            output, loss = _forward(model, encoder, device)
+            loss.backward()
+            if state.sequence is None:  # under SP a rank holds its own tokens' outputs: loss and gradients say it
+                out["output"] = _worst(output, ref_output)
+            out["loss"] = abs(loss.item() - ref_loss.item())
+        out["grads"], out["missing"] = 0.0, []
+        for entry in state.layout.unique_params():
+            grad, want = model.get_parameter(entry.name).grad, single.get_parameter(entry.name).grad
+            if grad is None:
+                if want is not None:
+                    out["missing"].append(entry.name)
+                continue
+            error = _worst(grad, entry.layout.extract(want, state.mesh.tp.rank))
+            out["grads"] = error if math.isnan(error) else max(out["grads"], error)
+        model.eval()
+        model.zero_grad()
+        if "generate" in runs:
+            prompt = INPUT_IDS[:1, :5]
+            want = single.generate(prompt, max_new_tokens=6, do_sample=False)
+            out["greedy"] = model.generate(prompt.to(device), max_new_tokens=6, do_sample=False).cpu().equal(want)
+        if "compile" in runs:
+            compiled = torch.compile(model.forward, fullgraph=True)
+            with torch.no_grad():
+                out["compiled"] = _worst(compiled(INPUT_IDS.to(device)).logits, ref_output)
+        if "save" in runs:
+            model.save_pretrained(os.path.join(save_root, name, "gathered"))
+            model.save_pretrained(os.path.join(save_root, name, "distributed"), distributed=True)
+        results[name] = out
+    return results
+
+
+def kept_fp8(rank: int, world_size: int, path: str, save_root: str, sizes: dict) -> dict:
+    """An FP8 checkpoint kept quantized on the GPU against the same checkpoint dequantized as read: logits,
+    and the kept weights saved back (per rank and gathered)."""
+    import hf_parallel
+
+    logits = {}
+    for keep in (False, True):
+        model = hf_parallel.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, keep_quantized=keep,
+                                                                 **sizes)  # fmt: skip
+        with torch.no_grad():
+            logits[keep] = model(INPUT_IDS.to(hf_parallel.parallel_state(model).mesh.device)).logits
+    model.save_pretrained(os.path.join(save_root, "gathered"))
+    model.save_pretrained(os.path.join(save_root, "per_rank"), distributed=True)
+    return {"kept": _worst(logits[True], logits[False])}
+
+
+def verified(rank: int, world_size: int, path: str, sizes: dict) -> dict:
+    """``hf-parallel verify`` on the GPU ranks: rank 0's report."""
+    from hf_parallel.commands.verify import verify
+
+    report = verify(path, **sizes)
+    return {"ok": report is None or report.first_divergence is None, "report": str(report)}

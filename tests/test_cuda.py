@@ -1,0 +1,103 @@
+"""The ``cuda`` tier: the distributed cases that matter, with every rank on a GPU. Two ranks share one card
+(the mesh's groups become gloo groups, point-to-point messages go through pinned host memory), so a
+one-GPU machine runs every layout; skipped where torch sees no GPU. ``pytest -m cuda tests``.
+
+Each case checks the one device truth (nothing left on the host after loading), one process's numbers on
+the CPU (fp32: outputs, loss, every gradient's slice), greedy tokens, and saves bitwise equal to the
+source (gathered and per rank + consolidate), under NCCL's point-to-point rules like every test here."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+from checks import assert_same_checkpoint
+from distributed import run_ranks
+
+import hf_parallel
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.distributed,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU: the cuda tier runs where torch sees one"),
+]
+
+# name -> (checkpoint, from_pretrained keywords, what runs); every family whose buffers the load must move
+CASES = {
+    "llama_tp2": ("llama", dict(tp_plan="auto"), {"generate", "save", "compile"}),  # 9/3 heads: uneven KV groups
+    "gemma2_tp2": ("gemma2", dict(tp_plan="auto"), {"generate"}),  # embedding scale, sliding-window tables
+    "gptj_tp2": ("gptj", dict(tp_plan="auto"), {"generate", "save"}),  # embed_positions
+    "falcon_alibi_tp2": ("falcon_alibi", dict(tp_plan="auto"), {"generate"}),
+    "bert_tp2": ("bert", dict(tp_plan="auto"), {"encoder", "save"}),  # position_ids, token_type_ids
+    "falcon_h1_tp2": ("falcon_h1", dict(tp_plan="auto"), {"generate", "save"}),  # mup_vector, conv and SSM caches
+    "qwen3_moe_ep2": ("qwen3_moe", dict(tp_plan="auto", ep_plan="auto"), {"generate", "save"}),
+    "llama_sp2": ("llama", dict(tp_plan=None, sp_size=2), set()),
+    "pp_tied_pp2": ("pp_tied", dict(tp_plan=None, pp_size=2), {"train_step", "save"}),  # tied gradient, 1F1B
+}
+CHECKPOINTS = {name for name, _, _ in CASES.values()}
+
+
+@pytest.fixture(scope="module")
+def gpu_results(tmp_path_factory):
+    import cuda_workers
+    from tiny_models import make_checkpoint
+
+    root = str(tmp_path_factory.mktemp("cuda"))
+    paths = {name: make_checkpoint(name, root) for name in CHECKPOINTS}
+    cases = {case: (paths[name], kwargs, sorted(runs)) for case, (name, kwargs, runs) in CASES.items()}
+    save_root = os.path.join(root, "saved")
+    os.environ["HF_PARALLEL_DEVICE"] = "cuda"  # inherited by the ranks: both on the first GPU they see
+    try:
+        results = run_ranks(2, cuda_workers.on_gpu, cases, save_root, out_dir=os.path.join(root, "out"))
+    finally:
+        del os.environ["HF_PARALLEL_DEVICE"]
+    return paths, results, save_root
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_on_a_gpu_like_one_process(gpu_results, case):
+    paths, results, save_root = gpu_results
+    name, kwargs, runs = CASES[case]
+    for rank, result in enumerate(results):
+        got = result[case]
+        where = f"{case} rank {rank}: {got}"
+        assert got["device"].startswith("cuda") and got["wire"] == "cpu", where  # two ranks on one card: gloo
+        assert not got["left_behind"], where
+        assert got["loss"] < 1e-5, where
+        assert "output" not in got or got["output"] < 1e-4, where
+        assert not math.isnan(got["grads"]) and got["grads"] < 1e-4 and not got["missing"], where
+        if "generate" in runs:
+            assert got["greedy"], where
+        if "compile" in runs:
+            assert got["compiled"] < 1e-4, where
+    if "save" in runs:
+        assert_same_checkpoint(paths[name], os.path.join(save_root, case, "gathered"))
+        consolidated = os.path.join(save_root, case, "consolidated")
+        hf_parallel.consolidate(os.path.join(save_root, case, "distributed"), consolidated, progress=False)
+        assert_same_checkpoint(paths[name], consolidated)
+
+
+def test_fp8_kept_quantized_on_a_gpu(tmp_path, monkeypatch):
+    import cuda_workers
+    from tiny_models import make_fp8_checkpoint
+
+    path = make_fp8_checkpoint("llama_fp8", str(tmp_path))
+    monkeypatch.setenv("HF_PARALLEL_DEVICE", "cuda")
+    results = run_ranks(2, cuda_workers.kept_fp8, path, str(tmp_path / "saved"), dict(tp_size=2),
+                        out_dir=str(tmp_path / "out"))  # fmt: skip
+    assert all(r["kept"] < 1e-4 for r in results), results
+    assert_same_checkpoint(path, str(tmp_path / "saved" / "gathered"))
+    hf_parallel.consolidate(str(tmp_path / "saved" / "per_rank"), str(tmp_path / "consolidated"), progress=False)
+    assert_same_checkpoint(path, str(tmp_path / "consolidated"))
+
+
+def test_verify_on_a_gpu(tmp_path, monkeypatch):
+    import cuda_workers
+    from tiny_models import make_checkpoint
+
+    path = make_checkpoint("llama", str(tmp_path))
+    monkeypatch.setenv("HF_PARALLEL_DEVICE", "cuda")
+    results = run_ranks(2, cuda_workers.verified, path, dict(tp_size=2), out_dir=str(tmp_path / "out"))
+    assert results[0]["ok"], results[0]["report"]

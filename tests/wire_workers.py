@@ -1,0 +1,45 @@
+"""Workers of ``test_wire.py``: point-to-point transfers under NCCL's rules on real gloo ranks."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import torch
+
+
+def under_the_rules(rank: int, world_size: int, out_dir: str) -> None:
+    """Two ranks: a swap in one batch, messages matched by order, then both sending first (a deadlock on
+    NCCL) under the strict transport, which must name the stuck send. Writes its own result and leaves
+    without the runner's closing barrier: the deadlock's timeout closes the gloo pair for good."""
+    import torch.distributed as dist
+
+    from hf_parallel.distributed import p2p
+    from hf_parallel.distributed.faults import RankFailure
+
+    dist.init_process_group("gloo")
+    other, out = 1 - rank, {}
+    mine = torch.full((1 << 20,), float(rank))  # 4 MiB: no transport buffers that on NCCL
+    theirs = torch.empty_like(mine)
+    for rules in ("", "nccl"):  # torch's batch_isend_irecv, then the strict transport
+        os.environ[p2p.RULES_ENV] = rules
+        theirs.zero_()
+        p2p.run([p2p.Op("send", mine, other, "swap"), p2p.Op("recv", theirs, other, "swap")])
+        out[f"swap:{rules or 'torch'}"] = theirs.unique().tolist()
+    if rank == 0:  # two messages; tags are ignored, so they arrive in the order they were sent
+        p2p.send(torch.tensor([1.0, 2.0]), other, "first")
+        p2p.send(torch.tensor([3.0, 4.0]), other, "second")
+    else:
+        out["order"] = [p2p.recv(torch.empty(2), other, "a").tolist(), p2p.recv(torch.empty(2), other, "b").tolist()]
+    start = time.perf_counter()
+    try:
+        p2p.send(mine, other, f"rank {rank} sending before it receives")
+        p2p.recv(theirs, other, f"rank {rank} receiving")
+        out["deadlock"] = None
+    except RankFailure as failure:
+        out["deadlock"] = str(failure)
+    out["seconds"] = time.perf_counter() - start
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(out, f)
+    os._exit(0)
