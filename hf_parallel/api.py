@@ -204,11 +204,11 @@ def save_pretrained(
             "save_pretrained(save_original_format=False): hf_parallel writes the checkpoint's own key names and layout"
         )
     state = parallel_state(model)
-    with unsharded(model):
-        if distributed:
+    if distributed:
+        with unsharded(model):  # each rank writes its own TP shards whole
             save_distributed(model, state, save_directory)
-        else:
-            save_sharded(model, state, save_directory, max_shard_size=max_shard_size)
+    else:  # FSDP's layers whole one at a time, as the gather reaches them
+        save_sharded(model, state, save_directory, max_shard_size=max_shard_size)
 
 
 class _AutoDropIn:

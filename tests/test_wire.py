@@ -121,3 +121,18 @@ def test_nccl_rules_refuse_a_deadlock_and_pass_a_swap(tmp_path, monkeypatch):
             "deadlock"
         ] and "under NCCL's point-to-point rules" in got["deadlock"], got["deadlock"]
     assert results[1]["order"] == [[1.0, 2.0], [3.0, 4.0]]
+
+
+@pytest.mark.distributed
+def test_an_fsdp_save_makes_one_layer_whole_at_a_time(tiny_paths, tmp_path):
+    """The root (embeddings, norm, head) and one decoder layer whole at any moment of a gathered save at
+    FSDP=2, and the checkpoint bitwise the source's."""
+    import wire_workers
+    from checks import assert_same_checkpoint
+    from distributed import run_ranks
+
+    out = str(tmp_path / "saved")
+    for got in run_ranks(2, wire_workers.fsdp_save_one_layer_at_a_time, tiny_paths["llama"], out,
+                         out_dir=str(tmp_path / "results")):  # fmt: skip
+        assert got["modules"] > got["layers"] >= 2 and got["peak"] == 2 and got["still_whole"] == 0, got  # was: all
+    assert_same_checkpoint(tiny_paths["llama"], out)

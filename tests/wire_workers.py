@@ -43,3 +43,33 @@ def under_the_rules(rank: int, world_size: int, out_dir: str) -> None:
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(out, f)
     os._exit(0)
+
+
+def fsdp_save_one_layer_at_a_time(rank: int, world_size: int, path: str, out: str) -> dict:
+    """A gathered save at FSDP=2: how many of FSDP's modules were whole at once (counted at every
+    unshard and reshard; before, every layer was made whole for the whole save)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    import hf_parallel
+
+    model = hf_parallel.AutoModelForCausalLM.from_pretrained(path, tp_plan=None, fsdp_size=2, dtype=torch.float32)
+    whole, peak = set(), [0]
+    unshard, reshard = FSDPModule.unshard, FSDPModule.reshard
+
+    def counted_unshard(self, *args, **kwargs):
+        whole.add(id(self))
+        peak[0] = max(peak[0], len(whole))
+        return unshard(self, *args, **kwargs)
+
+    def counted_reshard(self, *args, **kwargs):
+        whole.discard(id(self))
+        return reshard(self, *args, **kwargs)
+
+    FSDPModule.unshard, FSDPModule.reshard = counted_unshard, counted_reshard
+    try:
+        model.save_pretrained(out)
+    finally:
+        FSDPModule.unshard, FSDPModule.reshard = unshard, reshard
+    layers = len(model.model.layers)
+    return {"peak": peak[0], "modules": sum(isinstance(m, FSDPModule) for m in model.modules()), "layers": layers,
+            "still_whole": len(whole)}  # fmt: skip

@@ -234,10 +234,11 @@ def received_blocks(spec, source: int, key: str, wire: Scratch, group):
         yield buffer
 
 
-def gathered(model, mesh, targets: dict, specs: dict, owners: dict, keys):
+def gathered(model, mesh, targets: dict, specs: dict, owners: dict, keys, unsharding=None):
     """Per key, its row blocks as rank 0 gathers them (an iterator consumed block by block); the
     other ranks send their parts here, in the same order, and yield None. ``targets``: key ->
-    (sharded parameter, box); ``owners``: key -> the pipeline stage that holds it."""
+    (sharded parameter, box); ``owners``: key -> the pipeline stage that holds it; ``unsharding``: FSDP's
+    modules made whole one at a time (``OneAtATime``), asked for each parameter before it is read."""
     scratch = (Scratch(), Scratch(mesh.wire))  # (the block, assembled on the host; what arrives)
     for key in keys:
         if owners[key] != mesh.stage:
@@ -250,6 +251,8 @@ def gathered(model, mesh, targets: dict, specs: dict, owners: dict, keys):
             blocks = (None if full is None else full[as_slices(b)] for b in row_blocks(shape, None, dtype))
             box = None
         else:
+            if unsharding is not None:
+                unsharding.need(entry.name)
             local = tensor_of(model, entry.name)
             blocks = (
                 gather_block(local, entry.layout, block, mesh.tp, entry.name, scratch)
@@ -286,7 +289,15 @@ def gathered_tensors(model, state, entries: list[ShardedParam]) -> dict[str, tor
 def save_sharded(model, state, out_dir: str, max_shard_size="50GB") -> None:
     """Gather every parameter of ``model`` (split as its parallel ``state`` says) under its
     checkpoint name and write a standard HF checkpoint. Each pipeline stage gathers its own tensors
-    on its first rank, which sends them on to rank 0."""
+    on its first rank, which sends them on to rank 0. Under FSDP each layer is whole only while its
+    tensors are gathered: the copies that write nothing walk the same parameters in the same order."""
+    from ..training.data_parallel import OneAtATime
+
+    with OneAtATime(model) as unsharding:
+        _save_sharded(model, state, out_dir, max_shard_size, unsharding)
+
+
+def _save_sharded(model, state, out_dir: str, max_shard_size, unsharding) -> None:
     mesh = state.mesh
     targets = checkpoint_tensors(model, state)
     specs = {key: written_spec(model, entry, box) for key, (entry, box) in targets.items()}
@@ -294,6 +305,11 @@ def save_sharded(model, state, out_dir: str, max_shard_size="50GB") -> None:
     if mesh.num_stages > 1:  # collective over the world: before the sequence-parallel replicas leave
         owners, specs = stage_owners(mesh, specs)
     if mesh.holds_copy:  # sequence-parallel and data-parallel copies of the shards the first replica saves
+        for keys in plan_files(specs, max_shard_size)[0].values():  # write_standard's order
+            for key in keys:
+                entry = targets.get(key, (None,))[0]
+                if owners[key] == mesh.stage and isinstance(entry, ShardedParam):
+                    unsharding.need(entry.name)
         mesh.barrier()
         return
 
@@ -302,8 +318,8 @@ def save_sharded(model, state, out_dir: str, max_shard_size="50GB") -> None:
     progress = tqdm(total=sum(nbytes(*spec) for spec in specs.values()), desc="Saving", unit="B", unit_scale=True,
                     disable=not mesh.is_main, leave=False)  # fmt: skip
     with Staging(out_dir) if mesh.is_main else nullcontext() as staging:
-        write_standard(staging, specs, functools.partial(gathered, model, mesh, targets, specs, owners),
-                       max_shard_size, progress)  # fmt: skip
+        write_standard(staging, specs, functools.partial(gathered, model, mesh, targets, specs, owners,
+                                                         unsharding=unsharding), max_shard_size, progress)  # fmt: skip
         if staging:
             with timed("rename"):
                 remove_stale(out_dir, set(staging.commit()))

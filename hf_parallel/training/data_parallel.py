@@ -120,3 +120,43 @@ def unsharded(model: nn.Module):
     finally:
         for module in managed:
             module.reshard()
+
+
+class OneAtATime:
+    """FSDP's modules made whole one at a time, as a save reaches their parameters: the root (embeddings,
+    final norm, head) for the whole save, each decoder layer only while its tensors are gathered, so a
+    rank holds its TP shard of one layer unsharded, not of the model. Every rank of a data-parallel group
+    calls ``need`` for the same parameters in the same order (unsharding is collective over the group);
+    without FSDP it does nothing."""
+
+    def __init__(self, model: nn.Module):
+        from torch.distributed.fsdp import FSDPModule
+
+        self.root = model if isinstance(model, FSDPModule) else None
+        self.owner: dict[str, nn.Module] = {}  # parameter name -> the innermost FSDP module that manages it
+        for path, module in model.named_modules():
+            if isinstance(module, FSDPModule):
+                prefix = f"{path}." if path else ""
+                self.owner.update({prefix + name: module for name, _ in module.named_parameters()})
+        self.current = None
+
+    def __enter__(self) -> OneAtATime:
+        if self.root is not None:
+            self.root.unshard()
+        return self
+
+    def need(self, name: str) -> None:
+        """The module that manages parameter ``name`` whole (and the one before it sharded again)."""
+        module = self.owner.get(name)
+        if module is None or module is self.root or module is self.current:
+            return
+        if self.current is not None:
+            self.current.reshard()
+        module.unshard()
+        self.current = module
+
+    def __exit__(self, *exc) -> None:
+        for module in (self.current, self.root):
+            if module is not None:
+                module.reshard()
+        self.current = None
