@@ -73,7 +73,7 @@ def cmd_generate(args) -> None:
     torch.manual_seed(args.seed)  # same seed on every rank: sampling picks the same token everywhere
     for first in range(0, len(prompts), args.batch_size):
         batch = prompts[first : first + args.batch_size]
-        inputs = encode(tokenizer, batch, chat)
+        inputs = {name: tensor.to(mesh.device) for name, tensor in encode(tokenizer, batch, chat).items()}
         streamer = transformers.TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True) if stream else None
         start = time.perf_counter()
         out = model.generate(
