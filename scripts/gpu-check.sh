@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# The GPU check, for a machine with one GPU and no internet (a lent device machine: torch there, the
+# other dependencies carried as wheels in .whl/, e.g. transformers 5.23). Runs the `cuda` tier (every
+# rank on the GPU, two ranks sharing it) and prints what passed with the card and torch version.
+# Never part of CI. Usage: bash scripts/gpu-check.sh [extra pytest args]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/hf_parallel_site . || exit 1
+export PYTHONPATH=/tmp/hf_parallel_site:${PYTHONPATH:-}
+python3 -c "import torch; print('card:', torch.cuda.get_device_name(0), '| torch', torch.__version__)"
+OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1 python3 -P -m pytest -p no:cacheprovider -q -m cuda tests -rA "$@" 2>&1 | tee "${OUT:-/tmp}/cuda-tier.log"
