@@ -12,4 +12,4 @@ fi
 python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/hf_parallel_site . || exit 1
 export PYTHONPATH=/tmp/hf_parallel_site:${PYTHONPATH:-}
 python3 -c "import torch; print('card:', torch.cuda.get_device_name(0), '| torch', torch.__version__)"
-OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1 python3 -P -m pytest -p no:cacheprovider -q -m cuda tests -rA "$@" 2>&1 | tee "${OUT:-/tmp}/cuda-tier.log"
+OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1 python3 -P -m pytest -p no:cacheprovider -q -m cuda tests/test_cuda.py -rA "$@" 2>&1 | tee "${OUT:-/tmp}/cuda-tier.log"
