@@ -12,6 +12,9 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # every point-to-point transfer of every test under NCCL's rules (hf_parallel/distributed/strict.py): a send
 # that would wait forever for its receive on GPUs fails here too, inherited by every spawned rank
 os.environ.setdefault("HF_PARALLEL_P2P_RULES", "nccl")
+# the suite's ranks compute on the CPU, on a GPU machine too (hf_parallel would pick the GPU): one process's
+# references are CPU models fed CPU inputs. The cuda tier (test_cuda.py) asks for the GPU itself.
+os.environ.setdefault("HF_PARALLEL_DEVICE", "cpu")
 
 
 def once_per_world_size(compute):

@@ -10,6 +10,9 @@ import os
 
 import torch
 
+torch.backends.cuda.matmul.allow_tf32 = False  # fp32 as one process's on the CPU computes it (TF32 keeps 10 bits)
+torch.backends.cudnn.allow_tf32 = False
+
 INPUT_IDS = torch.tensor([[1, 51, 42, 34, 99, 68, 8], [3, 64, 26, 76, 31, 9, 50]])
 
 
@@ -68,6 +71,7 @@ def on_gpu(rank: int, world_size: int, cases: dict, save_root: str) -> dict:
                 if want is not None:
                     out["missing"].append(entry.name)
                 continue
+            grad = grad.full_tensor() if hasattr(grad, "full_tensor") else grad  # FSDP's slices, whole
             error = _worst(grad, entry.layout.extract(want, state.mesh.tp.rank))
             out["grads"] = error if math.isnan(error) else max(out["grads"], error)
         model.eval()

@@ -35,6 +35,7 @@ CASES = {
     "qwen3_moe_ep2": ("qwen3_moe", dict(tp_plan="auto", ep_plan="auto"), {"generate", "save"}),
     "llama_sp2": ("llama", dict(tp_plan=None, sp_size=2), set()),
     "pp_tied_pp2": ("pp_tied", dict(tp_plan=None, pp_size=2), {"train_step", "save"}),  # tied gradient, 1F1B
+    "llama_fsdp2": ("llama", dict(tp_plan=None, fsdp_size=2), {"save"}),  # FSDP2 over gloo groups, one layer whole
 }
 CHECKPOINTS = {name for name, _, _ in CASES.values()}
 
@@ -48,11 +49,14 @@ def gpu_results(tmp_path_factory):
     paths = {name: make_checkpoint(name, root) for name in CHECKPOINTS}
     cases = {case: (paths[name], kwargs, sorted(runs)) for case, (name, kwargs, runs) in CASES.items()}
     save_root = os.path.join(root, "saved")
-    os.environ["HF_PARALLEL_DEVICE"] = "cuda"  # inherited by the ranks: both on the first GPU they see
+    before = os.environ.get("HF_PARALLEL_DEVICE")
+    os.environ["HF_PARALLEL_DEVICE"] = "cuda:0"  # inherited by the ranks: both on the first GPU
     try:
         results = run_ranks(2, cuda_workers.on_gpu, cases, save_root, out_dir=os.path.join(root, "out"))
     finally:
-        del os.environ["HF_PARALLEL_DEVICE"]
+        os.environ.pop("HF_PARALLEL_DEVICE")
+        if before is not None:
+            os.environ["HF_PARALLEL_DEVICE"] = before
     return paths, results, save_root
 
 
@@ -84,7 +88,7 @@ def test_fp8_kept_quantized_on_a_gpu(tmp_path, monkeypatch):
     from tiny_models import make_fp8_checkpoint
 
     path = make_fp8_checkpoint("llama_fp8", str(tmp_path))
-    monkeypatch.setenv("HF_PARALLEL_DEVICE", "cuda")
+    monkeypatch.setenv("HF_PARALLEL_DEVICE", "cuda:0")
     results = run_ranks(2, cuda_workers.kept_fp8, path, str(tmp_path / "saved"), dict(tp_size=2),
                         out_dir=str(tmp_path / "out"))  # fmt: skip
     assert all(r["kept"] < 1e-4 for r in results), results
@@ -98,6 +102,6 @@ def test_verify_on_a_gpu(tmp_path, monkeypatch):
     from tiny_models import make_checkpoint
 
     path = make_checkpoint("llama", str(tmp_path))
-    monkeypatch.setenv("HF_PARALLEL_DEVICE", "cuda")
+    monkeypatch.setenv("HF_PARALLEL_DEVICE", "cuda:0")
     results = run_ranks(2, cuda_workers.verified, path, dict(tp_size=2), out_dir=str(tmp_path / "out"))
     assert results[0]["ok"], results[0]["report"]

@@ -41,6 +41,8 @@ def test_the_device_is_chosen_from_what_the_process_sees():
     assert choose(requested="cpu", accelerator="cuda", device_count=8, local_rank=3) == torch.device("cpu")
     assert choose(requested="cuda", accelerator="cuda", device_count=1, local_rank=3) == CUDA0
     assert choose(requested="xpu:1", accelerator="xpu", device_count=2, local_rank=0) == torch.device("xpu", 1)
+    # an accelerator with no collective library (Apple's MPS) only when asked for
+    assert choose(requested=None, accelerator="mps", device_count=1, local_rank=0) == torch.device("cpu")
     with pytest.raises(ValueError, match="HF_PARALLEL_DEVICE='cuda:2': this process sees 1 cuda device"):
         choose(requested="cuda:2", accelerator="cuda", device_count=1, local_rank=0)
     with pytest.raises(ValueError, match="sees 0 cuda device"):

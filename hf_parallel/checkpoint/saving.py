@@ -308,7 +308,7 @@ def _save_sharded(model, state, out_dir: str, max_shard_size, unsharding) -> Non
         for keys in plan_files(specs, max_shard_size)[0].values():  # write_standard's order
             for key in keys:
                 entry = targets.get(key, (None,))[0]
-                if owners[key] == mesh.stage and isinstance(entry, ShardedParam):
+                if owners[key] == mesh.stage and not isinstance(entry, KeptWeight):  # as ``gathered`` reads them
                     unsharding.need(entry.name)
         mesh.barrier()
         return

@@ -12,8 +12,9 @@ and the mesh asks ``wire_of`` once.
 The choice is made of pure functions of what the process sees, so each case is tested without the
 hardware:
 - ``choose_device``: ``HF_PARALLEL_DEVICE`` (``cpu``, ``cuda``, ``cuda:1``) first; else an accelerator
-  (``torch.accelerator``: CUDA, XPU) at index ``LOCAL_RANK`` modulo the visible devices (one visible
-  device per process, as schedulers set ``CUDA_VISIBLE_DEVICES``, is index 0); else the CPU;
+  with a collective library (``torch.accelerator``: CUDA, XPU; not MPS) at index ``LOCAL_RANK`` modulo the
+  visible devices (one visible device per process, as schedulers set ``CUDA_VISIBLE_DEVICES``, is index
+  0); else the CPU;
 - ``default_backend``: ``"cpu:gloo,cuda:nccl"`` for an accelerator (host tensors over gloo, device
   tensors over NCCL, whose communicators start at their first use), gloo on the CPU;
 - ``group_backend``: once the default group is up, every rank's device identity (host and device
@@ -70,7 +71,7 @@ def choose_device(
         device = torch.device(requested)
         if device.type != "cpu" and device.index is None:
             device = torch.device(device.type, local_rank % max(device_count, 1))
-    elif accelerator is not None and device_count > 0:
+    elif accelerator in COLLECTIVE_BACKENDS and device_count > 0:  # not MPS unasked: no collectives, no fp64
         device = torch.device(accelerator, local_rank % device_count)
     else:
         return torch.device("cpu")
@@ -129,12 +130,6 @@ def to_wire(tensor: torch.Tensor, wire: torch.device) -> torch.Tensor:
         host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
         return host.copy_(tensor)
     return tensor.to(wire).contiguous()
-
-
-def wire_buffer(shape, dtype: torch.dtype, wire: torch.device) -> torch.Tensor:
-    """An empty buffer to receive into on ``wire`` (pinned when the compute device is elsewhere)."""
-    pinned = wire.type == "cpu" and torch.accelerator.is_available()
-    return torch.empty(shape, dtype=dtype, device=wire, pin_memory=pinned)
 
 
 def _tensor_attributes(module: nn.Module):

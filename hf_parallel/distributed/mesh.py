@@ -291,7 +291,9 @@ def _create(shape: MeshShape, timeout: datetime.timedelta) -> Mesh:
     if device.type != "cpu":  # which ranks share a device, over gloo (NCCL cannot even be asked when they do)
         identities = [None] * shape.world_size
         with collective(f"comparing the ranks' devices on rank {rank}"):
-            dist.all_gather_object(identities, device_identity(device), group=dist.new_group(backend="gloo"))
+            probe = dist.new_group(backend="gloo")
+            dist.all_gather_object(identities, device_identity(device), group=probe)
+            dist.destroy_process_group(probe)
         placement = Placement(device, group_backend(placement.backend, device, identities))
     groups = {}
     with collective(f"creating the process groups of the mesh on rank {rank}"):
@@ -305,6 +307,11 @@ def _create(shape: MeshShape, timeout: datetime.timedelta) -> Mesh:
                 else:
                     groups.setdefault(ranks, None)
     mesh = Mesh(shape, rank, placement, {ranks: g for ranks, g in groups.items() if g is not None})
+    if mesh.wire.type != "cpu" and mesh.world.group is not None:
+        # the world's communicator made now, by every rank: NCCL requires a batch of point-to-point operations
+        # that is a group's first operation to include all of its ranks, and a pipeline's swaps are two ranks'
+        with collective(f"starting the world's {mesh.wire.type} communicator on rank {rank}"):
+            dist.all_reduce(torch.zeros(1, device=device), group=mesh.world.group)
     if device.type == "cpu":
         for dim in SHM_DIMS:  # in a fixed order: attaching is collective over each group
             d = mesh[dim]

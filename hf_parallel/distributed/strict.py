@@ -2,7 +2,9 @@
 
 The bytes move over gloo as they always do; what changes is when a transfer counts as done:
 - **a pair's operations run in issue order**: each peer has one worker thread, which runs this rank's
-  batches with that peer one after another, as NCCL's stream for the pair does;
+  batches with that peer one after another, as NCCL's stream for the pair does (NCCL runs a batch on the
+  group's communicator, whose stream also orders it against batches with other peers; hf_parallel waits for
+  every batch of several operations before it posts the next, so that stricter order adds no hang);
 - **a send completes only when its receive has run**: the receiver acknowledges each message once it
   has it, and the sender's operation (and so everything queued behind it for that peer) waits for the
   acknowledgement;
@@ -66,8 +68,8 @@ def _run_together(ops: list[Op], peer: int, group) -> None:
     for op, work in zip(ops, works):
         if op.kind == "recv":
             _wait(work, op, "the message")
-            receipt = dist.isend(torch.ones(1, device="cpu"), peer, group=group, tag=ACK)  # it has run: its sender may complete
-            receipts.append((op, receipt))
+            receipt = torch.ones(1, device="cpu")  # it has run: its sender may complete
+            receipts.append((op, dist.isend(receipt, peer, group=group, tag=ACK)))
     for i, receipt in expected.items():
         _wait(works[i], ops[i], "its receive to take the bytes")
         _wait(receipt, ops[i], "its receive (NCCL: a send completes when its receive runs)")
@@ -94,7 +96,7 @@ _LOCK = threading.Lock()
 def _pair(peer: int, group) -> _Pair:
     key = (getattr(group, "group_name", None), peer)
     with _LOCK:
-        if key not in _PAIRS:
+        if key not in _PAIRS or _PAIRS[key].group is not group:  # a group made anew under a name used before
             _PAIRS[key] = _Pair(peer, group)
         return _PAIRS[key]
 
@@ -102,12 +104,20 @@ def _pair(peer: int, group) -> _Pair:
 class _Done:
     """A batch's part with one peer, as the work ``Posted`` waits on."""
 
-    def __init__(self, future: Future):
-        self.future = future
+    def __init__(self, future: Future, ops: list[Op]):
+        self.future, self.ops = future, ops
 
     def wait(self, limit) -> bool:
-        # the pair's thread bounds each step by the timeout; the margin lets its own error arrive first
-        self.future.result(timeout=2 * limit.total_seconds() + 5)
+        # the pair's thread bounds each of its waits (two per operation) by the timeout: its own error comes first
+        margin = (2 * len(self.ops) + 1) * limit.total_seconds() + 5
+        try:
+            self.future.result(timeout=margin)
+        except TimeoutError as error:
+            op = self.ops[0]
+            raise RankFailure(
+                f"hf_parallel: {op.what} ({op.kind} with rank {op.peer}) did not start within {margin:g}s under "
+                "NCCL's point-to-point rules: the operations queued before it with that rank never completed"
+            ) from error
         return True
 
 
@@ -115,5 +125,5 @@ def post_strictly(ops: list[Op], group=None) -> Posted:
     by_peer: dict[int, list[Op]] = {}
     for op in ops:
         by_peer.setdefault(op.peer, []).append(op)
-    done = {peer: _Done(_pair(peer, group).submit(mine)) for peer, mine in by_peer.items()}
+    done = {peer: _Done(_pair(peer, group).submit(mine), mine) for peer, mine in by_peer.items()}
     return Posted(ops, [done[op.peer] for op in ops])
