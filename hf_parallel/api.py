@@ -26,7 +26,7 @@ from .state import ParallelState, attach, parallel_state
 from .tensor.gradients import GradientSums
 from .tensor.kept import hold_quantized
 from .tensor.parallelize import install
-from .training.data_parallel import shard_data_parallel, unsharded
+from .training.data_parallel import shard_data_parallel
 from .training.trainer import from_distributed_config, install_trainer_seams
 
 
@@ -204,10 +204,9 @@ def save_pretrained(
             "save_pretrained(save_original_format=False): hf_parallel writes the checkpoint's own key names and layout"
         )
     state = parallel_state(model)
-    if distributed:
-        with unsharded(model):  # each rank writes its own TP shards whole
-            save_distributed(model, state, save_directory)
-    else:  # FSDP's layers whole one at a time, as the gather reaches them
+    if distributed:  # either way, under FSDP one layer whole at a time, as the save reaches it
+        save_distributed(model, state, save_directory)
+    else:
         save_sharded(model, state, save_directory, max_shard_size=max_shard_size)
 
 

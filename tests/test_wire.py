@@ -127,8 +127,8 @@ def test_nccl_rules_refuse_a_deadlock_and_pass_a_swap(tmp_path, monkeypatch):
 
 @pytest.mark.distributed
 def test_an_fsdp_save_makes_one_layer_whole_at_a_time(tiny_paths, tmp_path):
-    """The root (embeddings, norm, head) and one decoder layer whole at any moment of a gathered save at
-    FSDP=2, and the checkpoint bitwise the source's."""
+    """The root (embeddings, norm, head) and one decoder layer whole at any moment of a gathered and of a
+    per-rank save at FSDP=2, and the checkpoints bitwise the source's (the per-rank one consolidated)."""
     import wire_workers
     from checks import assert_same_checkpoint
     from distributed import run_ranks
@@ -136,5 +136,10 @@ def test_an_fsdp_save_makes_one_layer_whole_at_a_time(tiny_paths, tmp_path):
     out = str(tmp_path / "saved")
     for got in run_ranks(2, wire_workers.fsdp_save_one_layer_at_a_time, tiny_paths["llama"], out,
                          out_dir=str(tmp_path / "results")):  # fmt: skip
-        assert got["modules"] > got["layers"] >= 2 and got["peak"] == 2 and got["still_whole"] == 0, got  # was: all
-    assert_same_checkpoint(tiny_paths["llama"], out)
+        assert got["modules"] > got["layers"] >= 2 and got["still_whole"] == 0, got
+        assert got["peaks"] == {"False": 2, "True": 2}, got  # was: every module
+    assert_same_checkpoint(tiny_paths["llama"], os.path.join(out, "False"))
+    import hf_parallel
+
+    hf_parallel.consolidate(os.path.join(out, "True"), str(tmp_path / "consolidated"), progress=False)
+    assert_same_checkpoint(tiny_paths["llama"], str(tmp_path / "consolidated"))

@@ -46,8 +46,8 @@ def under_the_rules(rank: int, world_size: int, out_dir: str) -> None:
 
 
 def fsdp_save_one_layer_at_a_time(rank: int, world_size: int, path: str, out: str) -> dict:
-    """A gathered save at FSDP=2: how many of FSDP's modules were whole at once (counted at every
-    unshard and reshard; before, every layer was made whole for the whole save)."""
+    """A gathered and a distributed save at FSDP=2: how many of FSDP's modules were whole at once (counted at
+    every unshard and reshard; before, every layer was made whole for the whole save)."""
     from torch.distributed.fsdp import FSDPModule
 
     import hf_parallel
@@ -66,10 +66,14 @@ def fsdp_save_one_layer_at_a_time(rank: int, world_size: int, path: str, out: st
         return reshard(self, *args, **kwargs)
 
     FSDPModule.unshard, FSDPModule.reshard = counted_unshard, counted_reshard
+    peaks = {}
     try:
-        model.save_pretrained(out)
+        for distributed in (False, True):
+            peak[0] = 0
+            model.save_pretrained(os.path.join(out, str(distributed)), distributed=distributed)
+            peaks[str(distributed)] = peak[0]
     finally:
         FSDPModule.unshard, FSDPModule.reshard = unshard, reshard
     layers = len(model.model.layers)
-    return {"peak": peak[0], "modules": sum(isinstance(m, FSDPModule) for m in model.modules()), "layers": layers,
+    return {"peaks": peaks, "modules": sum(isinstance(m, FSDPModule) for m in model.modules()), "layers": layers,
             "still_whole": len(whole)}  # fmt: skip

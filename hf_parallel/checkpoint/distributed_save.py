@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from ..distributed.faults import collective
 from ..tensor.kept import saved_pieces
+from ..training.data_parallel import OneAtATime
 from .files import MANIFEST_FILE, rank_file_name
 from .keys import FusedSource
 from .manifest import FORMAT, VERSION, manifest_entry, pieces_entry
@@ -67,25 +68,28 @@ def save_distributed(model, state, out_dir: str) -> None:
     owners = dict.fromkeys(described, mesh.stage)
     if mesh.num_stages > 1:  # a tied weight of the first and last stage is written by the first
         owners, described = stage_owners(mesh, described)
-    mine = {
-        key: tensor_of(model, e.name).detach()
-        for key, e in entries.items()
-        if owners[key] == mesh.stage and (tp.rank == 0 or not e.layout.is_replicated)
-    }
-    mine.update(kept)
+    written = {key: e for key, e in entries.items()
+               if owners[key] == mesh.stage and (tp.rank == 0 or not e.layout.is_replicated)}  # fmt: skip
+    shapes = {key: (tuple(tensor_of(model, e.name).shape), tensor_of(model, e.name).dtype)  # FSDP's: the whole
+              for key, e in written.items()}  # fmt: skip
+    shapes.update({key: (tuple(t.shape), t.dtype) for key, t in kept.items()})
     os.makedirs(out_dir, exist_ok=True)
-    if mesh.holds_copy:  # a sequence- or data-parallel copy of the TP shards another rank writes
-        mesh.barrier()
-    else:
-        with Staging(out_dir) as staging:
-            writer = SafetensorsWriter(
-                staging.new_file(names[first_file + tp.rank]), {k: (tuple(t.shape), t.dtype) for k, t in mine.items()}
-            )
-            for key, tensor in mine.items():
-                writer.write(key, tensor)
-            writer.close()
-            mesh.barrier()  # every rank's file is complete; a rank that died makes this raise on the others
-            staging.commit()
+    with OneAtATime(model) as unsharding:  # under FSDP, one layer whole at a time, in the order written
+        if mesh.holds_copy:  # a sequence- or data-parallel copy of the TP shards another rank writes
+            for e in written.values():
+                unsharding.need(e.name)
+            mesh.barrier()
+        else:
+            with Staging(out_dir) as staging:
+                writer = SafetensorsWriter(staging.new_file(names[first_file + tp.rank]), shapes)
+                for key, e in written.items():
+                    unsharding.need(e.name)
+                    writer.write(key, tensor_of(model, e.name).detach())
+                for key, tensor in kept.items():
+                    writer.write(key, tensor)
+                writer.close()
+                mesh.barrier()  # every rank's file is complete; a rank that died makes this raise on the others
+                staging.commit()
     mesh.barrier()
     if mesh.is_main:
         manifest = {

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import ctypes
 import sys
-from contextlib import contextmanager
 
 from torch import nn
 
@@ -104,22 +103,6 @@ def shard_data_parallel(model: nn.Module, mesh, gradients, sequence, keep_unshar
         return_freed_blocks_to_the_os(trim=True)  # the whole TP shard each rank loaded
     gradients.register_under_fsdp(model, names, done_by_fsdp=None if sequence is None else sequence.group)
     return stage_forward
-
-
-@contextmanager
-def unsharded(model: nn.Module):
-    """Every FSDP-managed parameter whole (this rank's TP shard) for the duration: what saving
-    reads. Collective over the data-parallel groups; nothing to do without FSDP."""
-    from torch.distributed.fsdp import FSDPModule
-
-    managed = [module for module in model.modules() if isinstance(module, FSDPModule)]
-    for module in managed:
-        module.unshard()
-    try:
-        yield
-    finally:
-        for module in managed:
-            module.reshard()
 
 
 class OneAtATime:
