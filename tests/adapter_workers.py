@@ -108,10 +108,9 @@ def parallel(rank: int, world_size: int, cases: dict, root: str) -> dict:
             merged.save_pretrained(os.path.join(out, "merged"))
         except ValueError as error:  # refused under FSDP
             merge_error = str(error)
-        holds = mesh.sp.rank == 0 and mesh.dp.rank == 0  # one copy of each shard reports its gradients
-        results[name] = {
+        results[name] = {  # every rank reports the gradients it holds, each copy of a shard compared
             "tp_rank": mesh.tp.rank, "logits": logits.tolist(), "tokens": tokens.tolist(), "loss": loss.item(),
-            "adapters": adapters if holds else {}, "outside": outside, "trained_logits": trained_logits.tolist(),
+            "adapters": adapters, "outside": outside, "trained_logits": trained_logits.tolist(),
             "other_logits": other_logits.tolist(), "merged_logits": merged_logits, "merge_error": merge_error,
         }  # fmt: skip
     return results

@@ -3,6 +3,7 @@
 import os
 
 import torch
+from compare import assert_close, assert_within
 from safetensors import safe_open
 
 
@@ -16,24 +17,27 @@ def read_checkpoint(path: str) -> dict[str, torch.Tensor]:
     return out
 
 
-def assert_like_one_process(result: dict, rank: int, tol: float = 1e-5) -> None:
-    """One rank's ``tp_workers.compare_tp`` result: logits and every gradient's slice within ``tol``."""
-    assert result["logits"] < tol, f"rank {rank}: logits differ by {result['logits']}"
-    assert not result["missing_grads"], f"rank {rank}: no gradient for {result['missing_grads']}"
-    assert result["grads"] < tol, f"rank {rank}: gradients differ by {result['grads']}"
+def assert_like_one_process(result: dict, rank: int, tol: float = 1e-5, where: str = "") -> None:
+    """One rank's ``tp_workers.compare_tp`` result: logits and every parameter's gradient slice within ``tol``
+    (absolute, and of that tensor's scale); a NaN, or a gradient one side lacks, fails."""
+    where = f"{where} rank {rank}".strip()
+    assert_within({"logits": result["logits"]}, atol=tol, rtol=tol, where=where)
+    assert_within(result["grads"], atol=tol, rtol=tol, where=f"{where} gradients")
 
 
 def assert_steps_like_one_process(ranks: list[dict], case: str, want: dict, saved: str, tol: float = 1e-5) -> None:
-    """``training_workers.train``'s ``case`` on every rank against ``training_workers.one_process``: the losses,
-    clipped global gradient norms (clipping acting on every step) and the saved final weights within ``tol``."""
+    """``training_workers.train``'s ``case`` on every rank against ``training_workers.one_process``: every
+    gradient this rank holds after the first backward (before clipping and any step), the losses, clipped global
+    gradient norms (clipping acting on every step) and the saved final weights within ``tol``."""
     import training_workers
 
     for rank, results in enumerate(ranks):
         got = results[case]
-        assert max(abs(a - b) for a, b in zip(got["losses"], want["losses"])) < tol, (rank, got, want)
-        assert max(abs(a - b) for a, b in zip(got["norms"], want["norms"])) < tol, (rank, got, want)
+        assert_within(got["first_grads"], atol=tol, rtol=tol, where=f"{case} rank {rank}: first gradients")
+        assert_close(got["losses"], want["losses"], atol=tol, rtol=tol, what=f"{case} rank {rank}: losses")
+        assert_close(got["norms"], want["norms"], atol=tol, rtol=tol, what=f"{case} rank {rank}: norms")
     assert min(want["norms"]) > training_workers.MAX_NORM  # clipping acted on every step
-    assert training_workers.saved_against(want["weights"], saved) < tol
+    assert_within(training_workers.saved_against(want["weights"], saved), atol=tol, rtol=tol, where=f"{case} saved")
 
 
 def assert_same_checkpoint(source: str, saved: str) -> None:

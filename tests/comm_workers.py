@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
 from tp_workers import INPUT_IDS
+
+
+def worse(a: float, b: float) -> float:
+    """The larger error, NaN if either is (Python's ``max(0.0, nan)`` is 0.0)."""
+    return a if math.isnan(a) or a > b else b
 
 
 def shm_collectives(rank: int, world_size: int) -> dict:
@@ -137,15 +143,15 @@ def sequence_comm_properties(rank: int, world_size: int, transport: str = "shm")
         out = comm.all_to_all(local, 1, 2, even_sizes(heads, world_size), even_sizes(seq, world_size), group)
         out.backward(grad[:, slice(*head_range)])  # the conjugate: dX_r = dY's tokens of rank r, all heads
         if out.numel():
-            worst["all_to_all"] = max(worst["all_to_all"], (out - full[:, slice(*head_range)]).abs().max().item())
+            worst["all_to_all"] = worse(worst["all_to_all"], (out - full[:, slice(*head_range)]).abs().max().item())
         if local.numel():
             error = (local.grad - grad[:, :, slice(*seq_range)]).abs().max().item()
-            worst["all_to_all_backward"] = max(worst["all_to_all_backward"], error)
+            worst["all_to_all_backward"] = worse(worst["all_to_all_backward"], error)
         whole = full.clone().requires_grad_()
         part = comm.scatter_to(whole, 2, even_sizes(seq, world_size), group, grad_scale=1 / world_size)
         part.backward(grad[:, :, slice(*seq_range)])
         if whole.numel():
-            worst["scatter_backward"] = max(
+            worst["scatter_backward"] = worse(
                 worst["scatter_backward"], (whole.grad - grad * (1 / world_size)).abs().max().item()
             )
 
@@ -319,7 +325,8 @@ def collective_buffers(rank: int, world_size: int) -> dict:
 
 def _stage_round_trip(link, rank: int, other: int, device) -> bool:
     sent = torch.full((2, 3), float(rank + 1), device=device)
-    link.send(sent, other, "a test tensor")
+    with link.hold_sends():  # both send and receive: one batch each, as NCCL's rules require
+        link.send(sent, other, "a test tensor")
     got = link.recv(other, "a test tensor")
     link.flush()
     return got.tolist() == [[float(other + 1)] * 3] * 2

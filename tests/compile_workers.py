@@ -1,8 +1,10 @@
-"""Rank workers for test_compile.py: parallel forwards under ``torch.compile`` against their own eager runs."""
+"""Rank workers for test_compile.py: parallel forwards under ``torch.compile`` against one process's (and
+against their own eager runs)."""
 
 from __future__ import annotations
 
 import torch
+from compare import gap
 
 INPUT_IDS = [[5, 7, 9, 11, 13, 17, 19, 23, 29, 31, 37]]
 HOST_SYNCS = {"item", "tolist", "numpy", "_local_scalar_dense"}  # what stops a CUDA graph (and waits for the device)
@@ -55,17 +57,25 @@ def explained(model, *args, **kwargs) -> dict:
     return {"explain_graphs": explanation.graph_count, "breaks": [b.reason[:300] for b in explanation.break_reasons]}
 
 
+def _single(path: str):
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+
+
 def forward_case(path: str, sizes: dict, inductor: bool, fullgraph: bool = True, per_rank: bool = False) -> dict:
-    """Logits of the eager forward and of the compiled one. ``per_rank``: each rank passes other ids of
-    the same shape (a sequence-parallel group computes its first rank's batch, eager and compiled)."""
+    """Logits of the compiled forward against one process's and against the eager forward's. ``per_rank``:
+    each rank passes other ids of the same shape (a sequence-parallel group computes its first rank's batch,
+    eager and compiled)."""
     model = _load(path, sizes)
     ids = torch.tensor(INPUT_IDS) + (torch.distributed.get_rank() if per_rank else 0)
     with torch.no_grad():
+        want = _single(path)(torch.tensor(INPUT_IDS)).logits
         eager = model(ids).logits
         facts = explained(model, ids)
         graphs = []
         compiled = torch.compile(model, fullgraph=fullgraph, backend=recording(graphs, inductor))(ids).logits
-    return {**facts, **graph_facts(graphs), "logits": (compiled - eager).abs().max().item(),
+    return {**facts, **graph_facts(graphs), "logits": gap(compiled, want), "eager_logits": gap(compiled, eager),
             "last_logits": compiled[0, -1, :5].tolist()}  # fmt: skip
 
 
@@ -83,28 +93,40 @@ def mismatch_case(path: str, sizes: dict) -> dict:
 
 
 def lora_case(path: str, sizes: dict) -> dict:
-    """LoRA at TP: loss and every adapter gradient, eager and compiled."""
+    """LoRA at TP: loss and every adapter gradient (this rank's slice), compiled, against one process's with the
+    same adapter (peft's own initialisation, same seed), and against eager."""
     import peft
+    from compare import piece_gap
 
-    torch.manual_seed(0)
+    import hf_parallel
+
     config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_proj", "down_proj"],
                              init_lora_weights=False)  # fmt: skip
+    torch.manual_seed(0)
+    single = peft.get_peft_model(_single(path), config)
+    torch.manual_seed(0)
     model = peft.get_peft_model(_load(path, sizes), config)
-    model.train()
+    state = hf_parallel.parallel_state(model)
     ids = torch.randint(3, 100, (2, 12), generator=torch.Generator().manual_seed(1))
 
-    def step(forward):
-        model.zero_grad(set_to_none=True)
+    def step(stepped, forward):
+        stepped.train()
+        stepped.zero_grad(set_to_none=True)
         loss = forward(input_ids=ids, labels=ids).loss
         loss.backward()
-        return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+        return loss, {n: p.grad.clone() for n, p in stepped.named_parameters() if p.requires_grad}
 
-    eager_loss, eager_grads = step(model)
+    want_loss, want_grads = step(single, single)
+    eager_loss, eager_grads = step(model, model)
     facts = explained(model, input_ids=ids, labels=ids)
     graphs = []
-    loss, grads = step(torch.compile(model, fullgraph=True, backend=recording(graphs, inductor=False)))
-    diff = max((grads[n] - eager_grads[n]).abs().max().item() for n in eager_grads)
-    return {**facts, **graph_facts(graphs), "loss": abs(loss - eager_loss), "grads": diff, "adapters": len(grads)}
+    loss, grads = step(model, torch.compile(model, fullgraph=True, backend=recording(graphs, inductor=False)))
+    rank = state.mesh.tp.rank
+    slices = {n: piece_gap(grads.get(n), want_grads[n], state.entry(n.removeprefix("base_model.model.")).layout, rank)
+              for n in want_grads}  # fmt: skip
+    eager = {n: piece_gap(grads.get(n), eager_grads[n]) for n in eager_grads}
+    return {**facts, **graph_facts(graphs), "loss": gap(loss, want_loss), "eager_loss": gap(loss, eager_loss),
+            "grads": slices, "eager_grads": eager, "adapters": len(grads)}  # fmt: skip
 
 
 def static_generate_case(path: str, sizes: dict) -> dict:

@@ -4,6 +4,7 @@ two ranks, pipeline stages, on checkpoints with recurrent mixers beside attentio
 from __future__ import annotations
 
 import torch
+from compare import gap
 from tp_workers import INPUT_IDS, compare_tp
 
 
@@ -36,7 +37,7 @@ def tensor_and_pipeline(rank: int, world_size: int, cases: dict, save_root: str,
         single = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         model = hf_parallel.AutoModelForCausalLM.from_pretrained(path, pp_size=world_size, dtype=torch.float32)
         with torch.no_grad():
-            logits = (model(INPUT_IDS).logits - single(INPUT_IDS).logits).abs().max().item()
+            logits = gap(model(INPUT_IDS).logits, single(INPUT_IDS).logits)
         tokens = [m.generate(INPUT_IDS[:1], max_new_tokens=6, do_sample=False)[0].tolist() for m in (model, single)]
         results["pp"][name] = {"logits": logits, "tokens": tokens}
     return results

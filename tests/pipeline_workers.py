@@ -5,7 +5,8 @@ from __future__ import annotations
 import os
 
 import torch
-from tp_workers import INPUT_IDS, against_one_process
+from compare import gap, gaps, of_model
+from tp_workers import INPUT_IDS
 
 
 def pipeline_batch(vocab: int) -> dict:
@@ -47,7 +48,7 @@ def compare_pp(rank: int, world_size: int, cases: dict, sizes: dict, save_root: 
         with torch.no_grad():
             real = batch["attention_mask"].bool().unsqueeze(-1)
             want = single(**inputs).logits
-            out["logits"] = (model(**inputs).logits - want).masked_fill(~real, 0).abs().max().item()
+            out["logits"] = gap(model(**inputs).logits.masked_fill(~real, 0), want.masked_fill(~real, 0))
         prompt = {k: v[:, :6] for k, v in inputs.items()}
         out["greedy"] = model.generate(**prompt, max_new_tokens=5, do_sample=False).equal(
             single.generate(**prompt, max_new_tokens=5, do_sample=False)
@@ -70,11 +71,11 @@ def compare_pp(rank: int, world_size: int, cases: dict, sizes: dict, save_root: 
         for schedule in ("gpipe", "1f1b"):
             model.zero_grad()
             loss = hf_parallel.train_step(model, **batch, micro_batches=4, schedule=schedule)
-            grad_error, grad_scale = against_one_process(model, single, state)
-            out[schedule] = {"loss": abs(loss.item() - reference.loss.item()), "grads": grad_error, "scale": grad_scale}
+            out[schedule] = {"loss": gap(loss, reference.loss),
+                             "grads": gaps(model, state, of_model(single), state.mesh.tp.rank)}  # fmt: skip
         for stepping in (single, model):
             torch.optim.SGD(stepping.parameters(), lr=0.5).step()
-        out["step"] = against_one_process(model, single, state, "data")[0]
+        out["step"] = gaps(model, state, of_model(single, "data"), state.mesh.tp.rank, "data")
         out["tied"] = [  # the full tied weight after the step, as this stage holds it
             full_tensor(
                 model.get_parameter(n).detach(),
@@ -101,9 +102,17 @@ def compare_pp(rank: int, world_size: int, cases: dict, sizes: dict, save_root: 
         ]
         model.eval()
         out["stage"], out["layers"] = state.mesh.stage, list(state.stage.layers())
+        out["transport"] = transport(state.mesh)
         out["read"] = read
         results[name] = out
     return results
+
+
+def transport(mesh) -> dict:
+    """What carried this rank's messages: shared-memory pipes between stages, a shared-memory TP channel."""
+    from hf_parallel.distributed.shm import channel_for
+
+    return {"pipes": len(mesh.pipes), "tp_shm": mesh.tp.group is not None and channel_for(mesh.tp.group) is not None}
 
 
 def pipeline_refusals(rank: int, world_size: int, path: str) -> dict:
@@ -181,26 +190,42 @@ def pipeline_logits(rank: int, world_size: int, path: str, reference: str, sizes
     inputs = {k: v for k, v in batch.items() if k != "labels"}
     with torch.no_grad():
         real = batch["attention_mask"].bool().unsqueeze(-1)
-        error = (model(**inputs).logits - single(**inputs).logits).masked_fill(~real, 0).abs().max().item()
+        error = gap(model(**inputs).logits.masked_fill(~real, 0), single(**inputs).logits.masked_fill(~real, 0))
     return {"logits": error, "stage": hf_parallel.parallel_state(model).mesh.stage}
 
 
 def accumulate_without_pipeline(rank: int, world_size: int, path: str, layouts: dict) -> dict:
-    """``train_step`` over 3 micro-batches on a TP or SP model: gradients against one process's."""
+    """``train_step`` over 3 micro-batches on a TP or SP model: gradients against one process's. A layout
+    with a ``dtype`` (bf16, fp16) loads in it and takes one batch whole, against one process in that dtype:
+    the loss, logits and every gradient, in fp32 from those dtypes' values."""
     import transformers
 
     import hf_parallel
 
-    single = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    batch = pipeline_batch(single.config.vocab_size)
-    reference = single(**batch)
-    reference.loss.backward()
+    references = {}
+    batch = None
     out = {}
     for name, sizes in layouts.items():
-        model = hf_parallel.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **sizes)
-        loss = hf_parallel.train_step(model, **batch, micro_batches=3)
-        error, _ = against_one_process(model, single, hf_parallel.parallel_state(model))
-        out[name] = {"loss": abs(loss.item() - reference.loss.item()), "grads": error}
+        sizes = dict(sizes)
+        dtype = getattr(torch, sizes.pop("dtype", "float32"))
+        if dtype not in references:
+            single = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+            batch = pipeline_batch(single.config.vocab_size)
+            references[dtype] = (single, single(**batch))
+            references[dtype][1].loss.backward()
+        single, reference = references[dtype]
+        model = hf_parallel.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **sizes)
+        state = hf_parallel.parallel_state(model)
+        if dtype == torch.float32:
+            loss = hf_parallel.train_step(model, **batch, micro_batches=3)
+            out[name] = {"loss": gap(loss, reference.loss)}
+        else:
+            got = model(**batch)
+            got.loss.backward()
+            whole = reference.logits if state.sequence is None else None
+            out[name] = {"loss": gap(got.loss, reference.loss), "dtype": str(got.logits.dtype),
+                         **({"logits": gap(got.logits, whole)} if whole is not None else {})}  # fmt: skip
+        out[name]["grads"] = gaps(model, state, of_model(single), state.mesh.tp.rank)
     return out
 
 
@@ -225,7 +250,8 @@ def checkpointed_stages(rank: int, world_size: int, path: str, sizes: dict) -> d
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
         model.zero_grad()
         loss = hf_parallel.train_step(model, **batch, micro_batches=2, schedule=schedule)
-        grads, _ = against_one_process(model, single, hf_parallel.parallel_state(model))
-        out[schedule] = {"loss": abs(loss.item() - reference.loss.item()), "grads": grads,
+        state = hf_parallel.parallel_state(model)
+        grads = gaps(model, state, of_model(single), state.mesh.tp.rank)
+        out[schedule] = {"loss": gap(loss, reference.loss), "grads": grads,
                          "checkpointed": model.is_gradient_checkpointing}  # fmt: skip
     return out

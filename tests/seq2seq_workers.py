@@ -8,7 +8,7 @@ import os
 import warnings
 
 import torch
-from tp_workers import gradient_error
+from compare import gap, gaps
 
 COMMON = dict(vocab_size=101, pad_token_id=0, bos_token_id=1, eos_token_id=2)
 # Geometry traps: T5's head size (d_kv=6) is not d_model / heads (8), so the heads must come from the
@@ -136,19 +136,15 @@ def compare_seq2seq(rank: int, world_size: int, cases: dict, save_root: str) -> 
         counts = {op: comm.COUNTS[op] for op in ("all_reduce", "all_gather")}
         logits, loss = _step(model, family)
         loss.backward()
-        grad_error, worst, missing = gradient_error(model, state, ref_grads, state.mesh.tp.rank)
+        grads = gaps(model, state, ref_grads, state.mesh.tp.rank)
         split = [entry.name for entry in state.layout.unique_params() if not entry.layout.is_replicated]
         model.zero_grad(set_to_none=True)
         gen = _generate(model, family)
         config = model.config
         results[name] = {
-            "logits": (logits.detach() - ref_logits).abs().max().item(),
-            "logit_scale": ref_logits.abs().max().item(),
-            "loss": abs(loss.item() - ref_loss.item()),
-            "grads": grad_error,
-            "worst_grad": worst,  # the parameter whose gradient differs most, and its largest value
-            "grad_scale": max(g.abs().max().item() for g in ref_grads.values() if g is not None),
-            "missing_grads": missing,
+            "logits": gap(logits, ref_logits),
+            "loss": gap(loss, ref_loss),
+            "grads": grads,
             "frozen": sorted(n for n, p in model.named_parameters() if not p.requires_grad),
             "split": split,
             "counts": counts,
@@ -156,7 +152,7 @@ def compare_seq2seq(rank: int, world_size: int, cases: dict, save_root: str) -> 
             "decoder_layers": getattr(config, "decoder_layers", getattr(config, "num_decoder_layers", None)),
             "tokens": gen["tokens"],
             "ref_tokens": ref_gen["tokens"],
-            "generate_logits": (gen["logits"] - ref_gen["logits"]).abs().max().item(),
+            "generate_logits": gap(gen["logits"], ref_gen["logits"]),
             "cache": gen["cache"],
             "local_bytes": _bytes(model),
             "full_bytes": _bytes(single),

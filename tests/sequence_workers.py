@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 import torch
-from tp_workers import against_one_process
+from compare import gap, gaps, of_model
 
 
 def sequence_batches(vocab: int) -> dict:
@@ -69,18 +69,14 @@ def compare_sp(rank: int, world_size: int, cases: dict, tp_size: int, sp_size: i
             real = batch.get("attention_mask", torch.ones_like(batch["input_ids"])).bool().unsqueeze(-1)
             local_logits = want.logits[:, start : start + sizes[sp_rank]]  # padding tokens are compared nowhere
             local_real = real[:, start : start + sizes[sp_rank]]
-            grad_error, grad_scale = against_one_process(model, single, state)
             with torch.no_grad():
                 whole = model(**{k: v for k, v in batch.items() if k != "labels"}).logits
             results[f"{name}/{batch_name}"] = {
-                "loss": abs(got.loss.item() - want.loss.item()),
-                "logits": (got.logits - local_logits).masked_fill(~local_real, 0).abs().max().item()
-                if local_logits.numel()
-                else 0.0,
+                "loss": gap(got.loss, want.loss),
+                "logits": gap(got.logits.masked_fill(~local_real, 0), local_logits.masked_fill(~local_real, 0)),
                 "local_tokens": got.logits.shape[1],
-                "whole_logits": (whole - want.logits).masked_fill(~real, 0).abs().max().item(),
-                "grads": grad_error,
-                "grad_scale": grad_scale,
+                "whole_logits": gap(whole.masked_fill(~real, 0), want.logits.masked_fill(~real, 0)),
+                "grads": gaps(model, state, of_model(single), state.mesh.tp.rank),
             }
         prompt = sequence_batches(single.config.vocab_size)["len37"]["input_ids"][:, :9]
         want_tokens = single.generate(prompt, max_new_tokens=6, do_sample=False)
@@ -88,7 +84,7 @@ def compare_sp(rank: int, world_size: int, cases: dict, tp_size: int, sp_size: i
         model.save_pretrained(os.path.join(save_root, name))
         for opt_model in (single, model):
             torch.optim.SGD(opt_model.parameters(), lr=0.5).step()
-        results[f"{name}/step"] = against_one_process(model, single, state, "data")[0]
+        results[f"{name}/step"] = gaps(model, state, of_model(single, "data"), state.mesh.tp.rank, "data")
     return results
 
 
@@ -114,9 +110,9 @@ def checkpointed(rank: int, world_size: int, path: str, tp_size: int, sp_size: i
         want, got = single(**batch), model(**batch)
         want.loss.backward()
         got.loss.backward()
-        grads, _ = against_one_process(model, single, hf_parallel.parallel_state(model))
+        state = hf_parallel.parallel_state(model)
         results["reentrant" if reentrant else "non-reentrant"] = {
-            "loss": abs(got.loss.item() - want.loss.item()), "grads": grads,
+            "loss": gap(got.loss, want.loss), "grads": gaps(model, state, of_model(single), state.mesh.tp.rank),
             "checkpointed": model.is_gradient_checkpointing,
         }  # fmt: skip
     return results

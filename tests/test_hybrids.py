@@ -8,6 +8,7 @@ import os
 import hybrid_workers
 import pytest
 from checks import assert_like_one_process, assert_same_checkpoint, assert_steps_like_one_process
+from compare import assert_within
 from conftest import once_per_world_size
 from distributed import run_ranks
 from tiny_models import HYBRIDS, make_checkpoint
@@ -71,16 +72,16 @@ def test_lora_on_a_projection_inside_a_mixer_block_is_refused_by_name(hybrid_res
 
 @pytest.mark.distributed
 def test_attention_weights_of_local_heads_are_refused_at_the_call(hybrid_results):
-    for results in hybrid_results(2)[0]:
+    for results in hybrid_results(2)[0]:  # every rank
         assert results["output_attentions"].startswith("output_attentions=True: under tensor parallelism each rank's")
 
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("family", PIPELINED)
 def test_hybrid_in_pipeline_stages_matches_one_process(hybrid_results, family):
-    for results in hybrid_results(2)[0]:
+    for rank, results in enumerate(hybrid_results(2)[0]):
         r = results["pp"][family]
-        assert r["logits"] < TOL
+        assert_within({"logits": r["logits"]}, atol=TOL, rtol=TOL, where=f"{family} stages, rank {rank}")
         assert r["tokens"][0] == r["tokens"][1]
 
 

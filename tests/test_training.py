@@ -1,7 +1,7 @@
 """Training at every layout against one process: data-parallel dimensions (FSDP2, HSDP) beside TP,
 SP and PP, the global gradient norm, transformers' Trainer unchanged, and resuming.
 
-Each layout runs 5 AdamW steps clipped to a norm below the gradients' (so clipping acts every
+Each layout runs 5 steps (AdamW, the last one plain SGD) clipped to a norm below the gradients' (so clipping acts every
 step) on a global batch of 4 rows; one process runs the same steps on the same batches.
 """
 
@@ -11,6 +11,7 @@ import os
 
 import pytest
 from checks import assert_steps_like_one_process
+from compare import assert_close, assert_within
 from conftest import once_per_world_size
 
 LOSS_TOLERANCE = NORM_TOLERANCE = WEIGHT_TOLERANCE = 1e-5
@@ -82,8 +83,8 @@ def loop_runs(paths, tmp_path_factory):
 @pytest.mark.distributed
 @pytest.mark.parametrize("world_size,case", [(w, c) for w, cases in LOOP_CASES.items() for c in cases])
 def test_steps_match_one_process(loop_runs, references, world_size, case):
-    """Losses, clipped global gradient norms and the gathered final weights of 5 steps equal one
-    process's on the same global batches, on every rank."""
+    """Every gradient slice each rank holds after the first backward, the losses, clipped global gradient
+    norms and the gathered final weights of 5 steps equal one process's on the same global batches."""
     results, root = loop_runs(world_size)
     want = references[LOOP_CASES[world_size][case][0]]
     assert_steps_like_one_process(results, case, want, os.path.join(root, case), LOSS_TOLERANCE)
@@ -92,8 +93,9 @@ def test_steps_match_one_process(loop_runs, references, world_size, case):
 @pytest.mark.distributed
 def test_a_batch_the_replicas_cannot_share_is_refused(loop_runs):
     results, _ = loop_runs(2)
-    error = results[0]["fsdp2"]["uneven"]
-    assert error is not None and "3 rows" in error and "2 data-parallel replicas" in error, error
+    for rank, result in enumerate(results):
+        error = result["fsdp2"]["uneven"]
+        assert error is not None and "3 rows" in error and "2 data-parallel replicas" in error, (rank, error)
 
 
 TRAINER_CASES = {  # world size -> case -> layout (transformers' Trainer, unchanged)
@@ -158,30 +160,33 @@ def test_trainer_matches_one_process(trainer_runs, trainer_reference, world_size
         assert not got["wrapped"].startswith("DistributedDataParallel"), got["wrapped"]
         compiled = case.endswith("_compiled")  # torch_compile=True: the model wrapped, and graphs compiled
         assert (got["wrapped"] == "OptimizedModule") == compiled and (got["compiled_graphs"] > 0) == compiled, got
-        assert len(got["losses"]) == training_workers.STEPS
-        assert max(abs(a - b) for a, b in zip(got["losses"], want["losses"])) < LOSS_TOLERANCE, (rank, got, want)
-        assert max(abs(a - b) for a, b in zip(got["norms"], want["norms"])) < NORM_TOLERANCE, (rank, got, want)
+        assert_log_like(got, want, f"{case} rank {rank}")
     saved = os.path.join(root, case, "final")
-    assert training_workers.saved_against(want["weights"], saved) < WEIGHT_TOLERANCE
+    assert_within(training_workers.saved_against(want["weights"], saved), atol=WEIGHT_TOLERANCE,
+                  rtol=WEIGHT_TOLERANCE, where=saved)  # fmt: skip
     model = transformers.AutoModelForCausalLM.from_pretrained(saved, dtype=torch.float32)
     single = transformers.AutoModelForCausalLM.from_config(model.config, dtype=torch.float32)
     single.load_state_dict(want["weights"])
     with torch.no_grad():
-        assert (model(INPUT_IDS).logits - single(INPUT_IDS).logits).abs().max().item() < 1e-4
+        assert_close(model(INPUT_IDS).logits, single(INPUT_IDS).logits, atol=1e-4, rtol=1e-4, what=f"{case} logits")
 
 
 @pytest.mark.distributed
 def test_trainer_refuses_pipeline_stages(trainer_runs):
     results, _ = trainer_runs(2)
-    error = results[0]["pp2"]
-    assert error is not None and "pipeline stages" in error and "hf_parallel.train_step" in error, error
+    for rank, result in enumerate(results):
+        error = result["pp2"]
+        assert error is not None and "pipeline stages" in error and "hf_parallel.train_step" in error, (rank, error)
 
 
 @pytest.mark.distributed
 def test_trainer_refuses_a_trainable_parameter_hf_parallel_did_not_place(trainer_runs):
     results, _ = trainer_runs(2)
-    error = results[0]["unplaced"]
-    assert error is not None and error.startswith("model.norm.extra_scale: trainable parameter(s) added after"), error
+    for rank, result in enumerate(results):
+        error = result["unplaced"]
+        assert error is not None and error.startswith("model.norm.extra_scale: trainable parameter(s) added after"), (
+            rank, error,
+        )  # fmt: skip
 
 
 @pytest.mark.distributed
@@ -244,8 +249,10 @@ def resumed(paths, tmp_path_factory):
     return results
 
 
-def _close(got: list, want: list, tolerance: float) -> bool:
-    return len(got) == len(want) and max(abs(a - b) for a, b in zip(got, want)) < tolerance
+def assert_log_like(got: dict, want: dict, what: str) -> None:
+    """A run's logged losses and gradient norms, one process's."""
+    assert_close(got["losses"], want["losses"], atol=LOSS_TOLERANCE, rtol=LOSS_TOLERANCE, what=f"{what}: losses")
+    assert_close(got["norms"], want["norms"], atol=NORM_TOLERANCE, rtol=NORM_TOLERANCE, what=f"{what}: norms")
 
 
 @pytest.mark.distributed
@@ -261,8 +268,7 @@ def test_a_trainer_checkpoint_resumes_at_another_layout(resumed, run):
     want, got = resumed["plain"], resumed[run]
     assert "error" not in got, got
     assert len(want["losses"]) == training_workers.RESUME_STEPS  # a resumed log starts with the checkpoint's
-    assert _close(got["losses"], want["losses"], LOSS_TOLERANCE), (got, want)
-    assert _close(got["norms"], want["norms"], NORM_TOLERANCE), (got, want)
+    assert_log_like(got, want, run)
 
 
 @pytest.mark.distributed
@@ -286,10 +292,8 @@ def test_train_step_state_resumes_from_pipeline_stages_at_tp(resumed, paths):
     one process's."""
     import training_workers
 
-    want = training_workers.one_process(paths["llama"], steps=training_workers.RESUME_STEPS)
-    got = resumed["train_step"]
-    assert _close(got["losses"], want["losses"], LOSS_TOLERANCE), (got, want)
-    assert _close(got["norms"], want["norms"], NORM_TOLERANCE), (got, want)
+    want = training_workers.one_process(paths["llama"], steps=training_workers.RESUME_STEPS, sgd_at=None)
+    assert_log_like(resumed["train_step"], want, "train_step resumed")
 
 
 @pytest.mark.parametrize(
@@ -366,7 +370,8 @@ def test_the_readme_trainer_example_matches_one_process(smollm2, tmp_path):
     assert len(runs["fsdp2"]) == 2 and len(set(runs["fsdp2"])) == 1, runs
     one = [float(x) for x in runs["one"][0].split(",")]
     parallel = [float(x) for x in runs["fsdp2"][0].split(",")]
-    assert len(one) == 2 and max(abs(a - b) for a, b in zip(one, parallel)) <= 2e-4, runs
+    assert len(one) == 2, runs
+    assert_close(parallel, one, atol=2e-4, rtol=0, what="the example's FSDP=2 losses")
 
 
 def test_a_model_without_repeated_layers_is_refused_for_fsdp():

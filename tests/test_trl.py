@@ -2,15 +2,14 @@
 every step's loss, grad norm and TRL's own metrics equal to one process's SFTTrainer, full and LoRA; the
 layouts its fused head cannot be right on refused by name."""
 
-import importlib.util
 import os
 
 import pytest
+from compare import assert_close
 
-# found, not imported: collecting the tests loads no TRL (nor transformers)
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="pip install '.[trl]'")
-
-TOLERANCE = 1e-5  # relative, fp32
+# CI installs TRL ('.[trl]'): without it these tests fail, never skip; imported by the workers, not here, so
+# collecting the tests loads no TRL (nor transformers)
+TOLERANCE = 1e-5  # absolute, and relative to the largest value, fp32
 
 
 @pytest.fixture(scope="module")
@@ -33,10 +32,6 @@ def _run(world_size, sizes, path, tmp_path):
 
     run = str(tmp_path / "run")
     return run_ranks(world_size, trl_workers.parallel, path, run, sizes, out_dir=str(tmp_path / "out"))
-
-
-def _close(got: list, want: list) -> bool:
-    return all(abs(a - b) <= TOLERANCE * max(1.0, abs(b)) for a, b in zip(got, want, strict=True))
 
 
 @pytest.mark.distributed
@@ -69,7 +64,7 @@ def test_sft_trainer_matches_one_process(one_process, tiny_paths, tmp_path, worl
             got, want = result[mode], one_process(model)[mode]
             assert isinstance(got, dict), (rank, mode, got)
             for key in want:
-                assert _close(got[key], want[key]), (rank, mode, key, got[key], want[key])
+                assert_close(got[key], want[key], atol=TOLERANCE, rtol=TOLERANCE, what=f"rank {rank} {mode} {key}")
 
 
 @pytest.mark.distributed
@@ -125,4 +120,4 @@ def test_dpo_trainer_with_lora_matches_one_process(tiny_paths, tmp_path):
                         out_dir=str(tmp_path / "out"))  # fmt: skip
     for rank, got in enumerate(results):
         for key in want:
-            assert _close(got[key], want[key]), (rank, key, got[key], want[key])
+            assert_close(got[key], want[key], atol=TOLERANCE, rtol=TOLERANCE, what=f"rank {rank} {key}")

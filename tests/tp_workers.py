@@ -6,6 +6,7 @@ import math
 import os
 
 import torch
+from compare import gap, gaps
 
 PROMPT = [{"role": "user", "content": "Explain in detail how a bicycle works."}]
 
@@ -38,41 +39,6 @@ def reference(path: str, encoder: bool = False):
     return output.detach(), grads
 
 
-def expected_slice(full: torch.Tensor, layout, rank: int) -> torch.Tensor:
-    """``rank``'s piece of a one-process tensor, by the layout the parallel model holds it in."""
-    return layout.extract(full, rank)
-
-
-def against_one_process(model, single, state, what: str = "grad") -> tuple[float, float]:
-    """Over every parameter, the largest difference between this rank's ``what`` (``"grad"`` or
-    ``"data"``) and its slice of one process's, and the largest value of those slices."""
-    error = scale = 0.0
-    for entry in state.layout.unique_params():
-        got = getattr(model.get_parameter(entry.name), what)
-        want = expected_slice(getattr(single.get_parameter(entry.name), what), entry.layout, state.mesh.tp.rank)
-        if got.numel():
-            error, scale = max(error, (got - want).abs().max().item()), max(scale, want.abs().max().item())
-    return error, scale
-
-
-def gradient_error(model, state, ref_grads: dict, rank: int) -> tuple[float, tuple | None, list[str]]:
-    """This rank's gradients against its slices of one process's: the largest difference, the parameter
-    where it is (with that slice's largest value), and the parameters with no gradient where one process
-    has one (one unused in this forward, as cross-attention in a decoder-only pass, has none in either)."""
-    error, worst, missing = 0.0, None, []
-    for entry in state.layout.unique_params():
-        grad = model.get_parameter(entry.name).grad
-        if grad is None:
-            if ref_grads[entry.name] is not None:
-                missing.append(entry.name)
-            continue
-        want = expected_slice(ref_grads[entry.name], entry.layout, rank)
-        difference = (grad - want).abs().max().item() if grad.numel() else 0.0
-        if difference >= error:
-            error, worst = difference, (entry.name, want.abs().max().item() if grad.numel() else 0.0)
-    return error, worst, missing
-
-
 def compare_tp(
     rank: int,
     world_size: int,
@@ -89,6 +55,7 @@ def compare_tp(
     greedy tokens (caches of split layers), the parallel model's and one process's."""
     import hf_parallel
     from hf_parallel.distributed import comm
+    from hf_parallel.distributed.shm import channel_for
 
     auto = hf_parallel.AutoModel if encoder else hf_parallel.AutoModelForCausalLM
     results = {}
@@ -102,7 +69,6 @@ def compare_tp(
         output, loss = _output_and_loss(model, encoder)
         loss.backward()
         state = hf_parallel.parallel_state(model)
-        grad_error, _, missing = gradient_error(model, state, ref_grads, rank)
         full = sum(math.prod(entry.full_shape) for entry in state.layout.unique_params())
         held = sum(p.numel() for p in model.parameters()) / full
         if generate:
@@ -116,12 +82,9 @@ def compare_tp(
         results[name] = {
             "held": held,
             **({"tokens": tokens} if generate else {}),
-            "logits": (output.detach() - ref_output).abs().max().item(),
-            "grads": grad_error,
-            "missing_grads": missing,
-            "grad_scale": max(
-                (g.abs().max().item() for g in ref_grads.values() if g is not None and g.numel()), default=0.0
-            ),
+            "logits": gap(output, ref_output),
+            "grads": gaps(model, state, ref_grads, rank),
+            "shm": channel_for(state.mesh.tp.group) is not None,  # which transport carried TP's collectives
             "counts": counts,
             "layers": model.config.num_hidden_layers,
             "plan_source": state.layout.source,
@@ -144,18 +107,14 @@ def compare_ep(rank: int, world_size: int, cases: dict, save_root: str) -> dict:
         )
         output, loss = _output_and_loss(model, False)
         loss.backward()
-        state, errors, experts = hf_parallel.parallel_state(model), [0.0], {}
-        for entry in state.layout.unique_params():
-            grad = model.get_parameter(entry.name).grad
-            if grad is not None:
-                errors.append((grad - expected_slice(ref_grads[entry.name], entry.layout, rank)).abs().max().item())
-            if entry.name.endswith("experts.gate_up_proj"):
-                experts[entry.name] = model.get_parameter(entry.name).shape[0]
-        results[name] = {
-            "logits": (output.detach() - ref_output).abs().max().item(),
-            "grads": max(errors),
-            "experts": experts,
+        state = hf_parallel.parallel_state(model)
+        experts = {
+            entry.name: model.get_parameter(entry.name).shape[0]
+            for entry in state.layout.unique_params()
+            if entry.name.endswith("experts.gate_up_proj")
         }
+        results[name] = {"logits": gap(output, ref_output), "grads": gaps(model, state, ref_grads, rank),
+                         "experts": experts}  # fmt: skip
         model.save_pretrained(os.path.join(save_root, name))
     return results
 

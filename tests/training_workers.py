@@ -8,6 +8,15 @@ import os
 import torch
 
 STEPS, MAX_NORM, LR = 5, 0.5, 1e-3
+SGD_LR = 0.1  # the last step's: plain SGD moves with the gradient's scale (AdamW's m / sqrt(v) does not)
+
+
+def stepper(parameters, sgd_at: int | None = STEPS - 1):
+    """``step(i)``: the optimizer step of step ``i``: AdamW, and plain SGD at step ``sgd_at`` (the last: AdamW's
+    first steps, near sign(g), are what the trajectories were measured with)."""
+    parameters = list(parameters)
+    adamw, sgd = torch.optim.AdamW(parameters, lr=LR), torch.optim.SGD(parameters, lr=SGD_LR)
+    return lambda step: (sgd if step == sgd_at else adamw).step()
 
 
 def training_batch(vocab: int, step: int, rows: int = 4) -> dict:
@@ -19,37 +28,58 @@ def training_batch(vocab: int, step: int, rows: int = 4) -> dict:
     return {"input_ids": ids, "labels": labels}
 
 
-def one_process(path: str, steps: int = STEPS) -> dict:
-    """Losses, gradient norms and final weights of ``steps`` AdamW steps with clipping in one process."""
+def one_process(path: str, steps: int = STEPS, sgd_at: int | None = STEPS - 1) -> dict:
+    """Losses, gradient norms and final weights of ``steps`` steps with clipping in one process: AdamW, and one
+    plain SGD step at ``sgd_at``."""
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    step_with = stepper(model.parameters(), sgd_at)
     losses, norms = [], []
     for step in range(steps):
         loss = model(**training_batch(model.config.vocab_size, step)).loss
         loss.backward()
         norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM).item())
-        optimizer.step()
-        optimizer.zero_grad()
+        step_with(step)
+        model.zero_grad()
         losses.append(loss.item())
     return {"losses": losses, "norms": norms, "weights": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+
+
+_FIRST_GRADIENTS: dict = {}
+
+
+def first_gradients(path: str) -> dict:
+    """One process's gradients after the first step's backward (what ``one_process`` clips and steps with)."""
+    if path not in _FIRST_GRADIENTS:
+        import transformers
+        from compare import of_model
+
+        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        model.train()
+        model(**training_batch(model.config.vocab_size, 0)).loss.backward()
+        _FIRST_GRADIENTS[path] = of_model(model)
+    return _FIRST_GRADIENTS[path]
 
 
 def train(rank: int, world_size: int, cases: dict, save_root: str) -> dict:
     """For each case (checkpoint, layout, loop): the same steps on a parallel model (``loop``:
     ``train_step`` on the global batch, or a plain ``loss.backward()`` on this data-parallel
-    replica's rows), clipped with ``hf_parallel.clip_grad_norm_``; the trained model saved."""
+    replica's rows), clipped with ``hf_parallel.clip_grad_norm_``; the trained model saved. Every gradient this
+    rank holds (its FSDP slice of its TP shard) after the first backward, against one process's."""
+    from compare import gaps
+
     import hf_parallel
 
     results = {}
     for name, (path, sizes, loop) in cases.items():
         model = hf_parallel.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **sizes)
         model.train()
-        dp = hf_parallel.parallel_state(model).mesh.dp
-        optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-        losses, norms = [], []
+        state = hf_parallel.parallel_state(model)
+        dp = state.mesh.dp
+        step_with = stepper(model.parameters())
+        losses, norms, first_grads = [], [], None
         for step in range(STEPS):
             batch = training_batch(model.config.vocab_size, step)
             if loop == "train_step":
@@ -64,12 +94,14 @@ def train(rank: int, world_size: int, cases: dict, save_root: str) -> dict:
                 if dp.group is not None:  # the logged loss: the replicas' mean
                     torch.distributed.all_reduce(loss, group=dp.group)
                     loss /= dp.size
+            if step == 0:  # where the sums happen: before clipping and any step
+                first_grads = gaps(model, state, first_gradients(path), state.mesh.tp.rank)
             norms.append(hf_parallel.clip_grad_norm_(model, MAX_NORM).item())
-            optimizer.step()
-            optimizer.zero_grad()
+            step_with(step)
+            model.zero_grad()
             losses.append(loss.item())
         model.save_pretrained(os.path.join(save_root, name))
-        results[name] = {"losses": losses, "norms": norms}
+        results[name] = {"losses": losses, "norms": norms, "first_grads": first_grads}
         if dp.size > 1 and loop == "train_step":  # rows the replicas cannot share: refused before any forward
             try:
                 hf_parallel.train_step(model, **training_batch(model.config.vocab_size, 0, rows=dp.size + 1))
@@ -79,14 +111,15 @@ def train(rank: int, world_size: int, cases: dict, save_root: str) -> dict:
     return results
 
 
-def saved_against(weights: dict, save_dir: str) -> float:
-    """The largest difference between a saved checkpoint, loaded by plain transformers, and
-    ``weights`` (one process's state dict)."""
+def saved_against(weights: dict, save_dir: str) -> dict:
+    """A saved checkpoint, loaded by plain transformers, against ``weights`` (one process's state dict):
+    ``compare.gap`` per key."""
     import transformers
+    from compare import gap
 
     saved = transformers.AutoModelForCausalLM.from_pretrained(save_dir, dtype=torch.float32).state_dict()
     assert saved.keys() == weights.keys(), f"{save_dir}: {sorted(saved.keys() ^ weights.keys())}"
-    return max((saved[k] - weights[k]).abs().max().item() for k in saved)
+    return {k: gap(saved[k], weights[k]) for k in saved}
 
 
 def trainer_dataset(vocab: int, rows: int) -> list[dict]:

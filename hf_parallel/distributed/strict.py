@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 
 import torch
 import torch.distributed as dist
@@ -110,14 +110,14 @@ class _Done:
     def wait(self, limit) -> bool:
         # the pair's thread bounds each of its waits (two per operation) by the timeout: its own error comes first
         margin = (2 * len(self.ops) + 1) * limit.total_seconds() + 5
-        try:
-            self.future.result(timeout=margin)
-        except TimeoutError as error:
+        if not wait([self.future], timeout=margin).done:  # (its own error, a RankFailure, is a TimeoutError too)
             op = self.ops[0]
             raise RankFailure(
                 f"hf_parallel: {op.what} ({op.kind} with rank {op.peer}) did not start within {margin:g}s under "
-                "NCCL's point-to-point rules: the operations queued before it with that rank never completed"
-            ) from error
+                f"NCCL's point-to-point rules (HF_PARALLEL_TIMEOUT={timeout_seconds():g}s): the operations queued "
+                "before it with that rank never completed"
+            )
+        self.future.result()
         return True
 
 
