@@ -37,7 +37,10 @@ CASES = {
     "pp_tied_pp2": ("pp_tied", dict(tp_plan=None, pp_size=2), {"train_step", "save"}),  # tied gradient, 1F1B
     "llama_fsdp2": ("llama", dict(tp_plan=None, fsdp_size=2), {"save"}),  # FSDP2 over gloo groups, one layer whole
 }
-CHECKPOINTS = {name for name, _, _ in CASES.values()}
+FOUR_RANKS = {  # world 4 on the same card
+    "llama_tp2sp2": ("llama", dict(tp_size=2, sp_size=2), set()),  # Ulysses inside TP groups
+}
+CHECKPOINTS = {name for name, _, _ in [*CASES.values(), *FOUR_RANKS.values()]}
 
 
 @pytest.fixture(scope="module")
@@ -47,12 +50,16 @@ def gpu_results(tmp_path_factory):
 
     root = str(tmp_path_factory.mktemp("cuda"))
     paths = {name: make_checkpoint(name, root) for name in CHECKPOINTS}
-    cases = {case: (paths[name], kwargs, sorted(runs)) for case, (name, kwargs, runs) in CASES.items()}
     save_root = os.path.join(root, "saved")
     before = os.environ.get("HF_PARALLEL_DEVICE")
-    os.environ["HF_PARALLEL_DEVICE"] = "cuda:0"  # inherited by the ranks: both on the first GPU
+    os.environ["HF_PARALLEL_DEVICE"] = "cuda:0"  # inherited by the ranks: all on the first GPU
     try:
-        results = run_ranks(2, cuda_workers.on_gpu, cases, save_root, out_dir=os.path.join(root, "out"))
+        results = {}
+        for world, cases in ((2, CASES), (4, FOUR_RANKS)):
+            asked = {case: (paths[name], kwargs, sorted(runs)) for case, (name, kwargs, runs) in cases.items()}
+            ranks = run_ranks(world, cuda_workers.on_gpu, asked, save_root, out_dir=os.path.join(root, f"out{world}"))
+            for case in cases:
+                results[case] = [rank[case] for rank in ranks]
     finally:
         os.environ.pop("HF_PARALLEL_DEVICE")
         if before is not None:
@@ -60,12 +67,11 @@ def gpu_results(tmp_path_factory):
     return paths, results, save_root
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", [*CASES, *FOUR_RANKS])
 def test_on_a_gpu_like_one_process(gpu_results, case):
     paths, results, save_root = gpu_results
-    name, kwargs, runs = CASES[case]
-    for rank, result in enumerate(results):
-        got = result[case]
+    name, kwargs, runs = {**CASES, **FOUR_RANKS}[case]
+    for rank, got in enumerate(results[case]):
         where = f"{case} rank {rank}: {got}"
         assert got["device"].startswith("cuda") and got["wire"] == "cpu", where  # two ranks on one card: gloo
         assert not got["left_behind"], where
