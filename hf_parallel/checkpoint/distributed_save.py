@@ -70,8 +70,8 @@ def save_distributed(model, state, out_dir: str) -> None:
         owners, described = stage_owners(mesh, described)
     written = {key: e for key, e in entries.items()
                if owners[key] == mesh.stage and (tp.rank == 0 or not e.layout.is_replicated)}  # fmt: skip
-    shapes = {key: (tuple(tensor_of(model, e.name).shape), tensor_of(model, e.name).dtype)  # FSDP's: the whole
-              for key, e in written.items()}  # fmt: skip
+    tensors = {key: tensor_of(model, e.name) for key, e in written.items()}  # FSDP's: sharded, their shape whole
+    shapes = {key: (tuple(t.shape), t.dtype) for key, t in tensors.items()}
     shapes.update({key: (tuple(t.shape), t.dtype) for key, t in kept.items()})
     os.makedirs(out_dir, exist_ok=True)
     with OneAtATime(model) as unsharding:  # under FSDP, one layer whole at a time, in the order written

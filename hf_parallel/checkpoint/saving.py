@@ -27,6 +27,7 @@ from ..distributed.mesh import Dim
 from ..tensor.kept import KeptWeight, gathered_part
 from ..tensor.layout import Box, Layout, as_slices, box_shape, replicated
 from ..tensor.parallelize import ShardedParam
+from ..training.data_parallel import OneAtATime
 from .files import INDEX_FILE
 from .keys import FusedSource, expert_shape
 from .staging import Staging, remove_stale
@@ -291,8 +292,6 @@ def save_sharded(model, state, out_dir: str, max_shard_size="50GB") -> None:
     checkpoint name and write a standard HF checkpoint. Each pipeline stage gathers its own tensors
     on its first rank, which sends them on to rank 0. Under FSDP each layer is whole only while its
     tensors are gathered: the copies that write nothing walk the same parameters in the same order."""
-    from ..training.data_parallel import OneAtATime
-
     with OneAtATime(model) as unsharding:
         _save_sharded(model, state, out_dir, max_shard_size, unsharding)
 
@@ -307,9 +306,8 @@ def _save_sharded(model, state, out_dir: str, max_shard_size, unsharding) -> Non
     if mesh.holds_copy:  # sequence-parallel and data-parallel copies of the shards the first replica saves
         for keys in plan_files(specs, max_shard_size)[0].values():  # write_standard's order
             for key in keys:
-                entry = targets.get(key, (None,))[0]
-                if owners[key] == mesh.stage and not isinstance(entry, KeptWeight):  # as ``gathered`` reads them
-                    unsharding.need(entry.name)
+                if owners[key] == mesh.stage and not isinstance(targets[key][0], KeptWeight):  # as ``gathered``
+                    unsharding.need(targets[key][0].name)
         mesh.barrier()
         return
 

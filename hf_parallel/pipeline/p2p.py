@@ -92,17 +92,22 @@ class StageLink:
         if self._holding:
             self._held.append((data, self.leader(stage), what))
             return
-        self._pending.append(self._post([("send", data, self.leader(stage), what)]))
+        self._pending += self._post([("send", data, self.leader(stage), what)])
 
-    def _post(self, messages: list[tuple]) -> p2p.Posted:
+    def _post(self, messages: list[tuple]) -> list[p2p.Posted]:
         """Each message's header, then its bytes, as two batches: a receiver sizes its buffer from the
-        header, and a batch's receive of bytes it cannot size yet would hold up the pair."""
+        header, and a batch's receive of bytes it cannot size yet would hold up the pair. Sends alone are
+        not waited for (a stage goes on with its next micro-batch); a batch with a receive waits for its
+        headers before it posts the bytes."""
+        group = self.mesh.world.group
         headers = [p2p.Op(kind, header_of(t, self.wire) if kind == "send" else t, peer, f"{what} (header)")
                    for kind, t, peer, what in messages]  # fmt: skip
-        p2p.run(headers, self.mesh.world.group)
+        posted = [p2p.post(headers, group)]
+        if any(op.kind == "recv" for op in headers):
+            posted.pop().wait()
         data = [p2p.Op(kind, t if kind == "send" else empty_from(header.tensor, self.wire), peer, what)
                 for (kind, t, peer, what), header in zip(messages, headers)]  # fmt: skip
-        return p2p.post(data, self.mesh.world.group)
+        return [*posted, p2p.post(data, group)]
 
     @torch.compiler.disable
     def recv(self, stage: int, what: str, tag: Tag = Tag.FORWARD) -> torch.Tensor:
@@ -133,8 +138,8 @@ class StageLink:
             pipe.recv(header, waiting)
             return pipe.recv(empty_from(header, self.wire), waiting)
         held, self._held = self._held, []
-        posted = self._post([*(("send", t, peer, what) for t, peer, what in held),
-                             ("recv", empty_header(self.wire), source, waiting)])  # fmt: skip
+        (posted,) = self._post([*(("send", t, peer, what) for t, peer, what in held),
+                                ("recv", empty_header(self.wire), source, waiting)])  # fmt: skip
         posted.wait()
         return posted.ops[-1].tensor
 
@@ -142,7 +147,7 @@ class StageLink:
         """Post the held sends on their own."""
         held, self._held = self._held, []
         if held:
-            self._pending.append(self._post([("send", t, peer, what) for t, peer, what in held]))
+            self._pending += self._post([("send", t, peer, what) for t, peer, what in held])
 
     def flush(self) -> None:
         """Wait until every send of this rank has completed."""
@@ -152,6 +157,7 @@ class StageLink:
         pending, self._pending = self._pending, []
         for posted in pending:
             posted.wait()
+
     @torch.compiler.disable
     def broadcast_from_last(self, tensor: torch.Tensor | None) -> torch.Tensor:
         """The last stage's ``tensor`` on every rank of this model replica (header first)."""
