@@ -24,7 +24,7 @@ MISSING = "no gradient, the reference has one"
 def gap(got, want) -> Record:
     """``[max|got - want|, max|want|]``; the error is NaN when either holds a NaN or an inf; a string
     when the shapes differ."""
-    got, want = torch.as_tensor(got).detach(), torch.as_tensor(want).detach()
+    got, want = torch.as_tensor(got).detach().cpu(), torch.as_tensor(want).detach().cpu()  # (the cuda tier's)
     if got.shape != want.shape:
         return f"shape {tuple(got.shape)}, the reference's {tuple(want.shape)}"
     if not got.numel():

@@ -1,27 +1,19 @@
 """Workers of the ``cuda`` tier (``test_cuda.py``): every rank computes on the GPU (``HF_PARALLEL_DEVICE``),
-one process's reference on the CPU in fp32, and every comparison is made on the host. Several ranks share
+one process's reference on the CPU in fp32, and every comparison is ``compare``'s, on the host. Several ranks share
 one GPU (the mesh's groups are then gloo groups, and point-to-point messages are staged through pinned
 host memory), so one card runs every layout."""
 
 from __future__ import annotations
 
-import math
 import os
 
 import torch
+from compare import gap, gaps, of_model
 
 torch.backends.cuda.matmul.allow_tf32 = False  # fp32 as one process's on the CPU computes it (TF32 keeps 10 bits)
 torch.backends.cudnn.allow_tf32 = False
 
 INPUT_IDS = torch.tensor([[1, 51, 42, 34, 99, 68, 8], [3, 64, 26, 76, 31, 9, 50]])
-
-
-def _worst(got: torch.Tensor, want: torch.Tensor) -> float:
-    """The largest difference, NaN when either side is not finite (a NaN never hides behind a max)."""
-    got, want = got.detach().float().cpu(), want.detach().float().cpu()
-    if got.shape != want.shape or not (torch.isfinite(got).all() and torch.isfinite(want).all()):
-        return math.nan
-    return (got - want).abs().max().item() if got.numel() else 0.0
 
 
 def _forward(model, encoder: bool, device):
@@ -57,23 +49,14 @@ def on_gpu(rank: int, world_size: int, cases: dict, save_root: str) -> dict:
             model.train()
             loss = hf_parallel.train_step(model, input_ids=INPUT_IDS.to(device), labels=INPUT_IDS.to(device),
                                           micro_batches=4, schedule="1f1b")  # fmt: skip
-            out["loss"] = abs(loss.item() - ref_loss.item())
+            out["loss"] = gap(loss, ref_loss)
         else:  # eval mode, as one process's: no dropout (BERT's would differ)
             output, loss = _forward(model, encoder, device)
             loss.backward()
             if state.sequence is None:  # under SP a rank holds its own tokens' outputs: loss and gradients say it
-                out["output"] = _worst(output, ref_output)
-            out["loss"] = abs(loss.item() - ref_loss.item())
-        out["grads"], out["missing"] = 0.0, []
-        for entry in state.layout.unique_params():
-            grad, want = model.get_parameter(entry.name).grad, single.get_parameter(entry.name).grad
-            if grad is None:
-                if want is not None:
-                    out["missing"].append(entry.name)
-                continue
-            grad = grad.full_tensor() if hasattr(grad, "full_tensor") else grad  # FSDP's slices, whole
-            error = _worst(grad, entry.layout.extract(want, state.mesh.tp.rank))
-            out["grads"] = error if math.isnan(error) else max(out["grads"], error)
+                out["output"] = gap(output, ref_output)
+            out["loss"] = gap(loss, ref_loss)
+        out["grads"] = gaps(model, state, of_model(single), state.mesh.tp.rank)  # FSDP's: this rank's rows
         model.eval()
         model.zero_grad()
         if "generate" in runs:
@@ -83,7 +66,7 @@ def on_gpu(rank: int, world_size: int, cases: dict, save_root: str) -> dict:
         if "compile" in runs:
             compiled = torch.compile(model.forward, fullgraph=True)
             with torch.no_grad():
-                out["compiled"] = _worst(compiled(INPUT_IDS.to(device)).logits, ref_output)
+                out["compiled"] = gap(compiled(INPUT_IDS.to(device)).logits, ref_output)
         if "save" in runs:
             model.save_pretrained(os.path.join(save_root, name, "gathered"))
             model.save_pretrained(os.path.join(save_root, name, "distributed"), distributed=True)
@@ -104,7 +87,7 @@ def kept_fp8(rank: int, world_size: int, path: str, save_root: str, sizes: dict)
             logits[keep] = model(INPUT_IDS.to(hf_parallel.parallel_state(model).mesh.device)).logits
     model.save_pretrained(os.path.join(save_root, "gathered"))
     model.save_pretrained(os.path.join(save_root, "per_rank"), distributed=True)
-    return {"kept": _worst(logits[True], logits[False])}
+    return {"kept": gap(logits[True], logits[False])}
 
 
 def verified(rank: int, world_size: int, path: str, sizes: dict) -> dict:

@@ -8,12 +8,12 @@ source (gathered and per rank + consolidate), under NCCL's point-to-point rules 
 
 from __future__ import annotations
 
-import math
 import os
 
 import pytest
 import torch
 from checks import assert_same_checkpoint
+from compare import assert_within
 from distributed import run_ranks
 
 import hf_parallel
@@ -75,13 +75,13 @@ def test_on_a_gpu_like_one_process(gpu_results, case):
         where = f"{case} rank {rank}: {got}"
         assert got["device"].startswith("cuda") and got["wire"] == "cpu", where  # two ranks on one card: gloo
         assert not got["left_behind"], where
-        assert got["loss"] < 1e-5, where
-        assert "output" not in got or got["output"] < 1e-4, where
-        assert not math.isnan(got["grads"]) and got["grads"] < 1e-4 and not got["missing"], where
+        assert_within({"loss": got["loss"]}, atol=1e-5, rtol=0, where=where)
+        outputs = {k: got[k] for k in ("output", "compiled") if k in got}  # (none under SP and stages)
+        if outputs:
+            assert_within(outputs, atol=1e-4, rtol=0, where=where)
+        assert_within(got["grads"], atol=1e-4, rtol=0, where=f"{case} rank {rank} gradients")  # NaN, missing: fail
         if "generate" in runs:
             assert got["greedy"], where
-        if "compile" in runs:
-            assert got["compiled"] < 1e-4, where
     if "save" in runs:
         assert_same_checkpoint(paths[name], os.path.join(save_root, case, "gathered"))
         consolidated = os.path.join(save_root, case, "consolidated")
@@ -97,7 +97,8 @@ def test_fp8_kept_quantized_on_a_gpu(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_PARALLEL_DEVICE", "cuda:0")
     results = run_ranks(2, cuda_workers.kept_fp8, path, str(tmp_path / "saved"), dict(tp_size=2),
                         out_dir=str(tmp_path / "out"))  # fmt: skip
-    assert all(r["kept"] < 1e-4 for r in results), results
+    for rank, result in enumerate(results):
+        assert_within({"kept": result["kept"]}, atol=1e-4, rtol=0, where=f"FP8 kept, rank {rank}")
     assert_same_checkpoint(path, str(tmp_path / "saved" / "gathered"))
     hf_parallel.consolidate(str(tmp_path / "saved" / "per_rank"), str(tmp_path / "consolidated"), progress=False)
     assert_same_checkpoint(path, str(tmp_path / "consolidated"))
