@@ -37,9 +37,13 @@ def worker(args) -> None:
     else:
         tp = dict(tp_plan="auto") if args.impl == "transformers" else {}
         model = transformers.AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, **tp)
+        if not tp and torch.cuda.is_available():  # one process on the card the ranks share
+            model.to("cuda")
     vocab = model.config.vocab_size
     prompt = torch.randint(3, vocab, (1, args.prompt_len), generator=torch.Generator().manual_seed(0))
+    prompt = prompt.to(model.device)
     result = {"impl": args.impl, "mode": args.mode, "rank": rank, "threads": torch.get_num_threads()}
+    result["device"] = torch.cuda.get_device_name(model.device) if model.device.type == "cuda" else "cpu"
     options = dict(max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False)
     if args.mode == "compiled":
         options["cache_implementation"] = "static"
@@ -110,6 +114,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--modes", nargs="+", default=["eager", "compiled"], choices=["eager", "compiled"])
     parser.add_argument("--transformers-tp", action="store_true", help="also transformers' own TP (where it splits)")
     parser.add_argument("--out", default=os.path.join(HERE, "results"))
     parser.add_argument("--timeout", type=int, default=1800)
@@ -127,7 +132,7 @@ def main() -> None:
         rows: dict = {}
         for _ in range(args.rounds):  # rounds interleave the implementations: a noisy spell hits all of them
             for impl, nproc in runs:
-                for mode in ("eager", "compiled"):
+                for mode in args.modes:
                     rows.setdefault(f"{impl} {mode}", []).append(launch(impl, mode, nproc, path, args))
         report[name] = {key: summarize(results) for key, results in rows.items()}
         print(table(name, report[name], args.tp, args.dtype))
@@ -144,7 +149,8 @@ def summarize(results: list[dict]) -> dict:
 
 def table(name: str, rows: dict, tp: int, dtype: str) -> str:
     base = rows["single eager"]
-    lines = [f"\n## {name}: decode, {dtype}, TP={tp}\n", "| run | ms/token | tokens/s | x one process eager |"
+    where = base.get("device", "cpu")
+    lines = [f"\n## {name}: decode, {dtype}, TP={tp}, on {where}\n", "| run | ms/token | tokens/s | x one process eager |"
              " x one process compiled | tokens as one process eager |", "|---|---|---|---|---|---|"]  # fmt: skip
     for key, row in rows.items():
         if "error" in row:
