@@ -45,6 +45,7 @@ def from_pretrained(
     micro_batches: int | None = None,
     fsdp_size: int = 1,
     dp_replicate_size: int = 1,
+    cp_size: int = 1,
     distributed_config=None,
     device_map=None,
     allow_pickle: bool = False,
@@ -54,14 +55,16 @@ def from_pretrained(
     """``tp_plan=None`` (or ``{}``): no tensor parallelism, every rank holds the whole model.
     ``ep_plan="auto"``: experts spread whole over the ranks (attention and dense layers still
     follow ``tp_plan``; ``tp_plan=None`` keeps them replicated). ``sp_size``: split every sequence
-    over that many ranks (Ulysses), TP groups inside SP groups; the world is tp x sp.
+    over that many ranks (Ulysses), TP groups inside SP groups; the world is tp x sp. ``cp_size``: that many
+    SP groups in a ring (context parallelism, past the head count): each group holds two zigzag chunks of
+    the sequence, and key/value blocks travel around the ring (accelerate's name).
     ``pp_size``: that many pipeline stages of contiguous layers, each at ``tp_size`` (and ``sp_size``); or
     ``stage_tp_sizes=[2, 1]``: one stage per entry with its own TP size (the world is their sum).
     ``stage_layers``: layers per stage (default: balanced by parameters, embeddings and head
     included); ``micro_batches``: rows of a batch per forward are cut into this many (default one per stage).
     ``fsdp_size``: data-parallel replicas whose parameters, gradients and optimizer state FSDP2
     shards between them; ``dp_replicate_size``: copies of those (HSDP). Both outermost: the world is
-    dp_replicate x fsdp x pp x sp x tp. ``distributed_config``: transformers' ``DistributedConfig``
+    dp_replicate x fsdp x pp x cp x sp x tp. ``distributed_config``: transformers' ``DistributedConfig``
     instead of the sizes (what it asks that hf_parallel cannot do is refused).
     ``allow_pickle``: accept a ``pytorch_model.bin`` checkpoint (loaded with ``weights_only=True``).
     ``keep_quantized``: a quantized checkpoint's weights stay quantized on each rank, dequantized module by
@@ -71,7 +74,7 @@ def from_pretrained(
     and none rewriting an earlier one's (long for its keywords; the body is one line a step)."""
     config = _read_config(path, device_map, config_kwargs)
     sizes = dict(tp_size=tp_size, sp_size=sp_size, pp_size=pp_size, stage_tp_sizes=stage_tp_sizes,
-                 fsdp_size=fsdp_size, dp_replicate_size=dp_replicate_size)  # fmt: skip
+                 fsdp_size=fsdp_size, dp_replicate_size=dp_replicate_size, cp_size=cp_size)  # fmt: skip
     if distributed_config is not None:
         sizes, tp_plan, ep_plan = from_distributed_config(distributed_config, sizes, tp_plan, ep_plan)
     mesh = get_mesh(**sizes)  # every process group, created once
@@ -89,7 +92,7 @@ def from_pretrained(
     # 3. tensor (and expert) parallelism: each module's collectives; gradient sums recorded
     gradients = GradientSums()
     hooks = install(model, built.layout, gradients, cut.kept_for_tied_weights if cut is not None else frozenset())
-    # 4. the sequence split (Ulysses)
+    # 4. the sequence split (Ulysses, and the ring of context parallelism)
     sequence = install_sequence(model, mesh, built.split, gradients) if mesh.sp.size > 1 else None
     # 5. the pipeline stage: receive, send, stop
     stage = install_stage(model, built.split, cut, built.layout, mesh, micro_batches) if cut is not None else None
@@ -144,7 +147,7 @@ def _read_config(path: str, device_map, config_kwargs: dict):
             f"from_pretrained() got keyword argument(s) that hf_parallel does not take and {type(config).__name__} "
             f"does not define: {', '.join(sorted(unknown))}. hf_parallel takes tp_plan, ep_plan, dtype, tp_size, "
             "sp_size, pp_size, stage_tp_sizes, stage_layers, micro_batches, fsdp_size, dp_replicate_size, "
-            "distributed_config, device_map, allow_pickle and keep_quantized; any other keyword must be a config "
+            "cp_size, distributed_config, device_map, allow_pickle and keep_quantized; any other keyword must be a config "
             "attribute (it overrides the checkpoint's)"
         )
     return config

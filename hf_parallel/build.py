@@ -122,7 +122,7 @@ def build_rank_model(
         check_encoder_decoder(config, mesh)
     model = build_empty(auto_class, config, dtype)
     if mesh.sp.size > 1:
-        check_sequence_parallel(model, mesh.sp.size)
+        check_sequence_parallel(model, mesh.shape.ulysses, mesh.shape.cp)
     check_mixers_under_fsdp(model, mesh.tp.size, mesh.shape.dp_shard)
     if mesh.shape.dp > 1:
         layers_to_shard(model, mesh)  # FSDP wraps them one by one: a model without them is refused here

@@ -16,12 +16,23 @@ import torch
 
 @dataclass(frozen=True)
 class SequenceCall:
-    """The token split of this call's sequences over the sequence-parallel group."""
+    """The token split of this call's sequences over the sequence group (Ulysses, and the ring of CP)."""
 
-    split: object  # the model's SequenceSplit (sequence/shard.py): its group, and the attention it wraps
-    sizes: tuple[int, ...]  # tokens per SP rank (sequence/tokens.py)
-    tokens: int  # the batch's sequence length (below sum(sizes) only when padded to one token per rank)
+    split: object  # the model's SequenceSplit (sequence/shard.py): its groups, and the attention it wraps
+    layout: object  # the sequence/tokens.py TokenLayout: tokens per rank, the zigzag order under CP
     keep_split: bool  # a loss follows: logits stay split (else the final hidden states are gathered)
+    order: torch.Tensor | None = None  # layout.order on the device (None: the sequence in its own order)
+    inverse: torch.Tensor | None = None  # the order's inverse: gathered tokens put back
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        """Tokens per rank of the sequence group (sequence/tokens.py)."""
+        return self.layout.sizes
+
+    @property
+    def tokens(self) -> int:
+        """The batch's sequence length (below sum(sizes) when padded)."""
+        return self.layout.tokens
 
 
 @dataclass

@@ -39,24 +39,47 @@ def sequence_batches(vocab: int) -> dict:
     }
 
 
-def compare_sp(rank: int, world_size: int, cases: dict, tp_size: int, sp_size: int, save_root: str) -> dict:
+def held_positions(seq: int, sp: int, cp: int, index: int) -> list[int]:
+    """The positions of a ``seq``-token sequence that rank ``index`` of a cp x sp sequence group holds,
+    worked out here from the rule (not from hf_parallel's layout): Ulysses alone, runs of seq // sp with
+    the first seq % sp ranks one more (padded to one per rank); under CP, 2 cp equal chunks of the
+    sequence padded to hold at least one token per rank, group g holding chunks g and 2 cp - 1 - g,
+    split over its sp ranks the same way. Positions past the sequence are padding."""
+    length, group, u = max(seq, sp), 0, index
+    positions = list(range(length))
+    if cp > 1:
+        chunk = -(-max(seq, cp * sp) // (2 * cp))
+        group, u = divmod(index, sp)
+        positions = [p for i in (group, 2 * cp - 1 - group) for p in range(i * chunk, (i + 1) * chunk)]
+    sizes = [len(positions) // sp + (r < len(positions) % sp) for r in range(sp)]
+    start = sum(sizes[:u])
+    return positions[start : start + sizes[u]]
+
+
+def compare_sp(
+    rank: int, world_size: int, cases: dict, tp_size: int, sp_size: int, save_root: str, cp_size: int = 1,
+    batches=None,
+) -> dict:  # fmt: skip
     """For each checkpoint: every batch's loss, this rank's logits and every parameter's gradient
-    under tp x sp against one process, the whole logits of an inference forward (no labels), greedy
-    generate, a save, and the weights after one SGD step."""
+    under tp x sp (x cp) against one process, the whole logits of an inference forward (no labels), greedy
+    generate, a save, and the weights after one SGD step. ``batches``: the names of the batches to run."""
     import transformers
 
     import hf_parallel
     from hf_parallel.distributed.mesh import get_mesh
 
     results = {}
-    sp_rank = get_mesh(tp_size, sp_size=sp_size).sp.rank
+    sp_rank = get_mesh(tp_size, sp_size=sp_size, cp_size=cp_size).sp.rank
     for name, path in cases.items():
         single = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         model = hf_parallel.AutoModelForCausalLM.from_pretrained(
-            path, tp_plan="auto" if tp_size > 1 else None, tp_size=tp_size, sp_size=sp_size, dtype=torch.float32
-        )
+            path, tp_plan="auto" if tp_size > 1 else None, tp_size=tp_size, sp_size=sp_size, cp_size=cp_size,
+            dtype=torch.float32,
+        )  # fmt: skip
         state = hf_parallel.parallel_state(model)
         for batch_name, batch in sequence_batches(single.config.vocab_size).items():
+            if batches is not None and batch_name not in batches:
+                continue
             single.zero_grad()
             model.zero_grad()
             want = single(**batch)
@@ -64,11 +87,11 @@ def compare_sp(rank: int, world_size: int, cases: dict, tp_size: int, sp_size: i
             got = model(**batch)
             got.loss.backward()
             seq = batch["input_ids"].shape[1]
-            sizes = [seq // sp_size + (r < seq % sp_size) for r in range(sp_size)]
-            start = sum(sizes[:sp_rank])
+            held = torch.tensor(held_positions(seq, sp_size, cp_size, sp_rank))
             real = batch.get("attention_mask", torch.ones_like(batch["input_ids"])).bool().unsqueeze(-1)
-            local_logits = want.logits[:, start : start + sizes[sp_rank]]  # padding tokens are compared nowhere
-            local_real = real[:, start : start + sizes[sp_rank]]
+            extra = (0, 0, 0, max(0, int(held.max()) + 1 - seq))  # padding tokens are compared nowhere
+            local_logits = torch.nn.functional.pad(want.logits, extra)[:, held]
+            local_real = torch.nn.functional.pad(real, extra)[:, held]
             with torch.no_grad():
                 whole = model(**{k: v for k, v in batch.items() if k != "labels"}).logits
             results[f"{name}/{batch_name}"] = {

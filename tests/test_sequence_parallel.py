@@ -58,6 +58,47 @@ def test_sequence_parallel_matches_one_process(sp_results, sp_paths, tp, sp):
         assert_same_checkpoint(sp_paths[name], os.path.join(saved, name))
 
 
+# context parallelism: (tp, sp, cp) -> the models it runs. Each code path once: the ring alone at 2 (every
+# model: softcap, sliding windows, MoE, qk-norm) and 4 (block skipping by window and causality over more
+# steps), Ulysses inside the ring, TP inside it, and eight ranks past gemma2's four query heads.
+CP_SHAPES = {
+    (1, 1, 2): SP_MODELS,
+    (1, 1, 4): ["llama", "gemma2"],
+    (1, 2, 2): ["llama", "mistral"],
+    (2, 1, 2): ["llama", "qwen2_moe"],
+    (1, 4, 2): ["gemma2"],
+}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("tp, sp, cp", list(CP_SHAPES))
+def test_context_parallelism_matches_one_process(sp_paths, tmp_path, tp, sp, cp):
+    """Ring attention over cp Ulysses groups, the sequence in zigzag order: every batch (uneven length,
+    left and right padding, packed documents, 3 tokens over up to 8 ranks) gives one process's loss,
+    this rank's logits (at the positions the zigzag rule gives it, worked out in the test), whole logits,
+    every gradient, greedy tokens, the weights after a step, and a bitwise save."""
+    cases = {name: sp_paths[name] for name in CP_SHAPES[(tp, sp, cp)]}
+    ranks = run_ranks(
+        tp * sp * cp, sequence_workers.compare_sp, cases, tp, sp, str(tmp_path / "saved"), cp, out_dir=str(tmp_path)
+    )
+    for rank, results in enumerate(ranks):
+        for case, r in results.items():
+            where = f"rank {rank} {case} at tp={tp} sp={sp} cp={cp}"
+            if case.endswith("/step"):
+                assert_within(r, atol=TOL, rtol=TOL, where=f"{where}: weights after one SGD step")
+            elif case.endswith("/generate"):
+                assert r is True, f"{where}: generated tokens differ from one process"
+            else:
+                # a few float32 ulps of the loss: the merge sums the softmax in another order than one kernel
+                assert_within({"loss": r["loss"]}, atol=0, rtol=2e-6, where=where)
+                assert_within({k: r[k] for k in ("logits", "whole_logits")}, atol=TOL, rtol=TOL, where=where)
+                assert_within(r["grads"], atol=TOL, rtol=TOL, where=f"{where} gradients")
+    held = [results[f"{next(iter(cases))}/len37"]["local_tokens"] for results in ranks]
+    assert len(set(held)) == 1, f"zigzag: every rank holds as many tokens ({held})"
+    for name, path in cases.items():
+        assert_same_checkpoint(path, str(tmp_path / "saved" / name))
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize("tp, sp", [(1, 2), (2, 2)])
 def test_activation_checkpointing_recomputes_under_the_forwards_split(sp_paths, tmp_path, tp, sp):
@@ -77,6 +118,7 @@ def test_activation_checkpointing_recomputes_under_the_forwards_split(sp_paths, 
         ("llama", dict(sp_size=2), 3, "world size 3 is not a multiple of pp_size x sp_size = 1 x 2"),
         ("llama", dict(sp_size=2, attn_implementation="flex_attention"), 2, "serves attn_implementation sdpa or eager"),
         ("bloom", dict(sp_size=2), 2, "computes attention itself instead of through transformers' attention registry"),
+        ("llama", dict(sp_size=2, cp_size=2), 2, "world size 2 is not a multiple of pp_size x cp_size x sp_size = 1 x 2 x 2"),
     ],
 )
 @pytest.mark.distributed
@@ -84,6 +126,13 @@ def test_what_sequence_parallelism_cannot_serve_is_refused(tiny_paths, tmp_path,
     paths = [tiny_paths[arch]] * world_size
     for out in run_ranks(world_size, tp_workers.load_expecting_error, paths, kwargs, out_dir=str(tmp_path)):
         assert out["type"] == "ValueError" and complaint in out["message"], out
+
+
+@pytest.mark.distributed
+def test_context_parallelism_refuses_attention_that_is_not_causal(tiny_root, tmp_path):
+    path = make_checkpoint("bert", tiny_root)  # an encoder: every token attends to every other
+    for out in run_ranks(2, tp_workers.load_expecting_error, [path] * 2, dict(cp_size=2), out_dir=str(tmp_path)):
+        assert out["type"] == "ValueError" and "is not causal attention (is_causal=False" in out["message"], out
 
 
 @pytest.mark.distributed

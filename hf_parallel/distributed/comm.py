@@ -388,3 +388,16 @@ def broadcast_now(x: torch.Tensor, group) -> torch.Tensor:
 def _described(header: torch.Tensor) -> str:
     dtype, ndim, *shape = header.tolist()
     return f"{DTYPES[dtype]} of shape {tuple(shape[:ndim])}"
+
+
+def shift(x: torch.Tensor, group, step: int) -> torch.Tensor:
+    """Rank r's ``x`` arrives at rank r + step of the group (around the ring): one all-to-all in which
+    each rank sends to one rank and receives from one, so it keeps NCCL's ordering on any backend."""
+    world = _world(group)
+    if world == 1:
+        return x
+    rank = dist.get_rank(group)
+    to, source = (rank + step) % world, (rank - step) % world
+    pieces = [x if r == to else x.new_empty(0) for r in range(world)]
+    shapes = [tuple(x.shape) if r == source else (0,) for r in range(world)]
+    return exchange(pieces, shapes, group)[source]

@@ -1,6 +1,6 @@
 """One mesh for every dimension: the process groups of pipeline stages, sequence and tensor parallelism.
 
-The mesh's shape (``shape.py``: ``dp_replicate x dp_shard x pp x sp x tp``, a TP size per stage)
+The mesh's shape (``shape.py``: ``dp_replicate x dp_shard x pp x cp x sp x tp``, a TP size per stage)
 says which ranks each group holds; this module creates the groups. Expert parallelism spreads
 experts over the ranks of the TP group, so ``ep`` is that group. ``model`` is one model replica's
 ranks; ``fsdp`` and ``dp_replicate`` are what FSDP2 shards and replicates over (``device_mesh``).
@@ -29,9 +29,9 @@ from .faults import collective, timeout_seconds
 from .shape import MeshShape, asked
 from .shm import attach, attach_pipes, channel_for
 
-DIMS = ("pp", "tp", "sp", "model", "dp", "dp_shard", "dp_replicate", "fsdp")  # the order groups are created in
+DIMS = ("pp", "tp", "sp", "model", "dp", "dp_shard", "dp_replicate", "fsdp", "ulysses", "cp")  # creation order
 FSDP_DIMS = ("dp_replicate", "fsdp")  # HSDP's two mesh dimensions: created even with one rank
-SHM_DIMS = ("tp", "sp", "model")  # groups that carry activations or logits: a shared-memory channel on one host
+SHM_DIMS = ("tp", "sp", "model", "ulysses")  # groups that carry activations or logits: a shared-memory channel on one host
 
 
 @dataclass(frozen=True)
@@ -80,7 +80,9 @@ class Mesh:
         return self.dims[name]
 
     tp = property(lambda self: self["tp"])
-    sp = property(lambda self: self["sp"])
+    sp = property(lambda self: self["sp"])  # the whole sequence group (cp x Ulysses ranks)
+    ulysses = property(lambda self: self["ulysses"])  # adjacent ranks trading tokens for heads
+    cp = property(lambda self: self["cp"])  # the ring: the ranks at one Ulysses index of every Ulysses group
     pp = property(lambda self: self["pp"])
     ep = property(lambda self: self["ep"])
     dp = property(lambda self: self["dp"])
@@ -240,6 +242,7 @@ def get_mesh(
     stage_tp_sizes=None,
     fsdp_size: int = 1,
     dp_replicate_size: int = 1,
+    cp_size: int = 1,
     timeout: datetime.timedelta | None = None,
 ) -> Mesh:
     """The mesh of this shape over torchrun's ranks, joining (or creating) the default process
@@ -248,7 +251,7 @@ def get_mesh(
     groups are created on the first call. One process (no torchrun) computes on the accelerator too,
     when there is one (``HF_PARALLEL_DEVICE=cpu`` keeps it on the host)."""
     sizes = dict(tp_size=tp_size, sp_size=sp_size, pp_size=pp_size, stage_tp_sizes=stage_tp_sizes,
-                 fsdp_size=fsdp_size, dp_replicate_size=dp_replicate_size)  # fmt: skip
+                 fsdp_size=fsdp_size, dp_replicate_size=dp_replicate_size, cp_size=cp_size)  # fmt: skip
     if not dist.is_initialized():
         if int(os.environ.get("WORLD_SIZE", "1")) == 1:
             if MeshShape.requested(**sizes).world_size != 1:  # malformed sizes: the same errors as under torchrun

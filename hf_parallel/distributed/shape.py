@@ -1,9 +1,11 @@
 """The shape of a mesh: its sizes, which global ranks each group holds, and its text. Pure data
 (no torch, no processes), so the CLI, the dry run and the mesh itself share one owner of these facts.
 
-The world is ``dp_replicate x dp_shard x pp x sp x tp``. One *model replica* (``pp x sp x tp``)
+The world is ``dp_replicate x dp_shard x pp x cp x sp x tp``. One *model replica* (``pp x cp x sp x tp``)
 is a contiguous run of ranks: the ranks of one TP group are adjacent, TP groups sit inside SP
-groups, and each pipeline stage is a contiguous run of the replica's ranks. With a TP size per
+groups (Ulysses, adjacent ranks), SP groups inside the ring of context parallelism (``cp``). The
+*sequence group* (``sp`` below, the mesh's ``sp`` dimension) is all ``cp x sp`` ranks a sequence is
+split over; ``ulysses`` and ``cp`` are its two parts, and each pipeline stage is a contiguous run of the replica's ranks. With a TP size per
 stage (``stage_tp_sizes``: variable tensor parallelism) stage i holds ``sp * stage_tp_sizes[i]``
 ranks and the replica is their sum. The data-parallel dimensions are outermost (slowest links):
 ``dp_shard`` replicas are FSDP's shard group, ``dp_replicate`` copies of those are HSDP's
@@ -20,23 +22,24 @@ class MeshShape:
     """The sizes of a mesh and which global ranks each of its groups holds (no processes needed)."""
 
     stage_tp_sizes: tuple[int, ...]
-    sp: int = 1
+    sp: int = 1  # the sequence group: cp x Ulysses ranks
     dp_shard: int = 1  # FSDP: replicas whose parameters, gradients and optimizer state are sharded between them
     dp_replicate: int = 1  # HSDP: copies of the FSDP group, gradients all-reduced between them
+    cp: int = 1  # context parallelism: groups of sp / cp adjacent Ulysses ranks, in a ring
 
     @classmethod
     def of(
         cls, world_size: int | None, tp_size=None, sp_size=1, pp_size=1, stage_tp_sizes=None, fsdp_size=1,
-        dp_replicate_size=1,
+        dp_replicate_size=1, cp_size=1,
     ) -> MeshShape:  # fmt: skip
         """The shape the user asked for, checked against ``world_size``; ``tp_size=None`` takes
         whatever the other dimensions leave of the world (``world_size=None``: no world to fill,
         ``tp_size=None`` counts as 1)."""
         sizes = dict(tp_size=tp_size, sp_size=sp_size, pp_size=pp_size, stage_tp_sizes=stage_tp_sizes,
-                     fsdp_size=fsdp_size, dp_replicate_size=dp_replicate_size)  # fmt: skip
+                     fsdp_size=fsdp_size, dp_replicate_size=dp_replicate_size, cp_size=cp_size)  # fmt: skip
         for name, value in (
             ("tp_size", tp_size), ("sp_size", sp_size), ("pp_size", pp_size), ("fsdp_size", fsdp_size),
-            ("dp_replicate_size", dp_replicate_size),
+            ("dp_replicate_size", dp_replicate_size), ("cp_size", cp_size),
         ):  # fmt: skip
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name}={value!r}: every mesh dimension needs a whole number of ranks, at least 1")
@@ -53,22 +56,26 @@ class MeshShape:
             if tp_size is None and world_size is None:
                 tp_size = 1
             elif tp_size is None:
-                others = dp_replicate_size * fsdp_size * pp_size * sp_size
+                others = dp_replicate_size * fsdp_size * pp_size * sp_size * cp_size
                 if world_size % others:
                     names, values = "pp_size x sp_size", f"{pp_size} x {sp_size}"
+                    if cp_size > 1:
+                        names, values = "pp_size x cp_size x sp_size", f"{pp_size} x {cp_size} x {sp_size}"
                     if dp_replicate_size * fsdp_size > 1:
                         names = f"dp_replicate_size x fsdp_size x {names}"
                         values = f"{dp_replicate_size} x {fsdp_size} x {values}"
                     raise ValueError(f"world size {world_size} is not a multiple of {names} = {values}")
                 tp_size = world_size // others
             stages = (tp_size,) * pp_size
-        shape = cls(stages, sp_size, fsdp_size, dp_replicate_size)
+        shape = cls(stages, sp_size * cp_size, fsdp_size, dp_replicate_size, cp_size)
         if world_size is not None and shape.world_size != world_size:
             names, values = (
                 ("sp_size x sum(stage_tp_sizes)", f"{sp_size} x {sum(stages)}")
                 if stage_tp_sizes is not None
                 else ("pp_size x sp_size x tp_size", f"{pp_size} x {sp_size} x {stages[0]}")
             )
+            if cp_size > 1:
+                names, values = f"cp_size x {names}", f"{cp_size} x {values}"
             if shape.dp > 1:
                 names, values = (
                     f"dp_replicate_size x fsdp_size x {names}",
@@ -85,6 +92,11 @@ class MeshShape:
     def requested(cls, **sizes) -> MeshShape:
         """The shape these sizes ask for, before any process exists (``tp_size=None`` counts as 1)."""
         return cls.of(None, **sizes)
+
+    @property
+    def ulysses(self) -> int:
+        """Ranks of one Ulysses group (``sp_size``): adjacent ranks of the sequence group."""
+        return self.sp // self.cp
 
     @property
     def replica_size(self) -> int:
@@ -108,7 +120,8 @@ class MeshShape:
         """``tp=2 x sp=2``, or ``pp=2 (tp per stage [2, 1])``: the layout, as every message names it."""
         stages = self.stage_tp_sizes
         text = f"tp={stages[0]}" if len(stages) == 1 else f"pp={len(stages)} (tp per stage {list(stages)})"
-        text += f" x sp={self.sp}" if self.sp > 1 else ""
+        text += f" x sp={self.ulysses}" if self.ulysses > 1 else ""
+        text += f" x cp={self.cp}" if self.cp > 1 else ""
         text += f" x fsdp={self.dp_shard}" if self.dp_shard > 1 else ""
         return text + (f" x dp_replicate={self.dp_replicate}" if self.dp_replicate > 1 else "")
 
@@ -153,7 +166,9 @@ class MeshShape:
         has (tp index below the smallest stage's TP size), and a rank past them pipes through no group.
         ``model``: one replica's ranks; ``dp``: the ranks at one place of every replica, ``dp_shard``
         and ``dp_replicate`` its two parts; ``fsdp``: what FSDP shards over, the ``dp_shard`` replicas
-        times the sequence group (SP folded in, as torchtitan folds its context dimension)."""
+        times the sequence group (SP folded in, as torchtitan folds its context dimension). ``ulysses``
+        and ``cp``: the sequence group's two parts (adjacent ranks; the ranks at one Ulysses index
+        of every Ulysses group, the ring)."""
         stages, replicas = range(len(self.stage_tp_sizes)), range(self.dp)
         places = [(st, s, t) for st in stages for s in range(self.sp) for t in range(self.stage_tp_sizes[st])]
         if dim == "world":
@@ -173,6 +188,17 @@ class MeshShape:
                 for r in replicas
                 for st in stages
                 for t in range(self.stage_tp_sizes[st])
+            ]
+        if dim in ("ulysses", "cp"):
+            u, cp = self.ulysses, self.cp
+            inner, outer = (range(u), range(cp)) if dim == "ulysses" else (range(cp), range(u))
+            index = (lambda a, b: b * u + a) if dim == "ulysses" else (lambda a, b: a * u + b)
+            return [
+                tuple(self.global_rank(st, index(a, b), t, r) for a in inner)
+                for r in replicas
+                for st in stages
+                for t in range(self.stage_tp_sizes[st])
+                for b in outer
             ]
         if dim == "pp":
             return [
@@ -204,8 +230,8 @@ class MeshShape:
                 for t in range(self.stage_tp_sizes[st])
             ]  # fmt: skip
         raise ValueError(
-            f"unknown mesh dimension {dim!r}; the mesh has world, model, pp, tp, sp, dp, dp_shard, dp_replicate, "
-            "fsdp and ep"
+            f"unknown mesh dimension {dim!r}; the mesh has world, model, pp, tp, sp, ulysses, cp, dp, dp_shard, "
+            "dp_replicate, fsdp and ep"
         )
 
 

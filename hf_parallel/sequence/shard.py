@@ -5,7 +5,8 @@ positions (RoPE tables for every position) and the attention masks are built for
 sequence, so global positions, padding, packed samples and sliding windows are the model's own.
 From the first decoder layer on, each rank holds its run of tokens (``tokens.py``), and each layer
 is handed its tokens' slice of the position tables; attention sees every token through
-``ulysses.py``. Only a sequence shorter than sp is padded (to one token per rank): the padding comes
+``ulysses.py`` (and, with a ring of Ulysses groups, ``ring.py``: context parallelism, where the
+sequence is first put in its zigzag order and every per-token tensor follows it). Only a sequence shorter than sp is padded (to one token per rank): the padding comes
 last, is masked out of attention, and is dropped from gathered outputs and from the loss.
 
 With ``labels`` the logits stay split: labels are shifted on the whole sequence first (no label is
@@ -24,7 +25,7 @@ What changes per call (the token split, whether a loss follows) is the call's ``
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -41,7 +42,7 @@ from ..layers import repeated_layers
 from ..tensor import attention
 from ..tensor.gradients import GradientSums
 from ..tensor.mixers import recurrent_mixers
-from .tokens import token_range, token_sizes
+from .tokens import TokenLayout, token_layout, token_range
 
 SERVED_IMPLEMENTATIONS = ("sdpa", "eager")
 POSITION_KWARGS = {"position_embeddings": -2, "position_ids": -1, "cache_position": 0}  # name -> its sequence dim
@@ -49,48 +50,92 @@ POSITION_KWARGS = {"position_embeddings": -2, "position_ids": -1, "cache_positio
 
 @dataclass(frozen=True)
 class SequenceSplit:
-    """A model's sequence-parallel group: every sequence of a call is split over it."""
+    """A model's sequence group (``cp`` Ulysses groups in a ring): every sequence of a call is split over it."""
 
     group: object
     rank: int
     size: int
     inner: str  # the attention implementation the model was configured with (wrapped by Ulysses)
     device: torch.device  # where the group's collectives receive
+    ulysses: object = None  # the mesh's Dim of adjacent ranks trading tokens for heads (None: the whole group)
+    cp: object = None  # the mesh's Dim of the ring (None: no ring)
+    _orders: dict = field(default_factory=dict, compare=False)  # tokens -> (order, inverse) on the device
+
+    @property
+    def rings(self) -> int:
+        return self.cp.size if self.cp is not None else 1
+
+    def layout(self, tokens: int) -> TokenLayout:
+        return token_layout(tokens, self.size // self.rings, self.rings)
 
     def call(self, tokens: int, keep_split: bool) -> SequenceCall:
-        return SequenceCall(self, token_sizes(tokens, self.size), tokens, keep_split)
+        layout = self.layout(tokens)
+        if layout.order is None:
+            return SequenceCall(self, layout, keep_split)
+        if tokens not in self._orders:  # made once per length, not per call
+            order = torch.tensor(layout.order, device=self.device)
+            self._orders[tokens] = order, torch.argsort(order)
+        order, inverse = self._orders[tokens]
+        return SequenceCall(self, layout, keep_split, order, inverse)
 
 
-def check_sequence_parallel(model: nn.Module, sp: int) -> None:
-    """What sequence parallelism cannot serve, refused before any weight is read."""
+def own_tokens(x: torch.Tensor, dim: int, sequence: SequenceCall, value=0, edge: bool = False) -> torch.Tensor:
+    """This rank's tokens of a whole-sequence tensor: padded at its end (with ``value``, or its last
+    entry), put in the ranks' order, and this rank's run of that."""
+    x = pad_sequence(x, dim, sequence.layout.length, value=value, edge=edge)
+    if sequence.order is not None:
+        x = x.index_select(dim, sequence.order.to(x.device))
+    start, stop = token_range(sequence.sizes, sequence.split.rank)
+    return x.narrow(dim, start, stop - start)
+
+
+def whole_tokens(x: torch.Tensor, dim: int, sequence: SequenceCall, gather=comm.gather_to_use) -> torch.Tensor:
+    """Every rank's tokens along ``dim`` (``gather``: with or without a backward), in the sequence's
+    own order, padding dropped."""
+    whole = gather(x, dim, sequence.sizes, sequence.split.group)
+    if sequence.inverse is not None:
+        whole = whole.index_select(dim, sequence.inverse.to(whole.device))
+    return whole.narrow(dim, 0, sequence.tokens)
+
+
+def check_sequence_parallel(model: nn.Module, sp: int, cp: int = 1) -> None:
+    """What sequence (``sp``: Ulysses) and context (``cp``: ring) parallelism cannot serve, refused
+    before any weight is read."""
+    asked = ", ".join(f"{name}={size}" for name, size in (("sp_size", sp), ("cp_size", cp)) if size > 1)
     implementation = attention_implementation(model.config)
     if implementation not in SERVED_IMPLEMENTATIONS:
         raise ValueError(
-            f"sp_size={sp}: the Ulysses wrapper serves attn_implementation {' or '.join(SERVED_IMPLEMENTATIONS)}, "
+            f"{asked}: the Ulysses wrapper serves attn_implementation {' or '.join(SERVED_IMPLEMENTATIONS)}, "
             f"not {implementation!r}; load with attn_implementation='sdpa'"
         )
     if not repeated_layers(model) or model.get_output_embeddings() is None:
-        raise ValueError(f"sp_size={sp}: {type(model).__name__} has no repeated decoder layers and LM head to split")
+        raise ValueError(f"{asked}: {type(model).__name__} has no repeated decoder layers and LM head to split")
     mixers = recurrent_mixers(model)
     if mixers:
         path, module = mixers[0]
         raise ValueError(
-            f"sp_size={sp}: {path} ({type(module).__name__}, and {len(mixers) - 1} more like it) carries a state along "
+            f"{asked}: {path} ({type(module).__name__}, and {len(mixers) - 1} more like it) carries a state along "
             "the sequence (a causal convolution and a recurrence): each token needs the state of the tokens before it, "
             "so splitting the sequence needs a state handed from rank to rank, which hf_parallel does not implement; "
             "split this model by tensor parallelism (tp_size) instead"
         )
     for path, module in attention.outermost(model):
+        if cp > 1 and any(getattr(inner, "is_causal", True) is False for inner in module.modules()):
+            raise ValueError(
+                f"{asked}: {path} ({type(module).__name__}) is not causal attention (is_causal=False: an encoder, "
+                "or bidirectional attention); ring attention skips the key blocks after the queries, which such "
+                "attention reads; use sp_size alone"
+            )
         if not computes_through_registry(module):
             raise ValueError(
-                f"sp_size={sp}: {path} ({type(module).__name__}) computes attention itself instead of through "
+                f"{asked}: {path} ({type(module).__name__}) computes attention itself instead of through "
                 "transformers' attention registry, so the Ulysses all-to-all cannot wrap it"
             )
         heads = [n for n, p in module.named_parameters() if p.dim() == 1 and "norm" not in n and "bias" not in n]
         per_head = [n for n, m in module.named_modules() if isinstance(m, nn.ModuleList)]
         if heads or per_head:
             raise ValueError(
-                f"sp_size={sp}: {path} ({type(module).__name__}) holds per-head {', '.join(heads + per_head)}, "
+                f"{asked}: {path} ({type(module).__name__}) holds per-head {', '.join(heads + per_head)}, "
                 "which the attention would index by the heads of another split; sequence parallelism cannot split it"
             )
 
@@ -112,9 +157,10 @@ def install_sequence(model: nn.Module, mesh, stages, gradients: GradientSums) ->
 
     layers = decoder_layers(model, stages.layer_list if stages is not None else None)
 
+    rings = mesh.shape.cp
     split = SequenceSplit(
         mesh.sp.group, mesh.sp.rank, mesh.sp.size, attention_implementation(model.config),
-        mesh.device,
+        mesh.device, mesh.ulysses if rings > 1 else mesh.sp, mesh.cp if rings > 1 else None,
     )  # fmt: skip
     use_attention([module for _, module in attention.outermost(model)], NAME)  # model.config (and the save) keep theirs
 
@@ -123,8 +169,7 @@ def install_sequence(model: nn.Module, mesh, stages, gradients: GradientSums) ->
             return type(value)(local(item, dim, sequence) for item in value)
         if not isinstance(value, torch.Tensor) or value.dim() == 0:
             return value
-        start, stop = token_range(sequence.sizes, split.rank)
-        return pad_sequence(value, dim, sum(sequence.sizes), edge=True).narrow(dim, start, stop - start)
+        return own_tokens(value, dim, sequence, edge=True)
 
     def enter_layer(module, args, kwargs):
         wrap_checkpointing(module, keeping_the_call)  # its recompute reads the call too (Ulysses attention)
@@ -132,7 +177,9 @@ def install_sequence(model: nn.Module, mesh, stages, gradients: GradientSums) ->
         kwargs = {k: local(v, POSITION_KWARGS[k], sequence) if k in POSITION_KWARGS else v for k, v in kwargs.items()}
         if module is layers[0]:  # the sequence splits here
             hidden, *rest = args if args else (kwargs.pop("hidden_states"),)
-            hidden = pad_sequence(hidden, 1, sum(sequence.sizes))
+            hidden = pad_sequence(hidden, 1, sequence.layout.length)
+            if sequence.order is not None:  # the zigzag order (its backward puts the gradient back)
+                hidden = hidden.index_select(1, sequence.order)
             args = (comm.scatter_to(hidden, 1, sequence.sizes, split.group, grad_scale=1 / split.size), *rest)
         return args, kwargs
 
@@ -143,8 +190,7 @@ def install_sequence(model: nn.Module, mesh, stages, gradients: GradientSums) ->
         sequence = current_call().sequence
         if sequence.keep_split:
             return output
-        whole = comm.gather_to_use(output.last_hidden_state, 1, sequence.sizes, split.group)
-        output.last_hidden_state = whole[:, : sequence.tokens]
+        output.last_hidden_state = whole_tokens(output.last_hidden_state, 1, sequence)
         return output
 
     model.base_model.register_forward_hook(gather_final)
@@ -177,9 +223,7 @@ def shifted_labels(labels, sequence: SequenceCall, ignore_index=-100, shift: boo
     that already), and this rank's run of them: shifted on the whole sequence, so no label is lost at a
     boundary between ranks; padding tokens carry none."""
     shifted = nn.functional.pad(labels, (0, 1), value=ignore_index)[:, 1:] if shift else labels
-    shifted = pad_sequence(shifted, 1, sum(sequence.sizes), value=ignore_index)
-    start, stop = token_range(sequence.sizes, sequence.split.rank)
-    return shifted, shifted[:, start:stop]
+    return shifted, own_tokens(shifted, 1, sequence, value=ignore_index)
 
 
 def sequence_loss(logits: torch.Tensor, labels: torch.Tensor, sequence: SequenceCall, count=None, ignore_index=-100):

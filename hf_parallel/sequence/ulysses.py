@@ -10,6 +10,10 @@ receives, for every one of its query heads, that head's key/value head (replicat
 share a group), and its attention runs with one query head per key/value head: the module's
 ``num_key_value_groups`` is 1 for that inner call alone, and restored after it (a module without one,
 GPT-2's, repeats nothing anyway).
+
+Under context parallelism the all-to-all runs inside each Ulysses group (adjacent ranks), and the
+attention over the group's tokens and every other group's is ``ring.py``'s instead of the configured
+function.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from ..compat.transformers import attention_function, register_attention
 from ..context import current_call
 from ..distributed import comm
 from ..tensor.layout import even_sizes, sizes_to_ranges
+from .ring import mask_padding, ring_attention
 
 NAME = "hf_parallel_ulysses"
 
@@ -56,7 +61,8 @@ def _inner_function(module, name: str):
 def ulysses_attention(module, query, key, value, attention_mask, **kwargs):
     """Registered as ``hf_parallel_ulysses``: the call's token split comes from its context."""
     sequence = current_call().sequence
-    group, seq = sequence.split.group, sequence.sizes
+    ulysses = sequence.split.ulysses
+    group, seq = ulysses.group, sequence.sizes[: ulysses.size]  # every Ulysses group's ranks hold the same sizes
     spread = head_spread(query.shape[1], key.shape[1], len(seq))
     query = comm.all_to_all(query, 1, 2, spread.q_sizes, seq, group)
     if spread.kv_heads is not None:  # one key/value head per query head is sent
@@ -64,8 +70,12 @@ def ulysses_attention(module, query, key, value, attention_mask, **kwargs):
         key, value = key.index_select(1, index), value.index_select(1, index)
     key = comm.all_to_all(key, 1, 2, spread.kv_sizes, seq, group)
     value = comm.all_to_all(value, 1, 2, spread.kv_sizes, seq, group)
+    if sequence.split.cp is not None:  # context parallelism: this group's tokens against every group's
+        heads = sizes_to_ranges(spread.q_sizes)[ulysses.rank]
+        out = ring_attention(module, query, key, value, attention_mask, sequence, heads, **kwargs)
+        return comm.all_to_all(out, 1, 2, seq, spread.q_sizes, group), None
     if attention_mask is not None and attention_mask.shape[-1] < query.shape[2]:
-        attention_mask = _mask_padding(attention_mask, query.shape[2])
+        attention_mask = mask_padding(attention_mask, query.shape[2])
     inner = _inner_function(module, sequence.split.inner)
     groups = getattr(module, "num_key_value_groups", None)
     if spread.kv_heads is None or groups is None:
@@ -78,16 +88,6 @@ def ulysses_attention(module, query, key, value, attention_mask, **kwargs):
             module.num_key_value_groups = groups
     # [batch, seq, heads/sp, dim] -> [batch, seq/sp, heads, dim]; attention weights stay with the heads' ranks
     return comm.all_to_all(out, 1, 2, seq, spread.q_sizes, group), None
-
-
-def _mask_padding(mask: torch.Tensor, length: int) -> torch.Tensor:
-    """A [.., queries, keys] mask for a sequence padded at its end to ``length``: no real token
-    attends to padding; padding tokens attend to everything (their rows are dropped later)."""
-    allow, block = (True, False) if mask.dtype == torch.bool else (0.0, torch.finfo(mask.dtype).min)
-    real = mask.shape[-1]
-    padded = torch.nn.functional.pad(mask, (0, length - real, 0, length - mask.shape[-2]), value=allow)
-    padded[..., : mask.shape[-2], real:] = block
-    return padded
 
 
 register_attention(NAME, ulysses_attention)

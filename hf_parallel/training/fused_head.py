@@ -26,7 +26,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..context import Call, batch_inputs, calling
 from ..distributed import comm
-from ..sequence.shard import shifted_labels
+from ..sequence.shard import shifted_labels, whole_tokens
 from ..state import is_parallel, parallel_model, parallel_state
 
 
@@ -214,7 +214,7 @@ def _fused_over_sequence(runtime, split, fused, args, kwargs):
         value = getattr(out, name, None)
         if value is not None:
             moved = value if value.is_floating_point() else value.to(torch.int32)
-            moved = comm.gather_from(moved, 1, sequence.sizes, split.group)[:, :kept]
+            moved = whole_tokens(moved, 1, sequence, gather=comm.gather_from)[:, :kept]
             setattr(out, name, moved if value.is_floating_point() else moved.to(value.dtype))
     return out
 

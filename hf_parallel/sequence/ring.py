@@ -1,0 +1,243 @@
+"""Ring attention: context parallelism's attention, exact, after the Ulysses all-to-all.
+
+Each Ulysses rank holds, for a slice of the heads, its group's tokens: two zigzag chunks of the
+sequence (``tokens.py``). The ranks at the same Ulysses index of every group form a ring (the
+mesh's ``cp``); their key/value blocks travel around it, one step at a time, so after ``cp`` steps
+every query has met every key. Each step gives, per (query chunk, key chunk) pair, a partial output
+and its log-sum-exp; partials merge exactly (``o = sum_i exp(lse_i - lse) o_i``, ``lse = logaddexp``
+over the i), in float32, as flash attention's online softmax does.
+
+The mask is the model's own: the one it built for the whole sequence (padding, packed documents,
+sliding windows, read per chunk pair: chunks are contiguous runs of positions), or, where it built
+none (sdpa's causal fast path), causality from the chunks' positions. A pair whose keys all come after
+its queries is skipped (the model is causal: checked at load), and so is one wholly outside a sliding
+window; every other pair is computed. Attention sinks (gpt-oss: one logit per head added to every
+softmax's denominator) enter once, after the merge.
+
+The whole ring is one autograd function (as ring-flash-attention's): its backward sends the blocks
+round again and recomputes each pair's probabilities from the saved log-sum-exp, so no scores are
+kept between forward and backward, and every rank runs the same exchanges in the same order whatever
+pairs it skips. Memory: the model's own mask, where it builds one, is ``[batch, 1, S, S]`` on every
+rank. The key/value exchange is not yet overlapped with the compute.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..distributed import comm
+
+
+@dataclass(frozen=True)
+class RingPlan:
+    """What one layer's ring attention needs beyond its tensors (the same on every rank of the ring)."""
+
+    layout: object  # the call's TokenLayout
+    ring: object  # the mesh's cp Dim
+    mask: torch.Tensor | None  # the model's mask over the padded sequence (None: causal from positions)
+    scale: float
+    softcap: float | None
+    window: int | None
+    groups: int  # query heads per key/value head
+
+    @property
+    def additive(self) -> bool:
+        """Eager's additive mask: a query masked from every key (left padding) attends to all of them
+        alike, with gradients to every score, so every pair is computed; sdpa's boolean mask gives such
+        a query zeros, and pairs are skipped where causality or the window rules every key out."""
+        return self.mask is not None and self.mask.dtype != torch.bool
+
+    def pairs(self, step: int):
+        """``(a, qi, b, ki, keys)`` for each (query chunk, key chunk) pair computed at ``step``: the
+        chunks' places in the held tensors, their ids, and the key chunk's keys before the padding."""
+        layout, c = self.layout, self.layout.chunk
+        source = (self.ring.rank - step) % self.ring.size
+        for a, qi in enumerate(layout.chunks_of(self.ring.rank)):
+            for b, ki in enumerate(layout.chunks_of(source)):
+                keys = min(max(layout.tokens - ki * c, 0), c)
+                outside = ki > qi or (self.window and (qi - ki - 1) * c + 1 > self.window)
+                if keys and (self.additive or not outside):
+                    yield a, qi, b, ki, keys
+
+    def scores(self, q, k, qi: int, ki: int, keys: int):
+        """Scaled (soft-capped) scores of one pair and, when capped, the tanh for the backward."""
+        if self.groups > 1:
+            k = k.repeat_interleave(self.groups, 1)
+        scores = torch.matmul(q, k.float().transpose(-1, -2)) * self.scale
+        capped = None
+        if self.softcap:
+            capped = torch.tanh(scores / self.softcap)
+            scores = capped * self.softcap
+        mask = _pair_mask(self.mask, qi, ki, self.layout.chunk, keys, q.device)
+        if mask is not None:
+            scores = scores.masked_fill(~mask, MASKED) if mask.dtype == torch.bool else scores + mask.float()
+        return scores, capped, mask
+
+
+MASKED = torch.finfo(torch.float32).min
+
+
+class _RingAttention(torch.autograd.Function):
+    """Forward: every pair's partial output merged by log-sum-exp while the key/value blocks go round.
+    Backward: the blocks go round again, each pair's gradients recomputed from the merged output and
+    log-sum-exp (flash attention's backward), the key/value gradients travelling with their block and
+    one last step home. Scores are never kept: memory is the inputs, the output and the log-sum-exp."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, sinks, plan: RingPlan):
+        c, ring = plan.layout.chunk, plan.ring
+        queries = q.float().split(c, dim=2)
+        outs, lses, seen, sums = [None, None], [None, None], [None, None], [0.0, 0.0]
+        block = torch.stack([k, v])  # what travels: this group's keys and values, then each other group's
+        for step in range(ring.size):
+            following = comm.shift(block, ring.group, 1) if step < ring.size - 1 else None
+            for a, qi, b, ki, keys in plan.pairs(step):
+                scores, _, mask = plan.scores(queries[a], block[0, :, :, b * c : b * c + keys], qi, ki, keys)
+                values = _repeat(block[1, :, :, b * c : b * c + keys], plan)
+                lse = torch.logsumexp(scores, dim=-1)
+                outs[a], lses[a] = merge(outs[a], lses[a], torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), values), lse)
+                if plan.mask is not None:  # which queries attend to some key (and every key's value, for those that don't)
+                    sees = _allowed(mask).any(-1)
+                    seen[a] = sees if seen[a] is None else seen[a] | sees
+                    sums[a] = sums[a] + values.sum(2) if plan.additive else 0.0
+            block = following
+        for a, part in enumerate(queries):  # padding queries with no key in reach (past the end and the window)
+            if outs[a] is None:
+                outs[a], lses[a] = torch.zeros_like(part), part.new_full(part.shape[:-1], MASKED)
+                if plan.mask is not None:
+                    seen[a] = torch.zeros(plan.mask.shape[0], 1, c, dtype=torch.bool, device=part.device)
+        out, lse = torch.cat(outs, dim=2), torch.cat(lses, dim=2)
+        if sinks is not None:  # one more logit per head in every softmax's denominator, contributing no value
+            total = torch.logaddexp(lse, sinks.float().view(1, -1, 1))
+            out, lse = out * torch.exp(lse - total).unsqueeze(-1), total
+        attended = torch.cat(seen, dim=-1).unsqueeze(-1) if seen[0] is not None else None
+        if attended is not None:  # queries masked from every key (left padding): what one process gives them
+            unattended = _unattended(sums, plan, c) if plan.additive else 0.0
+            out = torch.where(attended, out, unattended)
+        ctx.plan = plan
+        ctx.save_for_backward(q, k, v, sinks, out, lse, attended)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, sinks, out, lse, attended = ctx.saved_tensors
+        plan = ctx.plan
+        c, ring = plan.layout.chunk, plan.ring
+        grad = grad.float()
+        if attended is not None and not plan.additive:  # sdpa's zeros for queries masked from every key
+            grad = torch.where(attended, grad, 0.0)
+        delta = (grad * out).sum(-1)  # [b, h, T]: rowsum(dO * O)
+        queries, grads, lses = q.float().split(c, dim=2), grad.split(c, dim=2), lse.split(c, dim=2)
+        deltas = delta.split(c, dim=2)
+        uniform = attended.split(c, dim=2) if attended is not None and plan.additive else None
+        dq = [torch.zeros_like(part) for part in queries]
+        block = torch.stack([k, v])
+        travelling = torch.zeros_like(block, dtype=torch.float32)  # the held block's key/value gradients so far
+        for step in range(ring.size):
+            following = comm.shift(block, ring.group, 1) if step < ring.size - 1 else None
+            for a, qi, b, ki, keys in plan.pairs(step):
+                keys_at = slice(b * c, b * c + keys)
+                scores, capped, _ = plan.scores(queries[a], block[0, :, :, keys_at], qi, ki, keys)
+                p = torch.exp(scores - lses[a].unsqueeze(-1))
+                if uniform is not None:  # eager: a query masked from every key weighs them all alike
+                    p = torch.where(uniform[a], p, 1.0 / plan.layout.tokens)
+                values = _repeat(block[1, :, :, keys_at], plan)
+                d_scores = p * (torch.matmul(grads[a], values.transpose(-1, -2)) - deltas[a].unsqueeze(-1))
+                if capped is not None:
+                    d_scores = d_scores * (1 - capped * capped)
+                d_scores = d_scores * plan.scale
+                dq[a] += torch.matmul(d_scores, _repeat(block[0, :, :, keys_at], plan))
+                travelling[0, :, :, keys_at] += _fold(torch.matmul(d_scores.transpose(-1, -2), queries[a]), plan)
+                travelling[1, :, :, keys_at] += _fold(torch.matmul(p.transpose(-1, -2), grads[a]), plan)
+            travelling = comm.shift(travelling, ring.group, 1)  # with its block; the last step takes it home
+            block = following
+        d_sinks = None
+        if sinks is not None and ctx.needs_input_grad[3]:  # d sink = -sum over rows of p_sink * rowsum(dO * O)
+            d_sinks = -(torch.exp(sinks.float().view(1, -1, 1) - lse) * delta).sum((0, 2)).to(sinks.dtype)
+        return torch.cat(dq, dim=2).to(q.dtype), travelling[0].to(k.dtype), travelling[1].to(v.dtype), d_sinks, None
+
+
+def _allowed(mask: torch.Tensor) -> torch.Tensor:
+    """Where a bool or additive mask lets a query attend."""
+    return mask if mask.dtype == torch.bool else mask > MASKED / 2
+
+
+def _unattended(sums: list, plan: RingPlan, c: int) -> torch.Tensor:
+    """Eager's output for a query masked from every key: the same minimum added to every score, so the
+    mean of every key's value (every pair was computed: ``sums`` holds each query chunk's sum over all)."""
+    return torch.cat([total.unsqueeze(2).expand(-1, -1, c, -1) for total in sums], dim=2) / plan.layout.tokens
+
+
+def _repeat(x, plan: RingPlan):
+    """Key/value heads repeated for their query heads, in float32."""
+    return (x.repeat_interleave(plan.groups, 1) if plan.groups > 1 else x).float()
+
+
+def _fold(x, plan: RingPlan):
+    """Gradients of repeated key/value heads summed back onto each head."""
+    if plan.groups == 1:
+        return x
+    return x.unflatten(1, (-1, plan.groups)).sum(2)
+
+
+def ring_attention(module, query, key, value, attention_mask, sequence, heads: tuple[int, int], **kwargs):
+    """``query [b, hq, T, d]``, ``key``/``value [b, hk, T, d]``: this rank's heads (``heads``: their
+    range among the module's local heads) for its group's ``T`` tokens. Returns ``[b, T, hq, d]``,
+    as transformers' attention functions do."""
+    ring = sequence.split.cp
+    if kwargs.get("dropout") and module.training:
+        raise ValueError(
+            f"cp_size={ring.size}: attention dropout ({kwargs['dropout']}) is not applied by ring attention; "
+            "set the config's attention_dropout to 0 to train with context parallelism"
+        )
+    scale = kwargs.get("scaling")
+    plan = RingPlan(
+        sequence.layout, ring, _whole_mask(attention_mask, sequence.layout.length, ring.size),
+        query.shape[-1] ** -0.5 if scale is None else scale, kwargs.get("softcap"), kwargs.get("sliding_window"),
+        query.shape[1] // key.shape[1],
+    )  # fmt: skip
+    sinks = kwargs.get("s_aux")
+    sinks = sinks[heads[0] : heads[1]] if sinks is not None else None
+    out = _RingAttention.apply(query, key, value, sinks, plan)
+    return out.transpose(1, 2).to(query.dtype)
+
+
+def merge(o, lse, o_new, lse_new):
+    """Two partial softmax outputs over disjoint keys, as one (exact)."""
+    if o is None:
+        return o_new, lse_new
+    total = torch.logaddexp(lse, lse_new)
+    return o * torch.exp(lse - total).unsqueeze(-1) + o_new * torch.exp(lse_new - total).unsqueeze(-1), total
+
+
+def _whole_mask(mask, length: int, rings: int):
+    """The model's mask over the padded sequence, or None (causal from positions)."""
+    if mask is None:
+        return None
+    if mask.dim() != 4 or mask.shape[1] != 1:
+        raise ValueError(
+            f"cp_size={rings}: ring attention reads a [batch, 1, queries, keys] mask; the model built one of shape "
+            f"{tuple(mask.shape)}"
+        )
+    return mask_padding(mask, length) if mask.shape[-1] < length else mask
+
+
+def _pair_mask(mask, qi: int, ki: int, c: int, keys: int, device):
+    """The mask of query chunk ``qi`` against the first ``keys`` keys of chunk ``ki`` (chunks are
+    contiguous positions)."""
+    if mask is not None:
+        return mask[..., qi * c : (qi + 1) * c, ki * c : ki * c + keys]
+    if qi == ki:  # the diagonal: causal inside the chunk
+        return torch.ones(c, c, dtype=torch.bool, device=device).tril()[:, :keys]
+    return None  # keys wholly before the queries
+
+
+def mask_padding(mask: torch.Tensor, length: int) -> torch.Tensor:
+    """A [.., queries, keys] mask for a sequence padded at its end to ``length``: no real token
+    attends to padding; padding tokens attend to everything (their rows are dropped later)."""
+    allow, block = (True, False) if mask.dtype == torch.bool else (0.0, torch.finfo(mask.dtype).min)
+    real = mask.shape[-1]
+    padded = torch.nn.functional.pad(mask, (0, length - real, 0, length - mask.shape[-2]), value=allow)
+    padded[..., : mask.shape[-2], real:] = block
+    return padded

@@ -1,0 +1,83 @@
+"""Ring attention's autograd function against softmax attention written out (pure: a ring of one rank
+holding two zigzag chunks, so no process group): outputs and every gradient, with soft-capping and
+attention sinks, eager's additive mask and sdpa's boolean one, queries masked from every key included."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from hf_parallel.sequence.ring import MASKED, RingPlan, _RingAttention
+from hf_parallel.sequence.tokens import TokenLayout
+
+B, H, HK, D, C, SCALE = 2, 4, 2, 8, 5, 0.3
+CHUNKS = (0, 3)  # the two zigzag chunks ring rank 0 of 2 holds
+
+
+def written_out(q, k, v, sinks, mask, softcap, tokens):
+    """Softmax attention of this rank's queries over its own keys, one pair of chunks at a time as the
+    ring computes them, concatenated and normalised once (no log-sum-exp)."""
+    k, v = k.repeat_interleave(H // HK, 1), v.repeat_interleave(H // HK, 1)
+    outs = []
+    for a, qi in enumerate(CHUNKS):
+        scores, values = [], []
+        for b, ki in enumerate(CHUNKS):
+            keys = min(max(tokens - ki * C, 0), C)
+            if not keys or (ki > qi and not (mask is not None and mask.dtype != torch.bool)):
+                continue
+            s = q[:, :, a * C : (a + 1) * C] @ k[:, :, b * C : b * C + keys].transpose(-1, -2) * SCALE
+            if softcap:
+                s = torch.tanh(s / softcap) * softcap
+            m = None if mask is None else mask[..., qi * C : (qi + 1) * C, ki * C : ki * C + keys]
+            if m is None and qi == ki:
+                m = torch.ones(C, C, dtype=torch.bool).tril()[:, :keys]
+            if m is not None:
+                s = s.masked_fill(~m, MASKED) if m.dtype == torch.bool else s + m
+            scores.append(s)
+            values.append(v[:, :, b * C : b * C + keys])
+        s, values = torch.cat(scores, -1), torch.cat(values, 2)
+        if sinks is not None:
+            s = torch.cat([s, sinks.view(1, -1, 1, 1).expand(B, -1, C, 1)], -1)
+        p = torch.softmax(s, -1)
+        out = p[..., : values.shape[2]] @ values
+        if mask is not None and mask.dtype == torch.bool:  # sdpa: a query masked from every key gets zeros
+            allowed = torch.cat([mask[..., qi * C : (qi + 1) * C, ki * C : ki * C + C] for ki in CHUNKS], -1)
+            out = out * allowed[..., :tokens].any(-1, keepdim=True)
+        outs.append(out)
+    return torch.cat(outs, 2)
+
+
+def left_padded(additive: bool):
+    """Row 0: keys 0-2 masked, and queries 0-2 masked from every key (left padding); causal."""
+    allowed = torch.ones(B, 1, 4 * C, 4 * C, dtype=torch.bool).tril()
+    allowed[0, :, :, :3] = False
+    if not additive:
+        return allowed
+    return torch.zeros(allowed.shape).masked_fill(~allowed, MASKED)
+
+
+@pytest.mark.parametrize(
+    "mask, softcap, sinks, tokens",
+    [
+        (None, None, False, 20),  # sdpa's causal fast path: no mask, the diagonal pair causal
+        (None, 2.0, True, 18),  # Gemma's soft-capping, gpt-oss's sinks, padding keys at the end
+        ("additive", 2.0, False, 5),  # eager: masked queries weigh every key alike
+        ("boolean", None, True, 20),  # sdpa: masked queries get zeros
+    ],
+)
+def test_ring_attention_matches_softmax_written_out(mask, softcap, sinks, tokens):
+    torch.manual_seed(0)
+    mask = None if mask is None else left_padded(mask == "additive")
+    q = torch.randn(B, H, 2 * C, D, requires_grad=True)
+    k, v = (torch.randn(B, HK, 2 * C, D, requires_grad=True) for _ in range(2))
+    s = torch.randn(H, requires_grad=True) if sinks else None
+    layout = TokenLayout(tokens=tokens, sizes=(2 * C,), cp=2, chunk=C)
+    plan = RingPlan(layout, SimpleNamespace(rank=0, size=1, group=None), mask, SCALE, softcap, None, H // HK)
+    inputs = [q, k, v] + ([s] if sinks else [])
+    got = _RingAttention.apply(q, k, v, s, plan)
+    want = written_out(q, k, v, s, mask, softcap, tokens)
+    grad = torch.randn_like(got)
+    for name, a, b in zip(("q", "k", "v", "sinks"), torch.autograd.grad(got, inputs, grad),
+                          torch.autograd.grad(want, inputs, grad)):  # fmt: skip
+        assert torch.allclose(a, b, atol=2e-6, rtol=1e-5), f"d{name} differs by {(a - b).abs().max():.3g}"
+    assert torch.allclose(got, want, atol=2e-6, rtol=1e-5), f"output differs by {(got - want).abs().max():.3g}"
