@@ -111,7 +111,7 @@ def compare_sp(
     return results
 
 
-def checkpointed(rank: int, world_size: int, path: str, tp_size: int, sp_size: int) -> dict:
+def checkpointed(rank: int, world_size: int, path: str, tp_size: int, sp_size: int, cp_size: int = 1) -> dict:
     """Activation checkpointing (``gradient_checkpointing_enable``, reentrant and not) under tp x sp: the
     loss and every gradient against one process's, checkpointed the same way; the recompute runs in
     backward, where it needs the forward's call (its token split) back."""
@@ -124,8 +124,9 @@ def checkpointed(rank: int, world_size: int, path: str, tp_size: int, sp_size: i
         kwargs = {"gradient_checkpointing_kwargs": {"use_reentrant": reentrant}}
         single = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         model = hf_parallel.AutoModelForCausalLM.from_pretrained(
-            path, tp_plan="auto" if tp_size > 1 else None, tp_size=tp_size, sp_size=sp_size, dtype=torch.float32
-        )
+            path, tp_plan="auto" if tp_size > 1 else None, tp_size=tp_size, sp_size=sp_size, cp_size=cp_size,
+            dtype=torch.float32,
+        )  # fmt: skip
         for each in (single, model):
             each.train()
             each.gradient_checkpointing_enable(**kwargs)

@@ -100,11 +100,12 @@ def test_context_parallelism_matches_one_process(sp_paths, tmp_path, tp, sp, cp)
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("tp, sp", [(1, 2), (2, 2)])
-def test_activation_checkpointing_recomputes_under_the_forwards_split(sp_paths, tmp_path, tp, sp):
+@pytest.mark.parametrize("tp, sp, cp", [(1, 2, 1), (2, 2, 1), (1, 1, 2)])
+def test_activation_checkpointing_recomputes_under_the_forwards_split(sp_paths, tmp_path, tp, sp, cp):
     """gradient_checkpointing_enable (reentrant and not): the recompute in backward runs Ulysses
-    attention under the token split of the forward it recomputes; gradients are one process's."""
-    ranks = run_ranks(tp * sp, sequence_workers.checkpointed, sp_paths["llama"], tp, sp, out_dir=str(tmp_path))
+    attention (and the ring, which goes round again) under the token split of the forward it
+    recomputes; gradients are one process's."""
+    ranks = run_ranks(tp * sp * cp, sequence_workers.checkpointed, sp_paths["llama"], tp, sp, cp, out_dir=str(tmp_path))
     for rank, results in enumerate(ranks):
         for mode, r in results.items():
             assert r["checkpointed"] is True, (rank, mode)
@@ -192,6 +193,9 @@ def test_plan_shows_heads_around_the_all_to_all_and_tokens_per_rank(tiny_paths):
     )
     assert "rank 2 (tp 0, sp 1): heads 6 q / 2 kv -> all-to-all -> 3 q / 1 kv (whole groups); tokens 18 of 37" in text
     assert "tokens 1 of 3 (padded to one per rank)" in plan_report(tiny_paths["llama"], 1, tp_plan=None, sp=4, seq=3)
+    ring = plan_report(tiny_paths["llama"], 1, tp_plan=None, sp=2, cp=2, seq=37)  # 37 padded to 4 chunks of 10
+    assert "context parallel over cp=2 x sp=2" in ring
+    assert "rank 2 (tp 0, sp 0, cp 1): heads 9 q / 3 kv -> all-to-all -> 5 q / 5 kv (one per query head); tokens 10 of 37 (of chunks 1 and 2, 10 tokens each)" in ring  # noqa: E501
 
 
 @pytest.mark.distributed

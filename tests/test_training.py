@@ -31,6 +31,7 @@ LOOP_CASES = {  # world size -> case -> (checkpoint, layout, loop)
         "replicate2_fsdp2": ("llama", dict(dp_replicate_size=2, fsdp_size=2, tp_plan=None), "train_step"),
         "sp2_fsdp2": ("llama", dict(sp_size=2, fsdp_size=2, tp_plan=None), "train_step"),
         "sp2_fsdp2_moe": ("qwen2_moe", dict(sp_size=2, fsdp_size=2, tp_plan=None), "train_step"),
+        "cp2_fsdp2": ("llama", dict(cp_size=2, fsdp_size=2, tp_plan=None), "train_step"),  # the ring in FSDP's fold
         "pp2_fsdp2": ("llama", dict(pp_size=2, fsdp_size=2, tp_plan=None), "train_step"),
         "pp2_fsdp2_tied": ("llama_tied_kvrep", dict(pp_size=2, fsdp_size=2, tp_plan=None), "train_step"),
         "tp4_kv_replicated": ("llama_tied_kvrep", dict(tp_size=4), "train_step"),  # clipping counts KV copies once
@@ -105,6 +106,7 @@ TRAINER_CASES = {  # world size -> case -> layout (transformers' Trainer, unchan
         "tp2_compiled": dict(tp_size=2, trainer=dict(torch_compile=True)),
         "fsdp2_compiled": dict(fsdp_size=2, tp_plan=None, trainer=dict(torch_compile=True)),
         "pp2": dict(pp_size=2, tp_plan=None),
+        "cp2": dict(cp_size=2, tp_plan=None),
         "unplaced": dict(tp_size=2),
     },
     4: {
@@ -216,6 +218,7 @@ RESUMES = {  # world size -> run -> (layout, or None: plain transformers; resume
         "fsdp2_from_tp2": (dict(fsdp_size=2, tp_plan=None), "tp2", False),
         "sp2": (dict(sp_size=2, tp_plan=None), None, False),
         "tp2_from_sp2": (dict(tp_size=2), "sp2", False),
+        "cp2_from_tp2": (dict(cp_size=2, tp_plan=None), "tp2", False),
         "tp2_from_plain": (dict(tp_size=2), "plain", False),  # transformers' optimizer.pt
     },
     "1 after 2": {

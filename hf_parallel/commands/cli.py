@@ -143,7 +143,7 @@ def cmd_plan(args) -> None:
 
     print(
         plan_report(
-            args.path, args.tp, tp_plan=tp_plan_arg(args.tp_plan), sp=args.sp, seq=args.seq, fsdp_size=args.fsdp,
+            args.path, args.tp, tp_plan=tp_plan_arg(args.tp_plan), sp=args.sp, cp=args.cp, seq=args.seq, fsdp_size=args.fsdp,
             dp_replicate_size=args.dp_replicate, nproc_per_node=args.nproc_per_node,
             lora=parse_lora(args.lora) if args.lora else None, **pipeline_kwargs(args),
         )
@@ -244,7 +244,8 @@ def main(argv=None) -> None:
     plan.add_argument("path")
     plan.add_argument("--tp", type=int, default=1, help="TP size (of every stage, with --pp)")
     plan.add_argument("--sp", type=int, default=1, help="sequence-parallel size: heads before/after the all-to-all")
-    plan.add_argument("--seq", type=int, help="with --sp: a sequence length, to show the tokens each rank holds")
+    plan.add_argument("--cp", type=int, default=1, help="context-parallel size: a ring of SP groups (zigzag chunks)")
+    plan.add_argument("--seq", type=int, help="with --sp/--cp: a sequence length, to show the tokens each rank holds")
     plan.add_argument("--tp-plan", default="auto", help="auto, discover, a model_type, or a TOML/JSON file of rules")
     plan.add_argument("--fsdp", type=int, default=1, help="FSDP size: data-parallel replicas sharding the model")
     plan.add_argument("--dp-replicate", type=int, default=1, help="HSDP replicas of the FSDP group")

@@ -11,7 +11,7 @@ from ..build import build_empty, build_rank_model, check_mixers_under_fsdp, reso
 from ..distributed.mesh import Mesh
 from ..distributed.shape import MeshShape
 from ..pipeline.stage import tied_across_stages
-from ..sequence.tokens import token_sizes
+from ..sequence.tokens import token_layout
 from ..sequence.ulysses import head_spread
 from ..tensor.attention import outermost
 from ..tensor.geometry import attention_geometry
@@ -35,6 +35,7 @@ def plan_report(
     sp: int = 1,
     seq=None,
     pp_size: int = 1,
+    cp: int = 1,
     stage_tp_sizes=None,
     stage_layers=None,
     fsdp_size: int = 1,
@@ -50,13 +51,13 @@ def plan_report(
     dtype = resolve_dtype(dtype, config)
     shape = MeshShape.requested(
         tp_size=None if stage_tp_sizes else tp, sp_size=sp, pp_size=pp_size, stage_tp_sizes=stage_tp_sizes,
-        fsdp_size=fsdp_size, dp_replicate_size=dp_replicate_size,
+        fsdp_size=fsdp_size, dp_replicate_size=dp_replicate_size, cp_size=cp,
     )  # fmt: skip
     mesh_text = mesh_lines(shape, nproc_per_node)
     if stage_tp_sizes is not None or pp_size > 1:
         report = pipeline_report(path, config, dtype, auto_class, tp_plan, shape, stage_layers)
         return "\n".join([*mesh_text, report])
-    built = build_rank_model(auto_class, config, dtype, Mesh.dry_run(tp_size=tp, sp_size=sp), tp_plan=tp_plan)
+    built = build_rank_model(auto_class, config, dtype, Mesh.dry_run(tp_size=tp, sp_size=sp, cp_size=cp), tp_plan=tp_plan)
     model, shard = built.model, built.layout
     check_mixers_under_fsdp(model, tp, shape.dp_shard)  # the dry run's mesh has no data-parallel sizes
     itemsize = torch.empty((), dtype=dtype).element_size()
@@ -84,15 +85,15 @@ def plan_report(
         lines += quantized_lines(path, model, shard, tp, built.quantization, itemsize)
     if lora is not None:
         lines += lora_lines(model, shard, tp, lora, dtype)
-    if sp > 1:
-        lines += sequence_lines(model, shard, tp, sp, seq)
+    if sp * cp > 1:
+        lines += sequence_lines(model, shard, tp, sp, seq, cp)
     lines.append(
         f"bytes per rank: {totals} (full model {sum(math.prod(e.full_shape) for e in shard.unique_params()) * itemsize})"
     )
     if shape.dp > 1:
         fsdp = shape.dp_shard * shape.sp
         lines.append(
-            f"at rest under FSDP2 (each TP shard split over fsdp x sp = {fsdp} ranks): about "
+            f"at rest under FSDP2 (each TP shard split over fsdp x cp x sp = {fsdp} ranks): about "
             f"{[math.ceil(t / fsdp) for t in totals]} bytes per rank, the same again for gradients, twice for AdamW"
         )
     return "\n".join([*mesh_text, *lines])
@@ -263,21 +264,33 @@ def pipeline_report(path: str, config, dtype, auto_class, tp_plan, shape: MeshSh
     return "\n".join(lines)
 
 
-def sequence_lines(model, shard, tp: int, sp: int, seq) -> list[str]:
-    """Per rank of tp x sp: the query / key-value heads it computes before the all-to-all (what
-    TP left it) and after (its share of those over SP), and the tokens it holds of ``seq``."""
+def sequence_lines(model, shard, tp: int, sp: int, seq, cp: int = 1) -> list[str]:
+    """Per rank of tp x sp (x cp): the query / key-value heads it computes before the all-to-all (what
+    TP left it) and after (its share of those over SP), its place in the ring, and the tokens it holds
+    of ``seq``."""
     path, module = outermost(model)[0]
     geometry, _ = attention_geometry(module, model.config, path)
     lines = [f"sequence parallel over sp={sp} (ranks of one TP group adjacent, TP groups inside SP groups):"]
-    for rank in range(tp * sp):
-        s, t = divmod(rank, tp)
+    if cp > 1:
+        lines[0] = (
+            f"context parallel over cp={cp} x sp={sp}: Ulysses inside groups of {sp} adjacent SP rank(s), a ring of "
+            f"{cp} such groups passing key/value blocks; the sequence cut into {2 * cp} chunks, group g holding "
+            f"chunks g and {2 * cp - 1} - g (zigzag):"
+        )
+    layout = token_layout(seq, sp, cp) if seq is not None else None
+    for rank in range(tp * sp * cp):
+        index, t = divmod(rank, tp)
+        g, s = divmod(index, sp)
         heads = shard.heads
         q, kv = (heads.local_q(t), heads.local_kv(t)) if heads else (geometry.num_heads, geometry.num_kv_heads)
         spread = head_spread(q, kv, sp)
         kv_note = "whole groups" if spread.kv_heads is None else "one per query head"
-        line = f"  rank {rank} (tp {t}, sp {s}): heads {q} q / {kv} kv -> all-to-all -> {spread.q_sizes[s]} q / {spread.kv_sizes[s]} kv ({kv_note})"
-        if seq is not None:
-            sizes = token_sizes(seq, sp)
-            line += f"; tokens {sizes[s]} of {seq}" + (" (padded to one per rank)" if seq < sp else "")
+        where = f"tp {t}, sp {s}" + (f", cp {g}" if cp > 1 else "")
+        line = f"  rank {rank} ({where}): heads {q} q / {kv} kv -> all-to-all -> {spread.q_sizes[s]} q / {spread.kv_sizes[s]} kv ({kv_note})"
+        if layout is not None:
+            line += f"; tokens {layout.sizes[index]} of {seq}"
+            if cp > 1:
+                line += f" (of chunks {' and '.join(map(str, layout.chunks_of(g)))}, {layout.chunk} tokens each)"
+            line += " (padded to one per rank)" if layout.length > seq and cp == 1 else ""
         lines.append(line)
     return lines
