@@ -1,7 +1,7 @@
 """Long-context training step: hf_parallel's sequence parallelism against one process using every core.
 
-    python benchmarks/long_context.py [--seqs 2048 3072 4096 6144 8192 12288] [--sp 2 4] [--cap-mib 768]
-                                      [--checkpointing]
+    python benchmarks/long_context.py [--seqs 2048 3072 4096 6144 8192 12288] [--sp 2 4] [--cp 2]
+                                      [--sp-cp 2x2] [--cap-mib 768] [--checkpointing]
 
 A small Llama (random fp32 weights, built locally) runs forward + backward with labels, one
 sequence per step: one process with all the machine's cores, and SP ranks with cores/SP threads
@@ -12,6 +12,9 @@ load (activations, logits, gradients), and tokens/s. The longest length under ``
 rank is each configuration's longest fitting sequence. Ratios against one process, and the
 issue's targets, are printed and written to ``long_context.json``. ``--checkpointing`` adds one process and
 SP=2 with activation checkpointing (``gradient_checkpointing_enable()``): the memory it saves per rank.
+``--cp``: context parallelism alone (ring attention over that many ranks, zigzag chunks), ``--sp-cp 2x2``:
+Ulysses inside a ring; their targets: CP=2's tokens/s at least 0.9x SP=2's, and per-rank peak at most
+1.2 / (sp x cp) of one process's, at the longest length all of them ran.
 
 Anchor: ``--deepspeed`` adds DeepSpeed's Ulysses for transformers (``UlyssesSPAttentionHF``, on
 its CPU accelerator over gloo), run as its tutorial does, in the same table; it needs
@@ -87,12 +90,16 @@ def worker(implementation: str, path: str, seqs: list[int], cap: int, out: str) 
     torch.set_num_threads(max(1, os.cpu_count() // world))
     checkpointing = implementation.endswith("+checkpointing")
     implementation = implementation.removesuffix("+checkpointing")
+    implementation, _, rings = implementation.partition(":cp")  # hf_parallel:cpN: a ring of N Ulysses groups
+    cp = int(rings or 1)
     if implementation == "deepspeed":
         model, loss_of = deepspeed_ulysses(path, world)
     elif world == 1:
         model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     else:
-        model = hf_parallel.AutoModelForCausalLM.from_pretrained(path, tp_plan=None, sp_size=world, dtype=torch.float32)
+        model = hf_parallel.AutoModelForCausalLM.from_pretrained(
+            path, tp_plan=None, sp_size=world // cp, cp_size=cp, dtype=torch.float32
+        )
     if implementation != "deepspeed":
         loss_of = lambda ids: model(input_ids=ids, labels=ids, use_cache=False).loss  # noqa: E731
     model.train()
@@ -131,7 +138,8 @@ def configuration(path: str, implementation: str, sp: int, args, gloo: bool = Fa
     """One configuration's rows; ``gloo``: its collectives over gloo, not shared memory (the A/B)."""
     from hf_parallel.commands.cli import start_ranks
 
-    out = os.path.join(args.out, f"long_context_{implementation}_sp{sp}" + ("_gloo" if gloo else ""))
+    tag = implementation.replace(":", "_")
+    out = os.path.join(args.out, f"long_context_{tag}_ranks{sp}" + ("_gloo" if gloo else ""))
     os.makedirs(out, exist_ok=True)
     command = [sys.executable, __file__, "--worker", implementation, path, "--out", out, "--cap-mib", str(args.cap_mib)]
     command += ["--seqs", *map(str, args.seqs)]
@@ -197,18 +205,41 @@ def report(results: dict[str, dict], cap: int) -> tuple[list[str], dict]:
     for seq in sorted(s for s in ours if s in gloo and s >= 4096):
         speedup = ours[seq]["tokens_per_s"] / gloo[seq]["tokens_per_s"]
         checks.append((f"tokens/s at SP=2 (seq {seq}), shared memory over gloo", speedup, 1.15, False))
+    for name, rows in results.items():
+        ranks = _context_ranks(name)
+        if ranks is None or not common:
+            continue
+        shared = [s for s in rows if s in single and s in ours]
+        if shared:
+            seq = max(shared)
+            ratio = rows[seq]["peak_above_load"] / single[seq]["peak_above_load"]
+            checks.append((f"peak at {name.removeprefix('hf_parallel ')} (seq {seq})", ratio, 1.2 / ranks, True))
+            if name == "hf_parallel CP=2":
+                speed = rows[seq]["tokens_per_s"] / ours[seq]["tokens_per_s"]
+                checks.append((f"tokens/s at CP=2 against SP=2 (seq {seq})", speed, 0.9, False))
     for name, value, bound, at_most in checks:
         met = value <= bound if at_most else value >= bound
         verdict = "met" if met else "NOT met"
-        against = "" if "over gloo" in name else " x one process"
+        against = "" if "over gloo" in name or "against" in name else " x one process"
         lines.append(f"- {name}: {value:.2f}{against}, target {'<=' if at_most else '>='} {bound}: {verdict}")
     return lines, {"longest": longest, "checks": [list(c) for c in checks]}
+
+
+def _context_ranks(name: str) -> int | None:
+    """The ranks a sequence is split over in a context-parallel configuration's name, else None."""
+    if "CP=" not in name or "+" in name:
+        return None
+    sizes = [int(part.split("=")[1]) for part in name.removeprefix("hf_parallel ").split(" x ")]
+    return sizes[0] * (sizes[1] if len(sizes) > 1 else 1)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seqs", type=int, nargs="+", default=[2048, 3072, 4096, 6144, 8192, 12288])
     parser.add_argument("--sp", type=int, nargs="+", default=[2, 4] if (os.cpu_count() or 1) >= 4 else [2])
+    parser.add_argument("--cp", type=int, nargs="*", default=[2], help="context-parallel sizes (ring attention alone)")
+    parser.add_argument("--sp-cp", nargs="*", default=["2x2"] if (os.cpu_count() or 1) >= 4 else [],
+                        help="Ulysses x ring layouts, as SPxCP")  # fmt: skip
     parser.add_argument("--cap-mib", type=int, default=768)
     parser.add_argument("--out", default=os.path.join(HERE, "results"))
     parser.add_argument("--model", help="a checkpoint (default: the small random Llama of checkpoints.py)")
@@ -230,6 +261,11 @@ def main() -> None:
             results["hf_parallel SP=2 over gloo"] = configuration(path, "hf_parallel", sp, args, gloo=True)
         if args.deepspeed:
             results[f"DeepSpeed Ulysses SP={sp}"] = configuration(path, "deepspeed", sp, args)
+    for cp in args.cp:
+        results[f"hf_parallel CP={cp}"] = configuration(path, f"hf_parallel:cp{cp}", cp, args)
+    for layout in args.sp_cp:
+        sp, cp = map(int, layout.split("x"))
+        results[f"hf_parallel SP={sp} x CP={cp}"] = configuration(path, f"hf_parallel:cp{cp}", sp * cp, args)
     if args.checkpointing:
         results["one process + checkpointing"] = configuration(path, "transformers+checkpointing", 1, args)
         results["hf_parallel SP=2 + checkpointing"] = configuration(path, "hf_parallel+checkpointing", 2, args)

@@ -39,10 +39,11 @@ def test_long_context_benchmark_runs_one_process_and_sequence_parallel(tiny_path
     done = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     summary = json.loads((tmp_path / "long_context.json").read_text())
-    for name in ("one process", "hf_parallel SP=2"):
+    for name in ("one process", "hf_parallel SP=2", "hf_parallel CP=2"):
         rows = summary["results"][name]
         assert sorted(rows) == ["32", "48"] and all(row["tokens_per_s"] > 0 for row in rows.values()), rows
     assert "longest sequence under" in done.stdout and "peak at SP=2 (seq 48)" in done.stdout
+    assert "tokens/s at CP=2 against SP=2 (seq 48)" in done.stdout
 
 
 def test_pipeline_benchmark_runs_every_configuration(tiny_paths, tmp_path):

@@ -34,11 +34,13 @@ CASES = {
     "falcon_h1_tp2": ("falcon_h1", dict(tp_plan="auto"), {"generate", "save"}),  # mup_vector, conv and SSM caches
     "qwen3_moe_ep2": ("qwen3_moe", dict(tp_plan="auto", ep_plan="auto"), {"generate", "save"}),
     "llama_sp2": ("llama", dict(tp_plan=None, sp_size=2), set()),
+    "llama_cp2": ("llama", dict(tp_plan=None, cp_size=2), {"generate"}),  # ring attention, zigzag order
     "pp_tied_pp2": ("pp_tied", dict(tp_plan=None, pp_size=2), {"train_step", "save"}),  # tied gradient, 1F1B
     "llama_fsdp2": ("llama", dict(tp_plan=None, fsdp_size=2), {"save"}),  # FSDP2 over gloo groups, one layer whole
 }
 FOUR_RANKS = {  # world 4 on the same card
     "llama_tp2sp2": ("llama", dict(tp_size=2, sp_size=2), set()),  # Ulysses inside TP groups
+    "llama_sp2cp2": ("llama", dict(tp_plan=None, sp_size=2, cp_size=2), set()),  # Ulysses inside the ring
 }
 CHECKPOINTS = {name for name, _, _ in [*CASES.values(), *FOUR_RANKS.values()]}
 

@@ -59,7 +59,8 @@ def left_padded(additive: bool):
 @pytest.mark.parametrize(
     "mask, softcap, sinks, tokens",
     [
-        (None, None, False, 20),  # sdpa's causal fast path: no mask, the diagonal pair causal
+        (None, None, False, 20),  # sdpa's causal fast path: no mask, the diagonal pair causal (the fused CPU kernel)
+        (None, None, True, 18),  # the fused kernel with sinks and padding keys at the end
         (None, 2.0, True, 18),  # Gemma's soft-capping, gpt-oss's sinks, padding keys at the end
         ("additive", 2.0, False, 5),  # eager: masked queries weigh every key alike
         ("boolean", None, True, 20),  # sdpa: masked queries get zeros

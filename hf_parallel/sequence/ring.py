@@ -40,6 +40,7 @@ class RingPlan:
     softcap: float | None
     window: int | None
     groups: int  # query heads per key/value head
+    ring_device: torch.device = torch.device("cpu")
 
     @property
     def additive(self) -> bool:
@@ -59,6 +60,12 @@ class RingPlan:
                 outside = ki > qi or (self.window and (qi - ki - 1) * c + 1 > self.window)
                 if keys and (self.additive or not outside):
                     yield a, qi, b, ki, keys
+
+    @property
+    def fused(self) -> bool:
+        """Each pair through torch's fused CPU flash kernel, which returns the log-sum-exp and takes it back
+        in its backward (no scores in memory): causal from positions, no soft-capping. Else written out."""
+        return self.mask is None and not self.softcap and self.ring_device.type == "cpu"
 
     def scores(self, q, k, qi: int, ki: int, keys: int):
         """Scaled (soft-capped) scores of one pair and, when capped, the tanh for the backward."""
@@ -93,8 +100,15 @@ class _RingAttention(torch.autograd.Function):
         for step in range(ring.size):
             following = comm.shift(block, ring.group, 1) if step < ring.size - 1 else None
             for a, qi, b, ki, keys in plan.pairs(step):
-                scores, _, mask = plan.scores(queries[a], block[0, :, :, b * c : b * c + keys], qi, ki, keys)
                 values = _repeat(block[1, :, :, b * c : b * c + keys], plan)
+                if plan.fused:
+                    o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                        queries[a], _repeat(block[0, :, :, b * c : b * c + keys], plan), values, 0.0, qi == ki,
+                        scale=plan.scale,
+                    )  # fmt: skip
+                    outs[a], lses[a] = merge(outs[a], lses[a], o, lse)
+                    continue
+                scores, _, mask = plan.scores(queries[a], block[0, :, :, b * c : b * c + keys], qi, ki, keys)
                 lse = torch.logsumexp(scores, dim=-1)
                 outs[a], lses[a] = merge(outs[a], lses[a], torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), values), lse)
                 if plan.mask is not None:  # which queries attend to some key (and every key's value, for those that don't)
@@ -129,7 +143,7 @@ class _RingAttention(torch.autograd.Function):
             grad = torch.where(attended, grad, 0.0)
         delta = (grad * out).sum(-1)  # [b, h, T]: rowsum(dO * O)
         queries, grads, lses = q.float().split(c, dim=2), grad.split(c, dim=2), lse.split(c, dim=2)
-        deltas = delta.split(c, dim=2)
+        deltas, outs = delta.split(c, dim=2), out.split(c, dim=2)
         uniform = attended.split(c, dim=2) if attended is not None and plan.additive else None
         dq = [torch.zeros_like(part) for part in queries]
         block = torch.stack([k, v])
@@ -138,6 +152,16 @@ class _RingAttention(torch.autograd.Function):
             following = comm.shift(block, ring.group, 1) if step < ring.size - 1 else None
             for a, qi, b, ki, keys in plan.pairs(step):
                 keys_at = slice(b * c, b * c + keys)
+                if plan.fused:  # the kernel's backward from the merged output and log-sum-exp (as flash's)
+                    d_q, d_k, d_v = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                        grads[a].contiguous(), queries[a], _repeat(block[0, :, :, keys_at], plan),
+                        _repeat(block[1, :, :, keys_at], plan), outs[a].contiguous(), lses[a].contiguous(), 0.0,
+                        qi == ki, scale=plan.scale,
+                    )  # fmt: skip
+                    dq[a] += d_q
+                    travelling[0, :, :, keys_at] += _fold(d_k, plan)
+                    travelling[1, :, :, keys_at] += _fold(d_v, plan)
+                    continue
                 scores, capped, _ = plan.scores(queries[a], block[0, :, :, keys_at], qi, ki, keys)
                 p = torch.exp(scores - lses[a].unsqueeze(-1))
                 if uniform is not None:  # eager: a query masked from every key weighs them all alike
@@ -195,7 +219,7 @@ def ring_attention(module, query, key, value, attention_mask, sequence, heads: t
     plan = RingPlan(
         sequence.layout, ring, _whole_mask(attention_mask, sequence.layout.length, ring.size),
         query.shape[-1] ** -0.5 if scale is None else scale, kwargs.get("softcap"), kwargs.get("sliding_window"),
-        query.shape[1] // key.shape[1],
+        query.shape[1] // key.shape[1], query.device,
     )  # fmt: skip
     sinks = kwargs.get("s_aux")
     sinks = sinks[heads[0] : heads[1]] if sinks is not None else None
