@@ -150,7 +150,8 @@ def summarize(results: list[dict]) -> dict:
 def table(name: str, rows: dict, tp: int, dtype: str) -> str:
     base = rows["single eager"]
     where = base.get("device", "cpu")
-    lines = [f"\n## {name}: decode, {dtype}, TP={tp}, on {where}\n", "| run | ms/token | tokens/s | x one process eager |"
+    lines = [f"\n## {name}: decode, {dtype}, TP={tp}, on {where}\n",
+             "| run | ms/token | tokens/s | x one process eager |"
              " x one process compiled | tokens as one process eager |", "|---|---|---|---|---|---|"]  # fmt: skip
     for key, row in rows.items():
         if "error" in row:

@@ -340,7 +340,7 @@ def test_the_plan_dry_run_shows_the_data_dimensions_and_groups_that_span_nodes(p
     text = plan_report(paths["llama"], 4, fsdp_size=2, dp_replicate_size=2, nproc_per_node=2).splitlines()
     assert text[0].startswith("mesh: tp=4 x fsdp=2 x dp_replicate=2 = 16 ranks; one model replica = 4 ranks, 4 data")
     assert text[1].startswith("warning: tp group [0, 1, 2, 3] spans nodes [0, 1] (2 ranks per node)")
-    assert any(line.startswith("at rest under FSDP2 (each TP shard split over fsdp x sp = 2 ranks)") for line in text)
+    assert any(line.startswith("at rest under FSDP2 (each TP shard split over fsdp x cp x sp = 2 ranks)") for line in text)
     fits = plan_report(paths["llama"], 2, sp=2, fsdp_size=2, nproc_per_node=4).splitlines()
     assert fits[1] == "every tp and sp group stays inside a node of 4 ranks"
 

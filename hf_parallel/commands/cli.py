@@ -143,7 +143,8 @@ def cmd_plan(args) -> None:
 
     print(
         plan_report(
-            args.path, args.tp, tp_plan=tp_plan_arg(args.tp_plan), sp=args.sp, cp=args.cp, seq=args.seq, fsdp_size=args.fsdp,
+            args.path, args.tp, tp_plan=tp_plan_arg(args.tp_plan), sp=args.sp, cp=args.cp, seq=args.seq,
+            fsdp_size=args.fsdp,
             dp_replicate_size=args.dp_replicate, nproc_per_node=args.nproc_per_node,
             lora=parse_lora(args.lora) if args.lora else None, **pipeline_kwargs(args),
         )

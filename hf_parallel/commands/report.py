@@ -57,7 +57,8 @@ def plan_report(
     if stage_tp_sizes is not None or pp_size > 1:
         report = pipeline_report(path, config, dtype, auto_class, tp_plan, shape, stage_layers)
         return "\n".join([*mesh_text, report])
-    built = build_rank_model(auto_class, config, dtype, Mesh.dry_run(tp_size=tp, sp_size=sp, cp_size=cp), tp_plan=tp_plan)
+    mesh = Mesh.dry_run(tp_size=tp, sp_size=sp, cp_size=cp)
+    built = build_rank_model(auto_class, config, dtype, mesh, tp_plan=tp_plan)
     model, shard = built.model, built.layout
     check_mixers_under_fsdp(model, tp, shape.dp_shard)  # the dry run's mesh has no data-parallel sizes
     itemsize = torch.empty((), dtype=dtype).element_size()
@@ -286,7 +287,8 @@ def sequence_lines(model, shard, tp: int, sp: int, seq, cp: int = 1) -> list[str
         spread = head_spread(q, kv, sp)
         kv_note = "whole groups" if spread.kv_heads is None else "one per query head"
         where = f"tp {t}, sp {s}" + (f", cp {g}" if cp > 1 else "")
-        line = f"  rank {rank} ({where}): heads {q} q / {kv} kv -> all-to-all -> {spread.q_sizes[s]} q / {spread.kv_sizes[s]} kv ({kv_note})"
+        after = f"{spread.q_sizes[s]} q / {spread.kv_sizes[s]} kv ({kv_note})"
+        line = f"  rank {rank} ({where}): heads {q} q / {kv} kv -> all-to-all -> {after}"
         if layout is not None:
             line += f"; tokens {layout.sizes[index]} of {seq}"
             if cp > 1:

@@ -31,7 +31,7 @@ from .shm import attach, attach_pipes, channel_for
 
 DIMS = ("pp", "tp", "sp", "model", "dp", "dp_shard", "dp_replicate", "fsdp", "ulysses", "cp")  # creation order
 FSDP_DIMS = ("dp_replicate", "fsdp")  # HSDP's two mesh dimensions: created even with one rank
-SHM_DIMS = ("tp", "sp", "model", "ulysses")  # groups that carry activations or logits: a shared-memory channel on one host
+SHM_DIMS = ("tp", "sp", "model", "ulysses")  # groups that carry activations or logits: shared memory on one host
 
 
 @dataclass(frozen=True)

@@ -5,9 +5,9 @@ The world is ``dp_replicate x dp_shard x pp x cp x sp x tp``. One *model replica
 is a contiguous run of ranks: the ranks of one TP group are adjacent, TP groups sit inside SP
 groups (Ulysses, adjacent ranks), SP groups inside the ring of context parallelism (``cp``). The
 *sequence group* (``sp`` below, the mesh's ``sp`` dimension) is all ``cp x sp`` ranks a sequence is
-split over; ``ulysses`` and ``cp`` are its two parts, and each pipeline stage is a contiguous run of the replica's ranks. With a TP size per
-stage (``stage_tp_sizes``: variable tensor parallelism) stage i holds ``sp * stage_tp_sizes[i]``
-ranks and the replica is their sum. The data-parallel dimensions are outermost (slowest links):
+split over; ``ulysses`` and ``cp`` are its two parts. Each pipeline stage is a contiguous run of
+the replica's ranks. With a TP size per stage (``stage_tp_sizes``: variable tensor parallelism)
+stage i holds ``sp * stage_tp_sizes[i]`` ranks and the replica is their sum. The data-parallel dimensions are outermost (slowest links):
 ``dp_shard`` replicas are FSDP's shard group, ``dp_replicate`` copies of those are HSDP's
 replicas; every data-parallel rank sees its own batch, every rank of one replica the same one.
 """

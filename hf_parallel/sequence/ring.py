@@ -110,8 +110,9 @@ class _RingAttention(torch.autograd.Function):
                     continue
                 scores, _, mask = plan.scores(queries[a], block[0, :, :, b * c : b * c + keys], qi, ki, keys)
                 lse = torch.logsumexp(scores, dim=-1)
-                outs[a], lses[a] = merge(outs[a], lses[a], torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), values), lse)
-                if plan.mask is not None:  # which queries attend to some key (and every key's value, for those that don't)
+                o = torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), values)
+                outs[a], lses[a] = merge(outs[a], lses[a], o, lse)
+                if plan.mask is not None:  # which queries attend to some key (and, for eager's, every value's sum)
                     sees = _allowed(mask).any(-1)
                     seen[a] = sees if seen[a] is None else seen[a] | sees
                     sums[a] = sums[a] + values.sum(2) if plan.additive else 0.0

@@ -6,7 +6,8 @@ sequence, so global positions, padding, packed samples and sliding windows are t
 From the first decoder layer on, each rank holds its run of tokens (``tokens.py``), and each layer
 is handed its tokens' slice of the position tables; attention sees every token through
 ``ulysses.py`` (and, with a ring of Ulysses groups, ``ring.py``: context parallelism, where the
-sequence is first put in its zigzag order and every per-token tensor follows it). Only a sequence shorter than sp is padded (to one token per rank): the padding comes
+sequence is first put in its zigzag order and every per-token tensor follows it). Only a sequence
+shorter than sp is padded (to one token per rank; under CP, to whole chunks): the padding comes
 last, is masked out of attention, and is dropped from gathered outputs and from the loss.
 
 With ``labels`` the logits stay split: labels are shifted on the whole sequence first (no label is
