@@ -75,7 +75,8 @@ def check_encoder_decoder(config, mesh: Mesh) -> None:
     sequences, of different lengths, around cross-attention; pipeline stages and FSDP cut one list
     of layers). Refused by name before any weight is read."""
     asked = {
-        "sp_size": mesh.sp.size,
+        "sp_size": mesh.shape.ulysses,
+        "cp_size": mesh.shape.cp,
         "pp_size / stage_tp_sizes": mesh.num_stages,
         "fsdp_size": mesh.shape.dp_shard,
         "dp_replicate_size": mesh.shape.dp_replicate,

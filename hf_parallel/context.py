@@ -23,6 +23,7 @@ class SequenceCall:
     keep_split: bool  # a loss follows: logits stay split (else the final hidden states are gathered)
     order: torch.Tensor | None = None  # layout.order on the device (None: the sequence in its own order)
     inverse: torch.Tensor | None = None  # the order's inverse: gathered tokens put back
+    checked_masks: dict = field(default_factory=dict, compare=False)  # id -> the model's masks ring.py checked
 
     @property
     def sizes(self) -> tuple[int, ...]:

@@ -31,6 +31,7 @@ LAYOUTS = {
     "pp2tp2": (4, dict(pp_size=2, tp_size=2), ["pp_llama", "pp_qwen2_moe"], {}),
     "pp2ep2": (4, dict(pp_size=2, tp_size=2, tp_plan=None), ["pp_qwen2_moe"], dict(ep_plan="auto")),
     "pp2sp2": (4, dict(pp_size=2, sp_size=2, tp_plan=None), ["pp_llama", "pp_tied"], {}),
+    "pp2cp2": (4, dict(pp_size=2, cp_size=2, tp_plan=None), ["pp_tied"], {}),  # the ring on each stage
 }
 CASES = [(layout, name) for layout, (_, _, names, _) in LAYOUTS.items() for name in names]
 

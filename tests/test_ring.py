@@ -82,3 +82,26 @@ def test_ring_attention_matches_softmax_written_out(mask, softcap, sinks, tokens
                           torch.autograd.grad(want, inputs, grad)):  # fmt: skip
         assert torch.allclose(a, b, atol=2e-6, rtol=1e-5), f"d{name} differs by {(a - b).abs().max():.3g}"
     assert torch.allclose(got, want, atol=2e-6, rtol=1e-5), f"output differs by {(got - want).abs().max():.3g}"
+
+
+@pytest.mark.parametrize(
+    "opened, window, complaint",
+    [
+        ((2, 5), None, "lets a query attend to keys after it"),  # query 2 sees key 5: a bidirectional block
+        ((9, 2), 4, "further back than its sliding window (4)"),  # query 9 sees key 2, 7 back, past a window of 4
+    ],
+)
+def test_a_mask_that_opens_a_skipped_pair_is_refused(opened, window, complaint):
+    """Ring attention skips pairs on causality and the window: a model's mask that allows anything there
+    (checked once per call) is refused by name instead of silently losing those keys."""
+    from hf_parallel.sequence.ring import _checked_mask
+
+    allowed = torch.ones(1, 1, 12, 12, dtype=torch.bool).tril()
+    if window:
+        allowed &= ~torch.ones(12, 12, dtype=torch.bool).tril(-window)
+    sequence = SimpleNamespace(split=SimpleNamespace(cp=SimpleNamespace(size=2)), checked_masks={})
+    assert _checked_mask(allowed, sequence, window) is allowed  # the model's own mask: served
+    allowed = allowed.clone()
+    allowed[..., opened[0], opened[1]] = True
+    with pytest.raises(ValueError, match=complaint.replace("(", r"\(").replace(")", r"\)")):
+        _checked_mask(allowed, SimpleNamespace(split=sequence.split, checked_masks={}), window)

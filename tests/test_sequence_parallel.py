@@ -20,7 +20,7 @@ TOL = 1e-5
 
 @pytest.fixture(scope="module")
 def sp_paths(tiny_root):
-    return {name: make_checkpoint(name, tiny_root) for name in SP_MODELS}
+    return {name: make_checkpoint(name, tiny_root) for name in [*SP_MODELS, "gpt_oss"]}
 
 
 @pytest.fixture(scope="module")
@@ -29,27 +29,34 @@ def sp_results(sp_paths, tmp_path_factory):
         tp, sp = shape
         root = str(tmp_path_factory.mktemp(f"tp{tp}sp{sp}"))
         return run_ranks(
-            tp * sp, sequence_workers.compare_sp, sp_paths, tp, sp, root + "/saved", out_dir=root
+            tp * sp, sequence_workers.compare_sp, {name: sp_paths[name] for name in SP_MODELS}, tp, sp,
+            root + "/saved", out_dir=root,
         ), root + "/saved"
 
     return once_per_world_size(run)
+
+
+def assert_like_one_process(ranks: list, layout: str, loss: dict) -> None:
+    """Every rank's ``compare_sp`` records within the tolerances: weights after a step, greedy tokens,
+    the loss (``loss``: its bounds), logits and every gradient."""
+    for rank, results in enumerate(ranks):
+        for case, r in results.items():
+            where = f"rank {rank} {case}{layout}"
+            if case.endswith("/step"):
+                assert_within(r, atol=TOL, rtol=TOL, where=f"{where}: weights after one SGD step")
+            elif case.endswith("/generate"):
+                assert r is True, f"{where}: generated tokens differ from one process"
+            else:
+                assert_within({"loss": r["loss"]}, **loss, where=where)
+                assert_within({k: r[k] for k in ("logits", "whole_logits")}, atol=TOL, rtol=TOL, where=where)
+                assert_within(r["grads"], atol=TOL, rtol=TOL, where=f"{where} gradients")
 
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("tp, sp", SHAPES)
 def test_sequence_parallel_matches_one_process(sp_results, sp_paths, tp, sp):
     ranks, saved = sp_results((tp, sp))
-    for rank, results in enumerate(ranks):
-        for case, r in results.items():
-            where = f"rank {rank} {case}"
-            if case.endswith("/step"):
-                assert_within(r, atol=TOL, rtol=TOL, where=f"{where}: weights after one SGD step")
-            elif case.endswith("/generate"):
-                assert r is True, f"{where}: generated tokens differ from one process"
-            else:
-                assert_within({"loss": r["loss"]}, atol=1e-6, rtol=0, where=where)
-                assert_within({k: r[k] for k in ("logits", "whole_logits")}, atol=TOL, rtol=TOL, where=where)
-                assert_within(r["grads"], atol=TOL, rtol=TOL, where=f"{where} gradients")
+    assert_like_one_process(ranks, "", loss=dict(atol=1e-6, rtol=0))
     # each SP rank holds its own run of the tokens: 37 over sp, 3 padded to one per rank
     assert sum(results["llama/len37"]["local_tokens"] for results in ranks) == 37 * tp
     if sp >= 3:  # 3 tokens over 3 ranks, or padded to one per rank over 4
@@ -59,12 +66,13 @@ def test_sequence_parallel_matches_one_process(sp_results, sp_paths, tp, sp):
 
 
 # context parallelism: (tp, sp, cp) -> the models it runs. Each code path once: the ring alone at 2 (every
-# model: softcap, sliding windows, MoE, qk-norm) and 4 (block skipping by window and causality over more
-# steps), Ulysses inside the ring, TP inside it, and eight ranks past gemma2's four query heads.
+# model: softcap, sliding windows, MoE, qk-norm, gpt-oss's sinks) and 4 (block skipping by window and
+# causality over more steps), Ulysses inside the ring (sinks of each rank's heads), TP inside it, and eight
+# ranks past gemma2's four query heads.
 CP_SHAPES = {
-    (1, 1, 2): SP_MODELS,
+    (1, 1, 2): [*SP_MODELS, "gpt_oss"],
     (1, 1, 4): ["llama", "gemma2"],
-    (1, 2, 2): ["llama", "mistral"],
+    (1, 2, 2): ["llama", "mistral", "gpt_oss"],
     (2, 1, 2): ["llama", "qwen2_moe"],
     (1, 4, 2): ["gemma2"],
 }
@@ -81,18 +89,8 @@ def test_context_parallelism_matches_one_process(sp_paths, tmp_path, tp, sp, cp)
     ranks = run_ranks(
         tp * sp * cp, sequence_workers.compare_sp, cases, tp, sp, str(tmp_path / "saved"), cp, out_dir=str(tmp_path)
     )
-    for rank, results in enumerate(ranks):
-        for case, r in results.items():
-            where = f"rank {rank} {case} at tp={tp} sp={sp} cp={cp}"
-            if case.endswith("/step"):
-                assert_within(r, atol=TOL, rtol=TOL, where=f"{where}: weights after one SGD step")
-            elif case.endswith("/generate"):
-                assert r is True, f"{where}: generated tokens differ from one process"
-            else:
-                # a few float32 ulps of the loss: the merge sums the softmax in another order than one kernel
-                assert_within({"loss": r["loss"]}, atol=0, rtol=2e-6, where=where)
-                assert_within({k: r[k] for k in ("logits", "whole_logits")}, atol=TOL, rtol=TOL, where=where)
-                assert_within(r["grads"], atol=TOL, rtol=TOL, where=f"{where} gradients")
+    # a few float32 ulps of the loss: the merge sums the softmax in another order than one kernel
+    assert_like_one_process(ranks, f" at tp={tp} sp={sp} cp={cp}", loss=dict(atol=0, rtol=2e-6))
     held = [results[f"{next(iter(cases))}/len37"]["local_tokens"] for results in ranks]
     assert len(set(held)) == 1, f"zigzag: every rank holds as many tokens ({held})"
     for name, path in cases.items():

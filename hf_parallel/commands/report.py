@@ -293,6 +293,7 @@ def sequence_lines(model, shard, tp: int, sp: int, seq, cp: int = 1) -> list[str
             line += f"; tokens {layout.sizes[index]} of {seq}"
             if cp > 1:
                 line += f" (of chunks {' and '.join(map(str, layout.chunks_of(g)))}, {layout.chunk} tokens each)"
-            line += " (padded to one per rank)" if layout.length > seq and cp == 1 else ""
+            if layout.length > seq:
+                line += " (padded to one per rank)" if cp == 1 else f" (the sequence padded to {layout.length})"
         lines.append(line)
     return lines

@@ -390,14 +390,41 @@ def _described(header: torch.Tensor) -> str:
     return f"{DTYPES[dtype]} of shape {tuple(shape[:ndim])}"
 
 
-def shift(x: torch.Tensor, group, step: int) -> torch.Tensor:
-    """Rank r's ``x`` arrives at rank r + step of the group (around the ring): one all-to-all in which
-    each rank sends to one rank and receives from one, so it keeps NCCL's ordering on any backend."""
+class Shifting:
+    """A ring shift under way (``shift_async``): ``wait()`` gives what arrived."""
+
+    def __init__(self, work, sent: torch.Tensor, arrived: torch.Tensor, what: str):
+        self._work, self._sent, self._arrived, self._what = work, sent, arrived, what
+
+    def wait(self) -> torch.Tensor:
+        if self._work is not None:
+            with collective(lambda: self._what):
+                self._work.wait()
+            self._work = self._sent = None
+        return self._arrived
+
+
+def shift_async(x: torch.Tensor, group, step: int) -> Shifting:
+    """Rank r's ``x`` on its way to rank r + step of the group (around the ring), while the caller
+    computes. One all-to-all in which each rank sends to one rank and receives from one: a collective,
+    so every rank of the ring runs the same exchanges in the same order (no point-to-point pairing to
+    get right under NCCL's rules)."""
     world = _world(group)
     if world == 1:
-        return x
+        return Shifting(None, x, x, "")
     rank = dist.get_rank(group)
     to, source = (rank + step) % world, (rank - step) % world
-    pieces = [x if r == to else x.new_empty(0) for r in range(world)]
-    shapes = [tuple(x.shape) if r == source else (0,) for r in range(world)]
-    return exchange(pieces, shapes, group)[source]
+    sent = x.contiguous().reshape(-1)
+    arrived = torch.empty_like(sent)
+    ins = [sent.numel() if r == source else 0 for r in range(world)]
+    outs = [sent.numel() if r == to else 0 for r in range(world)]
+    _count("ring_shift", sent)
+    what = f"ring shift of {tuple(x.shape)} to rank {to} of the ring"
+    with collective(lambda: what):
+        work = dist.all_to_all_single(arrived, sent, ins, outs, group=group, async_op=True)
+    return Shifting(work, sent, arrived.view(x.shape), what)
+
+
+def shift(x: torch.Tensor, group, step: int) -> torch.Tensor:
+    """``shift_async``, waited for."""
+    return shift_async(x, group, step).wait()

@@ -10,15 +10,18 @@ over the i), in float32, as flash attention's online softmax does.
 The mask is the model's own: the one it built for the whole sequence (padding, packed documents,
 sliding windows, read per chunk pair: chunks are contiguous runs of positions), or, where it built
 none (sdpa's causal fast path), causality from the chunks' positions. A pair whose keys all come after
-its queries is skipped (the model is causal: checked at load), and so is one wholly outside a sliding
-window; every other pair is computed. Attention sinks (gpt-oss: one logit per head added to every
-softmax's denominator) enter once, after the merge.
+its queries is skipped (the model is causal: checked at load, and its mask once per call), and so is one
+wholly outside a sliding window; with eager's additive mask every pair is computed
+(``RingPlan.additive``). Attention sinks (gpt-oss: one logit per head added to every softmax's
+denominator) enter once, after the merge.
 
 The whole ring is one autograd function (as ring-flash-attention's): its backward sends the blocks
 round again and recomputes each pair's probabilities from the saved log-sum-exp, so no scores are
 kept between forward and backward, and every rank runs the same exchanges in the same order whatever
 pairs it skips. Memory: the model's own mask, where it builds one, is ``[batch, 1, S, S]`` on every
-rank. The key/value exchange is not yet overlapped with the compute.
+rank (read per pair, never copied whole). Each step's key/value block is on its way to the next rank
+while the step's pairs compute (an asynchronous all-to-all); the gradients travelling with it in the
+backward leave once the step's pairs have added to them.
 """
 from __future__ import annotations
 
@@ -40,7 +43,7 @@ class RingPlan:
     softcap: float | None
     window: int | None
     groups: int  # query heads per key/value head
-    ring_device: torch.device = torch.device("cpu")
+    device: torch.device = torch.device("cpu")  # where the tensors are
 
     @property
     def additive(self) -> bool:
@@ -65,7 +68,7 @@ class RingPlan:
     def fused(self) -> bool:
         """Each pair through torch's fused CPU flash kernel, which returns the log-sum-exp and takes it back
         in its backward (no scores in memory): causal from positions, no soft-capping. Else written out."""
-        return self.mask is None and not self.softcap and self.ring_device.type == "cpu"
+        return self.mask is None and not self.softcap and self.device.type == "cpu"
 
     def scores(self, q, k, qi: int, ki: int, keys: int):
         """Scaled (soft-capped) scores of one pair and, when capped, the tanh for the backward."""
@@ -98,7 +101,7 @@ class _RingAttention(torch.autograd.Function):
         outs, lses, seen, sums = [None, None], [None, None], [None, None], [0.0, 0.0]
         block = torch.stack([k, v])  # what travels: this group's keys and values, then each other group's
         for step in range(ring.size):
-            following = comm.shift(block, ring.group, 1) if step < ring.size - 1 else None
+            following = comm.shift_async(block, ring.group, 1) if step < ring.size - 1 else None  # during the pairs
             for a, qi, b, ki, keys in plan.pairs(step):
                 values = _repeat(block[1, :, :, b * c : b * c + keys], plan)
                 if plan.fused:
@@ -116,7 +119,7 @@ class _RingAttention(torch.autograd.Function):
                     sees = _allowed(mask).any(-1)
                     seen[a] = sees if seen[a] is None else seen[a] | sees
                     sums[a] = sums[a] + values.sum(2) if plan.additive else 0.0
-            block = following
+            block = following.wait() if following is not None else None
         for a, part in enumerate(queries):  # padding queries with no key in reach (past the end and the window)
             if outs[a] is None:
                 outs[a], lses[a] = torch.zeros_like(part), part.new_full(part.shape[:-1], MASKED)
@@ -127,6 +130,8 @@ class _RingAttention(torch.autograd.Function):
             total = torch.logaddexp(lse, sinks.float().view(1, -1, 1))
             out, lse = out * torch.exp(lse - total).unsqueeze(-1), total
         attended = torch.cat(seen, dim=-1).unsqueeze(-1) if seen[0] is not None else None
+        if sinks is not None:  # a query masked from every key gives the sink all its weight: zeros already
+            attended = None
         if attended is not None:  # queries masked from every key (left padding): what one process gives them
             unattended = _unattended(sums, plan, c) if plan.additive else 0.0
             out = torch.where(attended, out, unattended)
@@ -150,7 +155,7 @@ class _RingAttention(torch.autograd.Function):
         block = torch.stack([k, v])
         travelling = torch.zeros_like(block, dtype=torch.float32)  # the held block's key/value gradients so far
         for step in range(ring.size):
-            following = comm.shift(block, ring.group, 1) if step < ring.size - 1 else None
+            following = comm.shift_async(block, ring.group, 1) if step < ring.size - 1 else None  # during the pairs
             for a, qi, b, ki, keys in plan.pairs(step):
                 keys_at = slice(b * c, b * c + keys)
                 if plan.fused:  # the kernel's backward from the merged output and log-sum-exp (as flash's)
@@ -176,7 +181,7 @@ class _RingAttention(torch.autograd.Function):
                 travelling[0, :, :, keys_at] += _fold(torch.matmul(d_scores.transpose(-1, -2), queries[a]), plan)
                 travelling[1, :, :, keys_at] += _fold(torch.matmul(p.transpose(-1, -2), grads[a]), plan)
             travelling = comm.shift(travelling, ring.group, 1)  # with its block; the last step takes it home
-            block = following
+            block = following.wait() if following is not None else None
         d_sinks = None
         if sinks is not None and ctx.needs_input_grad[3]:  # d sink = -sum over rows of p_sink * rowsum(dO * O)
             d_sinks = -(torch.exp(sinks.float().view(1, -1, 1) - lse) * delta).sum((0, 2)).to(sinks.dtype)
@@ -185,7 +190,7 @@ class _RingAttention(torch.autograd.Function):
 
 def _allowed(mask: torch.Tensor) -> torch.Tensor:
     """Where a bool or additive mask lets a query attend."""
-    return mask if mask.dtype == torch.bool else mask > MASKED / 2
+    return mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
 
 
 def _unattended(sums: list, plan: RingPlan, c: int) -> torch.Tensor:
@@ -218,7 +223,7 @@ def ring_attention(module, query, key, value, attention_mask, sequence, heads: t
         )
     scale = kwargs.get("scaling")
     plan = RingPlan(
-        sequence.layout, ring, _whole_mask(attention_mask, sequence.layout.length, ring.size),
+        sequence.layout, ring, _checked_mask(attention_mask, sequence, kwargs.get("sliding_window")),
         query.shape[-1] ** -0.5 if scale is None else scale, kwargs.get("softcap"), kwargs.get("sliding_window"),
         query.shape[1] // key.shape[1], query.device,
     )  # fmt: skip
@@ -236,23 +241,44 @@ def merge(o, lse, o_new, lse_new):
     return o * torch.exp(lse - total).unsqueeze(-1) + o_new * torch.exp(lse_new - total).unsqueeze(-1), total
 
 
-def _whole_mask(mask, length: int, rings: int):
-    """The model's mask over the padded sequence, or None (causal from positions)."""
+def _checked_mask(mask, sequence, window):
+    """The model's mask, checked once per call and mask (an O(S^2) pass, one host read on a GPU) to allow
+    nothing in the pairs ring attention skips: keys after their query (the model is causal, yet a mask
+    could open bidirectional blocks) and keys further back than the sliding window. None stays None."""
+    ring = sequence.split.cp
     if mask is None:
         return None
     if mask.dim() != 4 or mask.shape[1] != 1:
         raise ValueError(
-            f"cp_size={rings}: ring attention reads a [batch, 1, queries, keys] mask; the model built one of shape "
+            f"cp_size={ring.size}: ring attention reads a [batch, 1, queries, keys] mask; the model built one of shape "
             f"{tuple(mask.shape)}"
         )
-    return mask_padding(mask, length) if mask.shape[-1] < length else mask
+    if id(mask) not in sequence.checked_masks:
+        allowed = _allowed(mask)
+        if bool(allowed.triu(1).any()):
+            raise ValueError(
+                f"cp_size={ring.size}: the model's attention mask lets a query attend to keys after it (bidirectional "
+                "blocks: image tokens, a prefix); ring attention serves causal masks only, so use sp_size alone"
+            )
+        if window and bool(allowed.tril(-window - 1).any()):
+            raise ValueError(
+                f"cp_size={ring.size}: the model's mask lets a query attend further back than its sliding window "
+                f"({window}); ring attention skips those keys, so it cannot serve this mask"
+            )
+        sequence.checked_masks[id(mask)] = mask  # held for the call: the id is not reused while it runs
+    return mask
 
 
 def _pair_mask(mask, qi: int, ki: int, c: int, keys: int, device):
     """The mask of query chunk ``qi`` against the first ``keys`` keys of chunk ``ki`` (chunks are
-    contiguous positions)."""
+    contiguous positions; keys never reach the padding). Query rows past the model's mask (padding)
+    attend to every key: their outputs are dropped."""
     if mask is not None:
-        return mask[..., qi * c : (qi + 1) * c, ki * c : ki * c + keys]
+        rows = mask[..., qi * c : (qi + 1) * c, ki * c : ki * c + keys]
+        if rows.shape[-2] < c:
+            allow = True if mask.dtype == torch.bool else 0.0
+            rows = torch.nn.functional.pad(rows, (0, 0, 0, c - rows.shape[-2]), value=allow)
+        return rows
     if qi == ki:  # the diagonal: causal inside the chunk
         return torch.ones(c, c, dtype=torch.bool, device=device).tril()[:, :keys]
     return None  # keys wholly before the queries

@@ -73,8 +73,11 @@ class SequenceSplit:
         layout = self.layout(tokens)
         if layout.order is None:
             return SequenceCall(self, layout, keep_split)
-        if tokens not in self._orders:  # made once per length, not per call
-            order = torch.tensor(layout.order, device=self.device)
+        if tokens not in self._orders:  # made on the device (no host copy), kept for the last few lengths
+            if len(self._orders) >= 8:
+                self._orders.pop(next(iter(self._orders)))
+            chunks = torch.arange(layout.length, device=self.device).view(2 * layout.cp, layout.chunk)
+            order = torch.stack([chunks[: layout.cp], chunks[layout.cp :].flip(0)], 1).reshape(-1)  # g, 2cp-1-g
             self._orders[tokens] = order, torch.argsort(order)
         order, inverse = self._orders[tokens]
         return SequenceCall(self, layout, keep_split, order, inverse)
@@ -133,6 +136,7 @@ def check_sequence_parallel(model: nn.Module, sp: int, cp: int = 1) -> None:
                 "transformers' attention registry, so the Ulysses all-to-all cannot wrap it"
             )
         heads = [n for n, p in module.named_parameters() if p.dim() == 1 and "norm" not in n and "bias" not in n]
+        heads = [n for n in heads if not (cp > 1 and n == "sinks")]  # ring attention adds its heads' sinks
         per_head = [n for n, m in module.named_modules() if isinstance(m, nn.ModuleList)]
         if heads or per_head:
             raise ValueError(
