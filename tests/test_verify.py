@@ -51,10 +51,13 @@ def test_verify_streams_the_reference_from_disk_under_a_memory_budget(tiny_paths
     assert "one process streamed from disk within 0 MiB" in done.stdout and "PASS" in done.stdout
 
 
-def test_verify_under_sequence_parallelism(tiny_paths):
-    done = _verify(tiny_paths["llama"], "--tp", "1", "--sp", "2")
+@pytest.mark.parametrize("flag, layout", [("--sp", "tp=1 x sp=2"), ("--cp", "tp=1 x cp=2")])
+def test_verify_under_sequence_parallelism(tiny_paths, flag, layout):
+    """Ulysses (each rank a run of tokens) and the ring (each rank two zigzag chunks): every layer's
+    output gathered and put back in the sequence's order before it is compared."""
+    done = _verify(tiny_paths["llama"], "--tp", "1", flag, "2")
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "tp=1 x sp=2" in done.stdout and "PASS" in done.stdout
+    assert layout in done.stdout and "PASS" in done.stdout
     assert [line.split()[0] for line in done.stdout.splitlines() if line.endswith(" ok")][-1] == "logits"
 
 

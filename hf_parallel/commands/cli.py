@@ -187,7 +187,9 @@ def cmd_verify(args) -> int:
     stages = pipeline_kwargs(args)
     sizes = {key: value for key, value in stages.items() if key in ("pp_size", "stage_tp_sizes")}
     try:
-        world = MeshShape.requested(tp_size=None if args.stage_tp else args.tp, sp_size=args.sp, **sizes).world_size
+        world = MeshShape.requested(
+            tp_size=None if args.stage_tp else args.tp, sp_size=args.sp, cp_size=args.cp, **sizes
+        ).world_size
     except ValueError as error:
         print(f"hf-parallel verify: {error}", file=sys.stderr, flush=True)
         return 1
@@ -200,7 +202,7 @@ def cmd_verify(args) -> int:
         memory = None if args.reference_memory_gb is None else int(args.reference_memory_gb * 2**30)
         report = verify(
             args.path, tp_plan_arg(args.tp_plan), args.dtype, args.tolerance, args.tp, args.sp, reference_memory=memory,
-            **stages,
+            cp_size=args.cp, **stages,
         )  # fmt: skip
     except ValueError as error:  # the plan cannot split this model: said before any weight is read
         if os.environ.get("RANK", "0") == "0":
@@ -260,6 +262,7 @@ def main(argv=None) -> None:
     check.add_argument("path")
     check.add_argument("--tp", type=int, default=1, help="TP size (of every stage, with --pp)")
     check.add_argument("--sp", type=int, default=1)
+    check.add_argument("--cp", type=int, default=1, help="context-parallel size (a ring of SP groups)")
     add_pipeline_args(check)
     check.add_argument("--dtype", default="float32")
     check.add_argument("--tp-plan", default="auto", help="auto, discover, a model_type, or a TOML/JSON file of rules")

@@ -131,17 +131,17 @@ def compare(reference: dict, parallel: dict, mask: torch.Tensor, error: str | No
     return rows
 
 
-def whole_sequences(outputs: dict, tokens: int, mesh) -> dict:
-    """Under sequence parallelism each layer's output holds this rank's run of tokens: gathered
-    over the group (every rank, same order), so every token of every layer is compared."""
-    from ..distributed import comm
-    from ..sequence.tokens import token_sizes
+def whole_sequences(outputs: dict, tokens: int, split) -> dict:
+    """Under sequence (and context) parallelism each layer's output holds this rank's tokens: gathered
+    over the group (every rank, same order) and put back in the sequence's order, so every token of
+    every layer is compared."""
+    from ..sequence.shard import whole_tokens
 
-    sizes = token_sizes(tokens, mesh.sp.size)
+    sequence = split.call(tokens, keep_split=False)
     whole = {}
     for name, out in outputs.items():
-        if out.dim() >= 2 and out.shape[1] == sizes[mesh.sp.rank] != tokens:
-            out = comm.gather_to_use(out.contiguous(), 1, sizes, mesh.sp.group)[:, :tokens]
+        if out.dim() >= 2 and out.shape[1] == sequence.sizes[split.rank] != tokens:
+            out = whole_tokens(out.contiguous(), 1, sequence)
         whole[name] = out
     return whole
 
@@ -185,6 +185,7 @@ def verify(
     tp_size=None,
     sp_size: int = 1,
     reference_memory: int | None = None,
+    cp_size: int = 1,
     **stages,
 ) -> Report | None:
     """Run under torchrun (every rank); rank 0 returns the report, the others None. Under sequence
@@ -208,7 +209,7 @@ def verify(
     vtp = stages.get("stage_tp_sizes") is not None
     mesh = get_mesh(
         None if vtp else tp_size, sp_size=sp_size, pp_size=stages.get("pp_size", 1),
-        stage_tp_sizes=stages.get("stage_tp_sizes"),
+        stage_tp_sizes=stages.get("stage_tp_sizes"), cp_size=cp_size,
     )  # fmt: skip
     batch = probe_batch(config)
     reference = None
@@ -222,13 +223,14 @@ def verify(
     if mesh.num_stages > 1:  # the layer hooks record one forward of the whole probe batch
         stages.setdefault("micro_batches", 1)
     model = AutoModelForCausalLM.from_pretrained(
-        path, tp_plan=tp_plan, dtype=dtype, tp_size=None if vtp else mesh.tp.size, sp_size=sp_size, **stages,
+        path, tp_plan=tp_plan, dtype=dtype, tp_size=None if vtp else mesh.tp.size, sp_size=sp_size,
+        cp_size=cp_size, **stages,
     )  # fmt: skip
     state = parallel_state(model)
     on_device = {name: tensor.to(mesh.device) for name, tensor in batch.items()}  # the reference ran on the host
     parallel, error = outputs_by_layer(model, on_device, state)
     if mesh.sp.size > 1 and error is None:
-        parallel = whole_sequences(parallel, batch["input_ids"].shape[1], mesh)
+        parallel = whole_sequences(parallel, batch["input_ids"].shape[1], state.runtime.sequence)
     parallel = {name: out.cpu() for name, out in parallel.items()}  # compared (and gathered as objects) on the host
     if mesh.num_stages > 1:
         parallel = every_stage(parallel, mesh)
