@@ -21,7 +21,7 @@ class SequenceCall:
     split: object  # the model's SequenceSplit (sequence/shard.py): its groups, and the attention it wraps
     layout: object  # the sequence/tokens.py TokenLayout: tokens per rank, the zigzag order under CP
     keep_split: bool  # a loss follows: logits stay split (else the final hidden states are gathered)
-    order: torch.Tensor | None = None  # layout.order on the device (None: the sequence in its own order)
+    order: torch.Tensor | None = None  # the zigzag permutation on the device (None: the sequence in its own order)
     inverse: torch.Tensor | None = None  # the order's inverse: gathered tokens put back
     checked_masks: dict = field(default_factory=dict, compare=False)  # id -> the model's masks ring.py checked
 

@@ -71,10 +71,9 @@ class RingPlan:
         return self.mask is None and not self.softcap and self.device.type == "cpu"
 
     def scores(self, q, k, qi: int, ki: int, keys: int):
-        """Scaled (soft-capped) scores of one pair and, when capped, the tanh for the backward."""
-        if self.groups > 1:
-            k = k.repeat_interleave(self.groups, 1)
-        scores = torch.matmul(q, k.float().transpose(-1, -2)) * self.scale
+        """Scaled (soft-capped) scores of one pair (``k``: its keys repeated for the query heads, ``_repeat``)
+        and, when capped, the tanh for the backward."""
+        scores = torch.matmul(q, k.transpose(-1, -2)) * self.scale
         capped = None
         if self.softcap:
             capped = torch.tanh(scores / self.softcap)
@@ -103,22 +102,21 @@ class _RingAttention(torch.autograd.Function):
         for step in range(ring.size):
             following = comm.shift_async(block, ring.group, 1) if step < ring.size - 1 else None  # during the pairs
             for a, qi, b, ki, keys in plan.pairs(step):
-                values = _repeat(block[1, :, :, b * c : b * c + keys], plan)
+                pair_k, pair_v = (_repeat(part[:, :, b * c : b * c + keys], plan) for part in block)
                 if plan.fused:
                     o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                        queries[a], _repeat(block[0, :, :, b * c : b * c + keys], plan), values, 0.0, qi == ki,
-                        scale=plan.scale,
-                    )  # fmt: skip
+                        queries[a], pair_k, pair_v, 0.0, qi == ki, scale=plan.scale
+                    )
                     outs[a], lses[a] = merge(outs[a], lses[a], o, lse)
                     continue
-                scores, _, mask = plan.scores(queries[a], block[0, :, :, b * c : b * c + keys], qi, ki, keys)
+                scores, _, mask = plan.scores(queries[a], pair_k, qi, ki, keys)
                 lse = torch.logsumexp(scores, dim=-1)
-                o = torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), values)
+                o = torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), pair_v)
                 outs[a], lses[a] = merge(outs[a], lses[a], o, lse)
                 if plan.mask is not None:  # which queries attend to some key (and, for eager's, every value's sum)
                     sees = _allowed(mask).any(-1)
                     seen[a] = sees if seen[a] is None else seen[a] | sees
-                    sums[a] = sums[a] + values.sum(2) if plan.additive else 0.0
+                    sums[a] = sums[a] + pair_v.sum(2) if plan.additive else 0.0
             block = following.wait() if following is not None else None
         for a, part in enumerate(queries):  # padding queries with no key in reach (past the end and the window)
             if outs[a] is None:
@@ -158,26 +156,25 @@ class _RingAttention(torch.autograd.Function):
             following = comm.shift_async(block, ring.group, 1) if step < ring.size - 1 else None  # during the pairs
             for a, qi, b, ki, keys in plan.pairs(step):
                 keys_at = slice(b * c, b * c + keys)
+                pair_k, pair_v = (_repeat(part[:, :, keys_at], plan) for part in block)
                 if plan.fused:  # the kernel's backward from the merged output and log-sum-exp (as flash's)
                     d_q, d_k, d_v = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                        grads[a].contiguous(), queries[a], _repeat(block[0, :, :, keys_at], plan),
-                        _repeat(block[1, :, :, keys_at], plan), outs[a].contiguous(), lses[a].contiguous(), 0.0,
-                        qi == ki, scale=plan.scale,
+                        grads[a].contiguous(), queries[a], pair_k, pair_v, outs[a].contiguous(), lses[a].contiguous(),
+                        0.0, qi == ki, scale=plan.scale,
                     )  # fmt: skip
                     dq[a] += d_q
                     travelling[0, :, :, keys_at] += _fold(d_k, plan)
                     travelling[1, :, :, keys_at] += _fold(d_v, plan)
                     continue
-                scores, capped, _ = plan.scores(queries[a], block[0, :, :, keys_at], qi, ki, keys)
+                scores, capped, _ = plan.scores(queries[a], pair_k, qi, ki, keys)
                 p = torch.exp(scores - lses[a].unsqueeze(-1))
                 if uniform is not None:  # eager: a query masked from every key weighs them all alike
                     p = torch.where(uniform[a], p, 1.0 / plan.layout.tokens)
-                values = _repeat(block[1, :, :, keys_at], plan)
-                d_scores = p * (torch.matmul(grads[a], values.transpose(-1, -2)) - deltas[a].unsqueeze(-1))
+                d_scores = p * (torch.matmul(grads[a], pair_v.transpose(-1, -2)) - deltas[a].unsqueeze(-1))
                 if capped is not None:
                     d_scores = d_scores * (1 - capped * capped)
                 d_scores = d_scores * plan.scale
-                dq[a] += torch.matmul(d_scores, _repeat(block[0, :, :, keys_at], plan))
+                dq[a] += torch.matmul(d_scores, pair_k)
                 travelling[0, :, :, keys_at] += _fold(torch.matmul(d_scores.transpose(-1, -2), queries[a]), plan)
                 travelling[1, :, :, keys_at] += _fold(torch.matmul(p.transpose(-1, -2), grads[a]), plan)
             travelling = comm.shift(travelling, ring.group, 1)  # with its block; the last step takes it home
@@ -282,13 +279,3 @@ def _pair_mask(mask, qi: int, ki: int, c: int, keys: int, device):
     if qi == ki:  # the diagonal: causal inside the chunk
         return torch.ones(c, c, dtype=torch.bool, device=device).tril()[:, :keys]
     return None  # keys wholly before the queries
-
-
-def mask_padding(mask: torch.Tensor, length: int) -> torch.Tensor:
-    """A [.., queries, keys] mask for a sequence padded at its end to ``length``: no real token
-    attends to padding; padding tokens attend to everything (their rows are dropped later)."""
-    allow, block = (True, False) if mask.dtype == torch.bool else (0.0, torch.finfo(mask.dtype).min)
-    real = mask.shape[-1]
-    padded = torch.nn.functional.pad(mask, (0, length - real, 0, length - mask.shape[-2]), value=allow)
-    padded[..., : mask.shape[-2], real:] = block
-    return padded

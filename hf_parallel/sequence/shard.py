@@ -71,13 +71,13 @@ class SequenceSplit:
 
     def call(self, tokens: int, keep_split: bool) -> SequenceCall:
         layout = self.layout(tokens)
-        if layout.order is None:
+        if layout.cp == 1:  # the sequence in its own order
             return SequenceCall(self, layout, keep_split)
         if tokens not in self._orders:  # made on the device (no host copy), kept for the last few lengths
             if len(self._orders) >= 8:
                 self._orders.pop(next(iter(self._orders)))
             chunks = torch.arange(layout.length, device=self.device).view(2 * layout.cp, layout.chunk)
-            order = torch.stack([chunks[: layout.cp], chunks[layout.cp :].flip(0)], 1).reshape(-1)  # g, 2cp-1-g
+            order = torch.cat([chunks[i] for g in range(layout.cp) for i in layout.chunks_of(g)])
             self._orders[tokens] = order, torch.argsort(order)
         order, inverse = self._orders[tokens]
         return SequenceCall(self, layout, keep_split, order, inverse)

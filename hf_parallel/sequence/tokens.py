@@ -8,9 +8,10 @@ group idle while the last one attends to everything; so the (padded) sequence is
 equal chunks and group ``g`` holds chunks ``g`` and ``2 cp - 1 - g`` (zigzag, as ring-flash-attention
 and Megatron balance it): every group then does the same attention work. The sequence is padded at
 its end to a multiple of ``2 cp`` chunks of at least one token per Ulysses rank; within a group its
-two chunks are split over the Ulysses ranks as above. ``TokenLayout.order`` is the permutation that
-puts the sequence in the ranks' order; everything per token (hidden states, positions, labels)
-follows it, and gathered outputs are put back.
+two chunks are split over the Ulysses ranks as above. The groups' chunks in group order
+(``TokenLayout.chunks_of``) are the permutation that puts the sequence in the ranks' order
+(``shard.SequenceSplit.call`` makes it on the device); everything per token (hidden states,
+positions, labels) follows it, and gathered outputs are put back.
 """
 
 from __future__ import annotations
@@ -37,14 +38,6 @@ class TokenLayout:
     def chunks_of(self, group: int) -> tuple[int, int]:
         """The two zigzag chunks ring group ``group`` holds, in the order it holds them."""
         return group, 2 * self.cp - 1 - group
-
-    @property
-    def order(self) -> tuple[int, ...] | None:
-        """The padded sequence's positions in the order the ranks hold them; None: as they are."""
-        if self.cp == 1:
-            return None
-        c = self.chunk
-        return tuple(p for g in range(self.cp) for i in self.chunks_of(g) for p in range(i * c, (i + 1) * c))
 
 
 def token_layout(tokens: int, ulysses: int, cp: int = 1) -> TokenLayout:

@@ -28,7 +28,7 @@ from ..compat.transformers import attention_function, register_attention
 from ..context import current_call
 from ..distributed import comm
 from ..tensor.layout import even_sizes, sizes_to_ranges
-from .ring import mask_padding, ring_attention
+from .ring import ring_attention
 
 NAME = "hf_parallel_ulysses"
 
@@ -75,7 +75,7 @@ def ulysses_attention(module, query, key, value, attention_mask, **kwargs):
         out = ring_attention(module, query, key, value, attention_mask, sequence, heads, **kwargs)
         return comm.all_to_all(out, 1, 2, seq, spread.q_sizes, group), None
     if attention_mask is not None and attention_mask.shape[-1] < query.shape[2]:
-        attention_mask = mask_padding(attention_mask, query.shape[2])
+        attention_mask = _mask_padding(attention_mask, query.shape[2])
     inner = _inner_function(module, sequence.split.inner)
     groups = getattr(module, "num_key_value_groups", None)
     if spread.kv_heads is None or groups is None:
@@ -88,6 +88,16 @@ def ulysses_attention(module, query, key, value, attention_mask, **kwargs):
             module.num_key_value_groups = groups
     # [batch, seq, heads/sp, dim] -> [batch, seq/sp, heads, dim]; attention weights stay with the heads' ranks
     return comm.all_to_all(out, 1, 2, seq, spread.q_sizes, group), None
+
+
+def _mask_padding(mask: torch.Tensor, length: int) -> torch.Tensor:
+    """A [.., queries, keys] mask for a sequence padded at its end to ``length``: no real token
+    attends to padding; padding tokens attend to everything (their rows are dropped later)."""
+    allow, block = (True, False) if mask.dtype == torch.bool else (0.0, torch.finfo(mask.dtype).min)
+    real = mask.shape[-1]
+    padded = torch.nn.functional.pad(mask, (0, length - real, 0, length - mask.shape[-2]), value=allow)
+    padded[..., : mask.shape[-2], real:] = block
+    return padded
 
 
 register_attention(NAME, ulysses_attention)
