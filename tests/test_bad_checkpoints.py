@@ -105,9 +105,13 @@ def test_index_that_is_not_json(sharded, tmp_path):
     "quantization",
     [
         {"quant_method": "fp8", "activation_scheme": "static"},  # per-tensor scales: not read yet
-        {"quant_method": "gptq", "bits": 4, "group_size": 128},
-        {"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemm"},
+        {"quant_method": "gptq", "bits": 3, "group_size": 128},  # 3-bit values cross words
+        {"quant_method": "gptq", "bits": 4, "group_size": 128, "checkpoint_format": "marlin"},  # repacked for a kernel
+        {"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"},
+        {"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemm", "zero_point": False},
         {"quant_method": "bitsandbytes", "load_in_4bit": True},
+        {"quant_method": "hqq", "quant_config": {"weight_quant_params": {"nbits": 4}}},
+        {"quant_method": "torchao", "quant_type": "int4_weight_only"},
         {"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"group_0": {  # g_idx
             "targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 128,
                                                "actorder": "group"}}}},

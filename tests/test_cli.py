@@ -83,27 +83,40 @@ def test_prompts_file_is_generated_in_batches_and_sampling_follows_the_seed(smol
         assert block.split("\n\n")[0].split("\n[")[0].strip() == text.strip(), stdout
 
 
-def test_generate_keeps_a_real_fp8_model_quantized(smollm2, tmp_path):
-    """SmolLM2 as FP8 releases store it (64 x 64 block scales: 576 = 9 blocks, its 3 KV heads 3 blocks),
-    generated at TP=2 with ``--keep-quantized`` (each rank holds its slices as stored, dequantized module by
-    module): rank 0 streams the greedy text plain transformers generates from the same FP8 checkpoint in one
-    process (which dequantizes it)."""
+@pytest.mark.parametrize("form", ["fp8", "gptq"])
+def test_generate_keeps_a_real_quantized_model_quantized(smollm2, tmp_path, form):
+    """SmolLM2 as FP8 releases store it (64 x 64 block scales: 576 = 9 blocks, its 3 KV heads 3 blocks) and as
+    GPTQ 4-bit releases do (act-order, groups of 64: o_proj's and down_proj's inputs cut inside words' runs of
+    groups), generated at TP=2 with ``--keep-quantized`` (each rank holds its slices as stored, dequantized
+    module by module): rank 0 streams the greedy text plain transformers generates in one process from the FP8
+    checkpoint (which it dequantizes) or from the GPTQ weights dequantized as floats (it reads GPTQ only through
+    GPU kernels)."""
     import shutil
 
     from safetensors.torch import load_file, save_file
-    from tiny_models import fp8_config, quantize_fp8
+    from tiny_models import fp8_config, grouped_config, quantize_fp8, quantize_grouped_checkpoint
 
-    path = tmp_path / "smollm2-fp8"
-    shutil.copytree(smollm2, path, ignore=shutil.ignore_patterns("*.safetensors*"))
+    path, plain = tmp_path / f"smollm2-{form}", tmp_path / "smollm2-dequantized"
+    for target in (path, plain):
+        shutil.copytree(smollm2, target, ignore=shutil.ignore_patterns("*.safetensors*"))
     tensors = {}
     for name in sorted(os.listdir(smollm2)):
         if name.endswith(".safetensors"):
             tensors.update(load_file(os.path.join(smollm2, name)))
-    quantized, _, partial = quantize_fp8({k: t.float() for k, t in tensors.items()}, block=(64, 64))
-    assert not partial
+    if form == "fp8":
+        quantized, _, partial = quantize_fp8({k: t.float() for k, t in tensors.items()}, block=(64, 64))
+        assert not partial
+        fp8_config(str(path), block=(64, 64))
+        reference = path
+    else:
+        torch.manual_seed(0)
+        gptq = ("gptq", 4, "gptq", 64, True, True)
+        quantized, dequantized = quantize_grouped_checkpoint(tensors, *gptq)
+        save_file(dequantized, plain / "model.safetensors", metadata={"format": "pt"})
+        grouped_config(str(path), *gptq)
+        reference = plain
     save_file(quantized, path / "model.safetensors", metadata={"format": "pt"})
-    fp8_config(str(path), block=(64, 64))
-    want = reference_text(str(path), 8)
+    want = reference_text(str(reference), 8)
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
     stdout = run(torchrun, str(path), ["--prompt", PROMPT, "--max-new-tokens", "8", "--keep-quantized"])
     assert stdout.split("[8 tokens in")[0].strip() == want.strip(), stdout

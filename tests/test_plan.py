@@ -130,3 +130,31 @@ def test_plan_dry_run_cli_prints_layouts_per_rank(smollm2, tmp_path):
     assert "colwise" in line and "sizes=[128,64,192,192]" in line and "128x576 64x576 192x576 192x576" in line
     embed = next(row for row in out.splitlines() if row.startswith("model.embed_tokens.weight"))
     assert "(= lm_head.weight)" in embed and "chunks(dim=0, sizes=[12288,12288,12288,12288])" in embed
+
+
+def test_no_shipped_plan_leaves_routed_experts_whole():
+    """A plan that leaves an MoE's routed experts whole on every rank holds most of the model on each (a load
+    only warns): for every tiny model of a family with routed experts, the plan ``tp_plan="auto"`` picks (a
+    ``plans/`` file, else transformers') gives each 3-D expert parameter a rule that splits it."""
+    import warnings
+
+    import transformers
+    from tiny_models import ARCHS, COMMON, HYBRIDS, MOE
+
+
+    checked = {}
+    for name, (class_name, overrides) in {**ARCHS, **MOE, **HYBRIDS}.items():
+        config = getattr(transformers, class_name)(**{**COMMON, **overrides})
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(config)
+        experts = [n for n, p in model.named_parameters() if p.dim() == 3 and ".experts." in n]
+        if not experts:
+            continue
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # rules for variants this tiny model lacks
+            plan = resolve_plan(model, "auto")
+            assigned = plan.assign(model)
+        whole = [n for n in experts if n not in assigned or assigned[n].style_name == "replicated"]
+        assert not whole, f"{name}: {plan.source} leaves {whole} whole on every rank"
+        checked[name] = plan.source
+    assert {"granitemoehybrid", "jamba", "qwen2_moe", "qwen3_moe", "mixtral", "gpt_oss"} <= set(checked), checked

@@ -1,7 +1,8 @@
 """Quantized checkpoints: FP8 with block scales (DeepSeek-V3 / Qwen3-FP8's format), compressed-tensors' FP8
-(per channel, per tensor) and pack-quantized integers (W4A16 per group, W8A16 per channel, zero points), and
-gpt-oss's MXFP4 experts, read per rank, each rank its slice of the weights and of their scales, dequantized
-into the dtype asked for; against plain transformers in one process. Other formats are refused by name."""
+(per channel, per tensor) and pack-quantized integers (W4A16 per group, W8A16 per channel, zero points),
+gpt-oss's MXFP4 experts, GPTQ (4 / 8 bits, v1 and v2 zero points, act-order) and AWQ (GEMM), read per rank,
+each rank its slice of the weights and of their scales, dequantized into the dtype asked for; against plain
+transformers in one process. Other formats are refused by name."""
 
 import json
 import os
@@ -16,7 +17,8 @@ from hypothesis import strategies as st
 TOLERANCE = 1e-5
 
 
-MOE = {"qwen3_moe_fp8", "qwen3_moe_w4_group", "gpt_oss_mxfp4"}  # also loaded with their experts spread whole (EP)
+MOE = {"qwen3_moe_fp8", "qwen3_moe_w4_group", "gpt_oss_mxfp4", "qwen3_moe_gptq", "qwen3_moe_awq"}  # also loaded
+# with their experts spread whole (EP)
 READABLE = {"llama_w4_group", "llama_w8_channel"}  # compressed-tensors checkpoints plain transformers decompresses:
 # the reference is transformers reading them (for zero points, packed along the rows, and MoE per-expert keys it is
 # not: the same weights dequantized as floats)
@@ -25,14 +27,16 @@ READABLE = {"llama_w4_group", "llama_w8_channel"}  # compressed-tensors checkpoi
 @pytest.fixture(scope="module")
 def quantized_paths(tiny_root):
     """FP8 with block scales, compressed-tensors' per-channel and per-tensor FP8 and pack-quantized integers,
-    gpt-oss's MXFP4 experts."""
+    gpt-oss's MXFP4 experts, GPTQ and AWQ."""
     from tiny_models import (
         COMPRESSED,
         FP8,
+        GROUPED,
         MXFP4,
         PACKED,
         make_compressed_checkpoint,
         make_fp8_checkpoint,
+        make_grouped_checkpoint,
         make_mxfp4_checkpoint,
         make_packed_checkpoint,
     )
@@ -40,6 +44,7 @@ def quantized_paths(tiny_root):
     paths = {name: make_fp8_checkpoint(name, tiny_root) for name in FP8}
     paths.update({name: make_compressed_checkpoint(name, tiny_root)[0] for name in COMPRESSED})
     paths.update({name: make_packed_checkpoint(name, tiny_root)[0] for name in PACKED})
+    paths.update({name: make_grouped_checkpoint(name, tiny_root)[0] for name in GROUPED})
     return {**paths, **{name: make_mxfp4_checkpoint(name, tiny_root) for name in MXFP4}}
 
 
@@ -174,8 +179,12 @@ def test_quantized_weights_split_inside_a_block_match_one_process(
     replicated at TP=3; pipeline stages (each reads its layers' weights and scales) and SP. Packed integers:
     shards that cut 32-column groups and int32 words (160 at TP=3: 54/53/53), zero points packed 8 rows a
     word cut with the rows, Qwen3-MoE's per-expert W4A16. MXFP4: gpt-oss's transposed experts, down_proj's
-    96 inputs (3 groups of 32) cut 48/48 at TP=2, interleaved gate|up pairs. Every rank's logits within 1e-5
-    of plain transformers', and the gathered save is plain floats it reads back."""
+    96 inputs (3 groups of 32) cut 48/48 at TP=2, interleaved gate|up pairs. GPTQ: qweight's words (8 inputs) cut
+    by row splits at TP=3, act-order's groups read as the run its inputs name, v1's zero - 1 and v2's zero, 8 bits
+    with partial groups, one group (group_size -1) on Phi-3's packed q|k|v; AWQ: words of 8 outputs in AWQ's order
+    cut by column splits at TP=3, a module left as floats (``modules_to_not_convert``); both on Qwen3-MoE's
+    per-expert keys. Every rank's logits within 1e-5 of plain transformers', and the gathered save is plain
+    floats it reads back."""
     import tp_workers
     from distributed import run_ranks
 
@@ -251,7 +260,8 @@ def test_weights_kept_quantized_match_one_process_and_save_back_bitwise(
 
     paths = {name: path for name, path in quantized_paths.items() if name in MOE or "ep_plan" not in sizes}
     if world_size == 4:  # one of each format: 6 / 2 heads replicated unevenly, 32-row blocks cut 40 / 40 / 40 / 40
-        paths = {name: paths[name] for name in ("llama_fp8", "llama_w4_zero_point", "gpt_oss_mxfp4")}
+        paths = {name: paths[name] for name in ("llama_fp8", "llama_w4_zero_point", "gpt_oss_mxfp4", "llama_gptq",
+                                                "llama_awq")}
     results = run_ranks(world_size, tp_workers.quantized_logits, paths, str(tmp_path / "saved"), sizes, True,
                         out_dir=str(tmp_path / "out"))  # fmt: skip
     for rank, result in enumerate(results):
@@ -324,9 +334,10 @@ class _Stored:
 
 def _formats(bits: int):
     """(name, Dequantized, the whole weight dequantized by the formats' definitions) for FP8 blocks, packed
-    integers with zero points and MXFP4 (exponents as bytes and as e8m0), with partial blocks / groups / words."""
+    integers with zero points, MXFP4 (exponents as bytes and as e8m0), GPTQ (act-order; v2's zero points, 37
+    outputs: a partial zero-point word) and AWQ (50 inputs: a partial group), with partial blocks / groups / words."""
     from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
-    from tiny_models import FP4_VALUES
+    from tiny_models import FP4_VALUES, quantize_grouped
 
     from hf_parallel.checkpoint import quantized as q
 
@@ -348,8 +359,16 @@ def _formats(bits: int):
     mxfp4 = q.DequantizedMXFP4("w", _Stored(blocks), _Stored(exponents.to(torch.uint8)))
     e8m0 = q.DequantizedMXFP4("w", _Stored(blocks), _Stored(exponents.to(torch.uint8).view(torch.float8_e8m0fnu)))
     experts = fp4.flatten(-2).transpose(1, 2)
+    grouped = []
+    for method, form, shape, act_order in (("gptq", "gptq", (40, 48), True), ("gptq", "gptq_v2", (37, 48), False),
+                                           ("awq", "gemm", (40, 50), False)):  # fmt: skip
+        width = 4 if method == "awq" else bits
+        stored, dense = quantize_grouped(torch.randn(shape), method, width, form, 16, act_order, form == "gptq")
+        described = q.GroupedIntegers(method, width, 16, int(form == "gptq"))
+        read = q.DequantizedGrouped("m.weight", lambda p, s=stored: _Stored(s[p]) if p in s else None, described)
+        grouped.append((f"{method} {form}", read, dense))
     return [("fp8", fp8, whole), ("ints", ints, (values.float() - spread(zero)) * spread(scales)),
-            ("mxfp4", mxfp4, experts), ("mxfp4 e8m0", e8m0, experts)]  # fmt: skip
+            ("mxfp4", mxfp4, experts), ("mxfp4 e8m0", e8m0, experts), *grouped]  # fmt: skip
 
 
 @given(st.data())

@@ -83,7 +83,8 @@ HYBRIDS = {
                                            mamba_head_dim=8, n_groups=2, ssm_state_size=8, conv_kernel=4, chunk_size=4,
                                            layers_block_type=["mamba", "attention", "mlp"])),
     "granitemoehybrid": ("GraniteMoeHybridConfig", dict(HYBRID_ATTENTION, **MAMBA2, shared_intermediate_size=80,
-                                                        num_local_experts=0, layer_types=["mamba", "attention"])),
+                                                        intermediate_size=32, num_local_experts=4,
+                                                        num_experts_per_tok=2, layer_types=["mamba", "attention"])),
     "jamba": ("JambaConfig", dict(HYBRID_ATTENTION, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=8,
                                   num_experts=4, num_experts_per_tok=2, expert_layer_period=2, expert_layer_offset=1,
                                   attn_layer_period=2, attn_layer_offset=1)),
@@ -288,6 +289,122 @@ def make_packed_checkpoint(name: str, root: str) -> tuple[str, str]:
     weights = {"num_bits": bits, "type": "int", "symmetric": symmetric, "strategy": strategy, "dynamic": False,
                "actorder": None, **({"group_size": PACKED_GROUP} if strategy == "group" else {})}
     return _write_twins(path, plain, quantized, dequantized, "pack-quantized", weights)
+
+
+GROUPED = {  # GPTQ and AWQ (groups of 32 inputs): name -> (model, method, bits, checkpoint format, group_size,
+    # act-order, symmetric, modules left as floats)
+    "llama_gptq": ("llama_fp8", "gptq", 4, "gptq", 32, True, True, ()),  # act-order: any input in any group
+    "llama_gptq_v2_w8": ("llama_fp8_partial", "gptq", 8, "gptq_v2", 32, False, False, ()),  # partial groups, zeros
+    "phi3_gptq": ("phi3_fp8", "gptq", 4, "gptq", -1, False, True, ()),  # packed q|k|v, gate|up; one group
+    "llama_awq": ("llama_fp8_partial", "awq", 4, "gemm", 32, False, False, ("model.layers.0.mlp.down_proj",)),
+    "phi3_awq": ("phi3_fp8", "awq", 4, "gemm", 32, False, False, ()),
+    "qwen3_moe_gptq": ("qwen3_moe_fp8", "gptq", 4, "gptq", 32, True, True, ()),  # per-expert keys
+    "qwen3_moe_awq": ("qwen3_moe_fp8", "awq", 4, "gemm", 32, False, False, ()),
+}
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ / GPTQModel's pack_awq_columns: output AWQ_ORDER[i] at value i
+
+
+def pack_words(values: torch.Tensor, bits: int, order=None) -> torch.Tensor:
+    """GPTQModel 7.7's packing (``pack_original`` for qweight along the inputs, ``pack_awq_columns`` for AWQ):
+    ``values`` [rows, n] unsigned, every ``32 // bits`` consecutive along the last dim one int32 word, value i
+    at bit ``i * bits`` (AWQ: the run's element ``order[i]`` there); a last partial word padded with zeros, as
+    GPTQModel's ``_pack_contiguous`` pads it."""
+    per = 32 // bits
+    padded = torch.zeros(values.shape[0], -(-values.shape[1] // per) * per, dtype=torch.int32)
+    padded[:, : values.shape[1]] = values
+    runs = padded.reshape(values.shape[0], -1, per)
+    if order is not None:
+        runs = runs[..., list(order)]
+    packed = torch.zeros(runs.shape[:2], dtype=torch.int32)
+    for i in range(per):
+        packed |= runs[..., i] << (i * bits)
+    return packed
+
+
+def quantize_grouped(weight: torch.Tensor, method: str, bits: int, form: str, group: int, act_order: bool,
+                     symmetric: bool) -> tuple[dict, torch.Tensor]:
+    """One [out, in] matrix as GPTQ / AWQ store it (round to nearest per group; GPTQ's error feedback changes
+    which codes, not the format): the parts by name, and the matrix they stand for, dequantized by the formats'
+    definition, ``(q[i, o] - z[g(i), o]) * s[g(i), o]`` in float32."""
+    outputs, inputs = weight.shape
+    group, maxq = group if group > 0 else inputs, (1 << bits) - 1
+    g_idx = torch.arange(inputs) // group
+    if act_order:  # GPTQ's desc_act: the inputs quantized in another order, groups formed in it
+        g_idx = torch.argsort(torch.randperm(inputs)) // group
+    groups = int(g_idx.max()) + 1
+    members = [weight[:, g_idx == g] for g in range(groups)]
+    lo, hi = (torch.stack([m.amin(1) for m in members]), torch.stack([m.amax(1) for m in members]))  # [G, out]
+    if symmetric:
+        scale, zero = (2 * torch.maximum(lo.abs(), hi.abs()) / maxq), torch.full_like(lo, (maxq + 1) // 2)
+    else:
+        scale = (hi - lo) / maxq
+        zero = torch.round(-lo / scale.half().float()).clamp(0, maxq)
+    scale = scale.half()
+    spread, at = scale.float()[g_idx], zero[g_idx]  # [in, out]
+    q = (torch.round(weight.T / spread) + at).clamp(0, maxq)
+    dequantized = ((q - at) * spread).T.contiguous()
+    if method == "gptq":
+        stored_zero = zero - int(form == "gptq")  # the v1 format stores zero - 1
+        parts = {"qweight": pack_words(q.T, bits).T.contiguous(), "qzeros": pack_words(stored_zero, bits),
+                 "scales": scale.contiguous(), "g_idx": g_idx.to(torch.int32)}  # fmt: skip
+    else:
+        parts = {"qweight": pack_words(q, bits, AWQ_ORDER), "qzeros": pack_words(zero, bits, AWQ_ORDER),
+                 "scales": scale.contiguous()}  # fmt: skip
+    return parts, dequantized
+
+
+def quantize_grouped_checkpoint(tensors: dict, method: str, bits: int, form: str, group: int, act_order: bool,
+                                symmetric: bool, floats=()) -> tuple[dict, dict]:
+    """A float checkpoint's tensors as GPTQ / AWQ releases store them: every decoder Linear's ``qweight``,
+    ``qzeros``, ``scales`` and GPTQ's ``g_idx`` (the router, the LM head and the modules ``floats`` names left as
+    they are), and the same weights dequantized as floats."""
+    quantized, dequantized = dict(tensors), dict(tensors)
+    matrices = [k for k, w in tensors.items() if w.dim() == 2 and ".layers." in k and not k.endswith("mlp.gate.weight")
+                and k.rpartition(".")[0] not in floats]  # fmt: skip
+    for key in matrices:
+        module = key.rpartition(".")[0]
+        weight = quantized.pop(key).float()
+        parts, dequantized[key] = quantize_grouped(weight, method, bits, form, group, act_order, symmetric)
+        quantized.update((f"{module}.{part}", tensor) for part, tensor in parts.items())
+    return quantized, dequantized
+
+
+def grouped_config(path: str, method: str, bits: int, form: str, group: int, act_order: bool, symmetric: bool,
+                   floats=()) -> None:
+    """The checkpoint's ``quantization_config`` as GPTQModel / AutoAWQ write it."""
+    import json
+
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    if method == "gptq":
+        config["quantization_config"] = {
+            "quant_method": "gptq", "bits": bits, "group_size": group, "desc_act": act_order, "sym": symmetric,
+            "checkpoint_format": form, "pack_dtype": "int32", "damp_percent": 0.05, "true_sequential": True,
+            "meta": {"quantizer": ["hf_parallel tests"]},
+        }  # fmt: skip
+    else:
+        config["quantization_config"] = {"quant_method": "awq", "bits": bits, "group_size": group, "version": form,
+                                         "zero_point": True, "modules_to_not_convert": ["lm_head", *floats]}
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+
+
+def make_grouped_checkpoint(name: str, root: str) -> tuple[str, str]:
+    """``name`` as GPTQ / AWQ releases store it (``quantize_grouped_checkpoint``, ``grouped_config``), and beside
+    it the same weights dequantized as plain floats (plain transformers cannot read int4 on a CPU): the two
+    paths."""
+    from safetensors.torch import save_file
+
+    model, *form = GROUPED[name]
+    path, plain, tensors = _float_twin(name, model, root)
+    if tensors is None:
+        return path, plain
+    torch.manual_seed(sum(map(ord, name)))
+    quantized, dequantized = quantize_grouped_checkpoint(tensors, *form)
+    save_file(quantized, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    save_file(dequantized, os.path.join(plain, "model.safetensors"), metadata={"format": "pt"})
+    grouped_config(path, *form)
+    return path, plain
 
 
 MXFP4 = {  # gpt-oss with MXFP4 experts (32 e2m1 values per e8m0 scale along the input dim): 96 = 3 groups, so

@@ -461,7 +461,7 @@ def _check_claimed(path: str, companions: set[str], quantized) -> None:
     claimed = set()
     for tiles in quantized:
         for key, _, dequantized in tiles:
-            claimed |= {key + suffix for suffix in [*dequantized.parts, *dequantized.constants]}
+            claimed |= {*dequantized.parts, *dequantized.constants}
             if isinstance(dequantized, DequantizedFP8):  # its module's static activation scale: moot once dequantized
                 claimed.add(activation_scale(key))
     stray = sorted(companions - claimed)

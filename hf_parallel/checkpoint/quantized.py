@@ -34,18 +34,33 @@ from .errors import CheckpointError
 from .writer import torch_dtype
 
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 EXPONENTS = (torch.uint8, torch.float8_e8m0fnu)  # MXFP4's scales: biased exponents (127 = 2**0)
 SUPPORTED = (
     "fp8 (block-wise weight_scale_inv), compressed-tensors float-quantized 8-bit (per-tensor, per-channel or block "
-    "weight_scale) and pack-quantized 4/8-bit integers (per group or channel, with or without zero points), and "
-    "mxfp4 (gpt-oss's experts)"
+    "weight_scale) and pack-quantized 4/8-bit integers (per group or channel, with or without zero points), "
+    "mxfp4 (gpt-oss's experts), gptq (4 or 8 bits, formats gptq and gptq_v2, act-order) and awq (4 bits, version gemm, "
+    "zero points)"
 )
 ACTIVATION_SCALE = "input_scale"  # static activation scales: unused once the weights are dequantized
-PARTS = ("_scale_inv", "_scale", "_blocks", "_scales", "_packed", "_zero_point", "_shape")  # every format's parts
+PARTS = ("_scale_inv", "_scale", "_blocks", "_scales", "_packed", "_zero_point", "_shape",  # every format's parts
+         ".qweight", ".qzeros", ".scales", ".g_idx")
+
+
+class _Suffixed:
+    """A format whose parts are keyed by a suffix on the weight's key (``<name>_scale``)."""
+
+    stored_as: str | None  # the part whose key marks the weight as stored in parts (None: its own key)
+
+    def part_key(self, key: str, part: str) -> str:
+        return key + part
+
+    def weight_key(self, stored: str) -> str:
+        return stored[: -len(self.stored_as)]
 
 
 @dataclass(frozen=True)
-class ScaledFP8:
+class ScaledFP8(_Suffixed):
     """How a checkpoint's FP8 weights are scaled, as its config states it."""
 
     strategy: str  # "block": a scale per block of the weight; "channel": per output row; "tensor": one
@@ -63,7 +78,7 @@ class ScaledFP8:
 
 
 @dataclass(frozen=True)
-class PackedIntegers:
+class PackedIntegers(_Suffixed):
     """compressed-tensors' pack-quantized weights, as its config states them."""
 
     bits: int
@@ -78,20 +93,55 @@ class PackedIntegers:
 
 
 @dataclass(frozen=True)
-class MXFP4:
+class MXFP4(_Suffixed):
     """gpt-oss's MXFP4 experts (the config says no more)."""
 
     stored_as = "_blocks"
     parts = ("_blocks", "_scales")
 
 
-Quantization = ScaledFP8 | PackedIntegers | MXFP4
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ's GEMM packing: output order[i] of each 8 is the word's value i
+
+
+@dataclass(frozen=True)
+class GroupedIntegers:
+    """GPTQ's and AWQ's integer weights, as their configs state them. Each linear module's matrix is stored
+    transposed (inputs along the rows) under the module's own name, not the weight's: ``<module>.qweight``
+    int32, ``32 // bits`` values a word (GPTQ: along the inputs; AWQ: along the outputs, in ``AWQ_ORDER``),
+    ``<module>.scales`` [groups, out] per group of inputs, ``<module>.qzeros`` [groups, out] packed along the
+    outputs as qweight's outputs are, and GPTQ's ``<module>.g_idx`` [in]: each input's group (any group under
+    act-order). ``W[o, i] = (q[i, o] - z[g, o]) * s[g, o]`` with ``g = g_idx[i]`` (AWQ: ``i // group``), values
+    unsigned, ``z`` the stored zero point plus ``zero_offset``."""
+
+    method: str  # "gptq" or "awq"
+    bits: int
+    group: int  # inputs per group; -1: one group of all the inputs
+    zero_offset: int  # GPTQ's "gptq" (v1) format stores zero - 1; "gptq_v2" and AWQ store the zero
+    stored_as = "qweight"
+
+    @property
+    def parts(self) -> tuple[str, ...]:
+        return ("qweight", "qzeros", "scales") + (("g_idx",) if self.method == "gptq" else ())
+
+    @property
+    def order(self) -> tuple[int, ...] | None:
+        return AWQ_ORDER if self.method == "awq" else None
+
+    def part_key(self, key: str, part: str) -> str:
+        return f"{key.rpartition('.')[0]}.{part}"
+
+    def weight_key(self, stored: str) -> str:
+        return f"{stored.rpartition('.')[0]}.weight"
+
+
+Quantization = ScaledFP8 | PackedIntegers | MXFP4 | GroupedIntegers
 
 
 def _refused(config, what: str) -> ValueError:
     return ValueError(
-        f"{type(config).__name__} has a quantization_config ({what}): hf_parallel reads {SUPPORTED}; not GPTQ, AWQ, "
-        "bitsandbytes, HQQ, torchao, fp8 without weight_block_size, compressed-tensors' other formats or its KV-cache "
+        f"{type(config).__name__} has a quantization_config ({what}): hf_parallel reads {SUPPORTED}; not "
+        "GPTQ's 2 or 3 bits or its other formats, AWQ's other versions, bitsandbytes, HQQ, torchao, fp8 without "
+        "weight_block_size, compressed-tensors' other formats or its KV-cache "
         "scales yet (their weights would load without their scales); load a dequantized (bf16 / fp32) copy"
     )
 
@@ -120,6 +170,30 @@ def _compressed_tensors(config, get) -> ScaledFP8 | PackedIntegers:
     raise _refused(config, what + (f", actorder {actorder!r}" if actorder else ""))
 
 
+def _text(value) -> str:
+    """A config's string, or transformers' enum of it (``QuantizationMethod.GPTQ``, ``AwqFormat.GEMM``)."""
+    return str(getattr(value, "value", value)).lower()
+
+
+def _grouped(config, get, method: str) -> GroupedIntegers:
+    """GPTQ (4 or 8 bits, ``checkpoint_format`` gptq or gptq_v2, int32 words) or AWQ (4 bits, GEMM, zero points);
+    any other of their variants (2 / 3 bits, marlin- or exllama-packed, GEMV) refused by name."""
+    bits, group = get("bits"), get("group_size", 128)
+    if method == "gptq":
+        form = _text(get("checkpoint_format") or get("format") or "gptq")
+        packed = _text(get("pack_dtype") or "int32")
+        what = f"quant_method='gptq', {bits} bits, checkpoint_format {form!r}, pack_dtype {packed!r}"
+        readable = bits in (4, 8) and form in ("gptq", "gptq_v2") and packed.endswith("int32")
+        zero_offset = int(form == "gptq")
+    else:
+        form, zero_point = _text(get("version") or get("format") or "gemm"), get("zero_point", True)
+        what = f"quant_method='awq', {bits} bits, version {form!r}, zero_point {zero_point}"
+        readable, zero_offset = bits == 4 and form == "gemm" and zero_point, 0
+    if not readable or not isinstance(group, int) or not (group == -1 or group > 0):
+        raise _refused(config, what + f", group_size {group!r}")
+    return GroupedIntegers(method, bits, group, zero_offset)
+
+
 def read_quantization(config) -> Quantization | None:
     """The quantization a config declares (None: none), removed from the config (a model holding floats
     saves none; one holding its weights kept quantized saves the original back); anything hf_parallel does
@@ -131,9 +205,11 @@ def read_quantization(config) -> Quantization | None:
         quantization, key, default
     )
     method, block = get("quant_method"), get("weight_block_size")
-    method = str(getattr(method, "value", method))  # transformers' QuantizationMethod enum, or its string
+    method = _text(method)
     if method == "compressed-tensors":
         found = _compressed_tensors(config, get)
+    elif method in ("gptq", "awq"):
+        found = _grouped(config, get, method)
     elif method == "fp8" and block:
         found = ScaledFP8("block", tuple(int(n) for n in block), "_scale_inv")
     elif method == "mxfp4":
@@ -146,11 +222,17 @@ def read_quantization(config) -> Quantization | None:
 
 def with_stored_keys(files: dict[str, str], quantization: Quantization | None) -> dict[str, str]:
     """``files`` (checkpoint key -> file) with each weight stored in parts under its own key too
-    (``<name>_packed`` / ``<name>_blocks`` -> ``<name>``), so it maps to its parameter like any key."""
-    suffix = getattr(quantization, "stored_as", None)
-    if not suffix:
+    (``<name>_packed`` / ``<name>_blocks`` -> ``<name>``, ``<module>.qweight`` -> ``<module>.weight``), so it
+    maps to its parameter like any key."""
+    stored_as = getattr(quantization, "stored_as", None)
+    if not stored_as:
         return files
-    return {**{key[: -len(suffix)]: file for key, file in files.items() if key.endswith(suffix)}, **files}
+    out = dict(files)
+    for key, file in files.items():
+        weight = quantization.weight_key(key)
+        if quantization.part_key(weight, stored_as) == key:
+            out.setdefault(weight, file)
+    return out
 
 
 def activation_scale(key: str) -> str:
@@ -164,7 +246,7 @@ def companion_keys(key: str, quantization: Quantization | None) -> set[str]:
     if quantization is None:
         return set()
     moot = {activation_scale(key)} if isinstance(quantization, ScaledFP8) else set()
-    return {key + part for part in quantization.parts} | moot
+    return {quantization.part_key(key, part) for part in quantization.parts} | moot
 
 
 def _span(start: int, stop: int, size: int) -> slice:
@@ -205,7 +287,7 @@ def _take(part, index: tuple, meta: bool) -> torch.Tensor:
 class Kept:
     """One box of a quantized weight as stored: the elements of its parts that the box needs, dequantized
     on demand (``dequantize``: float32) so a rank can hold a weight quantized and compute with it; ``at``:
-    each part's field -> (its key's suffix, where the elements sit in the stored tensor), to save it back."""
+    each part's field -> (its key, where the elements sit in the stored tensor), to save it back."""
 
     at: dict[str, tuple[str, tuple]]
 
@@ -220,8 +302,8 @@ class Kept:
         return replace(self, **{k: v.to(device) for k, v in self.tensors().items()})
 
     def stored(self) -> dict[str, tuple[tuple, torch.Tensor]]:
-        """Part suffix -> (where in the stored tensor, the elements this box holds)."""
-        return {suffix: (index, getattr(self, field)) for field, (suffix, index) in self.at.items()}
+        """Part key -> (where in the stored tensor, the elements this box holds)."""
+        return {key: (index, getattr(self, field)) for field, (key, index) in self.at.items()}
 
 
 @dataclass
@@ -284,6 +366,32 @@ class KeptMXFP4(Kept):
         return out
 
 
+@dataclass
+class KeptGrouped(Kept):
+    words: torch.Tensor  # int32 qweight: GPTQ the words of the box's inputs x its outputs; AWQ its inputs x words
+    scales: torch.Tensor  # the groups its inputs belong to (a run of them) x its outputs
+    zero: torch.Tensor  # int32: those groups x the words of its outputs
+    g_idx: torch.Tensor | None  # int32: each of its inputs' group (GPTQ); None: consecutive groups (AWQ)
+    form: GroupedIntegers
+    group: int  # inputs per group (the whole input dim for group_size -1)
+    offset: tuple[int, int, int]  # its first input inside its first word (GPTQ) and group, first output in its word
+    first_group: int  # the group of ``scales[0]``
+    shape: tuple[int, int]  # (outputs, inputs), as the parameter
+
+    def dequantize(self, dtype=torch.float32) -> torch.Tensor:
+        (outputs, inputs), (in_word, in_group, out_word), form = self.shape, self.offset, self.form
+        if form.method == "gptq":
+            values = _codes(self.words, form.bits, 0).narrow(0, in_word, inputs)
+        else:
+            values = _codes(self.words, form.bits, 1, form.order).narrow(1, out_word, outputs)
+        zero = _codes(self.zero, form.bits, 1, form.order).narrow(1, out_word, outputs) + form.zero_offset
+        if self.g_idx is not None:
+            groups = self.g_idx.long() - self.first_group
+        else:
+            groups = torch.arange(in_group, in_group + inputs, device=values.device) // self.group
+        return ((values - zero[groups]).float() * self.scales.float()[groups]).T.to(dtype)
+
+
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)  # e2m1 codes
 
 
@@ -298,8 +406,8 @@ class Dequantized:
     box as stored; with ``meta``, only its parts' shapes, for a plan's bytes)."""
 
     shape: tuple[int, ...]
-    parts: dict  # key suffix -> its safetensors slice (those a box reads elements of)
-    constants: Mapping[str, torch.Tensor] = MappingProxyType({})  # key suffix -> a part written whole
+    parts: dict  # key -> its safetensors slice (the parts a box reads elements of)
+    constants: Mapping[str, torch.Tensor] = MappingProxyType({})  # key -> a part written whole
 
     def get_shape(self) -> list[int]:
         return list(self.shape)
@@ -331,27 +439,33 @@ class DequantizedFP8(Dequantized):
         self.shape = tuple(weight.get_shape())
         if len(self.shape) != 2:
             raise CheckpointError(f"{key!r} is FP8 of shape {self.shape}; hf_parallel dequantizes matrices")
-        self.weight, self.block, self.suffix = weight, quantization.block_for(self.shape), quantization.suffix
-        _check_scales(key, scale, self.shape, self.block, key + quantization.suffix)
-        self.scale, self.parts = scale, {"": weight, self.suffix: scale}
+        self.weight, self.block, self.scale_key = weight, quantization.block_for(self.shape), key + quantization.suffix
+        _check_scales(key, scale, self.shape, self.block, self.scale_key)
+        self.key, self.scale, self.parts = key, scale, {key: weight, self.scale_key: scale}
 
     def keep(self, box, meta: bool = False) -> KeptFP8:
         (r0, r1), (c0, c1) = box
         (bm, bn) = self.block
         grid = tuple(self.scale.get_shape())  # a single scale is read whole, as stored ([] or [1])
         scales = (_span(r0, r1, bm), _span(c0, c1, bn)) if len(grid) == 2 else tuple(slice(0, n) for n in grid)
-        at = {"weight": ("", (slice(r0, r1), slice(c0, c1))), "scales": (self.suffix, scales)}
+        at = {"weight": (self.key, (slice(r0, r1), slice(c0, c1))), "scales": (self.scale_key, scales)}
         weight, scales = _take(self.weight, at["weight"][1], meta), _take(self.scale, at["scales"][1], meta)
         return KeptFP8(at, weight, scales, self.block, (r0 % bm, c0 % bn))
 
 
-def _unpack(words: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
-    """A matrix of int32 words, each ``32 // bits`` values along ``dim`` (value i at bit ``i * bits``,
-    offset to unsigned), as the signed values."""
+def _codes(words: torch.Tensor, bits: int, dim: int, order: tuple[int, ...] | None = None) -> torch.Tensor:
+    """A matrix of int32 words, each ``32 // bits`` unsigned values along ``dim``: value i at bit ``i * bits``,
+    standing for element ``order[i]`` of the word's run (None: element i)."""
     shifts = torch.arange(32 // bits, dtype=torch.int32, device=words.device) * bits
     values = (words.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)  # [rows, columns, value]
-    values = values.flatten(1) if dim == 1 else values.transpose(1, 2).flatten(0, 1)
-    return values - (1 << (bits - 1))
+    if order is not None:
+        values = values[..., [order.index(n) for n in range(len(order))]]
+    return values.flatten(1) if dim == 1 else values.transpose(1, 2).flatten(0, 1)
+
+
+def _unpack(words: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
+    """compressed-tensors' words: values offset to unsigned, as the signed values."""
+    return _codes(words, bits, dim) - (1 << (bits - 1))
 
 
 class DequantizedIntegers(Dequantized):
@@ -377,8 +491,9 @@ class DequantizedIntegers(Dequantized):
                 f"{key + '_zero_point'!r} is {'missing' if self.zero is None else 'there'}, and the config says the "
                 f"weights are {'' if quantization.symmetric else 'not '}symmetric"
             )
-        self.parts = {"_packed": self.packed, "_scale": self.scale, "_zero_point": self.zero}
-        self.constants = {"_shape": part("_shape")[:]}  # written back whole
+        self.key = key
+        self.parts = {key + "_packed": self.packed, key + "_scale": self.scale, key + "_zero_point": self.zero}
+        self.constants = {key + "_shape": part("_shape")[:]}  # written back whole
         groups = -(-columns // self.group)
         if self.zero is not None and tuple(self.zero.get_shape()) != (-(-rows // self.per), groups):
             raise CheckpointError(f"{key + '_zero_point'!r} is {tuple(self.zero.get_shape())}, not {rows} rows packed "
@@ -387,11 +502,11 @@ class DequantizedIntegers(Dequantized):
     def keep(self, box, meta: bool = False) -> KeptIntegers:
         (r0, r1), (c0, c1) = box
         groups = _span(c0, c1, self.group)
-        at = {"words": ("_packed", (slice(r0, r1), _span(c0, c1, self.per))),
-              "scales": ("_scale", (slice(r0, r1), groups))}  # fmt: skip
+        at = {"words": (self.key + "_packed", (slice(r0, r1), _span(c0, c1, self.per))),
+              "scales": (self.key + "_scale", (slice(r0, r1), groups))}  # fmt: skip
         if self.zero is not None:
-            at["zero"] = ("_zero_point", (_span(r0, r1, self.per), groups))
-        taken = {field: _take(self.parts[suffix], index, meta) for field, (suffix, index) in at.items()}
+            at["zero"] = (self.key + "_zero_point", (_span(r0, r1, self.per), groups))
+        taken = {field: _take(self.parts[key], index, meta) for field, (key, index) in at.items()}
         offset = (r0 % self.per, c0 % self.per, c0 % self.group)
         words, scales, zero = taken["words"], taken["scales"], taken.get("zero")
         return KeptIntegers(at, words, scales, zero, self.bits, self.group, offset, c1 - c0)
@@ -411,15 +526,86 @@ class DequantizedMXFP4(Dequantized):
         if torch_dtype(blocks.get_dtype()) != torch.uint8 or torch_dtype(scales.get_dtype()) not in EXPONENTS:
             raise CheckpointError(f"{key + '_blocks'!r} is {blocks.get_dtype()} and {key + '_scales'!r} "
                                   f"{scales.get_dtype()}: MXFP4 stores bytes (U8) and exponents (U8 or F8_E8M0)")
-        self.blocks, self.scales = blocks, scales
-        self.parts = {"_blocks": blocks, "_scales": scales}
+        self.blocks, self.scales, self.key = blocks, scales, key
+        self.parts = {key + "_blocks": blocks, key + "_scales": scales}
         self.shape = (found[0], found[2] * 32, found[1])
 
     def keep(self, box, meta: bool = False) -> KeptMXFP4:
         (e0, e1), (i0, i1), (o0, o1) = box
         index = (slice(e0, e1), slice(o0, o1), _span(i0, i1, 32))
-        at = {"blocks": ("_blocks", index), "scales": ("_scales", index)}
+        at = {"blocks": (self.key + "_blocks", index), "scales": (self.key + "_scales", index)}
         return KeptMXFP4(at, _take(self.blocks, index, meta), _take(self.scales, index, meta), i0 % 32, i1 - i0)
+
+
+class DequantizedGrouped(Dequantized):
+    """A GPTQ or AWQ module's matrix (``GroupedIntegers``), read as the [out, in] weight it stands for. A box
+    of inputs reads the qweight words and groups they touch; under act-order (a GPTQ ``g_idx`` that sends any
+    input to any group) the run of groups from the least to the greatest its inputs name, found from its slice
+    of ``g_idx`` (read even for a plan: one int32 an input)."""
+
+    def __init__(self, key: str, part, form: GroupedIntegers):
+        self.form, self.per, self.key = form, 32 // form.bits, key
+        self.keys = {name: form.part_key(key, name) for name in form.parts}
+        found = {name: part(name) for name in form.parts}
+        self.parts = {self.keys[name]: stored for name, stored in found.items() if stored is not None}
+        for name in ("scales", "qzeros"):
+            if found[name] is None:
+                raise CheckpointError(f"{self.keys['qweight']!r} is stored quantized with no {self.keys[name]!r}")
+        self.words, self.scale, self.zero, self.g_idx = (found.get(name) for name in ("qweight", "scales", "qzeros",
+                                                                                        "g_idx"))  # fmt: skip
+        rows, _ = self._shape_of("qweight", 2, (torch.int32,))
+        groups, outputs = self._shape_of("scales", 2, FLOATS)
+        inputs = rows * self.per if form.method == "gptq" else rows
+        if self.g_idx is not None:
+            (inputs,) = self._shape_of("g_idx", 1, (torch.int32, torch.int64))
+        self.group = form.group if form.group > 0 else inputs
+        self.groups, self.shape = -(-inputs // self.group), (outputs, inputs)
+        words = -(-outputs // self.per)
+        want = {"qweight": (-(-inputs // self.per), outputs) if form.method == "gptq" else (inputs, words),
+                "scales": (self.groups, outputs), "qzeros": (self.groups, words)}  # fmt: skip
+        for name, shape in want.items():
+            found_shape = self._shape_of(name, 2, FLOATS if name == "scales" else (torch.int32,))
+            if found_shape != shape:
+                raise CheckpointError(
+                    f"{self.keys[name]!r} is {found_shape}, not {shape}: {form.method} {form.bits}-bit, group_size "
+                    f"{form.group}, for a weight of {outputs} outputs ({self.keys['scales']!r}) and {inputs} inputs: "
+                    "written otherwise than the config says?"
+                )
+
+    def _shape_of(self, name: str, dims: int, dtypes) -> tuple[int, ...]:
+        part = {"qweight": self.words, "scales": self.scale, "qzeros": self.zero, "g_idx": self.g_idx}[name]
+        shape, dtype = tuple(part.get_shape()), torch_dtype(part.get_dtype())
+        if len(shape) != dims or dtype not in dtypes:
+            named = " or ".join(str(d).removeprefix("torch.") for d in dtypes)
+            raise CheckpointError(
+                f"{self.keys[name]!r} is {dtype} {shape}: {self.form.method} stores it as a {dims}-dim {named} tensor"
+            )
+        return shape
+
+    def _groups(self, i0: int, i1: int) -> slice:
+        """The groups inputs ``[i0, i1)`` belong to, as the run from the first to the last."""
+        if self.g_idx is None:
+            return _span(i0, i1, self.group)
+        named = self.g_idx[i0:i1]
+        low, high = int(named.min()), int(named.max())
+        if low < 0 or high >= self.groups:
+            raise CheckpointError(f"{self.keys['g_idx']!r} names group {low if low < 0 else high}, and "
+                                  f"{self.keys['scales']!r} has {self.groups}")  # fmt: skip
+        return slice(low, high + 1)
+
+    def keep(self, box, meta: bool = False) -> KeptGrouped:
+        (o0, o1), (i0, i1) = box
+        groups, outputs = self._groups(i0, i1), slice(o0, o1)
+        words = (slice(i0, i1), _span(o0, o1, self.per)) if self.form.method == "awq" else (_span(i0, i1, self.per),
+                                                                                             outputs)  # fmt: skip
+        at = {"words": (self.keys["qweight"], words), "scales": (self.keys["scales"], (groups, outputs)),
+              "zero": (self.keys["qzeros"], (groups, _span(o0, o1, self.per)))}  # fmt: skip
+        if self.g_idx is not None:
+            at["g_idx"] = (self.keys["g_idx"], (slice(i0, i1),))
+        taken = {field: _take(self.parts[key], index, meta) for field, (key, index) in at.items()}
+        offset = (i0 % self.per, i0 % self.group, o0 % self.per)
+        return KeptGrouped(at, taken["words"], taken["scales"], taken["zero"], taken.get("g_idx"), self.form,
+                           self.group, offset, groups.start, (o1 - o0, i1 - i0))  # fmt: skip
 
 
 def readable(handle, files: dict[str, str], key: str, quantization: Quantization | None):
@@ -427,11 +613,14 @@ def readable(handle, files: dict[str, str], key: str, quantization: Quantization
     ``Dequantized`` of it. A float8 weight without its scale, or FP8 in a checkpoint whose config
     declares no quantization, is refused by name."""
     stored_as = getattr(quantization, "stored_as", None)
-    if stored_as and key + stored_as in files:
+    if stored_as and quantization.part_key(key, stored_as) in files:
 
-        def part(suffix):
-            return handle(files[key + suffix]).get_slice(key + suffix) if key + suffix in files else None
+        def part(name):
+            found = quantization.part_key(key, name)
+            return handle(files[found]).get_slice(found) if found in files else None
 
+        if isinstance(quantization, GroupedIntegers):
+            return DequantizedGrouped(key, part, quantization)
         if isinstance(quantization, MXFP4):
             if part("_scales") is None:
                 _missing(files, key, "_scales")

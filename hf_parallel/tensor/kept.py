@@ -75,9 +75,9 @@ class KeptWeight:
                   for key, source, box, at in placed_boxes(tiles, layout, rank, full_shape)]  # fmt: skip
         if not pieces or sum(math.prod(s.stop - s.start for s in p.at) for p in pieces) != math.prod(shape):
             raise RuntimeError(f"{tiles[0][0]}: the kept pieces do not make this rank's shard {shape}")
-        stored = {key + suffix: (tuple(part.get_shape()), torch_dtype(part.get_dtype()))
-                  for key, _, source in tiles for suffix, part in source.parts.items() if part is not None}  # fmt: skip
-        constants = {key + suffix: value for key, _, source in tiles for suffix, value in source.constants.items()}
+        stored = {key: (tuple(part.get_shape()), torch_dtype(part.get_dtype()))
+                  for _, _, source in tiles for key, part in source.parts.items() if part is not None}  # fmt: skip
+        constants = {key: value for _, _, source in tiles for key, value in source.constants.items()}
         return cls(pieces, shape, dtype, stored, constants)
 
     @property
@@ -159,8 +159,8 @@ def _listing(weight: KeptWeight, tp) -> dict[str, list]:
     if weight.listing is None:
         mine: dict[str, list] = {}
         for piece in weight.pieces:
-            for suffix, (index, tensor) in piece.kept.stored().items():
-                mine.setdefault(piece.key + suffix, []).append((index, tuple(tensor.shape)))
+            for key, (index, tensor) in piece.kept.stored().items():
+                mine.setdefault(key, []).append((index, tuple(tensor.shape)))
         everyone = [mine]
         if tp.size > 1:
             everyone = [None] * tp.size
@@ -183,8 +183,7 @@ def gathered_part(weight: KeptWeight, part: str, tp, device) -> torch.Tensor | N
     if part in weight.constants:
         return weight.constants[part].cpu() if tp.rank == 0 else None
     shape, dtype = weight.stored[part]
-    mine = [t for piece in weight.pieces for suffix, (_, t) in piece.kept.stored().items()
-            if piece.key + suffix == part]  # fmt: skip
+    mine = [t for piece in weight.pieces for key, (_, t) in piece.kept.stored().items() if key == part]
     places = _listing(weight, tp)[part]
     if tp.rank != 0:
         for tensor in mine:
@@ -216,8 +215,7 @@ def saved_pieces(weights: list[KeptWeight], tp, first_file: int) -> tuple[dict, 
             if tp.rank == 0:
                 mine[key], listed[key] = value, [(key, tuple((0, n) for n in value.shape))]
         for piece in weight.pieces:
-            for suffix, (index, tensor) in piece.kept.stored().items():
-                key = piece.key + suffix
+            for key, (index, tensor) in piece.kept.stored().items():
                 name = f"{key}@{tp.rank}.{len(listed.get(key, ()))}"
                 mine[name] = tensor
                 listed.setdefault(key, []).append((name, tuple(box_of(index, weight.stored[key][0]))))
