@@ -4,6 +4,8 @@ random Llama of ~1 GB in bf16, big enough that load time is not noise."""
 from __future__ import annotations
 
 import os
+import shutil
+import sys
 
 import torch
 import transformers
@@ -85,4 +87,38 @@ def fp8_llama(block: int = 128) -> str:
     return path
 
 
-CHECKPOINTS = {"smollm2-135m": default_checkpoint, "llama-1gb": random_llama, "llama-1gb-fp8": fp8_llama}
+DEQUANTIZED = "-dequantized"  # beside a checkpoint transformers reads only through GPU kernels: its floats
+
+
+def gptq_llama(group: int = 128) -> str:
+    """The 1 GB Llama as GPTQ int4 releases store it (act-order, groups of 128, symmetric, the v1 format; the
+    tests' packer, ``tests/tiny_models.py``), and beside it (``DEQUANTIZED``) the same weights dequantized as
+    floats in bf16: what one process and transformers run on, as they cannot read GPTQ on a CPU."""
+    from safetensors.torch import load_file, save_file
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+    from tiny_models import grouped_config, quantize_grouped_checkpoint
+
+    path = os.path.join(cache_root(), "bench-llama-1gb-gptq")
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return path
+    source = random_llama()
+    tensors = {}
+    for name in sorted(f for f in os.listdir(source) if f.endswith(".safetensors")):
+        tensors.update(load_file(os.path.join(source, name)))
+    torch.manual_seed(0)
+    form = ("gptq", 4, "gptq", group, True, True)
+    quantized, dequantized = quantize_grouped_checkpoint(tensors, *form)
+    for target, written in ((path + DEQUANTIZED, dequantized), (path, quantized)):  # the quantized one last
+        shutil.copytree(source, target + ".tmp", ignore=shutil.ignore_patterns("*.safetensors*"), dirs_exist_ok=True)
+        if target != path:  # bf16, as the weights are read at --dtype bfloat16: the same rounding of the same floats
+            written = {key: tensor.to(torch.bfloat16) for key, tensor in written.items()}
+        save_file(written, os.path.join(target + ".tmp", "model.safetensors"), metadata={"format": "pt"})
+        if target == path:
+            grouped_config(target + ".tmp", *form)
+        os.replace(target + ".tmp", target)
+    return path
+
+
+CHECKPOINTS = {"smollm2-135m": default_checkpoint, "llama-1gb": random_llama, "llama-1gb-fp8": fp8_llama,
+               "llama-1gb-gptq": gptq_llama}  # fmt: skip

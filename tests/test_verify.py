@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 import tp_workers
 from distributed import run_ranks
 
@@ -61,11 +62,24 @@ def test_verify_under_sequence_parallelism(tiny_paths, flag, layout):
     assert [line.split()[0] for line in done.stdout.splitlines() if line.endswith(" ok")][-1] == "logits"
 
 
-def test_verify_passes_a_quantized_checkpoint(tiny_root):
-    """An FP8 block-scaled checkpoint (32-row blocks split inside at TP=2): every layer of the parallel load,
-    each rank dequantizing its slices, against plain transformers dequantizing the whole in one process."""
-    from tiny_models import make_fp8_checkpoint
+@pytest.mark.parametrize("name", ["llama_fp8", "llama_gptq"])
+def test_verify_passes_a_quantized_checkpoint(tiny_root, tmp_path, name):
+    """An FP8 block-scaled checkpoint (32-row blocks split inside at TP=2) and a GPTQ act-order one: every layer
+    of the parallel load, each rank dequantizing its slices, against one process: plain transformers
+    dequantizing the FP8 whole; for GPTQ (which transformers reads only through GPU kernels) transformers on
+    the weights dequantized whole, which are, bit for bit, the format's definition (the test's own twin)."""
+    from safetensors.torch import load_file
+    from tiny_models import make_fp8_checkpoint, make_grouped_checkpoint
 
-    done = _verify(make_fp8_checkpoint("llama_fp8", tiny_root), "--tp", "2")
+    from hf_parallel.commands.verify import dequantized_copy
+
+    if name == "llama_gptq":
+        path, twin = make_grouped_checkpoint(name, tiny_root)
+        copy = load_file(os.path.join(dequantized_copy(path, str(tmp_path / "copy")), "model.safetensors"))
+        want = load_file(os.path.join(twin, "model.safetensors"))
+        assert sorted(copy) == sorted(want) and all(torch.equal(copy[k], want[k]) for k in want)
+    else:
+        path = make_fp8_checkpoint(name, tiny_root)
+    done = _verify(path, "--tp", "2")
     assert done.returncode == 0, done.stderr[-3000:]
     assert "PASS" in done.stdout, done.stdout

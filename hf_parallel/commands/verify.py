@@ -6,6 +6,11 @@ runs the same batch. Per layer (the embeddings, each repeated layer, the logits)
 difference at real tokens is compared with a tolerance picked from the dtype, relative to that
 output's largest value; the first layer beyond it is named. A parallel forward that fails is
 reported at the layer it failed in.
+
+transformers reads GPTQ and AWQ only through GPU kernels (gptqmodel); for them the one-process model is
+transformers' own, on the weights dequantized whole by hf_parallel's reader (each matrix in one box, the
+format's definition, checked against the formats' packers in tests/test_quantized.py), so what verify
+proves is the split, as for any other checkpoint.
 """
 
 from __future__ import annotations
@@ -166,6 +171,49 @@ def single_process_model(path: str, dtype: torch.dtype, memory: int | None, offl
     )
 
 
+DEQUANTIZED_REFERENCE = ("gptq", "awq")  # quant_methods transformers reads only through GPU kernels
+
+
+def dequantized_copy(path: str, out_dir: str) -> str:
+    """``path`` with its quantized weights dequantized whole (float32) into ``out_dir``, its config without
+    ``quantization_config``: the one-process reference for a format transformers cannot read here."""
+    from contextlib import ExitStack
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from ..checkpoint.loading import checkpoint_files
+    from ..checkpoint.quantized import read_quantization, readable, with_stored_keys
+
+    config = transformers.AutoConfig.from_pretrained(path)
+    quantization = read_quantization(config)
+    files = with_stored_keys(checkpoint_files(path), quantization)
+    tensors, parts = {}, set()
+    with ExitStack() as stack:
+        handles = {}
+
+        def handle(file):
+            return handles.get(file) or handles.setdefault(file, stack.enter_context(safe_open(file, "pt")))
+
+        for key in files:
+            stored = quantization.part_key(key, quantization.stored_as)
+            if stored != key and stored in files and quantization.weight_key(stored) == key:
+                weight = readable(handle, files, key, quantization)
+                tensors[key], parts = weight[:].contiguous(), parts | set(weight.parts)
+        for key in set(files) - parts - set(tensors):
+            tensors[key] = handle(files[key]).get_tensor(key)
+    os.makedirs(out_dir, exist_ok=True)
+    save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    config.save_pretrained(out_dir)
+    return out_dir
+
+
+def _quant_method(config) -> str | None:
+    quantization = getattr(config, "quantization_config", None) or {}
+    method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization.quant_method
+    return str(getattr(method, "value", method)).lower() if method else None
+
+
 def default_reference_memory(path: str) -> int | None:
     """Stream the reference from disk when its weights would take more than half the memory free now."""
     weights = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f.endswith(".safetensors"))
@@ -216,7 +264,10 @@ def verify(
     reference_memory = default_reference_memory(path) if reference_memory is None else reference_memory
     if mesh.is_main:  # the single-process model is freed before the parallel one loads
         with tempfile.TemporaryDirectory(prefix="hf_parallel-verify-") as offload_dir:
-            single = single_process_model(path, dtype, reference_memory, offload_dir)
+            source = path
+            if _quant_method(config) in DEQUANTIZED_REFERENCE:
+                source = dequantized_copy(path, os.path.join(offload_dir, "dequantized"))
+            single = single_process_model(source, dtype, reference_memory, offload_dir)
             reference, _ = outputs_by_layer(single, batch)
             del single
     mesh.barrier()
@@ -242,5 +293,7 @@ def verify(
         f"probe: {len(PROBE_LENGTHS)} rows of {' and '.join(map(str, batch['attention_mask'].sum(1).tolist()))} "
         f"tokens, left-padded; tolerance {tolerance:g} of each output's largest value"
         + (f"; one process streamed from disk within {reference_memory / 2**20:.0f} MiB" if reference_memory else "")
-    )
+        + (f"; one process on the {_quant_method(config)} weights dequantized whole (transformers reads them only "
+           "through GPU kernels)" if _quant_method(config) in DEQUANTIZED_REFERENCE else "")
+    )  # fmt: skip
     return Report(compare(reference, parallel, batch["attention_mask"], error), tolerance, header)
