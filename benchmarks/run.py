@@ -260,7 +260,9 @@ def targets(rows: dict[str, dict], tp: int, bits: int | None = None) -> list[tup
     )
     kept = rows.get(f"hf_parallel_kept tp{tp}", {})
     goal = 0.35 if bits == 4 else 0.6  # int4 (GPTQ): a quarter of bf16 and its scales; FP8: half
-    for key, label in (("load_peak_rss", "load peak RSS"), ("rss_after_prefill", "RSS after prefill")):
+    measures = (("shard_bytes", "weights held"), ("load_peak_rss", "load peak RSS"),
+                ("rss_after_prefill", "RSS after prefill"))  # fmt: skip
+    for key, label in measures:
         if kept and "error" not in kept:  # a quantized checkpoint held quantized, against one process's dequantized
             r = kept[key] / single[key]
             checks.append((f"keep_quantized: {label} per rank <= {goal} x one process", r <= goal, f"ratio {r:.2f}"))

@@ -26,7 +26,7 @@ from .state import ParallelState, attach, parallel_state
 from .tensor.gradients import GradientSums
 from .tensor.kept import hold_quantized
 from .tensor.parallelize import install
-from .training.data_parallel import shard_data_parallel
+from .training.data_parallel import return_freed_blocks_to_the_os, shard_data_parallel
 from .training.trainer import from_distributed_config, install_trainer_seams
 
 
@@ -128,6 +128,8 @@ def _keep_quantized(path: str, built, mesh) -> dict:
             f"keep_quantized=True with fsdp_size / dp_replicate_size ({mesh.shape}): FSDP shards and trains "
             "parameters, and kept weights are inference-only; load without keep_quantized to train"
         )
+    if mesh.device.type == "cpu":  # each module's weight is dequantized for its call and freed after it: glibc
+        return_freed_blocks_to_the_os()  # would keep those blocks and grow back towards the dequantized model
     return {}
 
 

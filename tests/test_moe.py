@@ -107,8 +107,10 @@ def test_saved_at_4_loads_at_2_and_saves_per_expert_keys_again(moe_results, moe_
 @pytest.mark.distributed
 @pytest.mark.parametrize("world_size", [2, 4])
 @pytest.mark.parametrize("tp_plan", ["auto", None], ids=["ep_with_tp", "ep_alone"])
-def test_expert_parallel_matches_single_process(moe_paths, tmp_path, world_size, tp_plan):
-    """ep_plan="auto": E/ws whole experts per rank (4 experts: 2+2 at EP=2, 1 each at EP=4)."""
+def test_expert_parallel_matches_single_process(moe_paths, tiny_root, tmp_path, world_size, tp_plan):
+    """ep_plan="auto": E/ws whole experts per rank (4 experts: 2+2 at EP=2, 1 each at EP=4); also Granite-4's
+    MoE hybrid (Mamba-2 mixers beside the experts, its fused experts stored whole per layer)."""
+    moe_paths = {**moe_paths, "granitemoehybrid": make_checkpoint("granitemoehybrid", tiny_root)}
     cases = {name: (path, tp_plan) for name, path in moe_paths.items()}
     ranks = run_ranks(world_size, tp_workers.compare_ep, cases, str(tmp_path / "saved"), out_dir=str(tmp_path / "r"))
     for rank, out in enumerate(ranks):
