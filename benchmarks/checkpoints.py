@@ -54,20 +54,27 @@ def random_llama_long_context() -> str:
     return random_llama("bench-llama-long-context", LLAMA_LONG_CONTEXT, torch.float32)
 
 
+def _llama_tensors() -> tuple[str, dict]:
+    """The 1 GB Llama's path and every tensor of it, to be written in another format."""
+    from safetensors.torch import load_file
+
+    source, tensors = random_llama(), {}
+    for name in sorted(f for f in os.listdir(source) if f.endswith(".safetensors")):
+        tensors.update(load_file(os.path.join(source, name)))
+    return source, tensors
+
+
 def fp8_llama(block: int = 128) -> str:
     """The 1 GB Llama as the FP8 releases store it (DeepSeek-V3 / Qwen3-FP8): every decoder matrix
     float8_e4m3fn with a float32 ``weight_scale_inv`` per 128 x 128 block, embeddings and head in bf16."""
     import json
 
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import save_file
 
     path = os.path.join(cache_root(), "bench-llama-1gb-fp8")
     if os.path.isfile(os.path.join(path, "config.json")):
         return path
-    source = random_llama()
-    tensors = {}
-    for name in sorted(f for f in os.listdir(source) if f.endswith(".safetensors")):
-        tensors.update(load_file(os.path.join(source, name)))
+    source, tensors = _llama_tensors()
     for key in [k for k, w in tensors.items() if w.dim() == 2 and ".layers." in k]:
         weight = tensors[key].float()
         rows, cols = weight.shape  # whole blocks in this config
@@ -94,7 +101,7 @@ def gptq_llama(group: int = 128) -> str:
     """The 1 GB Llama as GPTQ int4 releases store it (act-order, groups of 128, symmetric, the v1 format; the
     tests' packer, ``tests/tiny_models.py``), and beside it (``DEQUANTIZED``) the same weights dequantized as
     floats in bf16: what one process and transformers run on, as they cannot read GPTQ on a CPU."""
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import save_file
 
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
     from tiny_models import grouped_config, quantize_grouped_checkpoint
@@ -102,10 +109,7 @@ def gptq_llama(group: int = 128) -> str:
     path = os.path.join(cache_root(), "bench-llama-1gb-gptq")
     if os.path.isfile(os.path.join(path, "config.json")):
         return path
-    source = random_llama()
-    tensors = {}
-    for name in sorted(f for f in os.listdir(source) if f.endswith(".safetensors")):
-        tensors.update(load_file(os.path.join(source, name)))
+    source, tensors = _llama_tensors()
     torch.manual_seed(0)
     form = ("gptq", 4, "gptq", group, True, True)
     quantized, dequantized = quantize_grouped_checkpoint(tensors, *form)
