@@ -145,6 +145,8 @@ def test_no_shipped_plan_leaves_routed_experts_whole():
     checked = {}
     for name, (class_name, overrides) in {**ARCHS, **MOE, **HYBRIDS}.items():
         config = getattr(transformers, class_name)(**{**COMMON, **overrides})
+        if not any(getattr(config, n, None) for n in ("num_experts", "num_local_experts", "n_routed_experts")):
+            continue  # no routed experts (building every tiny model on meta would cost the pure tier seconds)
         with torch.device("meta"):
             model = transformers.AutoModelForCausalLM.from_config(config)
         experts = [n for n, p in model.named_parameters() if p.dim() == 3 and ".experts." in n]
