@@ -226,16 +226,25 @@ class _AutoDropIn:
 
 
 class AutoModelForCausalLM(_AutoDropIn):
+    """transformers' ``AutoModelForCausalLM``, loaded parallel: ``from_pretrained(path, tp_plan="auto", ...)``
+    takes ``from_pretrained``'s keywords (above)."""
+
     _auto_class = transformers.AutoModelForCausalLM
 
 
 class AutoModel(_AutoDropIn):
+    """transformers' ``AutoModel`` (encoders such as BERT, base models), loaded parallel."""
+
     _auto_class = transformers.AutoModel
 
 
 class AutoModelForSeq2SeqLM(_AutoDropIn):
+    """transformers' ``AutoModelForSeq2SeqLM`` (T5, BART), loaded parallel."""
+
     _auto_class = transformers.AutoModelForSeq2SeqLM
 
 
 class AutoModelForSpeechSeq2Seq(_AutoDropIn):
+    """transformers' ``AutoModelForSpeechSeq2Seq`` (Whisper), loaded parallel."""
+
     _auto_class = transformers.AutoModelForSpeechSeq2Seq

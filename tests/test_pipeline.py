@@ -1,4 +1,4 @@
-"""Pipeline parallelism (issue 18): stages of contiguous layers, each with its own TP size, on real
+"""Pipeline parallelism: stages of contiguous layers, each with its own TP size, on real
 gloo groups, against one process of the same checkpoint (fp32)."""
 
 from __future__ import annotations

@@ -141,7 +141,6 @@ def test_no_shipped_plan_leaves_routed_experts_whole():
     import transformers
     from tiny_models import ARCHS, COMMON, HYBRIDS, MOE
 
-
     checked = {}
     for name, (class_name, overrides) in {**ARCHS, **MOE, **HYBRIDS}.items():
         config = getattr(transformers, class_name)(**{**COMMON, **overrides})

@@ -139,16 +139,25 @@ def tp_plan_arg(value: str):
 
 
 def cmd_plan(args) -> None:
-    from .report import parse_lora, plan_report
+    from .report import parse_lora, plan_facts, plan_report
 
-    print(
-        plan_report(
-            args.path, args.tp, tp_plan=tp_plan_arg(args.tp_plan), sp=args.sp, cp=args.cp, seq=args.seq,
-            fsdp_size=args.fsdp,
-            dp_replicate_size=args.dp_replicate, nproc_per_node=args.nproc_per_node,
-            lora=parse_lora(args.lora) if args.lora else None, **pipeline_kwargs(args),
-        )
-    )  # fmt: skip
+    sizes = dict(tp_plan=tp_plan_arg(args.tp_plan), sp=args.sp, cp=args.cp, seq=args.seq, fsdp_size=args.fsdp,
+                 dp_replicate_size=args.dp_replicate, nproc_per_node=args.nproc_per_node,
+                 lora=parse_lora(args.lora) if args.lora else None)  # fmt: skip
+    stages = pipeline_kwargs(args)
+    if args.html and (stages.get("pp_size", 1) > 1 or stages.get("stage_tp_sizes")):
+        raise SystemExit("hf-parallel plan --html draws one replica without pipeline stages; drop --pp/--stage-tp "
+                         "(the text report shows each stage)")  # fmt: skip
+    if not args.html:
+        print(plan_report(args.path, args.tp, **sizes, **stages))
+        return
+    from .plan_html import render
+
+    facts = plan_facts(args.path, args.tp, **sizes)
+    print("\n".join(facts.lines()))
+    with open(args.html, "w") as f:
+        f.write(render(facts))
+    print(f"wrote {args.html}")
 
 
 def start_ranks(world_size: int, command: list[str]) -> int:
@@ -222,7 +231,8 @@ def cmd_consolidate(args) -> None:
     print(f"{args.out}: {done['bytes'] / 1e6:.1f} MB in {seconds:.2f}s ({done['bytes'] / seconds / 1e6:.1f} MB/s)")
 
 
-def main(argv=None) -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """Every command and flag (the docs' CLI reference is generated from it)."""
     parser = argparse.ArgumentParser(prog="hf-parallel", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate text (run under torchrun for tensor parallelism)")
@@ -254,6 +264,7 @@ def main(argv=None) -> None:
     plan.add_argument("--dp-replicate", type=int, default=1, help="HSDP replicas of the FSDP group")
     plan.add_argument("--nproc-per-node", type=int, help="ranks per node: flag TP or SP groups that span nodes")
     plan.add_argument("--lora", help="r=N,target=name[,name...]: each LoRA adapter's split and bytes per rank")
+    plan.add_argument("--html", metavar="OUT", help="also write the plan as one self-contained HTML page (no network)")
     add_pipeline_args(plan)
     plan.set_defaults(func=cmd_plan)
     check = sub.add_parser(
@@ -283,7 +294,11 @@ def main(argv=None) -> None:
     merge.add_argument("out")
     merge.add_argument("--max-shard-size", default="5GB")
     merge.set_defaults(func=cmd_consolidate)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None) -> None:
+    args = build_parser().parse_args(argv)
     return args.func(args)
 
 

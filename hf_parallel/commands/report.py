@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import transformers
@@ -26,7 +27,82 @@ def default_auto_class(config):
     return transformers.AutoModelForCausalLM
 
 
-def plan_report(
+@dataclass
+class ParamRow:
+    """One parameter of the dry run, as every rank holds it."""
+
+    name: str  # with the names it is tied to
+    rule: str  # "pattern [source]", or "-"
+    style: str
+    layout: str
+    full_shape: tuple[int, ...]
+    shapes: list[tuple[int, ...]]  # per rank
+    nbytes: list[int]  # per rank
+
+    @property
+    def replicated(self) -> bool:
+        return len(set(self.shapes)) == 1 and self.shapes[0] == self.full_shape
+
+    def line(self) -> str:
+        shown = " ".join("x".join(map(str, s)) for s in self.shapes)
+        return f"{self.name:<48} {self.rule:<34} {self.style:<24} {self.layout:<36} {shown} / {self.nbytes}"
+
+
+@dataclass
+class PlanFacts:
+    """What the dry run found, once: the text report and the HTML page (``plan_html.py``) both render it."""
+
+    path: str
+    model_type: str
+    tp: int
+    source: str  # where the rules came from
+    shape: MeshShape
+    mesh: list[str]  # the mesh's lines (data-parallel sizes, groups spanning nodes)
+    heads: str | None
+    rows: list[ParamRow]
+    details: list[str]  # discovery's notes, quantized bytes, adapters, the sequence split
+    totals: list[int]  # bytes per rank
+    full_bytes: int
+    at_rest: list[int] | None  # bytes per rank at rest under FSDP2
+    fsdp: int  # ranks each TP shard is split over at rest
+
+    def lines(self) -> list[str]:
+        out = [*self.mesh, f"plan for {self.path} ({self.model_type}) at tp={self.tp}: rules from {self.source}"]
+        if self.heads:
+            out.append(self.heads)
+        out.append(f"{'parameter':<48} {'rule':<34} {'style':<24} {'layout':<36} local shape per rank / bytes per rank")
+        out += [row.line() for row in self.rows]
+        out += self.details
+        out.append(f"bytes per rank: {self.totals} (full model {self.full_bytes})")
+        if self.at_rest is not None:
+            out.append(
+                f"at rest under FSDP2 (each TP shard split over fsdp x cp x sp = {self.fsdp} ranks): about "
+                f"{self.at_rest} bytes per rank, the same again for gradients, twice for AdamW"
+            )
+        return out
+
+
+def plan_report(path: str, tp: int, **kwargs) -> str:
+    """The dry run's text: every parameter's rule, layout, local shape and bytes per rank, then the
+    heads, the sequence split, the data-parallel sizes and the adapters asked for (``plan_facts``);
+    under pipeline stages, each stage's ranks, layers and bytes."""
+    if kwargs.get("stage_tp_sizes") is not None or kwargs.get("pp_size", 1) > 1:
+        config = transformers.AutoConfig.from_pretrained(path)
+        shape = MeshShape.requested(
+            tp_size=None if kwargs.get("stage_tp_sizes") else tp, pp_size=kwargs.get("pp_size", 1),
+            stage_tp_sizes=kwargs.get("stage_tp_sizes"), fsdp_size=kwargs.get("fsdp_size", 1),
+            dp_replicate_size=kwargs.get("dp_replicate_size", 1), sp_size=kwargs.get("sp", 1),
+            cp_size=kwargs.get("cp", 1),
+        )  # fmt: skip
+        auto_class = kwargs.get("auto_class") or default_auto_class(config)
+        report = pipeline_report(path, config, resolve_dtype(kwargs.get("dtype"), config), auto_class,
+                                 kwargs.get("tp_plan", "auto"), shape, kwargs.get("stage_layers"))  # fmt: skip
+        return "\n".join([*mesh_lines(shape, kwargs.get("nproc_per_node")), report])
+    kwargs = {k: v for k, v in kwargs.items() if k not in ("pp_size", "stage_tp_sizes", "stage_layers")}
+    return "\n".join(plan_facts(path, tp, **kwargs).lines())
+
+
+def plan_facts(
     path: str,
     tp: int,
     tp_plan="auto",
@@ -34,70 +110,50 @@ def plan_report(
     auto_class=None,
     sp: int = 1,
     seq=None,
-    pp_size: int = 1,
     cp: int = 1,
-    stage_tp_sizes=None,
-    stage_layers=None,
     fsdp_size: int = 1,
     dp_replicate_size: int = 1,
     nproc_per_node: int | None = None,
     lora: dict | None = None,
-) -> str:
-    """The dry run's text: every parameter's rule, layout, local shape and bytes per rank, then the
-    heads, the sequence split, the data-parallel sizes and the adapters asked for. Long because it is
-    one report read top to bottom; each section is a few lines."""
+) -> PlanFacts:
+    """The dry run of one model replica without pipeline stages, as facts."""
     config = transformers.AutoConfig.from_pretrained(path)
     auto_class = auto_class or default_auto_class(config)
     dtype = resolve_dtype(dtype, config)
-    shape = MeshShape.requested(
-        tp_size=None if stage_tp_sizes else tp, sp_size=sp, pp_size=pp_size, stage_tp_sizes=stage_tp_sizes,
-        fsdp_size=fsdp_size, dp_replicate_size=dp_replicate_size, cp_size=cp,
-    )  # fmt: skip
-    mesh_text = mesh_lines(shape, nproc_per_node)
-    if stage_tp_sizes is not None or pp_size > 1:
-        report = pipeline_report(path, config, dtype, auto_class, tp_plan, shape, stage_layers)
-        return "\n".join([*mesh_text, report])
+    shape = MeshShape.requested(tp_size=tp, sp_size=sp, fsdp_size=fsdp_size, dp_replicate_size=dp_replicate_size,
+                                cp_size=cp)  # fmt: skip
     mesh = Mesh.dry_run(tp_size=tp, sp_size=sp, cp_size=cp)
     built = build_rank_model(auto_class, config, dtype, mesh, tp_plan=tp_plan)
     model, shard = built.model, built.layout
     check_mixers_under_fsdp(model, tp, shape.dp_shard)  # the dry run's mesh has no data-parallel sizes
     itemsize = torch.empty((), dtype=dtype).element_size()
-    lines = [f"plan for {path} ({config.model_type}) at tp={tp}: rules from {shard.plan.source}"]
+    heads = None
     if shard.heads is not None:
         h = shard.heads
-        lines.append(
-            f"heads: q per rank {[h.local_q(r) for r in range(tp)]}, kv per rank {[h.local_kv(r) for r in range(tp)]}, head_dim {h.head_dim}"
-        )
-    lines.append(f"{'parameter':<48} {'rule':<34} {'style':<24} {'layout':<36} local shape per rank / bytes per rank")
-    totals = [0] * tp
+        heads = (f"heads: q per rank {[h.local_q(r) for r in range(tp)]}, kv per rank "
+                 f"{[h.local_kv(r) for r in range(tp)]}, head_dim {h.head_dim}")  # fmt: skip
+    rows = []
     for entry in shard.unique_params():
         rule = entry.rule
-        shapes = [entry.layout.local_shape(entry.full_shape, r) for r in range(tp)]
-        nbytes = [math.prod(s) * itemsize for s in shapes]
-        totals = [t + n for t, n in zip(totals, nbytes)]
-        name = entry.name + (f" (= {', '.join(entry.aliases[1:])})" if len(entry.aliases) > 1 else "")
-        rule_text = f"{rule.pattern} [{rule.source}]" if rule else "-"
-        shown = " ".join("x".join(map(str, s)) for s in shapes)
-        lines.append(
-            f"{name:<48} {rule_text:<34} {rule.style_name if rule else 'replicated':<24} {entry.layout.describe():<36} {shown} / {nbytes}"
-        )
-    lines += [f"left replicated by discovery: {note}" for note in shard.plan.notes]
+        shapes = [tuple(entry.layout.local_shape(entry.full_shape, r)) for r in range(tp)]
+        rows.append(ParamRow(
+            entry.name + (f" (= {', '.join(entry.aliases[1:])})" if len(entry.aliases) > 1 else ""),
+            f"{rule.pattern} [{rule.source}]" if rule else "-", rule.style_name if rule else "replicated",
+            entry.layout.describe(), tuple(entry.full_shape), shapes, [math.prod(s) * itemsize for s in shapes],
+        ))  # fmt: skip
+    details = [f"left replicated by discovery: {note}" for note in shard.plan.notes]
     if built.quantization is not None:
-        lines += quantized_lines(path, model, shard, tp, built.quantization, itemsize)
+        details += quantized_lines(path, model, shard, tp, built.quantization, itemsize)
     if lora is not None:
-        lines += lora_lines(model, shard, tp, lora, dtype)
+        details += lora_lines(model, shard, tp, lora, dtype)
     if sp * cp > 1:
-        lines += sequence_lines(model, shard, tp, sp, seq, cp)
-    lines.append(
-        f"bytes per rank: {totals} (full model {sum(math.prod(e.full_shape) for e in shard.unique_params()) * itemsize})"
-    )
-    if shape.dp > 1:
-        fsdp = shape.dp_shard * shape.sp
-        lines.append(
-            f"at rest under FSDP2 (each TP shard split over fsdp x cp x sp = {fsdp} ranks): about "
-            f"{[math.ceil(t / fsdp) for t in totals]} bytes per rank, the same again for gradients, twice for AdamW"
-        )
-    return "\n".join([*mesh_text, *lines])
+        details += sequence_lines(model, shard, tp, sp, seq, cp)
+    totals = [sum(row.nbytes[r] for row in rows) for r in range(tp)]
+    full_bytes = sum(math.prod(e.full_shape) for e in shard.unique_params()) * itemsize
+    fsdp = shape.dp_shard * shape.sp
+    at_rest = [math.ceil(t / fsdp) for t in totals] if shape.dp > 1 else None
+    return PlanFacts(path, config.model_type, tp, shard.plan.source, shape, mesh_lines(shape, nproc_per_node),
+                     heads, rows, details, totals, full_bytes, at_rest, fsdp)  # fmt: skip
 
 
 def quantized_lines(path: str, model, shard, tp: int, quantization, itemsize: int) -> list[str]:

@@ -1,0 +1,89 @@
+"""The docs site: it builds with ``--strict`` (a broken link, a missing page or a reference that no longer
+resolves fails), its generated reference pages say what the code says, and the getting-started page's
+commands marked ``<!-- ci: run -->`` run as written on this machine."""
+
+import html
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+QUIET = {"NO_MKDOCS_2_WARNING": "1", "DISABLE_MKDOCS_2_WARNING": "true"}  # a plugin's notice, not a warning
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory):
+    out = tmp_path_factory.mktemp("site")
+    done = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(out)], cwd=ROOT,
+                          capture_output=True, text=True, env={**os.environ, **QUIET}, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    return out
+
+
+def _text(page: Path) -> str:
+    return html.unescape(re.sub(r"\s+", " ", re.sub(r"<[^>]+>", " ", page.read_text())))
+
+
+def test_the_site_builds_strict_with_its_reference_generated_from_the_code(site):
+    """Every guide and reference page is there; the CLI page carries every subcommand's flags (from the
+    parser), the styles and plans pages every registered style and shipped plan file, the errors page a
+    message as its source writes it, the API page the docstrings."""
+    from hf_parallel.commands.cli import build_parser
+    from hf_parallel.tensor.registry import STYLES
+
+    cli = _text(site / "reference" / "cli" / "index.html")
+    parser = build_parser()
+    (commands,) = [a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction"]
+    for name, sub in commands.choices.items():
+        assert f"hf-parallel {name}" in cli
+        for action in sub._actions:
+            assert all(flag in cli for flag in action.option_strings), (name, action.option_strings)
+    styles = _text(site / "reference" / "styles" / "index.html")
+    assert all(name in styles for name in STYLES)
+    plans = _text(site / "reference" / "plans" / "index.html")
+    assert all(path.name in plans for path in (ROOT / "plans").glob("*.toml"))
+    errors = _text(site / "reference" / "errors" / "index.html")
+    assert "is stored quantized with no" in errors and "hf_parallel.checkpoint.quantized" in errors
+    assert 'ep_plan="auto"' in _text(site / "reference" / "api" / "index.html")
+    for guide in ("inference", "tensor-parallel", "moe", "sequence-and-context", "pipeline", "training",
+                  "fine-tuning", "quantized", "checkpoints", "compiling", "gpus", "multi-node", "hybrids"):
+        assert (site / "guides" / guide / "index.html").is_file(), guide
+
+
+def test_the_readme_is_short_and_names_no_tracker_numbers():
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) <= 250
+    assert readme.splitlines()[2:4] == [
+        "bash scripts/run-default.sh   # fresh machine: set up, then generate with the embedded SmolLM2-135M-Instruct "
+        "at TP=2 under torchrun",
+        "bash .ci/run                  # fresh machine: set up, then run the test suite (what CI runs)",
+    ]
+    pages = [ROOT / "README.md", ROOT / "CHANGELOG.md", *(ROOT / "docs").rglob("*.md")]
+    for page in pages:
+        assert not re.search(r"\b[Ii]ssues? #?\d", page.read_text()), page
+
+
+def _getting_started_commands() -> list[str]:
+    text = (ROOT / "docs" / "getting-started.md").read_text()
+    return re.findall(r"<!-- ci: run -->\n```bash\n(.*?)\n```", text, re.S)
+
+
+@pytest.mark.distributed
+def test_the_getting_started_commands_run_as_written(tmp_path):
+    """The first TP=2 generation, the plan (and its page), verify: each command as the page writes it."""
+    commands = _getting_started_commands()
+    assert len(commands) == 3
+    outputs = []
+    for command in commands:
+        done = subprocess.run(["bash", "-c", command], cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+        assert done.returncode == 0, (command, done.stdout[-2000:], done.stderr[-3000:])
+        outputs.append(done.stdout)
+    generated, planned, verified = outputs
+    assert "tokens in" in generated, generated
+    assert "bytes per rank" in planned and (tmp_path / "plan.html").is_file(), planned
+    assert "PASS" in verified, verified
