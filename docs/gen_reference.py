@@ -1,10 +1,13 @@
 """Pages generated at build time from the code, so they cannot drift from it (mkdocs-gen-files): the CLI from
 its parser, every registered style from the registry, every shipped plan from ``plans/``, every error message
-the package can raise (read from its source), and the changelog."""
+the package can raise (read from its source), a plot under each benchmark table (drawn from the table), and
+the changelog."""
 
 from __future__ import annotations
 
 import ast
+import io
+import re
 import tomllib
 from pathlib import Path
 
@@ -19,7 +22,8 @@ ROOT = Path(__file__).resolve().parent.parent
 def cli_page() -> str:
     parser = build_parser()
     (subparsers,) = [a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction"]
-    parts = ["# CLI\n", "Generated from `hf_parallel.commands.cli.build_parser`.\n", "```text", parser.format_help(), "```"]
+    parts = ["# CLI\n", "Generated from `hf_parallel.commands.cli.build_parser`.\n"]
+    parts += ["```text", parser.format_help(), "```"]
     for name, sub in subparsers.choices.items():
         parts += [f"\n## `hf-parallel {name}`\n", "```text", sub.format_help(), "```"]
     return "\n".join(parts) + "\n"
@@ -63,7 +67,7 @@ def _template(node: ast.expr) -> str:
     if isinstance(node, ast.Constant):
         return str(node.value)
     if isinstance(node, ast.JoinedStr):
-        return "".join(v.value if isinstance(v, ast.Constant) else "{" + ast.unparse(v.value) + "}" for v in node.values)
+        return "".join(v.value if isinstance(v, ast.Constant) else f"{{{ast.unparse(v.value)}}}" for v in node.values)
     if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
         return _template(node.left) + _template(node.right)
     return "{" + ast.unparse(node) + "}"
@@ -93,7 +97,75 @@ def errors_page() -> str:
     return "\n".join(parts) + "\n"
 
 
-for page, text in {"reference/errors.md": errors_page(), "reference/cli.md": cli_page(), "reference/styles.md": styles_page(),
-                   "reference/plans.md": plans_page(), "changelog.md": (ROOT / "CHANGELOG.md").read_text()}.items():
+def _number(cell: str) -> float | None:
+    found = re.match(r"\**([\d,]*\.?\d+)", cell.strip())
+    return float(found.group(1).replace(",", "")) if found else None
+
+
+def _plot(title: str, table: list[str]) -> bytes | None:
+    """A table's numeric rows as grouped bars, each row scaled to its largest value (the rows mix units), the
+    columns its implementations; None for a table with fewer than two numeric rows."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    header = [cell.strip() for cell in table[0].strip("|").split("|")][1:]
+    rows = []
+    for line in table[2:]:
+        cells = [cell.strip() for cell in line.strip("|").split("|")]
+        values = [_number(cell) for cell in cells[1 : len(header) + 1]]
+        if sum(v is not None for v in values) >= 2:
+            rows.append((cells[0], [v or 0.0 for v in values]))
+    if len(rows) < 2 or len(header) < 2:
+        return None
+    figure, axes = plt.subplots(figsize=(9, 0.5 + 0.45 * len(rows) * len(header) / 2))
+    width = 0.8 / len(header)
+    for column, name in enumerate(header):
+        scaled = [values[column] / (max(values) or 1) for _, values in rows]
+        axes.barh([r + column * width for r in range(len(rows))], scaled, height=width, label=name)
+    axes.set_yticks([r + 0.4 - width / 2 for r in range(len(rows))], [label[:48] for label, _ in rows], fontsize=8)
+    axes.invert_yaxis()
+    axes.set_xlabel("each row scaled to its largest value (lower is better for times and memory)", fontsize=8)
+    axes.set_title(title, fontsize=9)
+    axes.legend(fontsize=7, loc="lower right")
+    buffer = io.BytesIO()
+    figure.tight_layout()
+    figure.savefig(buffer, format="png", dpi=110)
+    plt.close(figure)
+    return buffer.getvalue()
+
+
+def benchmarks_page() -> str:
+    """``docs/benchmarks.md`` with a plot drawn under each of its tables, from that table."""
+    out, table, title, count = [], [], "", 0
+    for line in [*(ROOT / "docs" / "benchmarks.md").read_text().splitlines(), ""]:
+        if line.startswith("|"):
+            table.append(line)
+            continue
+        if table:
+            out += table
+            png = _plot(title, table)
+            if png is not None:
+                with mkdocs_gen_files.open(f"img/benchmark-{count}.png", "wb") as f:
+                    f.write(png)
+                out += ["", f"![{title}: the table above, each row scaled](img/benchmark-{count}.png)"]
+                count += 1
+            table = []
+        title = line.lstrip("# ").strip() if line.startswith("#") else title
+        out.append(line)
+    return "\n".join(out) + "\n"
+
+
+PAGES = {
+    "benchmarks.md": benchmarks_page,
+    "reference/errors.md": errors_page,
+    "reference/cli.md": cli_page,
+    "reference/styles.md": styles_page,
+    "reference/plans.md": plans_page,
+    "changelog.md": lambda: (ROOT / "CHANGELOG.md").read_text(),
+}
+for page, write in PAGES.items():
+    text = write()
     with mkdocs_gen_files.open(page, "w") as f:
         f.write(text)

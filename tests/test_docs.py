@@ -31,7 +31,7 @@ def _text(page: Path) -> str:
 def test_the_site_builds_strict_with_its_reference_generated_from_the_code(site):
     """Every guide and reference page is there; the CLI page carries every subcommand's flags (from the
     parser), the styles and plans pages every registered style and shipped plan file, the errors page a
-    message as its source writes it, the API page the docstrings."""
+    message as its source writes it, the API page the docstrings, the benchmarks page a plot per table."""
     from hf_parallel.commands.cli import build_parser
     from hf_parallel.tensor.registry import STYLES
 
@@ -49,6 +49,8 @@ def test_the_site_builds_strict_with_its_reference_generated_from_the_code(site)
     errors = _text(site / "reference" / "errors" / "index.html")
     assert "is stored quantized with no" in errors and "hf_parallel.checkpoint.quantized" in errors
     assert 'ep_plan="auto"' in _text(site / "reference" / "api" / "index.html")
+    plots = sorted((site / "img").glob("benchmark-*.png"))  # one under each benchmark table, from the table
+    assert len(plots) >= 8 and all(plot.name in (site / "benchmarks" / "index.html").read_text() for plot in plots)
     for guide in ("inference", "tensor-parallel", "moe", "sequence-and-context", "pipeline", "training",
                   "fine-tuning", "quantized", "checkpoints", "compiling", "gpus", "multi-node", "hybrids"):
         assert (site / "guides" / guide / "index.html").is_file(), guide
