@@ -81,8 +81,9 @@ def test_the_getting_started_commands_run_as_written(tmp_path):
     assert len(commands) == 3
     outputs = []
     for command in commands:
+        path = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])  # its console scripts
         done = subprocess.run(["bash", "-c", command], cwd=tmp_path, capture_output=True, text=True, timeout=600,
-                              env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+                              env={**os.environ, "OMP_NUM_THREADS": "1", "PATH": path})  # fmt: skip
         assert done.returncode == 0, (command, done.stdout[-2000:], done.stderr[-3000:])
         outputs.append(done.stdout)
     generated, planned, verified = outputs
