@@ -82,7 +82,7 @@ def test_the_getting_started_commands_run_as_written(tmp_path):
     outputs = []
     for command in commands:
         path = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])  # its console scripts
-        done = subprocess.run(["bash", "-c", command], cwd=tmp_path, capture_output=True, text=True, timeout=600,
+        done = subprocess.run(["bash", "-o", "pipefail", "-c", command], cwd=tmp_path, capture_output=True, text=True, timeout=600,
                               env={**os.environ, "OMP_NUM_THREADS": "1", "PATH": path})  # fmt: skip
         assert done.returncode == 0, (command, done.stdout[-2000:], done.stderr[-3000:])
         outputs.append(done.stdout)

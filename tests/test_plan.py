@@ -159,3 +159,24 @@ def test_no_shipped_plan_leaves_routed_experts_whole():
         assert not whole, f"{name}: {plan.source} leaves {whole} whole on every rank"
         checked[name] = plan.source
     assert {"granitemoehybrid", "jamba", "qwen2_moe", "qwen3_moe", "mixtral", "gpt_oss"} <= set(checked), checked
+
+
+def test_a_plans_optional_rules_are_quiet_on_the_variant_without_them():
+    """Granite-4's plan splits routed experts; its dense variants (``num_local_experts=0``) have none, and the
+    rules for them are ``optional``: no warning about a rule matching nothing, and every other rule used."""
+    import warnings
+
+    import transformers
+    from tiny_models import COMMON, HYBRIDS
+
+    class_name, overrides = HYBRIDS["granitemoehybrid"]
+    config = getattr(transformers, class_name)(**{**COMMON, **overrides, "num_local_experts": 0})
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    plan = resolve_plan(model, "auto")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assigned = plan.assign(model)
+    assert plan.source == "plans/granitemoehybrid.toml"
+    assert not any("experts" in path for path in assigned)
+    assert {rule.pattern for rule in plan.rules} - plan.used == set(plan.optional)

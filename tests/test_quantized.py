@@ -335,7 +335,8 @@ class _Stored:
 def _formats(bits: int):
     """(name, Dequantized, the whole weight dequantized by the formats' definitions) for FP8 blocks, packed
     integers with zero points, MXFP4 (exponents as bytes and as e8m0), GPTQ (act-order; v2's zero points, 37
-    outputs: a partial zero-point word) and AWQ (50 inputs: a partial group), with partial blocks / groups / words."""
+    outputs: a partial zero-point word, and no g_idx; one group of all inputs) and AWQ (50 inputs: a partial
+    group; one group), with partial blocks / groups / words."""
     from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
     from tiny_models import FP4_VALUES, quantize_grouped
 
@@ -360,13 +361,18 @@ def _formats(bits: int):
     e8m0 = q.DequantizedMXFP4("w", _Stored(blocks), _Stored(exponents.to(torch.uint8).view(torch.float8_e8m0fnu)))
     experts = fp4.flatten(-2).transpose(1, 2)
     grouped = []
-    for method, form, shape, act_order in (("gptq", "gptq", (40, 48), True), ("gptq", "gptq_v2", (37, 48), False),
-                                           ("awq", "gemm", (40, 50), False)):  # fmt: skip
+    for method, form, shape, act_order, group, g_idx in (
+        ("gptq", "gptq", (40, 48), True, 16, True), ("gptq", "gptq_v2", (37, 48), False, 16, False),
+        ("gptq", "gptq", (40, 48), True, -1, True), ("awq", "gemm", (40, 50), False, 16, False),
+        ("awq", "gemm", (40, 50), False, -1, False),
+    ):  # fmt: skip
         width = 4 if method == "awq" else bits
-        stored, dense = quantize_grouped(torch.randn(shape), method, width, form, 16, act_order, form == "gptq")
-        described = q.GroupedIntegers(method, width, 16, int(form == "gptq"))
+        stored, dense = quantize_grouped(torch.randn(shape), method, width, form, group, act_order, form == "gptq")
+        if not g_idx:
+            stored.pop("g_idx", None)  # GPTQ without it: consecutive groups, as without act-order
+        described = q.GroupedIntegers(method, width, group, int(form == "gptq"))
         read = q.DequantizedGrouped("m.weight", lambda p, s=stored: _Stored(s[p]) if p in s else None, described)
-        grouped.append((f"{method} {form}", read, dense))
+        grouped.append((f"{method} {form} group {group}", read, dense))
     return [("fp8", fp8, whole), ("ints", ints, (values.float() - spread(zero)) * spread(scales)),
             ("mxfp4", mxfp4, experts), ("mxfp4 e8m0", e8m0, experts), *grouped]  # fmt: skip
 
@@ -388,3 +394,5 @@ def test_any_box_of_a_quantized_weight_is_that_box_of_the_whole(data):
         assert torch.equal(weight[index], whole[index]), (name, box)
         assert box_of(index, weight.shape) == box
         assert weight.keep(box, meta=True).nbytes == weight.keep(box).nbytes, (name, box)
+        empty = (slice(0, 0), *(slice(None),) * (len(weight.shape) - 1))  # a rank with none of a small dim
+        assert weight[empty].shape == whole[empty].shape, name

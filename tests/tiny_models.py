@@ -300,6 +300,7 @@ GROUPED = {  # GPTQ and AWQ (groups of 32 inputs): name -> (model, method, bits,
     "phi3_awq": ("phi3_fp8", "awq", 4, "gemm", 32, False, False, ()),
     "qwen3_moe_gptq": ("qwen3_moe_fp8", "gptq", 4, "gptq", 32, True, True, ()),  # per-expert keys
     "qwen3_moe_awq": ("qwen3_moe_fp8", "awq", 4, "gemm", 32, False, False, ()),
+    "qwen2_gptq": ("qwen2", "gptq", 4, "gptq_v2", 32, True, False, ()),  # q/k/v biases beside their qweights
 }
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ / GPTQModel's pack_awq_columns: output AWQ_ORDER[i] at value i
 

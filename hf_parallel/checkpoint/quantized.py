@@ -383,6 +383,8 @@ class KeptGrouped(Kept):
         """In float32 (each value exact: a small integer times an fp16 scale), rounded once to ``dtype``; the
         [out, in] result is the transpose of an [in, out] tensor (what ``F.linear`` multiplies by)."""
         (outputs, inputs), (in_word, in_group, out_word), form = self.shape, self.offset, self.form
+        if outputs == 0 or inputs == 0:
+            return torch.empty(self.shape, dtype=dtype, device=self.words.device)
         if form.method == "gptq":
             values = _codes(self.words, form.bits, 0).narrow(0, in_word, inputs)
         else:
@@ -599,6 +601,8 @@ class DequantizedGrouped(Dequantized):
         if self.g_idx is None:
             return _span(i0, i1, self.group), True
         named = self.g_idx[i0:i1]
+        if named.numel() == 0:  # an empty box (a dim smaller than the ranks it is split over)
+            return slice(0, 0), True
         low, high = int(named.min()), int(named.max())
         if low < 0 or high >= self.groups:
             raise CheckpointError(f"{self.keys['g_idx']!r} names group {low if low < 0 else high}, and "
@@ -626,7 +630,8 @@ def readable(handle, files: dict[str, str], key: str, quantization: Quantization
     ``Dequantized`` of it. A float8 weight without its scale, or FP8 in a checkpoint whose config
     declares no quantization, is refused by name."""
     stored_as = getattr(quantization, "stored_as", None)
-    if stored_as and quantization.part_key(key, stored_as) in files:
+    stored = quantization.part_key(key, stored_as) if stored_as else None
+    if stored in files and quantization.weight_key(stored) == key:  # (a GPTQ module's bias is not its weight)
 
         def part(name):
             found = quantization.part_key(key, name)

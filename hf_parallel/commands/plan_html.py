@@ -121,7 +121,8 @@ def render(facts: PlanFacts) -> str:
 <body>
 <h1>{html.escape(title)}</h1>
 <p>rules from <code>{html.escape(facts.source)}</code>; {len(facts.rows)} parameters in {facts.tp} tensor-parallel
-rank(s). Nothing was run and no weight read: <code>hf-parallel plan</code> prints the same facts as text.</p>
+rank(s). Nothing was run and no weight read (but GPTQ's <code>g_idx</code>, an int32 an input, to find the
+groups a shard needs): <code>hf-parallel plan</code> prints the same facts as text.</p>
 <h2>Mesh</h2>{_mesh(facts)}
 <h2>Bytes per rank</h2>{_bars(facts)}
 <h2>Matrices held whole on every rank</h2>

@@ -9,8 +9,8 @@ reported at the layer it failed in.
 
 transformers reads GPTQ and AWQ only through GPU kernels (gptqmodel); for them the one-process model is
 transformers' own, on the weights dequantized whole by hf_parallel's reader (each matrix in one box, the
-format's definition, checked against the formats' packers in tests/test_quantized.py), so what verify
-proves is the split, as for any other checkpoint.
+format's definition, checked against the tests' packer, GPTQModel's packing, in tests/test_quantized.py), so
+what verify proves is the split, as for any other checkpoint.
 """
 
 from __future__ import annotations
@@ -174,9 +174,14 @@ def single_process_model(path: str, dtype: torch.dtype, memory: int | None, offl
 DEQUANTIZED_REFERENCE = ("gptq", "awq")  # quant_methods transformers reads only through GPU kernels
 
 
+SHARD_BYTES = 1 << 30  # the dequantized copy is written a shard at a time: memory holds one shard's floats
+
+
 def dequantized_copy(path: str, out_dir: str) -> str:
     """``path`` with its quantized weights dequantized whole (float32) into ``out_dir``, its config without
-    ``quantization_config``: the one-process reference for a format transformers cannot read here."""
+    ``quantization_config``, written in shards of ``SHARD_BYTES`` (an index beside them): the one-process
+    reference for a format transformers cannot read here."""
+    import json
     from contextlib import ExitStack
 
     from safetensors import safe_open
@@ -188,7 +193,15 @@ def dequantized_copy(path: str, out_dir: str) -> str:
     config = transformers.AutoConfig.from_pretrained(path)
     quantization = read_quantization(config)
     files = with_stored_keys(checkpoint_files(path), quantization)
-    tensors, parts = {}, set()
+    os.makedirs(out_dir, exist_ok=True)
+    shard, weight_map, parts = {}, {}, set()
+
+    def flush():
+        name = f"model-{len(set(weight_map.values())) + 1:05d}.safetensors"
+        save_file(shard, os.path.join(out_dir, name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, name))
+        shard.clear()
+
     with ExitStack() as stack:
         handles = {}
 
@@ -199,11 +212,14 @@ def dequantized_copy(path: str, out_dir: str) -> str:
             stored = quantization.part_key(key, quantization.stored_as)
             if stored != key and stored in files and quantization.weight_key(stored) == key:
                 weight = readable(handle, files, key, quantization)
-                tensors[key], parts = weight[:].contiguous(), parts | set(weight.parts)
-        for key in set(files) - parts - set(tensors):
-            tensors[key] = handle(files[key]).get_tensor(key)
-    os.makedirs(out_dir, exist_ok=True)
-    save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+                shard[key], parts = weight[:].contiguous(), parts | set(weight.parts)
+            if sum(t.nbytes for t in shard.values()) >= SHARD_BYTES:
+                flush()
+        for key in sorted(set(files) - parts - set(weight_map) - set(shard)):
+            shard[key] = handle(files[key]).get_tensor(key)
+        flush()
+    with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f)
     config.save_pretrained(out_dir)
     return out_dir
 
@@ -261,12 +277,13 @@ def verify(
     )  # fmt: skip
     batch = probe_batch(config)
     reference = None
-    reference_memory = default_reference_memory(path) if reference_memory is None else reference_memory
     if mesh.is_main:  # the single-process model is freed before the parallel one loads
         with tempfile.TemporaryDirectory(prefix="hf_parallel-verify-") as offload_dir:
             source = path
             if _quant_method(config) in DEQUANTIZED_REFERENCE:
                 source = dequantized_copy(path, os.path.join(offload_dir, "dequantized"))
+            if reference_memory is None:  # sized by the weights the reference holds (a dequantized copy's floats)
+                reference_memory = default_reference_memory(source)
             single = single_process_model(source, dtype, reference_memory, offload_dir)
             reference, _ = outputs_by_layer(single, batch)
             del single
