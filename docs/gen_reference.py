@@ -6,6 +6,7 @@ the changelog."""
 from __future__ import annotations
 
 import ast
+import html
 import io
 import re
 import tomllib
@@ -73,6 +74,13 @@ def _template(node: ast.expr) -> str:
     return "{" + ast.unparse(node) + "}"
 
 
+def _markdown_text(text: str) -> str:
+    """``text`` shown as written in a table cell: HTML escaped, Markdown's own characters backslashed (a
+    message's ``x[0]`` is not a link, its ``**kwargs`` not emphasis)."""
+    text = html.escape(text, quote=False)
+    return "".join("\\" + c if c in "\\`*_[]|{}#" else c for c in text)
+
+
 def errors_page() -> str:
     """Every exception (and warning) the package constructs with a message, module by module, with the message
     as its source writes it: what a user can meet, and (in the message) what to do about it."""
@@ -87,7 +95,7 @@ def errors_page() -> str:
         for node in ast.walk(ast.parse(path.read_text())):
             named = isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id.endswith(ERRORS)
             if named and node.args and isinstance(node.args[0], (ast.Constant, ast.JoinedStr, ast.BinOp)):
-                message = " ".join(_template(node.args[0]).split()).replace("|", "\\|")
+                message = _markdown_text(" ".join(_template(node.args[0]).split()))
                 found.append((node.lineno, node.func.id, message))
         if found:
             module = ".".join(path.relative_to(ROOT).with_suffix("").parts)
