@@ -59,7 +59,7 @@ def test_the_site_builds_strict_with_its_reference_generated_from_the_code(site)
 def test_the_readme_is_short_and_names_no_tracker_numbers():
     readme = (ROOT / "README.md").read_text()
     assert len(readme.splitlines()) <= 250
-    assert readme.splitlines()[2:4] == [
+    assert readme.splitlines()[3:5] == [
         "bash scripts/run-default.sh   # fresh machine: set up, then generate with the embedded SmolLM2-135M-Instruct "
         "at TP=2 under torchrun",
         "bash .ci/run                  # fresh machine: set up, then run the test suite (what CI runs)",
