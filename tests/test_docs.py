@@ -28,6 +28,7 @@ def _text(page: Path) -> str:
     return html.unescape(re.sub(r"\s+", " ", re.sub(r"<[^>]+>", " ", page.read_text())))
 
 
+@pytest.mark.distributed  # not in the pure tier: a build process of a few seconds (the full run has it)
 def test_the_site_builds_strict_with_its_reference_generated_from_the_code(site):
     """Every guide and reference page is there; the CLI page carries every subcommand's flags (from the
     parser), the styles and plans pages every registered style and shipped plan file, the errors page a
@@ -82,8 +83,9 @@ def test_the_getting_started_commands_run_as_written(tmp_path):
     outputs = []
     for command in commands:
         path = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])  # its console scripts
-        done = subprocess.run(["bash", "-o", "pipefail", "-c", command], cwd=tmp_path, capture_output=True, text=True, timeout=600,
-                              env={**os.environ, "OMP_NUM_THREADS": "1", "PATH": path})  # fmt: skip
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PATH": path}
+        done = subprocess.run(["bash", "-o", "pipefail", "-c", command], cwd=tmp_path, capture_output=True,
+                              text=True, timeout=600, env=env)  # fmt: skip
         assert done.returncode == 0, (command, done.stdout[-2000:], done.stderr[-3000:])
         outputs.append(done.stdout)
     generated, planned, verified = outputs

@@ -4,8 +4,6 @@ errors and no request leaving the page."""
 
 import json
 import os
-import subprocess
-import sys
 from html.parser import HTMLParser
 
 import pytest
@@ -40,18 +38,19 @@ class _Page(HTMLParser):
 
 @pytest.fixture(scope="module")
 def page(tiny_paths, tmp_path_factory):
-    """The plan of a tiny Llama at TP=2 x FSDP=2 with down_proj left whole, as text and as a page."""
-    root = tmp_path_factory.mktemp("plan_html")
-    rules = root / "rules.json"
-    rules.write_text(json.dumps(WHOLE_DOWN_PROJ))
-    out = str(root / "plan.html")
-    command = [sys.executable, "-m", "hf_parallel", "plan", tiny_paths["llama"], "--tp", "2", "--fsdp", "2",
-               "--tp-plan", str(rules), "--html", out]  # fmt: skip
-    text = subprocess.run(command, capture_output=True, text=True, check=True, cwd=root).stdout
+    """The plan of a tiny Llama at TP=2 x FSDP=2 with down_proj left whole, as text and as a page (in this
+    process: the CLI's ``--html`` runs in the getting-started test, ``test_docs.py``)."""
+    from hf_parallel.commands.plan_html import render
+    from hf_parallel.commands.report import plan_facts
+
+    facts = plan_facts(tiny_paths["llama"], 2, tp_plan=WHOLE_DOWN_PROJ, fsdp_size=2)
+    out = str(tmp_path_factory.mktemp("plan_html") / "plan.html")
+    with open(out, "w") as f:
+        f.write(render(facts))
     parsed = _Page()
     with open(out) as f:
         parsed.feed(f.read())
-    return text, parsed, out
+    return "\n".join(facts.lines()), parsed, out
 
 
 def test_the_page_shows_the_text_reports_facts(page):
