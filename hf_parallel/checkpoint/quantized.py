@@ -35,6 +35,8 @@ from .writer import torch_dtype
 
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+GROUPED_DTYPES = {"qweight": (torch.int32,), "qzeros": (torch.int32,), "scales": FLOATS,
+                  "g_idx": (torch.int32, torch.int64)}  # GPTQ's and AWQ's parts, as stored  # fmt: skip
 EXPONENTS = (torch.uint8, torch.float8_e8m0fnu)  # MXFP4's scales: biased exponents (127 = 2**0)
 SUPPORTED = (
     "fp8 (block-wise weight_scale_inv), compressed-tensors float-quantized 8-bit (per-tensor, per-channel or block "
@@ -194,18 +196,28 @@ def _grouped(config, get, method: str) -> GroupedIntegers:
     return GroupedIntegers(method, bits, group, zero_offset)
 
 
+def _config_getter(quantization):
+    """``get(key, default)`` on a ``quantization_config`` as a dict or as transformers' config object."""
+    if isinstance(quantization, dict):
+        return quantization.get
+    return lambda key, default=None: getattr(quantization, key, default)
+
+
+def quant_method(config) -> str | None:
+    """The ``quant_method`` a config declares, lower-case (None: no quantization_config)."""
+    quantization = getattr(config, "quantization_config", None)
+    return _text(_config_getter(quantization)("quant_method")) if quantization else None
+
+
 def read_quantization(config) -> Quantization | None:
     """The quantization a config declares (None: none), removed from the config (a model holding floats
     saves none; one holding its weights kept quantized saves the original back); anything hf_parallel does
     not read is refused by name, before any weight is read."""
-    quantization = getattr(config, "quantization_config", None)
-    if not quantization:
+    method = quant_method(config)
+    if method is None:
         return None
-    get = quantization.get if isinstance(quantization, dict) else lambda key, default=None: getattr(
-        quantization, key, default
-    )
-    method, block = get("quant_method"), get("weight_block_size")
-    method = _text(method)
+    get = _config_getter(config.quantization_config)
+    block = get("weight_block_size")
     if method == "compressed-tensors":
         found = _compressed_tensors(config, get)
     elif method in ("gptq", "awq"):
@@ -220,17 +232,27 @@ def read_quantization(config) -> Quantization | None:
     return found
 
 
+def stored_in_parts(key: str, files, quantization: Quantization | None) -> bool:
+    """Whether the weight ``key`` is stored in parts in ``files`` (``<name>_packed``, ``<name>_blocks``,
+    ``<module>.qweight``): its format's marking part is there, and it is this key's (a GPTQ module's bias shares
+    the module, not the qweight)."""
+    stored_as = getattr(quantization, "stored_as", None)
+    if not stored_as:
+        return False
+    stored = quantization.part_key(key, stored_as)
+    return stored in files and quantization.weight_key(stored) == key
+
+
 def with_stored_keys(files: dict[str, str], quantization: Quantization | None) -> dict[str, str]:
     """``files`` (checkpoint key -> file) with each weight stored in parts under its own key too
     (``<name>_packed`` / ``<name>_blocks`` -> ``<name>``, ``<module>.qweight`` -> ``<module>.weight``), so it
     maps to its parameter like any key."""
-    stored_as = getattr(quantization, "stored_as", None)
-    if not stored_as:
+    if not getattr(quantization, "stored_as", None):
         return files
     out = dict(files)
     for key, file in files.items():
         weight = quantization.weight_key(key)
-        if quantization.part_key(weight, stored_as) == key:
+        if quantization.part_key(weight, quantization.stored_as) == key:  # key is a weight's marking part
             out.setdefault(weight, file)
     return out
 
@@ -566,28 +588,26 @@ class DequantizedGrouped(Dequantized):
                 raise CheckpointError(f"{self.keys['qweight']!r} is stored quantized with no {self.keys[name]!r}")
         self.words, self.scale, self.zero, self.g_idx = (found.get(name) for name in ("qweight", "scales", "qzeros",
                                                                                         "g_idx"))  # fmt: skip
-        rows, _ = self._shape_of("qweight", 2, (torch.int32,))
-        groups, outputs = self._shape_of("scales", 2, FLOATS)
-        inputs = rows * self.per if form.method == "gptq" else rows
-        if self.g_idx is not None:
-            (inputs,) = self._shape_of("g_idx", 1, (torch.int32, torch.int64))
+        shapes = {name: self._shape_of(name, stored) for name, stored in found.items() if stored is not None}
+        inputs = shapes["qweight"][0] * (self.per if form.method == "gptq" else 1)
+        inputs, outputs = shapes.get("g_idx", (inputs,))[0], shapes["scales"][1]
         self.group = form.group if form.group > 0 else inputs
         self.groups, self.shape = -(-inputs // self.group), (outputs, inputs)
         words = -(-outputs // self.per)
         want = {"qweight": (-(-inputs // self.per), outputs) if form.method == "gptq" else (inputs, words),
                 "scales": (self.groups, outputs), "qzeros": (self.groups, words)}  # fmt: skip
         for name, shape in want.items():
-            found_shape = self._shape_of(name, 2, FLOATS if name == "scales" else (torch.int32,))
-            if found_shape != shape:
+            if shapes[name] != shape:
                 raise CheckpointError(
-                    f"{self.keys[name]!r} is {found_shape}, not {shape}: {form.method} {form.bits}-bit, group_size "
+                    f"{self.keys[name]!r} is {shapes[name]}, not {shape}: {form.method} {form.bits}-bit, group_size "
                     f"{form.group}, for a weight of {outputs} outputs ({self.keys['scales']!r}) and {inputs} inputs: "
                     "written otherwise than the config says?"
                 )
 
-    def _shape_of(self, name: str, dims: int, dtypes) -> tuple[int, ...]:
-        part = {"qweight": self.words, "scales": self.scale, "qzeros": self.zero, "g_idx": self.g_idx}[name]
-        shape, dtype = tuple(part.get_shape()), torch_dtype(part.get_dtype())
+    def _shape_of(self, name: str, part) -> tuple[int, ...]:
+        """A part's shape, its dims and dtype checked against what the format stores."""
+        shape, dtype, dtypes = tuple(part.get_shape()), torch_dtype(part.get_dtype()), GROUPED_DTYPES[name]
+        dims = 1 if name == "g_idx" else 2
         if len(shape) != dims or dtype not in dtypes:
             named = " or ".join(str(d).removeprefix("torch.") for d in dtypes)
             raise CheckpointError(
@@ -629,9 +649,7 @@ def readable(handle, files: dict[str, str], key: str, quantization: Quantization
     """``key``'s safetensors slice (``handle(file)``: the file opened), or, stored quantized, a
     ``Dequantized`` of it. A float8 weight without its scale, or FP8 in a checkpoint whose config
     declares no quantization, is refused by name."""
-    stored_as = getattr(quantization, "stored_as", None)
-    stored = quantization.part_key(key, stored_as) if stored_as else None
-    if stored in files and quantization.weight_key(stored) == key:  # (a GPTQ module's bias is not its weight)
+    if stored_in_parts(key, files, quantization):
 
         def part(name):
             found = quantization.part_key(key, name)

@@ -188,18 +188,18 @@ def dequantized_copy(path: str, out_dir: str) -> str:
     from safetensors.torch import save_file
 
     from ..checkpoint.loading import checkpoint_files
-    from ..checkpoint.quantized import read_quantization, readable, with_stored_keys
+    from ..checkpoint.quantized import read_quantization, readable, stored_in_parts, with_stored_keys
 
     config = transformers.AutoConfig.from_pretrained(path)
     quantization = read_quantization(config)
     files = with_stored_keys(checkpoint_files(path), quantization)
     os.makedirs(out_dir, exist_ok=True)
-    shard, weight_map, parts = {}, {}, set()
+    shard, weight_map, parts, shards = {}, {}, set(), []
 
     def flush():
-        name = f"model-{len(set(weight_map.values())) + 1:05d}.safetensors"
-        save_file(shard, os.path.join(out_dir, name), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(shard, name))
+        shards.append(f"model-{len(shards) + 1:05d}.safetensors")
+        save_file(shard, os.path.join(out_dir, shards[-1]), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, shards[-1]))
         shard.clear()
 
     with ExitStack() as stack:
@@ -208,13 +208,15 @@ def dequantized_copy(path: str, out_dir: str) -> str:
         def handle(file):
             return handles.get(file) or handles.setdefault(file, stack.enter_context(safe_open(file, "pt")))
 
+        held = 0  # bytes in the shard being filled
         for key in files:
-            stored = quantization.part_key(key, quantization.stored_as)
-            if stored != key and stored in files and quantization.weight_key(stored) == key:
+            if stored_in_parts(key, files, quantization):
                 weight = readable(handle, files, key, quantization)
                 shard[key], parts = weight[:].contiguous(), parts | set(weight.parts)
-            if sum(t.nbytes for t in shard.values()) >= SHARD_BYTES:
+                held += shard[key].nbytes
+            if held >= SHARD_BYTES:
                 flush()
+                held = 0
         for key in sorted(set(files) - parts - set(weight_map) - set(shard)):
             shard[key] = handle(files[key]).get_tensor(key)
         flush()
@@ -222,12 +224,6 @@ def dequantized_copy(path: str, out_dir: str) -> str:
         json.dump({"metadata": {}, "weight_map": weight_map}, f)
     config.save_pretrained(out_dir)
     return out_dir
-
-
-def _quant_method(config) -> str | None:
-    quantization = getattr(config, "quantization_config", None) or {}
-    method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization.quant_method
-    return str(getattr(method, "value", method)).lower() if method else None
 
 
 def default_reference_memory(path: str) -> int | None:
@@ -259,6 +255,7 @@ def verify(
     ``stage_tp_sizes``, ``stage_layers`` as ``from_pretrained`` takes them: each stage's layers
     are collected on rank 0."""
     from ..api import AutoModelForCausalLM
+    from ..checkpoint.quantized import quant_method
     from ..distributed.mesh import get_mesh
     from ..state import parallel_state
 
@@ -276,11 +273,12 @@ def verify(
         stage_tp_sizes=stages.get("stage_tp_sizes"), cp_size=cp_size,
     )  # fmt: skip
     batch = probe_batch(config)
+    dequantized = quant_method(config) in DEQUANTIZED_REFERENCE  # one process reads its weights dequantized whole
     reference = None
     if mesh.is_main:  # the single-process model is freed before the parallel one loads
         with tempfile.TemporaryDirectory(prefix="hf_parallel-verify-") as offload_dir:
             source = path
-            if _quant_method(config) in DEQUANTIZED_REFERENCE:
+            if dequantized:
                 source = dequantized_copy(path, os.path.join(offload_dir, "dequantized"))
             if reference_memory is None:  # sized by the weights the reference holds (a dequantized copy's floats)
                 reference_memory = default_reference_memory(source)
@@ -310,7 +308,7 @@ def verify(
         f"probe: {len(PROBE_LENGTHS)} rows of {' and '.join(map(str, batch['attention_mask'].sum(1).tolist()))} "
         f"tokens, left-padded; tolerance {tolerance:g} of each output's largest value"
         + (f"; one process streamed from disk within {reference_memory / 2**20:.0f} MiB" if reference_memory else "")
-        + (f"; one process on the {_quant_method(config)} weights dequantized whole (transformers reads them only "
-           "through GPU kernels)" if _quant_method(config) in DEQUANTIZED_REFERENCE else "")
+        + (f"; one process on the {quant_method(config)} weights dequantized whole (transformers reads them only "
+           "through GPU kernels)" if dequantized else "")
     )  # fmt: skip
     return Report(compare(reference, parallel, batch["attention_mask"], error), tolerance, header)
