@@ -41,7 +41,7 @@ class ParamRow:
 
     @property
     def replicated(self) -> bool:
-        return len(set(self.shapes)) == 1 and self.shapes[0] == self.full_shape
+        return all(shape == self.full_shape for shape in self.shapes)
 
     def line(self) -> str:
         shown = " ".join("x".join(map(str, s)) for s in self.shapes)
@@ -82,24 +82,38 @@ class PlanFacts:
         return out
 
 
-def plan_report(path: str, tp: int, **kwargs) -> str:
+def plan_report(
+    path: str,
+    tp: int,
+    tp_plan="auto",
+    dtype=None,
+    auto_class=None,
+    sp: int = 1,
+    seq=None,
+    cp: int = 1,
+    pp_size: int = 1,
+    stage_tp_sizes=None,
+    stage_layers=None,
+    fsdp_size: int = 1,
+    dp_replicate_size: int = 1,
+    nproc_per_node: int | None = None,
+    lora: dict | None = None,
+) -> str:
     """The dry run's text: every parameter's rule, layout, local shape and bytes per rank, then the
     heads, the sequence split, the data-parallel sizes and the adapters asked for (``plan_facts``);
     under pipeline stages, each stage's ranks, layers and bytes."""
-    if kwargs.get("stage_tp_sizes") is not None or kwargs.get("pp_size", 1) > 1:
-        config = transformers.AutoConfig.from_pretrained(path)
-        shape = MeshShape.requested(
-            tp_size=None if kwargs.get("stage_tp_sizes") else tp, pp_size=kwargs.get("pp_size", 1),
-            stage_tp_sizes=kwargs.get("stage_tp_sizes"), fsdp_size=kwargs.get("fsdp_size", 1),
-            dp_replicate_size=kwargs.get("dp_replicate_size", 1), sp_size=kwargs.get("sp", 1),
-            cp_size=kwargs.get("cp", 1),
-        )  # fmt: skip
-        auto_class = kwargs.get("auto_class") or default_auto_class(config)
-        report = pipeline_report(path, config, resolve_dtype(kwargs.get("dtype"), config), auto_class,
-                                 kwargs.get("tp_plan", "auto"), shape, kwargs.get("stage_layers"))  # fmt: skip
-        return "\n".join([*mesh_lines(shape, kwargs.get("nproc_per_node")), report])
-    kwargs = {k: v for k, v in kwargs.items() if k not in ("pp_size", "stage_tp_sizes", "stage_layers")}
-    return "\n".join(plan_facts(path, tp, **kwargs).lines())
+    if stage_tp_sizes is None and pp_size == 1:
+        facts = plan_facts(path, tp, tp_plan, dtype, auto_class, sp, seq, cp, fsdp_size, dp_replicate_size,
+                           nproc_per_node, lora)  # fmt: skip
+        return "\n".join(facts.lines())
+    config = transformers.AutoConfig.from_pretrained(path)
+    shape = MeshShape.requested(
+        tp_size=None if stage_tp_sizes else tp, sp_size=sp, pp_size=pp_size, stage_tp_sizes=stage_tp_sizes,
+        fsdp_size=fsdp_size, dp_replicate_size=dp_replicate_size, cp_size=cp,
+    )  # fmt: skip
+    report = pipeline_report(path, config, resolve_dtype(dtype, config), auto_class or default_auto_class(config),
+                             tp_plan, shape, stage_layers)  # fmt: skip
+    return "\n".join([*mesh_lines(shape, nproc_per_node), report])
 
 
 def plan_facts(
