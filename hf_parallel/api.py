@@ -150,8 +150,7 @@ def _read_config(path: str, device_map, config_kwargs: dict):
             f"does not define: {', '.join(sorted(unknown))}. hf_parallel takes tp_plan, ep_plan, dtype, tp_size, "
             "sp_size, pp_size, stage_tp_sizes, stage_layers, micro_batches, fsdp_size, dp_replicate_size, "
             "cp_size, distributed_config, device_map, allow_pickle and keep_quantized; any other keyword must be a "
-            "config "
-            "attribute (it overrides the checkpoint's)"
+            "config attribute (it overrides the checkpoint's)"
         )
     return config
 

@@ -127,9 +127,9 @@ class _RingAttention(torch.autograd.Function):
         if sinks is not None:  # one more logit per head in every softmax's denominator, contributing no value
             total = torch.logaddexp(lse, sinks.float().view(1, -1, 1))
             out, lse = out * torch.exp(lse - total).unsqueeze(-1), total
-        attended = torch.cat(seen, dim=-1).unsqueeze(-1) if seen[0] is not None else None
-        if sinks is not None:  # a query masked from every key gives the sink all its weight: zeros already
-            attended = None
+        # which queries attend to some key; with sinks, one masked from every key gives the sink all its weight:
+        # zeros already
+        attended = torch.cat(seen, dim=-1).unsqueeze(-1) if seen[0] is not None and sinks is None else None
         if attended is not None:  # queries masked from every key (left padding): what one process gives them
             unattended = _unattended(sums, plan, c) if plan.additive else 0.0
             out = torch.where(attended, out, unattended)

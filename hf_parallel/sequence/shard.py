@@ -83,12 +83,16 @@ class SequenceSplit:
         return SequenceCall(self, layout, keep_split, order, inverse)
 
 
-def own_tokens(x: torch.Tensor, dim: int, sequence: SequenceCall, value=0, edge: bool = False) -> torch.Tensor:
-    """This rank's tokens of a whole-sequence tensor: padded at its end (with ``value``, or its last
-    entry), put in the ranks' order, and this rank's run of that."""
+def in_ranks_order(x: torch.Tensor, dim: int, sequence: SequenceCall, value=0, edge: bool = False) -> torch.Tensor:
+    """A whole-sequence tensor padded at its end (with ``value``, or its last entry) and put in the ranks'
+    order (the zigzag under CP): rank r's tokens are then its run of ``sequence.sizes``."""
     x = pad_sequence(x, dim, sequence.layout.length, value=value, edge=edge)
-    if sequence.order is not None:
-        x = x.index_select(dim, sequence.order.to(x.device))
+    return x if sequence.order is None else x.index_select(dim, sequence.order.to(x.device))
+
+
+def own_tokens(x: torch.Tensor, dim: int, sequence: SequenceCall, value=0, edge: bool = False) -> torch.Tensor:
+    """This rank's tokens of a whole-sequence tensor (``in_ranks_order``, then this rank's run)."""
+    x = in_ranks_order(x, dim, sequence, value=value, edge=edge)
     start, stop = token_range(sequence.sizes, sequence.split.rank)
     return x.narrow(dim, start, stop - start)
 
@@ -182,9 +186,7 @@ def install_sequence(model: nn.Module, mesh, stages, gradients: GradientSums) ->
         kwargs = {k: local(v, POSITION_KWARGS[k], sequence) if k in POSITION_KWARGS else v for k, v in kwargs.items()}
         if module is layers[0]:  # the sequence splits here
             hidden, *rest = args if args else (kwargs.pop("hidden_states"),)
-            hidden = pad_sequence(hidden, 1, sequence.layout.length)
-            if sequence.order is not None:  # the zigzag order (its backward puts the gradient back)
-                hidden = hidden.index_select(1, sequence.order)
+            hidden = in_ranks_order(hidden, 1, sequence)  # (index_select's backward puts the gradient back)
             args = (comm.scatter_to(hidden, 1, sequence.sizes, split.group, grad_scale=1 / split.size), *rest)
         return args, kwargs
 
