@@ -3,12 +3,14 @@ where it can split the model), side by side in one run, greedy, through ``genera
 
     python benchmarks/decode.py [--models smollm2-135m llama-1gb] [--tp 2] [--new-tokens 32] [--rounds 3]
 
-Per implementation, two modes: ``eager`` (generate's default dynamic cache) and ``compiled`` (a static
-cache and ``torch.compile(model.forward, fullgraph=True)``, gpt-fast's recipe; one warm-up generate
-compiles). A token's time is the gap between two consecutive tokens reaching generate's streamer, so
-prefill is left out; each mode reports the median gap. One process gets every core, N ranks cores/N
-threads each. Prints ratios (tokens/s against one process eager, and compiled against compiled) and
-writes ``decode.json``; every run's tokens must agree with one process's.
+Per implementation, up to three modes: ``eager`` (generate's default dynamic cache), ``compiled`` (a
+static cache and ``torch.compile(model.forward, fullgraph=True)``, gpt-fast's recipe; one warm-up generate
+compiles) and ``reduce-overhead`` (the same, captured as CUDA graphs: ``--modes eager compiled
+reduce-overhead`` on a GPU; it needs NCCL, one rank a GPU, since gloo cannot be captured). A token's
+time is the gap between two consecutive tokens reaching generate's streamer, so prefill is left out;
+each mode reports the median gap. One process gets every core, N ranks cores/N threads each. Prints
+ratios (tokens/s against one process eager, and compiled against compiled) and writes ``decode.json``;
+every run's tokens must agree with one process's.
 """
 
 from __future__ import annotations
@@ -45,9 +47,10 @@ def worker(args) -> None:
     result = {"impl": args.impl, "mode": args.mode, "rank": rank, "threads": torch.get_num_threads()}
     result["device"] = torch.cuda.get_device_name(model.device) if model.device.type == "cuda" else "cpu"
     options = dict(max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False)
-    if args.mode == "compiled":
+    if args.mode in ("compiled", "reduce-overhead"):
         options["cache_implementation"] = "static"
-        model.forward = torch.compile(model.forward, fullgraph=True)
+        how = dict(mode="reduce-overhead") if args.mode == "reduce-overhead" else {}
+        model.forward = torch.compile(model.forward, fullgraph=True, **how)
     stamps = []
 
     class Clock(transformers.generation.streamers.BaseStreamer):
@@ -114,7 +117,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--rounds", type=int, default=1)
-    parser.add_argument("--modes", nargs="+", default=["eager", "compiled"], choices=["eager", "compiled"])
+    parser.add_argument("--modes", nargs="+", default=["eager", "compiled"],
+                        choices=["eager", "compiled", "reduce-overhead"])
     parser.add_argument("--transformers-tp", action="store_true", help="also transformers' own TP (where it splits)")
     parser.add_argument("--out", default=os.path.join(HERE, "results"))
     parser.add_argument("--timeout", type=int, default=1800)

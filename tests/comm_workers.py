@@ -334,3 +334,120 @@ def _stage_round_trip(link, rank: int, other: int, device) -> bool:
 
 def _gathered(block, want, rank: int) -> bool:
     return block is None if rank else torch.equal(block, want)
+
+
+COPYING_OPS = ("clone", "cat", "copy_", "_to_copy", "index_select", "constant_pad_nd")
+
+
+def collective_copies(rank: int, world_size: int) -> dict:
+    """The bytes each eager transport copies on this rank, over gloo (the path NCCL's collectives take;
+    the caller sets ``HF_PARALLEL_SHM=0``), counted by a dispatch mode that adds up every copying op's
+    output, with each collective's result and what it moved (``comm.COUNTS``)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from hf_parallel.distributed import comm
+    from hf_parallel.distributed.mesh import get_mesh
+
+    class Copies(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.bytes = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func.overloadpacket.__name__ in COPYING_OPS:
+                written = args[0] if func.overloadpacket.__name__ == "copy_" else out
+                self.bytes += written.numel() * written.element_size()
+            return out
+
+    group = get_mesh().tp.group
+    mine = float(rank + 1)
+    total = sum(range(1, world_size + 1))
+
+    def measured(name, call):
+        comm.COUNTS.clear()
+        with Copies() as copies:
+            out = call()
+        moved = {op: comm.COUNTS[op] for op in ("all_reduce:bytes", "all_gather:bytes", "all_to_all:bytes")}
+        return name, {"copied": copies.bytes, "out": out.nbytes, "moved": {k: v for k, v in moved.items() if v}}, out
+
+    results = {}
+    x = torch.full((4, 16), mine)
+    name, facts, out = measured("reduce_from", lambda: comm.reduce_from(x, group))
+    results[name] = {**facts, "right": bool((out == total).all()), "in_place": out.data_ptr() == x.data_ptr()}
+    kept = torch.full((4, 16), mine)
+    name, facts, out = measured("all_reduce", lambda: comm.all_reduce(kept, group))
+    results[name] = {**facts, "right": bool((out == total).all() and (kept == mine).all())}
+    for dim in (0, -1):
+        piece = torch.full((2, 3), mine)
+        sizes = [2 if dim == 0 else 3] * world_size
+        name, facts, out = measured(f"gather_dim{dim}", lambda: comm.gather_from(piece, dim, sizes, group))
+        want = torch.cat([torch.full((2, 3), float(r + 1)) for r in range(world_size)], dim)
+        results[name] = {**facts, "right": torch.equal(out, want)}
+    for batch in (1, 2):  # Ulysses' query exchange: [batch, heads, seq/sp, dim] -> [batch, heads/sp, seq, dim]
+        heads, seq, dim = 2 * world_size, 3, 4
+        whole = torch.arange(batch * heads * seq * world_size * dim, dtype=torch.float32)
+        whole = whole.view(batch, heads, seq * world_size, dim)
+        local = whole[:, :, rank * seq : (rank + 1) * seq].contiguous()
+        heads_each, tokens_each = [2] * world_size, [seq] * world_size
+        name, facts, out = measured(
+            f"all_to_all_batch{batch}", lambda: comm.all_to_all(local, 1, 2, heads_each, tokens_each, group)
+        )
+        results[name] = {**facts, "in": local.nbytes, "right": torch.equal(out, whole[:, 2 * rank : 2 * rank + 2])}
+    return results
+
+
+def bucketed_gradient_sums(rank: int, world_size: int) -> dict:
+    """Gradient sums over the TP group in buckets: each rank's gradients differ; after a backward every
+    rank holds their sum (as one sum per parameter gave), in as many all-reduces as buckets; a second
+    backward adds its sum to ``.grad``; ``torch.autograd.grad`` returns the sums."""
+    from torch import nn
+
+    from hf_parallel.distributed import comm
+    from hf_parallel.distributed.mesh import get_mesh
+    from hf_parallel.tensor import gradients
+    from hf_parallel.tensor.gradients import GradientSums
+
+    group = get_mesh().tp.group
+    model = nn.Module()
+    model.a = nn.Parameter(torch.arange(6.0).view(2, 3))
+    model.b = nn.Parameter(torch.ones(5))
+    model.c = nn.Parameter(torch.ones(3, dtype=torch.float64))  # another dtype: another bucket
+    model.d = nn.Parameter(torch.ones(4))  # no sum: its own gradient stays
+    sums = GradientSums()
+    for param in (model.a, model.b, model.c):
+        sums.sum_over(param, group)
+    sums.register(model)
+    scale = float(rank + 1)
+    total = float(sum(range(1, world_size + 1)))
+
+    def loss():
+        return (scale * (model.a**2).sum() + scale * model.b.sum() + scale * model.c.sum().float()
+                + scale * model.d.sum())  # fmt: skip
+
+    def summed():  # the gradients' sums over the ranks, as the formula gives them
+        return {"a": 2 * model.a.detach() * total, "b": torch.full((5,), total), "c": torch.full((3,), total)}
+
+    def gaps(grads, factor=1.0):
+        return {k: (grads[k].double() - factor * v.double()).abs().max().item() for k, v in summed().items()}
+
+    results = {}
+    comm.COUNTS.clear()
+    loss().backward()
+    grads = {k: getattr(model, k).grad for k in "abc"}
+    results["first"] = {"gaps": gaps(grads), "all_reduces": comm.COUNTS["all_reduce"], "d": model.d.grad.tolist()}
+    comm.COUNTS.clear()
+    loss().backward()
+    results["accumulated"] = {"gaps": gaps({k: getattr(model, k).grad for k in "abc"}, 2.0),
+                              "all_reduces": comm.COUNTS["all_reduce"]}  # fmt: skip
+    comm.COUNTS.clear()
+    got = dict(zip("abc", torch.autograd.grad(loss(), [model.a, model.b, model.c])))
+    results["autograd_grad"] = {"gaps": gaps(got), "all_reduces": comm.COUNTS["all_reduce"],
+                                "grad_untouched": gaps({k: getattr(model, k).grad for k in "abc"}, 2.0)}  # fmt: skip
+    model.zero_grad(set_to_none=True)
+    gradients.BUCKET_BYTES = 4 * 6  # a: 24 bytes fills a bucket; b goes in the next
+    comm.COUNTS.clear()
+    loss().backward()
+    results["small_buckets"] = {"gaps": gaps({k: getattr(model, k).grad for k in "abc"}),
+                                "all_reduces": comm.COUNTS["all_reduce"]}  # fmt: skip
+    return results

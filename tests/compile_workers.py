@@ -67,16 +67,25 @@ def forward_case(path: str, sizes: dict, inductor: bool, fullgraph: bool = True,
     """Logits of the compiled forward against one process's and against the eager forward's. ``per_rank``:
     each rank passes other ids of the same shape (a sequence-parallel group computes its first rank's batch,
     eager and compiled)."""
+    from hf_parallel.distributed import comm
+
     model = _load(path, sizes)
     ids = torch.tensor(INPUT_IDS) + (torch.distributed.get_rank() if per_rank else 0)
     with torch.no_grad():
         want = _single(path)(torch.tensor(INPUT_IDS)).logits
+        comm.COUNTS.clear()
         eager = model(ids).logits
+        eager_moved = dict(comm.COUNTS)
         facts = explained(model, ids)
         graphs = []
-        compiled = torch.compile(model, fullgraph=fullgraph, backend=recording(graphs, inductor))(ids).logits
+        compiled_model = torch.compile(model, fullgraph=fullgraph, backend=recording(graphs, inductor))
+        compiled_model(ids)  # traced and compiled
+        comm.COUNTS.clear()
+        compiled = compiled_model(ids).logits
+        compiled_moved = dict(comm.COUNTS)
     return {**facts, **graph_facts(graphs), "logits": gap(compiled, want), "eager_logits": gap(compiled, eager),
-            "last_logits": compiled[0, -1, :5].tolist()}  # fmt: skip
+            "last_logits": compiled[0, -1, :5].tolist(), "eager_moved": eager_moved,
+            "compiled_moved": compiled_moved}  # fmt: skip
 
 
 def mismatch_case(path: str, sizes: dict) -> dict:
@@ -129,19 +138,22 @@ def lora_case(path: str, sizes: dict) -> dict:
             "grads": slices, "eager_grads": eager, "adapters": len(grads)}  # fmt: skip
 
 
-def static_generate_case(path: str, sizes: dict) -> dict:
+def static_generate_case(path: str, sizes: dict, mode: str | None = None) -> dict:
     """Greedy generate with a static cache and a compiled forward (gpt-fast's recipe) against eager
-    generate; scalar outputs are captured into the graph, so a ``.item()`` would show as a node."""
+    generate; scalar outputs are captured into the graph, so a ``.item()`` would show as a node.
+    ``mode``: torch.compile's (``"reduce-overhead"``: CUDA graphs, inductor's own backend)."""
     model = _load(path, sizes)
-    ids = torch.tensor(INPUT_IDS)
+    ids = torch.tensor(INPUT_IDS, device=model.device)
     options = dict(max_new_tokens=6, do_sample=False, cache_implementation="static")
     eager = model.generate(ids, **options)
     graphs = []
     torch._dynamo.reset()
+    how = dict(mode=mode) if mode else dict(backend=recording(graphs, inductor=True))
     with torch._dynamo.config.patch(capture_scalar_outputs=True):
-        model.forward = torch.compile(model.forward, fullgraph=True, backend=recording(graphs, inductor=True))
+        model.forward = torch.compile(model.forward, fullgraph=True, **how)
         compiled = model.generate(ids, **options)
-    return {**graph_facts(graphs), "tokens": compiled.tolist(), "eager_tokens": eager.tolist()}
+    return {**graph_facts(graphs), "tokens": compiled.tolist(), "eager_tokens": eager.tolist(),
+            "device": str(model.device)}  # fmt: skip
 
 
 def compiled_cases(rank: int, world_size: int, cases: dict) -> dict:

@@ -96,3 +96,40 @@ def verified(rank: int, world_size: int, path: str, sizes: dict) -> dict:
 
     report = verify(path, **sizes)
     return {"ok": report is None or report.first_divergence is None, "report": str(report)}
+
+
+def decode_syncs(rank: int, world_size: int, path: str, kwargs: dict) -> dict:
+    """Where each host synchronisation of one decode step comes from, by CUDA's sync debug mode (warning,
+    recorded with the Python line that asked). TP: a token on a warm cache; SP keeps no cache, so its step
+    is the whole sequence again. The step runs once unwatched (first-call allocations); the control, an
+    ``.item()`` under the same recorder, shows the recorder sees a synchronisation when there is one."""
+    import warnings
+
+    import hf_parallel
+
+    model = hf_parallel.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kwargs)
+    state = hf_parallel.parallel_state(model)
+    ids = INPUT_IDS[:1].to(state.mesh.device)
+    cached = state.sequence is None
+    with torch.no_grad():
+        first = model(ids, use_cache=cached)
+        token = first.logits[:, -1:].argmax(-1)
+        if cached:
+            def step():
+                return model(token, past_key_values=first.past_key_values, use_cache=True)
+        else:
+            def step():
+                return model(torch.cat([ids, token], 1), use_cache=False)
+        step()
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                torch.ones(1, device=state.mesh.device).item()
+                control = len(caught)
+                step()
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+    located = [f"{w.filename}:{w.lineno}" for w in caught]
+    return {"control": located[:control], "syncs": located[control:], "wire": str(state.mesh.wire)}

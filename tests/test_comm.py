@@ -107,3 +107,36 @@ def test_shared_memory_pipes_carry_messages_whole_and_in_order(tmp_path):
     for out in run_ranks(2, comm_workers.pipe_messages, out_dir=str(tmp_path)):
         assert out["pipes"] == [[0, 1], [1, 0]], out["pipes"]
         assert out["equal"] and out["count"] == out["of"], out
+
+
+def test_the_collectives_copy_only_what_the_exchange_needs(tmp_path, monkeypatch):
+    """Over gloo (NCCL's path): a row-parallel layer's sum is written into its output; a sum the caller
+    keeps reading costs one copy; a gather along dim 0 lands in its result, along another dim in one
+    copy; Ulysses' exchange makes one transposing copy, plus one to put the split dim first where it
+    does not lead (a batch of several). Each with its values and the bytes it moved."""
+    monkeypatch.setenv("HF_PARALLEL_SHM", "0")
+    for rank, out in enumerate(run_ranks(2, comm_workers.collective_copies, out_dir=str(tmp_path))):
+        for name, got in out.items():
+            assert got["right"], (rank, name, got)
+        assert out["reduce_from"]["copied"] == 0 and out["reduce_from"]["in_place"], out["reduce_from"]
+        assert out["reduce_from"]["moved"] == {"all_reduce:bytes": 4 * 16 * 4}
+        assert out["all_reduce"]["copied"] == out["all_reduce"]["out"]
+        assert out["gather_dim0"]["copied"] == 0 and out["gather_dim0"]["moved"] == {"all_gather:bytes": 2 * 3 * 4}
+        assert out["gather_dim-1"]["copied"] == out["gather_dim-1"]["out"]
+        one, two = out["all_to_all_batch1"], out["all_to_all_batch2"]
+        assert one["copied"] == one["out"] and one["moved"] == {"all_to_all:bytes": one["in"]}, one
+        assert two["copied"] == two["in"] + two["out"], two
+
+
+def test_gradient_sums_go_in_buckets_with_the_sums_per_parameter(tmp_path):
+    """Three parameters summed over TP, two dtypes: two all-reduces a backward, not three; the sums are
+    exact (small integers), added to what ``.grad`` held; ``torch.autograd.grad`` gets the sums too and
+    leaves ``.grad`` alone; buckets of 24 bytes split the float32 pair."""
+    for rank, out in enumerate(run_ranks(2, comm_workers.bucketed_gradient_sums, out_dir=str(tmp_path))):
+        for case, got in out.items():
+            assert all(gap == 0.0 for gap in got["gaps"].values()), (rank, case, got)
+        assert out["first"]["all_reduces"] == 2 and out["first"]["d"] == [float(rank + 1)] * 4, out["first"]
+        assert out["accumulated"]["all_reduces"] == 2, out["accumulated"]
+        assert out["autograd_grad"]["all_reduces"] == 3, out["autograd_grad"]
+        assert all(gap == 0.0 for gap in out["autograd_grad"]["grad_untouched"].values()), out["autograd_grad"]
+        assert out["small_buckets"]["all_reduces"] == 3, out["small_buckets"]

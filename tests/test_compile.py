@@ -49,11 +49,16 @@ def test_a_compiled_forward_is_one_graph_with_one_process_logits(compiled, world
     for rank, results in enumerate(compiled(world_size)):
         got = results[case]
         assert_within({k: got[k] for k in ("logits", "eager_logits")}, atol=TOL, rtol=TOL, where=f"{case} rank {rank}")
+        # the same collectives moving the same bytes (the compiled batch broadcast's header check aside)
+        sums = ("all_reduce", "all_reduce:bytes", "all_to_all", "all_to_all:bytes")
+        assert {k: got["compiled_moved"].get(k) for k in sums} == {k: got["eager_moved"].get(k) for k in sums}, got
+        assert got["eager_moved"].get("all_reduce", 0) + got["eager_moved"].get("all_to_all", 0) > 0 or case == "pp2"
         if case == "pp2":  # pieces between the stage's links, no other break
             assert got["graphs"] > 1 and all("disable" in reason for reason in got["breaks"]), got
             continue
         assert got["explain_graphs"] == 1 and got["breaks"] == [], (rank, case, got["breaks"])
         assert got["graphs"] == 1 and got["collectives"] > 0, (rank, case, got)
+        assert got["host_syncs"] == [], (rank, case, got["host_syncs"])  # a TP or SP step never waits on the host
 
 
 @pytest.mark.distributed

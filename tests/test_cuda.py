@@ -114,3 +114,39 @@ def test_verify_on_a_gpu(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_PARALLEL_DEVICE", "cuda:0")
     results = run_ranks(2, cuda_workers.verified, path, dict(tp_size=2), out_dir=str(tmp_path / "out"))
     assert results[0]["ok"], results[0]["report"]
+
+
+DECODE_STEPS = {"llama_tp2": dict(tp_plan="auto"), "llama_sp2": dict(tp_plan=None, sp_size=2)}
+
+
+@pytest.mark.parametrize("case", DECODE_STEPS)
+def test_a_decode_step_waits_on_the_host_only_inside_the_transport(tmp_path, monkeypatch, case):
+    """CUDA's sync debug mode around one decode step: no host synchronisation but those torch.distributed
+    makes itself, staging device tensors through the host for gloo (two ranks on one card; under NCCL,
+    one rank a GPU, there are none). The control ``.item()`` must be seen."""
+    import cuda_workers
+    from tiny_models import make_checkpoint
+
+    path = make_checkpoint("llama", str(tmp_path))
+    monkeypatch.setenv("HF_PARALLEL_DEVICE", "cuda:0")
+    ranks = run_ranks(2, cuda_workers.decode_syncs, path, DECODE_STEPS[case], out_dir=str(tmp_path / "out"))
+    for rank, got in enumerate(ranks):
+        assert got["control"] and all("cuda_workers.py" in where for where in got["control"]), got
+        transport = f"torch{os.sep}distributed{os.sep}" if got["wire"] == "cpu" else None
+        ours = [where for where in got["syncs"] if transport is None or transport not in where]
+        assert ours == [], (case, rank, ours)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="CUDA graphs capture NCCL's collectives, one rank a GPU; "
+                    "two ranks sharing a card talk over gloo, which no graph can capture")  # fmt: skip
+def test_a_reduce_overhead_tp_decode_gives_eager_tokens(tmp_path):
+    """``torch.compile(mode="reduce-overhead")`` of the TP=2 decode step with a static cache: captured as CUDA
+    graphs, greedy tokens equal to eager's."""
+    import compile_workers
+    from tiny_models import make_checkpoint
+
+    path = make_checkpoint("llama", str(tmp_path))
+    cases = {"tp2": ("generate", path, dict(tp_size=2), dict(mode="reduce-overhead"))}
+    for rank, got in enumerate(run_ranks(2, compile_workers.compiled_cases, cases, out_dir=str(tmp_path / "out"))):
+        assert got["tp2"]["tokens"] == got["tp2"]["eager_tokens"], (rank, got["tp2"])
+        assert got["tp2"]["device"].startswith("cuda"), got["tp2"]

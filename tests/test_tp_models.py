@@ -8,6 +8,7 @@ import tp_workers
 from checks import assert_like_one_process, assert_same_checkpoint
 from distributed import run_ranks
 from tiny_models import ARCHS, DISCOVERED, variant_plans
+from tp_workers import INPUT_IDS
 
 pytestmark = pytest.mark.distributed
 
@@ -33,6 +34,10 @@ def test_collectives_per_forward(tp_results, arch, world_size):
         per_layer = 2 + EXTRA_ALL_REDUCES_PER_LAYER.get(arch, 0)
         assert r["counts"]["all_reduce"] == per_layer * r["layers"] + 1
         assert r["counts"]["all_gather"] == 1  # the logits
+        tokens = INPUT_IDS.numel()  # each sum is of the hidden states (OLMo-2's norms': one number a token)
+        extra = per_layer - 2
+        assert r["moved"]["all_reduce"] == 4 * tokens * ((2 * r["layers"] + 1) * r["hidden"] + extra * r["layers"])
+        assert r["moved"]["all_gather"] == 4 * tokens * -(-r["vocab"] // world_size)  # the largest vocab piece
 
 
 def test_tp_plan_none_keeps_the_whole_model_on_every_rank_without_collectives(tp_results):

@@ -63,6 +63,16 @@ def test_the_backend_and_the_wire_follow_the_device():
     assert group_backend("nccl", CUDA0, ["h1:cuda:GPU-a", "h2:cuda:GPU-a"]) == "nccl"  # two hosts' device 0
 
 
+def test_headers_travel_on_the_host_wherever_the_backend_carries_host_tensors():
+    """A message's header (dtype, shape) written or read on the host never waits for the GPU: beside NCCL
+    (``cpu:gloo,cuda:nccl``, the default) and over gloo it goes on the CPU; only a backend that carries the
+    device's memory alone puts it on the wire."""
+    cpu = torch.device("cpu")
+    assert Placement(CUDA3, "cpu:gloo,cuda:nccl").metadata == cpu and Placement(CUDA3, "gloo").metadata == cpu
+    assert Placement(cpu, "gloo").metadata == cpu
+    assert Placement(CUDA3, "nccl").metadata == CUDA3 and Placement(CUDA3, "cuda:nccl").metadata == CUDA3
+
+
 def test_anything_left_off_the_device_is_named():
     class Rotary(nn.Module):
         def __init__(self):

@@ -66,6 +66,7 @@ def compare_tp(
         with torch.no_grad():
             model(INPUT_IDS)
         counts = {op: comm.COUNTS[op] for op in ("all_reduce", "all_gather")}
+        moved = {op: comm.COUNTS[op + ":bytes"] for op in ("all_reduce", "all_gather")}
         output, loss = _output_and_loss(model, encoder)
         loss.backward()
         state = hf_parallel.parallel_state(model)
@@ -86,6 +87,9 @@ def compare_tp(
             "grads": gaps(model, state, ref_grads, rank),
             "shm": channel_for(state.mesh.tp.group) is not None,  # which transport carried TP's collectives
             "counts": counts,
+            "moved": moved,  # bytes each rank sent into each kind of collective
+            "hidden": model.config.hidden_size,
+            "vocab": model.config.vocab_size,
             "layers": model.config.num_hidden_layers,
             "plan_source": state.layout.source,
         }

@@ -32,6 +32,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ..compat.transformers import unexpected_key_patterns
+from ..distributed.devices import host_staging
 from ..distributed.faults import collective
 from ..tensor.kept import KeptWeight, placeholder
 from ..tensor.layout import as_slices, replicated
@@ -261,6 +262,8 @@ class ShardReader:
         its file), else the pieces copied into one owned tensor."""
         full_shape = tuple(tiled.get_shape())
         index = layout.index(full_shape, self.rank)
+        if isinstance(tiled, Dequantized):
+            tiled = tiled.on(self.device)
         piece = own if own is not None else tiled[index[0]] if len(index) == 1 else None
         if piece is not None and self._as_is(key, piece, dtype):
             return piece
@@ -307,12 +310,18 @@ class ShardReader:
 
     def _copy(self, key: str, layout, source, full_shape, dtype, piece=None) -> torch.Tensor:
         """This rank's pieces of ``source`` (a safetensors slice, or tiles) copied into one owned
-        tensor on this rank's device (``Layout.extract``); ``piece``: its one piece, already read."""
+        tensor on this rank's device (``Layout.extract``); ``piece``: its one piece, already read. For
+        an accelerator the pieces are read into pinned host memory in the file's dtype, then copied
+        without waiting and cast there; a quantized weight's come dequantized on the device already."""
         shape = layout.local_shape(full_shape, self.rank)
         found = piece.dtype if piece is not None else torch_dtype(source.get_dtype())
         BYTES_READ[key] += nbytes(shape, found)
         out = hugepages.empty(shape, dtype or found, self.device)
-        return out.copy_(piece) if piece is not None else layout.extract(source, self.rank, shape=full_shape, out=out)
+        on_device = piece.device == self.device if piece is not None else isinstance(source, Dequantized)
+        staged = None if on_device else host_staging(shape, found, self.device)  # (dequantized there: no staging)
+        into = out if staged is None else staged
+        into = into.copy_(piece) if piece is not None else layout.extract(source, self.rank, shape=full_shape, out=into)
+        return into if staged is None else out.copy_(staged, non_blocking=True)
 
 
 def _set_tensor(model: nn.Module, name: str, value: torch.Tensor) -> None:

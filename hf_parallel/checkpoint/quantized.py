@@ -436,11 +436,14 @@ def _fp4_table(device) -> torch.Tensor:
 class Dequantized:
     """A quantized weight read like a safetensors slice: ``[index]`` (step-1 slices) gives that box of
     the dequantized weight, in float32, reading only the box and the scales of its blocks (``keep``: the
-    box as stored; with ``meta``, only its parts' shapes, for a plan's bytes)."""
+    box as stored; with ``meta``, only its parts' shapes, for a plan's bytes). ``on(device)``: the box's
+    stored parts go to ``device`` and are dequantized there (a GPU: the bytes that cross are the
+    quantized ones, and the arithmetic is the GPU's)."""
 
     shape: tuple[int, ...]
     parts: dict  # key -> its safetensors slice (the parts a box reads elements of)
     constants: Mapping[str, torch.Tensor] = MappingProxyType({})  # key -> a part written whole
+    device: torch.device = torch.device("cpu")  # where a box is dequantized
 
     def get_shape(self) -> list[int]:
         return list(self.shape)
@@ -448,8 +451,13 @@ class Dequantized:
     def get_dtype(self) -> str:
         return "F32"
 
+    def on(self, device: torch.device) -> "Dequantized":
+        self.device = device
+        return self
+
     def __getitem__(self, index) -> torch.Tensor:
-        return self.keep(box_of(index, self.shape)).dequantize()  # float32, as a slice of floats reads
+        kept = self.keep(box_of(index, self.shape))
+        return (kept if self.device.type == "cpu" else kept.to(self.device)).dequantize()  # float32, as floats read
 
 
 def _check_scales(key: str, scale, shape, block, name: str) -> None:

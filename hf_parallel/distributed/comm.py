@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_map_only
 
+from .devices import metadata_device
 from .faults import collective
 from .headers import DTYPES, header_of
 from .ops import exchanged_shape  # (importing ops registers the collectives as torch ops)
@@ -46,11 +47,25 @@ def _count(op: str, tensor: torch.Tensor) -> None:
     COUNTS[op + ":bytes"] += tensor.numel() * tensor.element_size()
 
 
+_MEMBERSHIP: dict = {}  # process group -> (its size, this rank's index in it, its backend)
+
+
+def _membership(group) -> tuple[int, int, str]:
+    """A group's size, this rank's index and its backend, asked of torch once per group: asking
+    costs ~5 us, and a decoded token runs a few thousand collectives' worth of such questions."""
+    known = _MEMBERSHIP.get(group)
+    if known is None:
+        known = (dist.get_world_size(group), dist.get_rank(group), str(dist.get_backend(group)))
+        _MEMBERSHIP[group] = known
+    return known
+
+
 def _world(group) -> int:
-    if group is None:
-        return 1
-    channel = channel_for(group)  # a dict lookup: asking torch costs ~5 us, a few thousand times per token
-    return channel.world_size if channel is not None else dist.get_world_size(group)
+    return 1 if group is None else _membership(group)[0]
+
+
+def _rank(group) -> int:
+    return 0 if group is None else _membership(group)[1]
 
 
 def _shm(group, x: torch.Tensor):
@@ -64,21 +79,23 @@ def _compiling() -> bool:
     return torch.compiler.is_compiling()
 
 
-def all_reduce(x: torch.Tensor, group) -> torch.Tensor:
+def all_reduce(x: torch.Tensor, group, *, consume: bool = False) -> torch.Tensor:
+    """The sum of every rank's ``x``. ``consume``: the caller never reads ``x`` again (a layer's
+    fresh output, outside autograd), so the sum is written into it instead of a copy."""
     if _world(group) == 1:
         return x
-    if _compiling():
+    if _compiling():  # a functional op: the compiler owns the buffers
         return torch.ops.hf_parallel.all_reduce(x, group.group_name)
-    return all_reduce_now(x, group)
+    return all_reduce_now(x, group, consume)
 
 
-def all_reduce_now(x: torch.Tensor, group) -> torch.Tensor:
+def all_reduce_now(x: torch.Tensor, group, consume: bool = False) -> torch.Tensor:
     """The sum over ``group``, run now (``all_reduce``'s eager transport; the op's implementation)."""
     _count("all_reduce", x)
     channel = _shm(group, x)
     if channel is not None:
-        return channel.all_reduce(x)
-    x = x.contiguous().clone()
+        return channel.all_reduce(x, into=x if consume and x.is_contiguous() else None)
+    x = x.contiguous() if consume else x.clone(memory_format=torch.contiguous_format)
     with collective(lambda: f"all-reduce of {tuple(x.shape)}"):
         dist.all_reduce(x, group=group)
     return x
@@ -107,31 +124,21 @@ def all_gather_now(x: torch.Tensor, dim: int, sizes, group) -> torch.Tensor:
     channel = _shm(group, padded)
     if channel is not None:
         parts = channel.all_gather(padded)  # views into shared memory, consumed by the cat below
-    else:
-        parts = [torch.empty_like(padded) for _ in sizes]
+    else:  # one buffer, every rank's piece after the other along dim 0
+        gathered = padded.new_empty((len(sizes) * padded.shape[0], *padded.shape[1:]))
         with collective(lambda: f"all-gather of {tuple(padded.shape)}"):
-            dist.all_gather(parts, padded, group=group)
+            dist.all_gather_into_tensor(gathered, padded, group=group)
+        if dim == 0 and min(sizes) == biggest:
+            return gathered  # the result itself: no copy
+        parts = gathered.chunk(len(sizes))
     return torch.cat([part.narrow(dim, 0, size) for part, size in zip(parts, sizes)], dim)
-
-
-def exchange(pieces: list[torch.Tensor], shapes: list[tuple[int, ...]], group) -> list[torch.Tensor]:
-    """Send ``pieces[j]`` to rank j; returns what each rank i sent here, of ``shapes[i]``. One
-    all-to-all of flat buffers, so pieces may differ in shape (uneven heads and sequence chunks);
-    what arrives lands where the pieces live."""
-    send = torch.cat([piece.reshape(-1) for piece in pieces])
-    counts = [math.prod(shape) for shape in shapes]
-    recv = send.new_empty(sum(counts))
-    _count("all_to_all", send)
-    with collective(lambda: f"all-to-all of {[tuple(p.shape) for p in pieces]}"):
-        dist.all_to_all_single(recv, send, counts, [piece.numel() for piece in pieces], group=group)
-    return [part.view(shape) for part, shape in zip(recv.split(counts), shapes)]
 
 
 def split(x: torch.Tensor, dim: int, sizes, group) -> torch.Tensor:
     """This rank's piece of ``x`` along ``dim`` (no communication)."""
     if _world(group) == 1:
         return x
-    rank = dist.get_rank(group)
+    rank = _rank(group)
     return x.narrow(dim, sum(sizes[:rank]), sizes[rank]).contiguous()
 
 
@@ -204,14 +211,14 @@ class _AllToAll(torch.autograd.Function):
 def all_to_all_raw(x, split_dim: int, cat_dim: int, split_sizes, cat_sizes, group) -> torch.Tensor:
     if _compiling():
         return torch.ops.hf_parallel.all_to_all(
-            x, split_dim, cat_dim, list(split_sizes), list(cat_sizes), dist.get_rank(group), group.group_name
+            x, split_dim, cat_dim, list(split_sizes), list(cat_sizes), _rank(group), group.group_name
         )
     return all_to_all_now(x, split_dim, cat_dim, split_sizes, cat_sizes, group)
 
 
 def all_to_all_now(x, split_dim: int, cat_dim: int, split_sizes, cat_sizes, group) -> torch.Tensor:
     """``all_to_all``'s eager transport (the op's implementation)."""
-    rank = dist.get_rank(group)
+    rank = _rank(group)
     channel = channel_for(group) if x.device.type == "cpu" else None
     if channel is not None:  # straight from x's pieces into the output's, through shared memory
         out = x.new_empty(exchanged_shape(x.shape, split_dim, cat_dim, split_sizes[rank], sum(cat_sizes)))
@@ -221,9 +228,19 @@ def all_to_all_now(x, split_dim: int, cat_dim: int, split_sizes, cat_sizes, grou
         largest = row * max(split_sizes) * max(cat_sizes)  # the largest piece between any two ranks
         channel.all_to_all(sends, list(out.split(list(cat_sizes), cat_dim)), largest)
         return out
-    pieces = [piece.contiguous() for piece in x.split(list(split_sizes), split_dim)]
-    shapes = [tuple(exchanged_shape(x.shape, split_dim, cat_dim, split_sizes[rank], size)) for size in cat_sizes]
-    return torch.cat(exchange(pieces, shapes, group), cat_dim)
+    # The split dim first: each rank's piece is then one run of the buffer, sent as it lies (a copy
+    # only when the split dim does not lead already: Ulysses' heads of a one-sequence batch do).
+    send = x.movedim(split_dim, 0).contiguous()
+    row = math.prod(send.shape[1:])
+    at = cat_dim + 1 if cat_dim < split_dim else cat_dim  # the cat dim's place with the split dim first
+    arriving = [exchanged_shape(send.shape, 0, at, split_sizes[rank], size) for size in cat_sizes]
+    counts = [math.prod(shape) for shape in arriving]
+    recv = send.new_empty(sum(counts))
+    _count("all_to_all", send)
+    with collective(lambda: f"all-to-all of {tuple(x.shape)} split along {split_dim}"):
+        dist.all_to_all_single(recv, send.view(-1), counts, [size * row for size in split_sizes], group=group)
+    pieces = [part.view(shape).movedim(0, split_dim) for part, shape in zip(recv.split(counts), arriving)]
+    return torch.cat(pieces, cat_dim)  # the exchange's one transposing copy, into the output's layout
 
 
 class _GatherToUse(torch.autograd.Function):
@@ -251,17 +268,19 @@ def copy_to(x, group):
 
 
 def reduce_from(x, group):
-    """Y = sum_r X_r; dX_r = dY. Output of a row-parallel layer."""
+    """Y = sum_r X_r; dX_r = dY. Output of a row-parallel layer: ``x`` is the caller's to give up
+    (outside autograd the sum is written into it)."""
     if _world(group) == 1:
         return x
-    return all_reduce(x, group) if _direct(x) else _ReduceFrom.apply(x, group)
+    return all_reduce(x, group, consume=True) if _direct(x) else _ReduceFrom.apply(x, group)
 
 
 def all_reduce_sum(x, group):
-    """Y = sum_r X_r consumed by every rank's own branch; dX_r = sum_r dY_r."""
+    """Y = sum_r X_r consumed by every rank's own branch; dX_r = sum_r dY_r. As ``reduce_from``,
+    ``x`` is given up."""
     if _world(group) == 1:
         return x
-    return all_reduce(x, group) if _direct(x) else _AllReduceSum.apply(x, group)
+    return all_reduce(x, group, consume=True) if _direct(x) else _AllReduceSum.apply(x, group)
 
 
 def gather_from(x, dim, sizes, group):
@@ -319,7 +338,7 @@ def broadcast_batch(batch, group, device: torch.device):
         return ("value", value)
 
     first = dist.get_global_rank(group, 0)
-    mine = dist.get_rank(group) == 0
+    mine = _rank(group) == 0
     channel = channel_for(group) if device.type == "cpu" else None
 
     def shared(tensor: torch.Tensor | None, what: str) -> torch.Tensor | None:
@@ -365,7 +384,7 @@ def broadcast_now(x: torch.Tensor, group) -> torch.Tensor:
     tensor it expects (a compiled forward's batch: each rank traced its graph with its own shapes).
     Every rank's description is gathered first, so a rank whose shape or dtype differs from the first
     rank's makes every rank raise, naming both, before any byte is read into the wrong shape."""
-    header = header_of(x, x.device)
+    header = header_of(x, metadata_device(_membership(group)[2], x.device))  # on the host where the group can
     headers = all_gather_now(header.unsqueeze(0), 0, [1] * _world(group), group)
     for rank, other in enumerate(headers):
         if not torch.equal(other, headers[0]):
@@ -373,7 +392,7 @@ def broadcast_now(x: torch.Tensor, group) -> torch.Tensor:
                 f"hf_parallel: the ranks of a sequence-parallel group called the compiled forward with different "
                 f"batches: the first rank's tensor is {_described(headers[0])}, rank {rank}'s {_described(other)}"
             )
-    mine = dist.get_rank(group) == 0
+    mine = _rank(group) == 0
     out = x.clone(memory_format=torch.contiguous_format) if mine else None
     channel = channel_for(group) if x.device.type == "cpu" else None
     received = None if channel is None else channel.broadcast(out, 0, "broadcasting a batch tensor")
@@ -412,7 +431,7 @@ def shift_async(x: torch.Tensor, group, step: int) -> Shifting:
     world = _world(group)
     if world == 1:
         return Shifting(None, x, x, "")
-    rank = dist.get_rank(group)
+    rank = _rank(group)
     to, source = (rank + step) % world, (rank - step) % world
     sent = x.contiguous().reshape(-1)
     arrived = torch.empty_like(sent)

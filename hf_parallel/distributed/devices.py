@@ -33,6 +33,7 @@ from torch import nn
 
 DEVICE_ENV = "HF_PARALLEL_DEVICE"
 COLLECTIVE_BACKENDS = {"cuda": "nccl", "xpu": "xccl"}  # what carries each accelerator's memory between ranks
+HOST_BACKENDS = ("gloo", "mpi")  # what carries host memory
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,10 @@ class Placement:
     @property
     def wire(self) -> torch.device:
         return wire_of(self.backend, self.device)
+
+    @property
+    def metadata(self) -> torch.device:
+        return metadata_device(self.backend, self.device)
 
 
 def backend_for(backend: str, device_type: str) -> str | None:
@@ -61,6 +66,15 @@ def wire_of(backend: str, device: torch.device) -> torch.device:
     if device.type == "cpu":
         return device
     return device if backend_for(backend, device.type) == COLLECTIVE_BACKENDS.get(device.type) else torch.device("cpu")
+
+
+def metadata_device(backend: str, device: torch.device) -> torch.device:
+    """Where a message's header (its dtype and shape) travels: the host whenever the backend carries
+    host tensors (gloo, or ``"cpu:gloo,cuda:nccl"`` beside NCCL), so a receiver reads a shape without
+    waiting for its device and a sender writes one without a copy to it (vLLM's CPU group beside its
+    device group); only a backend that carries the accelerator's memory alone (a user's ``"nccl"``
+    group) takes headers on the wire."""
+    return torch.device("cpu") if backend_for(backend, "cpu") in HOST_BACKENDS else wire_of(backend, device)
 
 
 def choose_device(
@@ -130,6 +144,14 @@ def to_wire(tensor: torch.Tensor, wire: torch.device) -> torch.Tensor:
         host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
         return host.copy_(tensor)
     return tensor.to(wire).contiguous()
+
+
+def host_staging(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+    """A page-locked host buffer to read a tensor bound for ``device`` into, or None on the CPU. From
+    pageable memory the driver copies through a pinned buffer of its own and the host waits for it;
+    from this one the copy is queued (``non_blocking``) and the next read overlaps it. torch's caching
+    host allocator holds the buffer back from reuse until its copy is done (vLLM's loaders stage so)."""
+    return None if device.type == "cpu" else torch.empty(shape, dtype=dtype, pin_memory=True)
 
 
 def _tensor_attributes(module: nn.Module):

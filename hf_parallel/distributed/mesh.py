@@ -56,6 +56,7 @@ class Mesh:
         self.shape, self.rank = shape, rank
         self.device = placement.device  # where this rank computes: every parameter, buffer and scratch tensor
         self.wire = placement.wire  # where the groups' backend moves tensors from (``devices.py``)
+        self.metadata = placement.metadata  # where headers (dtypes and shapes) travel: the host where it can
         self.backend = placement.backend
         self._groups = groups  # ranks -> process group (only the groups this rank belongs to)
         self._subgroups: dict = {}

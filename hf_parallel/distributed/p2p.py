@@ -15,7 +15,9 @@ named. (Shared-memory pipes between stages on one host are a transport of their 
 Every wait is bounded (``work.wait(timeout)``; on NCCL that blocks the host until the transfer is
 done or the timeout passes, which is what throttles a save's sender to one message in flight), and a
 transfer that does not finish raises ``RankFailure`` naming it. Tensors travel on the mesh's wire
-(``devices.py``): an accelerator tensor bound for gloo is staged through pinned host memory.
+(``devices.py``): an accelerator tensor bound for gloo is staged through pinned host memory. Headers
+travel on the host wherever the backend carries host tensors (``"cpu:gloo,cuda:nccl"``), so writing or
+reading a shape never waits for a GPU.
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ RULES_ENV = "HF_PARALLEL_P2P_RULES"
 @dataclass
 class Op:
     """One side of a transfer: send ``tensor`` to ``peer`` or receive into it from ``peer`` (global
-    ranks); ``tensor`` is on the wire and contiguous. ``what`` names it in a RankFailure."""
+    ranks); ``tensor`` is contiguous, on the wire (a header: on the mesh's ``metadata`` device).
+    ``what`` names it in a RankFailure."""
 
     kind: str  # "send" | "recv"
     tensor: torch.Tensor

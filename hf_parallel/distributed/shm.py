@@ -154,23 +154,25 @@ class ShmChannel:
         out = empty_from(header, "cpu")
         return out.copy_(slot[header_bytes : header_bytes + out.nbytes].view(out.dtype).view(out.shape))
 
-    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+    def all_reduce(self, x: torch.Tensor, into: torch.Tensor | None = None) -> torch.Tensor:
         """Sum in rank order on every rank, so all ranks get bitwise the same result. Low precision
         is accumulated in fp32 and rounded once; for two ranks that is what adding in the dtype does
-        (torch adds bf16/fp16 on the CPU in fp32 and rounds once), without the conversions."""
+        (torch adds bf16/fp16 on the CPU in fp32 and rounds once), without the conversions. The sum
+        is written into ``into`` (``x`` itself, when the caller gives it up) or a new tensor; never a
+        view of shared memory: callers (autograd's too) may add to it in place."""
         flat = x.reshape(-1)
         n = flat.numel()
         slots = self._round(lambda slot: slot.view(x.dtype)[:n].copy_(flat))
         parts = [slot.view(x.dtype)[:n].view(x.shape) for slot in slots]
         if self.world_size == 2 or x.dtype not in (torch.bfloat16, torch.float16):
-            out = parts[0] + parts[1]  # its own tensor, not a view: callers (autograd's too) may add in place
+            out = torch.add(parts[0], parts[1], out=into)
             for part in parts[2:]:
                 out += part
             return out
-        out = parts[0].to(torch.float32)
+        total = parts[0].to(torch.float32)
         for part in parts[1:]:
-            out += part
-        return out.to(x.dtype)
+            total += part
+        return total.to(x.dtype) if into is None else into.copy_(total)
 
     def all_gather(self, x: torch.Tensor) -> list[torch.Tensor]:
         """Views of every rank's ``x`` in shared memory: consume them before the next collective."""

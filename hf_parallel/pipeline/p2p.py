@@ -47,6 +47,7 @@ class StageLink:
         self._holding = False
         self.waited = 0.0  # seconds spent blocked on other stages (the pipeline bubble, measured)
         self.wire = mesh.wire  # where messages are sent from and received into: the groups' backend's device
+        self.meta = mesh.metadata  # where their headers go: the host, read there without waiting on a GPU
 
     @property
     def is_first(self) -> bool:
@@ -85,7 +86,7 @@ class StageLink:
         data = to_wire(tensor.detach(), self.wire)
         pipe = self._pipe(self.mesh.rank, self.leader(stage), tag)
         if pipe is not None:
-            pipe.send(header_of(data, self.wire))
+            pipe.send(header_of(data, self.meta))
             pipe.send(data)
             return
         what = f"stage {self.stage} (rank {self.mesh.rank}) sending {what} to {self._where(stage)}"
@@ -100,7 +101,7 @@ class StageLink:
         not waited for (a stage goes on with its next micro-batch); a batch with a receive waits for its
         headers before it posts the bytes."""
         group = self.mesh.world.group
-        headers = [p2p.Op(kind, header_of(t, self.wire) if kind == "send" else t, peer, f"{what} (header)")
+        headers = [p2p.Op(kind, header_of(t, self.meta) if kind == "send" else t, peer, f"{what} (header)")
                    for kind, t, peer, what in messages]  # fmt: skip
         posted = [p2p.post(headers, group)]
         if any(op.kind == "recv" for op in headers):
@@ -117,7 +118,7 @@ class StageLink:
         out = self._receive(stage, tag, waiting)
         tp = self.mesh.tp
         if tp.group is not None:
-            header = header_of(out, self.wire) if self.leads else empty_header(self.wire)
+            header = header_of(out, self.meta) if self.leads else empty_header(self.meta)
             with collective(f"{waiting} (broadcast of the header from rank {tp.ranks[0]})"):
                 dist.broadcast(header, group_src=0, group=tp.group)
             out = out if self.leads else empty_from(header, self.wire)
@@ -134,12 +135,12 @@ class StageLink:
         pipe = self._pipe(source, self.mesh.rank, tag)
         if pipe is not None:
             self.release()
-            header = empty_header(self.wire)
+            header = empty_header(self.meta)
             pipe.recv(header, waiting)
             return pipe.recv(empty_from(header, self.wire), waiting)
         held, self._held = self._held, []
         (posted,) = self._post([*(("send", t, peer, what) for t, peer, what in held),
-                                ("recv", empty_header(self.wire), source, waiting)])  # fmt: skip
+                                ("recv", empty_header(self.meta), source, waiting)])  # fmt: skip
         posted.wait()
         return posted.ops[-1].tensor
 
@@ -172,7 +173,7 @@ class StageLink:
             if out is not None:
                 self.waited += time.perf_counter() - start
                 return out.to(self.mesh.device)
-        header = header_of(mine, self.wire) if mine is not None else empty_header(self.wire)
+        header = header_of(mine, self.meta) if mine is not None else empty_header(self.meta)
         with collective(what):
             dist.broadcast(header, src=source, group=self.mesh.model.group)
         out = mine if mine is not None else empty_from(header, self.wire)

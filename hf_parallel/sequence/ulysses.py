@@ -39,7 +39,7 @@ class HeadSpread:
 
     q_sizes: tuple[int, ...]  # query heads per SP rank
     kv_sizes: tuple[int, ...]  # key/value heads each SP rank receives
-    kv_heads: tuple[int, ...] | None  # None: whole groups; else the key/value head sent for each query head
+    kv_repeat: int | None  # None: whole groups; else each key/value head is sent once per query head of its group
 
 
 @lru_cache(maxsize=None)
@@ -47,9 +47,15 @@ def head_spread(num_heads: int, num_kv_heads: int, sp: int) -> HeadSpread:
     q_sizes = tuple(even_sizes(num_heads, sp))
     if num_heads % sp == 0 and num_kv_heads % sp == 0:
         return HeadSpread(q_sizes, tuple(even_sizes(num_kv_heads, sp)), None)
-    group = num_heads // num_kv_heads
-    kv_heads = tuple(q // group for start, stop in sizes_to_ranges(q_sizes) for q in range(start, stop))
-    return HeadSpread(q_sizes, q_sizes, kv_heads)
+    return HeadSpread(q_sizes, q_sizes, num_heads // num_kv_heads)
+
+
+def _per_query_head(states: torch.Tensor, repeat: int) -> torch.Tensor:
+    """``[batch, kv_heads, seq, dim]`` -> ``[batch, kv_heads * repeat, seq, dim]``: query head q's
+    key/value head (q // repeat) in q's place, as transformers' ``repeat_kv`` (a broadcast, not an
+    index: no index tensor to copy to the device each call)."""
+    batch, heads, seq, dim = states.shape
+    return states[:, :, None].expand(batch, heads, repeat, seq, dim).reshape(batch, heads * repeat, seq, dim)
 
 
 def _inner_function(module, name: str):
@@ -65,9 +71,8 @@ def ulysses_attention(module, query, key, value, attention_mask, **kwargs):
     group, seq = ulysses.group, sequence.sizes[: ulysses.size]  # every Ulysses group's ranks hold the same sizes
     spread = head_spread(query.shape[1], key.shape[1], len(seq))
     query = comm.all_to_all(query, 1, 2, spread.q_sizes, seq, group)
-    if spread.kv_heads is not None:  # one key/value head per query head is sent
-        index = torch.tensor(spread.kv_heads, device=key.device)
-        key, value = key.index_select(1, index), value.index_select(1, index)
+    if spread.kv_repeat is not None:  # one key/value head per query head is sent
+        key, value = _per_query_head(key, spread.kv_repeat), _per_query_head(value, spread.kv_repeat)
     key = comm.all_to_all(key, 1, 2, spread.kv_sizes, seq, group)
     value = comm.all_to_all(value, 1, 2, spread.kv_sizes, seq, group)
     if sequence.split.cp is not None:  # context parallelism: this group's tokens against every group's
@@ -78,7 +83,7 @@ def ulysses_attention(module, query, key, value, attention_mask, **kwargs):
         attention_mask = _mask_padding(attention_mask, query.shape[2])
     inner = _inner_function(module, sequence.split.inner)
     groups = getattr(module, "num_key_value_groups", None)
-    if spread.kv_heads is None or groups is None:
+    if spread.kv_repeat is None or groups is None:
         out, _ = inner(module, query, key, value, attention_mask, **kwargs)
     else:  # for the inner call alone (set and restored: torch.compile traces this, not a copy of the module)
         module.num_key_value_groups = 1
