@@ -399,13 +399,16 @@ def collective_copies(rank: int, world_size: int) -> dict:
 
 def bucketed_gradient_sums(rank: int, world_size: int) -> dict:
     """Gradient sums over the TP group in buckets: each rank's gradients differ; after a backward every
-    rank holds their sum (as one sum per parameter gave), in as many all-reduces as buckets; a second
-    backward adds its sum to ``.grad``; ``torch.autograd.grad`` returns the sums."""
+    rank holds their sum (as one sum per parameter gave), in as many all-reduces as buckets. ``a`` is used
+    twice; ``b`` only on rank 0 (rank 1 must still get the sum); ``e`` has an optimizer-style
+    post-accumulate hook, which must see the sum; ``f`` no rank uses (its gradient stays None). A second
+    backward adds its sum to ``.grad``; ``torch.autograd.grad`` returns the sums; hooks registered inside
+    ``torch.inference_mode()`` (a load there) work the same."""
     from torch import nn
 
     from hf_parallel.distributed import comm
     from hf_parallel.distributed.mesh import get_mesh
-    from hf_parallel.tensor import gradients
+    from hf_parallel.tensor import buckets
     from hf_parallel.tensor.gradients import GradientSums
 
     group = get_mesh().tp.group
@@ -414,40 +417,48 @@ def bucketed_gradient_sums(rank: int, world_size: int) -> dict:
     model.b = nn.Parameter(torch.ones(5))
     model.c = nn.Parameter(torch.ones(3, dtype=torch.float64))  # another dtype: another bucket
     model.d = nn.Parameter(torch.ones(4))  # no sum: its own gradient stays
+    model.e = nn.Parameter(torch.ones(2))
+    model.f = nn.Parameter(torch.ones(2))
     sums = GradientSums()
-    for param in (model.a, model.b, model.c):
+    for param in (model.a, model.b, model.c, model.e, model.f):
         sums.sum_over(param, group)
-    sums.register(model)
+    with torch.inference_mode():
+        sums.register(model)
+    seen_by_hook = []
+    model.e.register_post_accumulate_grad_hook(lambda param: seen_by_hook.append(param.grad.tolist()))
     scale = float(rank + 1)
     total = float(sum(range(1, world_size + 1)))
 
     def loss():
-        return (scale * (model.a**2).sum() + scale * model.b.sum() + scale * model.c.sum().float()
-                + scale * model.d.sum())  # fmt: skip
+        used_b = scale * model.b.sum() if rank == 0 else 0.0
+        return (scale * (model.a**2).sum() + scale * model.a.sum() + used_b + scale * model.c.sum().float()
+                + scale * model.d.sum() + scale * model.e.sum())  # fmt: skip
 
     def summed():  # the gradients' sums over the ranks, as the formula gives them
-        return {"a": 2 * model.a.detach() * total, "b": torch.full((5,), total), "c": torch.full((3,), total)}
+        return {"a": (2 * model.a.detach() + 1) * total, "b": torch.full((5,), 1.0), "c": torch.full((3,), total),
+                "e": torch.full((2,), total)}  # fmt: skip
 
     def gaps(grads, factor=1.0):
         return {k: (grads[k].double() - factor * v.double()).abs().max().item() for k, v in summed().items()}
 
+    def held():
+        return {k: getattr(model, k).grad for k in "abce"}
+
     results = {}
     comm.COUNTS.clear()
     loss().backward()
-    grads = {k: getattr(model, k).grad for k in "abc"}
-    results["first"] = {"gaps": gaps(grads), "all_reduces": comm.COUNTS["all_reduce"], "d": model.d.grad.tolist()}
+    results["first"] = {"gaps": gaps(held()), "all_reduces": comm.COUNTS["all_reduce"], "d": model.d.grad.tolist(),
+                        "f": model.f.grad is None, "hook_saw": seen_by_hook[-1]}  # fmt: skip
     comm.COUNTS.clear()
     loss().backward()
-    results["accumulated"] = {"gaps": gaps({k: getattr(model, k).grad for k in "abc"}, 2.0),
-                              "all_reduces": comm.COUNTS["all_reduce"]}  # fmt: skip
+    results["accumulated"] = {"gaps": gaps(held(), 2.0), "all_reduces": comm.COUNTS["all_reduce"]}
     comm.COUNTS.clear()
-    got = dict(zip("abc", torch.autograd.grad(loss(), [model.a, model.b, model.c])))
-    results["autograd_grad"] = {"gaps": gaps(got), "all_reduces": comm.COUNTS["all_reduce"],
-                                "grad_untouched": gaps({k: getattr(model, k).grad for k in "abc"}, 2.0)}  # fmt: skip
+    got = dict(zip("ace", torch.autograd.grad(loss(), [model.a, model.c, model.e])))
+    results["autograd_grad"] = {"gaps": {k: v for k, v in gaps({**got, "b": summed()["b"]}).items()},
+                                "all_reduces": comm.COUNTS["all_reduce"], "grad_untouched": gaps(held(), 2.0)}  # fmt: skip
     model.zero_grad(set_to_none=True)
-    gradients.BUCKET_BYTES = 4 * 6  # a: 24 bytes fills a bucket; b goes in the next
+    buckets.BUCKET_BYTES = 4 * 6 + 4 * 2  # 32 bytes, flags included: a | b | e, f
     comm.COUNTS.clear()
     loss().backward()
-    results["small_buckets"] = {"gaps": gaps({k: getattr(model, k).grad for k in "abc"}),
-                                "all_reduces": comm.COUNTS["all_reduce"]}  # fmt: skip
+    results["small_buckets"] = {"gaps": gaps(held()), "all_reduces": comm.COUNTS["all_reduce"]}
     return results

@@ -11,9 +11,10 @@
   the TP pieces it holds (``training/clipping.py``).
 - An op registered as an ordered effect keeps its place among the others in a compiled graph: the
   collectives (``distributed/ops.py``), which inductor could otherwise reorder differently on each rank.
-- The autograd engine's end-of-backward callback, and whether it will run a parameter's gradient
-  accumulator (``.backward()``) or hand the gradient back (``torch.autograd.grad``): gradient sums are
-  bucketed and issued once the backward is done, as DDP's reducer does (``tensor/gradients.py``).
+- The autograd engine's end-of-backward callback, whether it will run a parameter's gradient
+  accumulator (``.backward()``) or hand the gradient back (``torch.autograd.grad``), and how many gradient
+  hooks a parameter has: gradient sums are bucketed and issued once the backward is done, as DDP's
+  reducer does, unless someone must see the sum sooner (``tensor/buckets.py``).
 """
 
 from __future__ import annotations
@@ -91,6 +92,20 @@ def will_accumulate(accumulator) -> bool:
         if "autograd.grad" not in str(error):
             raise
         return False
+
+
+GRADIENT_HOOKS = Seam("torch", "torch:Tensor.register_hook", "(a parameter's own hooks must see summed gradients)",
+                      reads=("_backward_hooks",))  # fmt: skip
+POST_ACCUMULATE_HOOKS = Seam("torch", "torch:Tensor.register_post_accumulate_grad_hook",
+                             "(an optimizer in backward must see summed gradients)",
+                             reads=("_post_accumulate_grad_hooks",))  # fmt: skip
+
+
+def gradient_hooks(tensor) -> int:
+    """How many gradient hooks ``tensor`` has: tensor hooks and post-accumulate-grad hooks."""
+    GRADIENT_HOOKS.get()
+    POST_ACCUMULATE_HOOKS.get()
+    return len(tensor._backward_hooks or ()) + len(tensor._post_accumulate_grad_hooks or ())
 
 
 ORDERED_EFFECT = Seam("torch", "torch.library:_register_effectful_op",

@@ -230,6 +230,7 @@ def all_to_all_now(x, split_dim: int, cat_dim: int, split_sizes, cat_sizes, grou
         return out
     # The split dim first: each rank's piece is then one run of the buffer, sent as it lies (a copy
     # only when the split dim does not lead already: Ulysses' heads of a one-sequence batch do).
+    split_dim, cat_dim = split_dim % x.dim(), cat_dim % x.dim()
     send = x.movedim(split_dim, 0).contiguous()
     row = math.prod(send.shape[1:])
     at = cat_dim + 1 if cat_dim < split_dim else cat_dim  # the cat dim's place with the split dim first

@@ -11,14 +11,8 @@ FSDP computes with (it creates each at the first all-gather and keeps it), leavi
 FSDP's own reduce-scatter does (the sequence group, folded into the FSDP group). Sums recorded after
 that (adapters placed at first use) are registered at once.
 
-Without FSDP, a parameter summed over one group is summed in a bucket (DDP's reducer): its hook notes
-the gradient, and when the backward is done the gradients of each group are concatenated into buffers of
-up to ``BUCKET_BYTES`` (a shared-memory slot on CPUs), one all-reduce each, in the parameters' order
-(the same on every rank), and the sums written back. TP's replicated norms and biases, a few hundred
-tensors of a few KB, are then one or two collectives instead of one each. ``.grad`` holds exactly what a
-sum per parameter gave: when it already held a gradient (accumulation over micro-batches) the hook hands
-autograd a zero for this backward's share and the sum is added after. ``torch.autograd.grad`` returns
-the gradient instead of accumulating it, so there the hook sums at once.
+Without FSDP, a parameter with one plain sum is summed in a bucket (``buckets.py``) once the backward is
+done, as DDP's reducer does; one that gets a second sum later leaves its bucket for hooks per parameter.
 """
 
 from __future__ import annotations
@@ -28,24 +22,10 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from ..compat.torch import (
-    FSDP_UNSHARDED_PARAM,
-    at_end_of_backward,
-    check_fsdp_reuses_unsharded_parameters,
-    will_accumulate,
-)
+from ..compat.torch import FSDP_UNSHARDED_PARAM, check_fsdp_reuses_unsharded_parameters
 from ..distributed import comm
-from ..distributed.shm import channel_for
+from .buckets import GradientBuckets
 from .layout import Layout
-
-BUCKET_BYTES = 25 << 20  # DDP's default bucket: large enough to amortise a collective's latency
-
-
-def _bucket_bytes(group, device: torch.device) -> int:
-    """A bucket's size: ``BUCKET_BYTES``, or at most a shared-memory slot where the group's CPU ranks have
-    one (a larger payload would go through gloo, far slower on one host than per-parameter sums in slots)."""
-    channel = channel_for(group) if device.type == "cpu" else None
-    return BUCKET_BYTES if channel is None else min(BUCKET_BYTES, channel.slot_bytes)
 
 
 class GradientSums:
@@ -55,7 +35,7 @@ class GradientSums:
         self._sums: dict[int, list[tuple[object, Callable]]] = {}  # id(parameter) -> (group, hook), in order
         self._plain: set[tuple[int, object]] = set()  # (id(parameter), group) of the plain sums (bucketable)
         self._registered = False
-        self._noted: list[tuple[int, nn.Parameter, object, torch.Tensor | None]] = []  # this backward's, to sum
+        self._buckets = GradientBuckets()
 
     def sum_over(self, param: nn.Parameter, group) -> None:
         """Sum ``param``'s gradient over ``group`` in backward (each rank saw part of the data)."""
@@ -99,60 +79,26 @@ class GradientSums:
         return group is not None and all(g is not group for g, _ in self._sums.get(id(param), ()))
 
     def _add(self, param: nn.Parameter, group, hook: Callable) -> None:
-        self._sums.setdefault(id(param), []).append((group, hook))
+        sums = self._sums.setdefault(id(param), [])
         if self._registered:
+            if self._buckets.release(param):  # a second sum: both per parameter, in order
+                param.register_hook(sums[0][1])
             param.register_hook(hook)
+        sums.append((group, hook))
 
     def register(self, model: nn.Module) -> None:
         """Every recorded sum on ``model``'s parameters (no FSDP); a parameter with one plain sum is
         summed in a bucket."""
         self._registered = True
-        for order, param in enumerate(model.parameters()):
+        for param in model.parameters():
             if param.device.type == "meta":  # a kept quantized weight's placeholder (inference only: no gradient)
                 continue
             sums = self._sums.get(id(param), ())
-            if len(sums) == 1 and (id(param), sums[0][0]) in self._plain and param.requires_grad:
-                param.register_hook(self._noting(order, param, sums[0][0]))
+            plain = len(sums) == 1 and (id(param), sums[0][0]) in self._plain and param.requires_grad
+            if plain and self._buckets.add(param, sums[0][0]):
                 continue
             for _, hook in sums:
                 param.register_hook(hook)
-
-    def _noting(self, order: int, param: nn.Parameter, group) -> Callable:
-        """The hook that notes ``param``'s gradient for its group's bucket (see the module's docstring)."""
-        with torch.enable_grad():
-            accumulator = param.view_as(param).grad_fn.next_functions[0][0]  # kept alive, as DDP keeps it
-
-        def hook(grad):
-            if not will_accumulate(accumulator):  # torch.autograd.grad: what it returns must be the sum
-                return comm.all_reduce(grad, group)
-            if not self._noted:
-                at_end_of_backward(self._sum_noted)
-            own = grad if param.grad is not None else None  # else autograd makes this gradient .grad itself
-            self._noted.append((order, param, group, own))
-            return None if own is None else grad.new_zeros(()).expand_as(grad)
-
-        return hook
-
-    def _sum_noted(self) -> None:
-        """The backward is done: every noted gradient summed over its group, a bucket at a time."""
-        noted, self._noted = sorted(self._noted, key=lambda entry: entry[0]), []
-        buckets: dict[tuple, list[list]] = {}  # (group, dtype, device) -> buckets of (param, gradient, adds)
-        filled: dict[tuple, int] = {}  # the same key -> bytes in its last bucket
-        for _, param, group, own in noted:
-            grad = param.grad if own is None else own
-            key = (group, grad.dtype, grad.device)
-            runs = buckets.setdefault(key, [[]])
-            if runs[-1] and filled[key] + grad.nbytes > _bucket_bytes(group, grad.device):
-                runs.append([])
-                filled[key] = 0
-            runs[-1].append((param, grad, own is not None))
-            filled[key] = filled.get(key, 0) + grad.nbytes
-        for (group, _, _), runs in buckets.items():
-            for run in runs:
-                summed = comm.all_reduce(torch.cat([grad.reshape(-1) for _, grad, _ in run]), group, consume=True)
-                for (param, grad, adds), part in zip(run, summed.split([grad.numel() for _, grad, _ in run])):
-                    part = part.view(grad.shape)
-                    param.grad.add_(part) if adds else param.grad.copy_(part)
 
     def register_under_fsdp(self, model: nn.Module, names: dict[int, str], done_by_fsdp) -> None:
         """Every recorded sum on the parameters FSDP2 computes with. ``names``: id of each
