@@ -127,19 +127,3 @@ def test_the_collectives_copy_only_what_the_exchange_needs(tmp_path, monkeypatch
         assert one["copied"] == one["out"] and one["moved"] == {"all_to_all:bytes": one["in"]}, one
         assert two["copied"] == two["in"] + two["out"], two
 
-
-def test_gradient_sums_go_in_buckets_with_the_sums_per_parameter(tmp_path):
-    """Parameters summed over TP, two dtypes: one all-reduce per bucket a backward, plus one for the
-    parameter whose post-accumulate hook must see its sum; the sums exact (small integers) where a
-    parameter is used twice or by one rank only, added to what ``.grad`` held, returned by
-    ``torch.autograd.grad`` (``.grad`` left alone); an unused parameter keeps no gradient."""
-    for rank, out in enumerate(run_ranks(2, comm_workers.bucketed_gradient_sums, out_dir=str(tmp_path))):
-        for case, got in out.items():
-            assert all(gap == 0.0 for gap in got["gaps"].values()), (rank, case, got)
-        first = out["first"]
-        assert first["all_reduces"] == 3 and first["d"] == [float(rank + 1)] * 4 and first["f"], first
-        assert first["hook_saw"] == [3.0, 3.0], first  # the sum, not this rank's share
-        assert out["accumulated"]["all_reduces"] == 3, out["accumulated"]
-        assert out["autograd_grad"]["all_reduces"] == 3 + 2, out["autograd_grad"]  # a, c, e at once; the buckets
-        assert all(gap == 0.0 for gap in out["autograd_grad"]["grad_untouched"].values()), out["autograd_grad"]
-        assert out["small_buckets"]["all_reduces"] == 5, out["small_buckets"]  # a | b | e, f | c; e at once

@@ -11,10 +11,6 @@
   the TP pieces it holds (``training/clipping.py``).
 - An op registered as an ordered effect keeps its place among the others in a compiled graph: the
   collectives (``distributed/ops.py``), which inductor could otherwise reorder differently on each rank.
-- The autograd engine's end-of-backward callback, whether it will run a parameter's gradient
-  accumulator (``.backward()``) or hand the gradient back (``torch.autograd.grad``), and how many gradient
-  hooks a parameter has: gradient sums are bucketed and issued once the backward is done, as DDP's
-  reducer does, unless someone must see the sum sooner (``tensor/buckets.py``).
 """
 
 from __future__ import annotations
@@ -69,43 +65,6 @@ def fsdp_rows(full_rows: int, shard_rows: int, index: int, size: int) -> slice:
     FSDP_CHUNKS.get()
     chunk = -(-full_rows // size)
     return slice(min(index * chunk, full_rows), min(index * chunk, full_rows) + shard_rows)
-
-
-END_OF_BACKWARD = Seam("torch", "torch.autograd:Variable._execution_engine.queue_callback",
-                       "(to sum gradients in buckets once a backward is done)")  # fmt: skip
-WILL_ACCUMULATE = Seam("torch", "torch._C:_will_engine_execute_node",
-                       "(whether this backward accumulates a parameter's gradient or returns it)")  # fmt: skip
-
-
-def at_end_of_backward(callback) -> None:
-    """Run ``callback`` when the backward under way is done (before ``backward()`` returns)."""
-    END_OF_BACKWARD.get()(callback)
-
-
-def will_accumulate(accumulator) -> bool:
-    """Whether the backward under way runs ``accumulator`` (a parameter's ``AccumulateGrad`` node):
-    ``.backward()`` does; ``torch.autograd.grad``, which returns the gradient instead, does not (torch
-    refuses to answer for a leaf that call captures, saying so: that refusal is the answer)."""
-    try:
-        return WILL_ACCUMULATE.get()(accumulator)
-    except RuntimeError as error:
-        if "autograd.grad" not in str(error):
-            raise
-        return False
-
-
-GRADIENT_HOOKS = Seam("torch", "torch:Tensor.register_hook", "(a parameter's own hooks must see summed gradients)",
-                      reads=("_backward_hooks",))  # fmt: skip
-POST_ACCUMULATE_HOOKS = Seam("torch", "torch:Tensor.register_post_accumulate_grad_hook",
-                             "(an optimizer in backward must see summed gradients)",
-                             reads=("_post_accumulate_grad_hooks",))  # fmt: skip
-
-
-def gradient_hooks(tensor) -> int:
-    """How many gradient hooks ``tensor`` has: tensor hooks and post-accumulate-grad hooks."""
-    GRADIENT_HOOKS.get()
-    POST_ACCUMULATE_HOOKS.get()
-    return len(tensor._backward_hooks or ()) + len(tensor._post_accumulate_grad_hooks or ())
 
 
 ORDERED_EFFECT = Seam("torch", "torch.library:_register_effectful_op",

@@ -10,9 +10,6 @@ data-parallel step: on the parameters themselves, or, under FSDP2, on the unshar
 FSDP computes with (it creates each at the first all-gather and keeps it), leaving out the sums
 FSDP's own reduce-scatter does (the sequence group, folded into the FSDP group). Sums recorded after
 that (adapters placed at first use) are registered at once.
-
-Without FSDP, a parameter with one plain sum is summed in a bucket (``buckets.py``) once the backward is
-done, as DDP's reducer does; one that gets a second sum later leaves its bucket for hooks per parameter.
 """
 
 from __future__ import annotations
@@ -24,7 +21,6 @@ from torch import nn
 
 from ..compat.torch import FSDP_UNSHARDED_PARAM, check_fsdp_reuses_unsharded_parameters
 from ..distributed import comm
-from .buckets import GradientBuckets
 from .layout import Layout
 
 
@@ -33,14 +29,11 @@ class GradientSums:
 
     def __init__(self):
         self._sums: dict[int, list[tuple[object, Callable]]] = {}  # id(parameter) -> (group, hook), in order
-        self._plain: set[tuple[int, object]] = set()  # (id(parameter), group) of the plain sums (bucketable)
         self._registered = False
-        self._buckets = GradientBuckets()
 
     def sum_over(self, param: nn.Parameter, group) -> None:
         """Sum ``param``'s gradient over ``group`` in backward (each rank saw part of the data)."""
         if self._new(param, group):
-            self._plain.add((id(param), group))
             self._add(param, group, lambda grad: comm.all_reduce(grad, group))
 
     def average_over(self, param: nn.Parameter, group) -> None:
@@ -79,25 +72,17 @@ class GradientSums:
         return group is not None and all(g is not group for g, _ in self._sums.get(id(param), ()))
 
     def _add(self, param: nn.Parameter, group, hook: Callable) -> None:
-        sums = self._sums.setdefault(id(param), [])
+        self._sums.setdefault(id(param), []).append((group, hook))
         if self._registered:
-            if self._buckets.release(param):  # a second sum: both per parameter, in order
-                param.register_hook(sums[0][1])
             param.register_hook(hook)
-        sums.append((group, hook))
 
     def register(self, model: nn.Module) -> None:
-        """Every recorded sum on ``model``'s parameters (no FSDP); a parameter with one plain sum is
-        summed in a bucket."""
+        """Every recorded sum on ``model``'s parameters (no FSDP)."""
         self._registered = True
         for param in model.parameters():
             if param.device.type == "meta":  # a kept quantized weight's placeholder (inference only: no gradient)
                 continue
-            sums = self._sums.get(id(param), ())
-            plain = len(sums) == 1 and (id(param), sums[0][0]) in self._plain and param.requires_grad
-            if plain and self._buckets.add(param, sums[0][0]):
-                continue
-            for _, hook in sums:
+            for _, hook in self._sums.get(id(param), ()):
                 param.register_hook(hook)
 
     def register_under_fsdp(self, model: nn.Module, names: dict[int, str], done_by_fsdp) -> None:
