@@ -320,8 +320,11 @@ class ShardReader:
         on_device = piece.device == self.device if piece is not None else isinstance(source, Dequantized)
         staged = None if on_device else host_staging(shape, found, self.device)  # (dequantized there: no staging)
         into = out if staged is None else staged
-        into = into.copy_(piece) if piece is not None else layout.extract(source, self.rank, shape=full_shape, out=into)
-        return into if staged is None else out.copy_(staged, non_blocking=True)
+        if piece is not None:
+            into.copy_(piece)
+        else:
+            layout.extract(source, self.rank, shape=full_shape, out=into)
+        return out if staged is None else out.copy_(staged, non_blocking=True)
 
 
 def _set_tensor(model: nn.Module, name: str, value: torch.Tensor) -> None:

@@ -103,8 +103,9 @@ def plan_report(
     heads, the sequence split, the data-parallel sizes and the adapters asked for (``plan_facts``);
     under pipeline stages, each stage's ranks, layers and bytes."""
     if stage_tp_sizes is None and pp_size == 1:
-        facts = plan_facts(path, tp, tp_plan, dtype, auto_class, sp, seq, cp, fsdp_size, dp_replicate_size,
-                           nproc_per_node, lora)  # fmt: skip
+        facts = plan_facts(path, tp, tp_plan=tp_plan, dtype=dtype, auto_class=auto_class, sp=sp, seq=seq, cp=cp,
+                           fsdp_size=fsdp_size, dp_replicate_size=dp_replicate_size, nproc_per_node=nproc_per_node,
+                           lora=lora)  # fmt: skip
         return "\n".join(facts.lines())
     config = transformers.AutoConfig.from_pretrained(path)
     shape = MeshShape.requested(

@@ -273,7 +273,8 @@ def verify(
         stage_tp_sizes=stages.get("stage_tp_sizes"), cp_size=cp_size,
     )  # fmt: skip
     batch = probe_batch(config)
-    dequantized = quant_method(config) in DEQUANTIZED_REFERENCE  # one process reads its weights dequantized whole
+    method = quant_method(config)
+    dequantized = method in DEQUANTIZED_REFERENCE  # one process reads its weights dequantized whole
     reference = None
     if mesh.is_main:  # the single-process model is freed before the parallel one loads
         with tempfile.TemporaryDirectory(prefix="hf_parallel-verify-") as offload_dir:
@@ -308,7 +309,7 @@ def verify(
         f"probe: {len(PROBE_LENGTHS)} rows of {' and '.join(map(str, batch['attention_mask'].sum(1).tolist()))} "
         f"tokens, left-padded; tolerance {tolerance:g} of each output's largest value"
         + (f"; one process streamed from disk within {reference_memory / 2**20:.0f} MiB" if reference_memory else "")
-        + (f"; one process on the {quant_method(config)} weights dequantized whole (transformers reads them only "
+        + (f"; one process on the {method} weights dequantized whole (transformers reads them only "
            "through GPU kernels)" if dequantized else "")
     )  # fmt: skip
     return Report(compare(reference, parallel, batch["attention_mask"], error), tolerance, header)

@@ -28,6 +28,7 @@ from __future__ import annotations
 import math
 import pickle
 from collections import Counter
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -47,25 +48,31 @@ def _count(op: str, tensor: torch.Tensor) -> None:
     COUNTS[op + ":bytes"] += tensor.numel() * tensor.element_size()
 
 
-_MEMBERSHIP: dict = {}  # process group -> (its size, this rank's index in it, its backend)
+class Membership(NamedTuple):
+    size: int
+    rank: int  # this rank's index in the group
+    backend: str
 
 
-def _membership(group) -> tuple[int, int, str]:
+_MEMBERSHIP: dict = {}  # process group -> its Membership
+
+
+def _membership(group) -> Membership:
     """A group's size, this rank's index and its backend, asked of torch once per group: asking
     costs ~5 us, and a decoded token runs a few thousand collectives' worth of such questions."""
     known = _MEMBERSHIP.get(group)
     if known is None:
-        known = (dist.get_world_size(group), dist.get_rank(group), str(dist.get_backend(group)))
+        known = Membership(dist.get_world_size(group), dist.get_rank(group), str(dist.get_backend(group)))
         _MEMBERSHIP[group] = known
     return known
 
 
 def _world(group) -> int:
-    return 1 if group is None else _membership(group)[0]
+    return 1 if group is None else _membership(group).size
 
 
 def _rank(group) -> int:
-    return 0 if group is None else _membership(group)[1]
+    return 0 if group is None else _membership(group).rank
 
 
 def _shm(group, x: torch.Tensor):
@@ -385,7 +392,7 @@ def broadcast_now(x: torch.Tensor, group) -> torch.Tensor:
     tensor it expects (a compiled forward's batch: each rank traced its graph with its own shapes).
     Every rank's description is gathered first, so a rank whose shape or dtype differs from the first
     rank's makes every rank raise, naming both, before any byte is read into the wrong shape."""
-    header = header_of(x, metadata_device(_membership(group)[2], x.device))  # on the host where the group can
+    header = header_of(x, metadata_device(_membership(group).backend, x.device))  # on the host where the group can
     headers = all_gather_now(header.unsqueeze(0), 0, [1] * _world(group), group)
     for rank, other in enumerate(headers):
         if not torch.equal(other, headers[0]):

@@ -50,14 +50,6 @@ def head_spread(num_heads: int, num_kv_heads: int, sp: int) -> HeadSpread:
     return HeadSpread(q_sizes, q_sizes, num_heads // num_kv_heads)
 
 
-def _per_query_head(states: torch.Tensor, repeat: int) -> torch.Tensor:
-    """``[batch, kv_heads, seq, dim]`` -> ``[batch, kv_heads * repeat, seq, dim]``: query head q's
-    key/value head (q // repeat) in q's place, as transformers' ``repeat_kv`` (a broadcast, not an
-    index: no index tensor to copy to the device each call)."""
-    batch, heads, seq, dim = states.shape
-    return states[:, :, None].expand(batch, heads, repeat, seq, dim).reshape(batch, heads * repeat, seq, dim)
-
-
 def _inner_function(module, name: str):
     if name == "eager":  # the model's own eager function (Gemma 2's soft-capping, ...)
         return sys.modules[type(module).__module__].eager_attention_forward
@@ -71,8 +63,8 @@ def ulysses_attention(module, query, key, value, attention_mask, **kwargs):
     group, seq = ulysses.group, sequence.sizes[: ulysses.size]  # every Ulysses group's ranks hold the same sizes
     spread = head_spread(query.shape[1], key.shape[1], len(seq))
     query = comm.all_to_all(query, 1, 2, spread.q_sizes, seq, group)
-    if spread.kv_repeat is not None:  # one key/value head per query head is sent
-        key, value = _per_query_head(key, spread.kv_repeat), _per_query_head(value, spread.kv_repeat)
+    if spread.kv_repeat is not None:  # one key/value head per query head is sent (an int repeat: expand, no index)
+        key, value = key.repeat_interleave(spread.kv_repeat, 1), value.repeat_interleave(spread.kv_repeat, 1)
     key = comm.all_to_all(key, 1, 2, spread.kv_sizes, seq, group)
     value = comm.all_to_all(value, 1, 2, spread.kv_sizes, seq, group)
     if sequence.split.cp is not None:  # context parallelism: this group's tokens against every group's
