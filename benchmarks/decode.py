@@ -10,7 +10,10 @@ reduce-overhead`` on a GPU; it needs NCCL, one rank a GPU, since gloo cannot be 
 time is the gap between two consecutive tokens reaching generate's streamer, so prefill is left out;
 each mode reports the median gap. One process gets every core, N ranks cores/N threads each. Prints
 ratios (tokens/s against one process eager, and compiled against compiled) and writes ``decode.json``;
-every run's tokens must agree with one process's.
+every run's tokens must agree with one process's. ``--impls`` picks the implementations (the first is the
+baseline): a quantized checkpoint's ``hf_parallel`` (dequantized as read) against ``hf_parallel_kept``
+(``keep_quantized=True``: dequantized per module) and ``hf_parallel_kept_fp8`` (``keep_quantized="fp8"``: FP8
+products where the card has them).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+KEPT = {"hf_parallel": False, "hf_parallel_kept": True, "hf_parallel_kept_fp8": "fp8"}
 
 
 def worker(args) -> None:
@@ -32,19 +36,23 @@ def worker(args) -> None:
 
     rank = int(os.environ.get("RANK", 0))
     dtype = getattr(torch, args.dtype)
-    if args.impl == "hf_parallel":
+    if args.impl.startswith("hf_parallel"):
         import hf_parallel
 
-        model = hf_parallel.AutoModelForCausalLM.from_pretrained(args.model, tp_plan="auto", dtype=dtype)
+        kept = KEPT[args.impl]
+        model = hf_parallel.AutoModelForCausalLM.from_pretrained(args.model, tp_plan="auto", dtype=dtype,
+                                                                 **({"keep_quantized": kept} if kept else {}))
     else:
         tp = dict(tp_plan="auto") if args.impl == "transformers" else {}
         model = transformers.AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, **tp)
         if not tp and torch.cuda.is_available():  # one process on the card the ranks share
             model.to("cuda")
+    result_kinds = {type(m).__name__ for m in model.modules()}
     vocab = model.config.vocab_size
     prompt = torch.randint(3, vocab, (1, args.prompt_len), generator=torch.Generator().manual_seed(0))
     prompt = prompt.to(model.device)
     result = {"impl": args.impl, "mode": args.mode, "rank": rank, "threads": torch.get_num_threads()}
+    result["fp8_products"] = "KeptFP8Linear" in result_kinds  # kept FP8 multiplied as stored (keep_quantized)
     result["device"] = torch.cuda.get_device_name(model.device) if model.device.type == "cuda" else "cpu"
     options = dict(max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False)
     if args.mode in ("compiled", "reduce-overhead"):
@@ -97,7 +105,10 @@ def launch(impl: str, mode: str, nproc: int, model: str, args) -> dict:
     log = os.path.join(args.out, f"{impl}-{mode}.log")
     print(f"  {impl} {mode} x{nproc} ({threads} thread(s) each) ...", flush=True)
     with open(log, "w") as f:
-        subprocess.run(command, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=args.timeout, check=False)
+        try:
+            subprocess.run(command, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=args.timeout, check=False)
+        except subprocess.TimeoutExpired:
+            return {"error": f"over --timeout {args.timeout} s (log: {log})"}
     if not os.path.exists(path):
         return {"error": f"no result (log: {log})"}
     with open(path) as f:
@@ -119,6 +130,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--modes", nargs="+", default=["eager", "compiled"],
                         choices=["eager", "compiled", "reduce-overhead"])
+    parser.add_argument("--impls", nargs="+", default=["single", "hf_parallel"], choices=["single", *KEPT],
+                        help="hf_parallel_kept: keep_quantized=True (dequantized per module); hf_parallel_kept_fp8: "
+                        "keep_quantized='fp8' (FP8 products where the card has them); the first is the baseline")
     parser.add_argument("--transformers-tp", action="store_true", help="also transformers' own TP (where it splits)")
     parser.add_argument("--out", default=os.path.join(HERE, "results"))
     parser.add_argument("--timeout", type=int, default=1800)
@@ -132,7 +146,8 @@ def main() -> None:
     report = {}
     for name in args.models:
         path = CHECKPOINTS[name]() if name in CHECKPOINTS else name
-        runs = [("single", 1), ("hf_parallel", args.tp)] + [("transformers", args.tp)] * args.transformers_tp
+        runs = [(impl, 1 if impl == "single" else args.tp) for impl in args.impls]
+        runs += [("transformers", args.tp)] * args.transformers_tp
         rows: dict = {}
         for _ in range(args.rounds):  # rounds interleave the implementations: a noisy spell hits all of them
             for impl, nproc in runs:
@@ -152,11 +167,12 @@ def summarize(results: list[dict]) -> dict:
 
 
 def table(name: str, rows: dict, tp: int, dtype: str) -> str:
-    base = rows["single eager"]
+    first = next(iter(rows)).split()[0]  # the baseline: the first implementation run
+    base = rows[f"{first} eager"]
     where = base.get("device", "cpu")
     lines = [f"\n## {name}: decode, {dtype}, TP={tp}, on {where}\n",
-             "| run | ms/token | tokens/s | x one process eager |"
-             " x one process compiled | tokens as one process eager |", "|---|---|---|---|---|---|"]  # fmt: skip
+             f"| run | ms/token | tokens/s | x {first} eager |"
+             f" x {first} compiled | tokens as {first} eager |", "|---|---|---|---|---|---|"]  # fmt: skip
     for key, row in rows.items():
         if "error" in row:
             lines.append(f"| {key} | failed: {row['error']} | | | | |")
@@ -166,8 +182,9 @@ def table(name: str, rows: dict, tp: int, dtype: str) -> str:
 
         agree = sum(a == b for a, b in zip(row["tokens"], base.get("tokens", [])))
         same = "-" if "error" in base else f"{agree}/{len(base['tokens'])}"
-        compiled = rows.get("single compiled", {"error": "-"})
-        lines.append(f"| {key} | {row['s_per_token'] * 1e3:.1f} | {1 / row['s_per_token']:.1f} | {speed(base)} | "
+        compiled = rows.get(f"{first} compiled", {"error": "-"})
+        label = f"{key} (FP8 products)" if row.get("fp8_products") else key
+        lines.append(f"| {label} | {row['s_per_token'] * 1e3:.1f} | {1 / row['s_per_token']:.1f} | {speed(base)} | "
                      f"{speed(compiled)} | {same} |")  # fmt: skip
     return "\n".join(lines)
 

@@ -49,7 +49,7 @@ def from_pretrained(
     distributed_config=None,
     device_map=None,
     allow_pickle: bool = False,
-    keep_quantized: bool = False,
+    keep_quantized: bool | str = False,
     **config_kwargs,
 ):
     """``tp_plan=None`` (or ``{}``): no tensor parallelism, every rank holds the whole model.
@@ -69,9 +69,16 @@ def from_pretrained(
     ``allow_pickle``: accept a ``pytorch_model.bin`` checkpoint (loaded with ``weights_only=True``).
     ``keep_quantized``: a quantized checkpoint's weights stay quantized on each rank, dequantized module by
     module in the forward (inference; saved back in the checkpoint's format). Default: dequantized as read.
+    ``keep_quantized="fp8"``: besides, on a Hopper GPU in bfloat16, FP8 weights in whole 128x128 blocks are
+    multiplied as stored, the activations quantized per token and 128 columns (W8A8, as transformers' and
+    vLLM's FP8 linears), where small products on the card agree with float32 (checked once at load; torch
+    2.11 computes right only where the contraction is a multiple of 4 blocks); slower than dequantizing in
+    eager on an H100 (docs/guides/quantized.md).
 
     The steps a model goes through after its empty build, in this order, each owning what it sets up
     and none rewriting an earlier one's (long for its keywords; the body is one line a step)."""
+    if keep_quantized not in (False, True, "fp8"):
+        raise ValueError(f"keep_quantized={keep_quantized!r}: one of False, True and 'fp8'")
     config = _read_config(path, device_map, config_kwargs)
     sizes = dict(tp_size=tp_size, sp_size=sp_size, pp_size=pp_size, stage_tp_sizes=stage_tp_sizes,
                  fsdp_size=fsdp_size, dp_replicate_size=dp_replicate_size, cp_size=cp_size)  # fmt: skip
@@ -87,7 +94,7 @@ def from_pretrained(
     # 2. load: each rank reads its slices (those kept quantized: dequantized in each module's call)
     source_keys = load_weights(model, path, built.layout, dtype, allow_pickle, built.ignore_keys, files=files,
                                quantization=built.quantization, kept=kept)  # fmt: skip
-    hold_quantized(model, kept or {})
+    hold_quantized(model, kept or {}, fp8_products=keep_quantized == "fp8")
     _read_generation_config(model, path)
     # 3. tensor (and expert) parallelism: each module's collectives; gradient sums recorded
     gradients = GradientSums()

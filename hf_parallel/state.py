@@ -37,7 +37,7 @@ class ParallelState:
     gradients: GradientSums  # which gradient is summed over which group (TP styles, SP, adapters record here)
     hooks: dict[str, Hooks]  # module path -> the hooks its TP style installed (adapters move them)
     adapters: Adapters  # peft's adapters added since, placed like their modules
-    keep_quantized: bool = False  # the checkpoint's quantized weights held as stored (the same on every rank)
+    keep_quantized: bool | str = False  # the checkpoint's quantized weights held as stored (the same on every rank)
     kept: dict[str, KeptWeight] = field(default_factory=dict)  # this rank's of them (a stage may hold none)
     quantization_config: object = None  # the checkpoint's, saved back with the kept weights
 

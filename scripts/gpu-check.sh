@@ -2,7 +2,8 @@
 # The GPU check, for a machine with one GPU and no internet (a lent device machine: torch there, the
 # other dependencies carried as wheels in .whl/, e.g. transformers 5.23). Runs the `cuda` tier (every
 # rank on the GPU, two ranks sharing it) and prints what passed with the card and torch version.
-# Never part of CI. Usage: bash scripts/gpu-check.sh [extra pytest args]
+# Never part of CI. Usage: bash scripts/gpu-check.sh [extra pytest args]; with GPU_DECODE="<decode.py
+# arguments>" set, benchmarks/decode.py runs after the tier (table printed, decode.json beside the log).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if [ -d .whl ]; then
@@ -13,3 +14,9 @@ python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/hf_parall
 export PYTHONPATH=/tmp/hf_parallel_site:${PYTHONPATH:-}
 python3 -c "import torch; print('card:', torch.cuda.get_device_name(0), '| torch', torch.__version__)"
 OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1 python3 -P -m pytest -p no:cacheprovider -q -m cuda tests/test_cuda.py -rA "$@" 2>&1 | tee "${OUT:-/tmp}/cuda-tier.log"
+if [ -n "${GPU_DECODE:-}" ]; then
+  # shellcheck disable=SC2086  # the arguments, split as given
+  PYTHONUNBUFFERED=1 python3 benchmarks/decode.py $GPU_DECODE --out /tmp/decode 2>&1 | tee "${OUT:-/tmp}/decode.log"
+  cp /tmp/decode/decode.json "${OUT:-/tmp}/" 2>/dev/null
+  tail -n 30 /tmp/decode/*.log > "${OUT:-/tmp}/decode-workers.log" 2>/dev/null
+fi

@@ -90,6 +90,42 @@ def kept_fp8(rank: int, world_size: int, path: str, save_root: str, sizes: dict)
     return {"kept": gap(logits[True], logits[False])}
 
 
+def fp8_products(rank: int, world_size: int, path: str, save_root: str) -> dict:
+    """FP8 kept in 128 x 128 blocks at TP=2 in bfloat16: which modules multiply in FP8 on this card, each
+    one's product against the same W8A8 product in float32 (its activations quantized as it quantizes them,
+    its weight dequantized), the logits against ``keep_quantized=True``'s (dequantized), compiled (fullgraph)
+    against eager, and the kept weights saved back."""
+    import hf_parallel
+    from hf_parallel.tensor import fp8_matmul, kept_linear
+
+    out, logits = {}, {}
+    for keep in (True, "fp8"):
+        model = hf_parallel.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, keep_quantized=keep,
+                                                                 tp_size=2)  # fmt: skip
+        device = hf_parallel.parallel_state(model).mesh.device
+        with torch.no_grad():
+            logits[keep] = model(INPUT_IDS.to(device)).logits.float()
+    recipe = fp8_matmul.supports_block_fp8(device)
+    out["supported"] = None if recipe is None else recipe._asdict()
+    out["cuda"], out["capability"] = torch.version.cuda, list(torch.cuda.get_device_capability(device))
+    linears = {name: m for name, m in model.named_modules() if isinstance(m, kept_linear.KeptFP8Linear)}
+    out["fp8"] = sorted(linears)
+    out["products"] = {}
+    generator = torch.Generator(device=device).manual_seed(rank)
+    for name, module in linears.items():
+        x = torch.randn(5, module.fp8_weight.shape[1], device=device, generator=generator, dtype=torch.bfloat16)
+        quantized, scales = fp8_matmul.act_quant(x)
+        activations = (quantized.float().unflatten(1, (-1, fp8_matmul.BLOCK)) * scales[..., None]).flatten(1)
+        with torch.no_grad():
+            out["products"][name] = gap(module.product(x).float(), activations @ module.kept_weight.dequantize().T)
+    out["logits"] = gap(logits["fp8"], logits[True])
+    compiled = torch.compile(model.forward, fullgraph=True)
+    with torch.no_grad():
+        out["compiled"] = gap(compiled(INPUT_IDS.to(device)).logits.float(), logits["fp8"])
+    model.save_pretrained(os.path.join(save_root, "gathered"))
+    return out
+
+
 def verified(rank: int, world_size: int, path: str, sizes: dict) -> dict:
     """``hf-parallel verify`` on the GPU ranks: rank 0's report."""
     from hf_parallel.commands.verify import verify
@@ -100,36 +136,50 @@ def verified(rank: int, world_size: int, path: str, sizes: dict) -> dict:
 
 def decode_syncs(rank: int, world_size: int, path: str, kwargs: dict) -> dict:
     """Where each host synchronisation of one decode step comes from, by CUDA's sync debug mode (warning,
-    recorded with the Python line that asked). TP: a token on a warm cache; SP keeps no cache, so its step
+    recorded with the Python line that asked), for hf_parallel's model and for plain transformers' in one
+    process on the same card taking the same step. TP: a token on a warm cache; SP keeps no cache, so its step
     is the whole sequence again. The step runs once unwatched (first-call allocations); the control, an
     ``.item()`` under the same recorder, shows the recorder sees a synchronisation when there is one."""
-    import warnings
+    import transformers
 
     import hf_parallel
 
     model = hf_parallel.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kwargs)
     state = hf_parallel.parallel_state(model)
-    ids = INPUT_IDS[:1].to(state.mesh.device)
-    cached = state.sequence is None
+    device, cached = state.mesh.device, state.sequence is None
+    single = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
+    out = {"wire": str(state.mesh.wire)}
+    for name, which in (("syncs", model), ("one_process", single)):
+        control, out[name] = _syncs_of(_decode_step(which, INPUT_IDS[:1].to(device), cached), device)
+        out["control"] = out.get("control", []) + control
+    return out
+
+
+def _decode_step(model, ids, cached: bool):
+    """One decode step of ``model`` after ``ids``' prefill (with the cache, or the whole sequence again)."""
     with torch.no_grad():
         first = model(ids, use_cache=cached)
-        token = first.logits[:, -1:].argmax(-1)
-        if cached:
-            def step():
-                return model(token, past_key_values=first.past_key_values, use_cache=True)
-        else:
-            def step():
-                return model(torch.cat([ids, token], 1), use_cache=False)
+    token = first.logits[:, -1:].argmax(-1)
+    if cached:
+        return lambda: model(token, past_key_values=first.past_key_values, use_cache=True)
+    return lambda: model(torch.cat([ids, token], 1), use_cache=False)
+
+
+def _syncs_of(step, device) -> tuple[list[str], list[str]]:
+    """(where the control ``.item()`` synchronised, where ``step`` did), each as ``file:line``."""
+    import warnings
+
+    with torch.no_grad():
         step()
         torch.cuda.synchronize()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             torch.cuda.set_sync_debug_mode("warn")
             try:
-                torch.ones(1, device=state.mesh.device).item()
+                torch.ones(1, device=device).item()
                 control = len(caught)
                 step()
             finally:
                 torch.cuda.set_sync_debug_mode(0)
     located = [f"{w.filename}:{w.lineno}" for w in caught]
-    return {"control": located[:control], "syncs": located[control:], "wire": str(state.mesh.wire)}
+    return located[:control], located[control:]

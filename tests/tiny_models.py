@@ -120,6 +120,13 @@ FP8 = {  # FP8 with 32 x 32 block scales (DeepSeek-V3 / Qwen3-FP8's format): dim
     "llama_fp8_ue8m0": ("LlamaConfig", dict(hidden_size=96, intermediate_size=160, num_attention_heads=6,
                                             num_key_value_heads=2, head_dim=16, tie_word_embeddings=False)),
 }  # fmt: skip
+# 128 x 128 blocks, as Hopper's block-scaled FP8 products take them (``tensor/fp8_matmul.py``): at TP=2 the
+# query, gate, up and down shards are whole blocks with a contraction of 4 (multiplied in FP8), the output
+# projection's contraction 2 blocks (in FP8 where torch reads such scales right: not 2.11), the key and value
+# shards half a block each (dequantized per module)
+FP8_PRODUCTS = {"llama_fp8_128": ("LlamaConfig", dict(hidden_size=512, intermediate_size=1024, num_attention_heads=8,
+                                                      num_key_value_heads=2, head_dim=64, tie_word_embeddings=False))}
+FP8_PRODUCT_BLOCK = (128, 128)
 
 
 def quantize_fp8(tensors: dict, block=FP8_BLOCK, ue8m0: bool = False) -> tuple[dict, dict, bool]:
@@ -169,13 +176,14 @@ def make_fp8_checkpoint(name: str, root: str) -> str:
         return path
     make_checkpoint(name, root)
     file, ue8m0 = os.path.join(path, "model.safetensors"), name.endswith("ue8m0")
-    tensors, dequantized, partial = quantize_fp8(load_file(file), ue8m0=ue8m0)
+    block = FP8_PRODUCT_BLOCK if name in FP8_PRODUCTS else FP8_BLOCK
+    tensors, dequantized, partial = quantize_fp8(load_file(file), block=block, ue8m0=ue8m0)
     save_file(tensors, file, metadata={"format": "pt"})
     if partial or ue8m0:  # plain transformers' own FP8 loader assumes whole blocks of float32 scales: the
         plain = path + "_dequantized"  # reference is the same weights dequantized, saved as floats
         shutil.copytree(path, plain)
         save_file(dequantized, os.path.join(plain, "model.safetensors"), metadata={"format": "pt"})
-    fp8_config(path, ue8m0=ue8m0)
+    fp8_config(path, block=block, ue8m0=ue8m0)
     return path
 
 
@@ -453,7 +461,8 @@ def make_checkpoint(name: str, root: str) -> str:
     path = os.path.join(root, name)
     if os.path.isfile(os.path.join(path, "config.json")):
         return path
-    class_name, overrides = {**ARCHS, **MOE, **ENCODERS, **TRAPS, **PIPELINE, **FP8, **MXFP4, **HYBRIDS}[name]
+    every = {**ARCHS, **MOE, **ENCODERS, **TRAPS, **PIPELINE, **FP8, **FP8_PRODUCTS, **MXFP4, **HYBRIDS}
+    class_name, overrides = every[name]
     config = getattr(transformers, class_name)(**{**COMMON, **overrides})
     torch.manual_seed(sum(map(ord, name)))
     auto = transformers.AutoModel if name in ENCODERS else transformers.AutoModelForCausalLM

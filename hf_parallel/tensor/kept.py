@@ -13,6 +13,7 @@ reading the weight outside its module's call fails loudly, never with a stale or
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +26,7 @@ from ..checkpoint.writer import torch_dtype
 from ..distributed import p2p
 from ..distributed.devices import to_wire
 from ..distributed.faults import collective
+from .kept_linear import KeptFP8Linear, hold_linear
 
 
 def placed_boxes(tiles: list, layout, rank: int, full_shape):
@@ -130,8 +132,10 @@ def placeholder(local_shape, dtype) -> KeptPlaceholder:
     return KeptPlaceholder(torch.empty(local_shape, dtype=dtype, device="meta"), requires_grad=False)
 
 
-def hold_quantized(model: nn.Module, kept: dict[str, KeptWeight]) -> list:
-    """Each kept weight dequantized into its slot for its module's call only (hooks, returned)."""
+def hold_quantized(model: nn.Module, kept: dict[str, KeptWeight], fp8_products: bool = False) -> list:
+    """A plain linear computes with its kept weight itself (``kept_linear``: FP8 products with
+    ``fp8_products`` where the card has them); any other module's kept weights are dequantized into their
+    slots for its call only (hooks, returned)."""
     by_module: dict[str, dict[str, KeptWeight]] = {}
     for name, weight in kept.items():
         path, _, attr = name.rpartition(".")
@@ -139,6 +143,8 @@ def hold_quantized(model: nn.Module, kept: dict[str, KeptWeight]) -> list:
     handles = []
     for path, weights in by_module.items():
         module = model.get_submodule(path)
+        if hold_linear(module, weights, fp8_products):
+            continue
         resting = {attr: module._parameters[attr] for attr in weights}
 
         def put(module, args, weights=weights):
@@ -149,6 +155,10 @@ def hold_quantized(model: nn.Module, kept: dict[str, KeptWeight]) -> list:
             module._parameters.update(resting)
 
         handles += [module.register_forward_pre_hook(put), module.register_forward_hook(take_back, always_call=True)]
+    if fp8_products and kept and not any(isinstance(module, KeptFP8Linear) for module in model.modules()):
+        warnings.warn(f"keep_quantized='fp8': no kept weight multiplies in FP8 on this rank, all are dequantized per "
+                      f"module (none in whole 128 x 128 blocks in bfloat16, or no block-scaled FP8 product on "
+                      f"{next(iter(kept.values())).device})")  # fmt: skip
     return handles
 
 

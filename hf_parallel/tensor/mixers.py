@@ -24,7 +24,7 @@ from torch import nn
 from ..distributed import comm
 from .heads import HeadSplit, split_heads
 from .layout import Layout, Range, replicated
-from .styles import Hooks, ParallelStyle, Rowwise, apply_hooks
+from .styles import Hooks, ParallelStyle, Rowwise, apply_hooks, matmul
 
 
 def _pieces(dim: int, per_rank: list[list[Range]]) -> Layout:
@@ -304,7 +304,7 @@ class Mamba1Mixer(_MixerStyle):
         def localize(group):
             module.intermediate_size = layouts["D"].local_size(ctx.rank)
             x_proj = module.x_proj
-            apply_hooks(x_proj, Hooks(around=lambda forward, x: F.linear(x, x_proj.weight),
+            apply_hooks(x_proj, Hooks(around=lambda forward, x: matmul(x_proj, x),
                                       post=lambda y: comm.all_reduce_sum(y, tp)))  # fmt: skip
             for child, norm in module.named_children():  # Jamba's dt / B / C norms (Falcon-Mamba's weightless)
                 if child.endswith("layernorm"):

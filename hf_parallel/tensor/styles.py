@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..distributed import comm
+from .kept_linear import KeptLinear
 from .geometry import is_conv1d
 from .layout import Layout, chunks, even_sizes, per_rank
 from .splits import (
@@ -123,7 +124,10 @@ def local_sizes(layout: Layout) -> list[int]:
     return [layout.local_size(rank) for rank in range(layout.world_size)]
 
 
-def _matmul(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+def matmul(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``x`` times ``module``'s weight, without its bias."""
+    if isinstance(module, KeptLinear):  # its weight kept quantized: the module's own product
+        return module.product(x)
     return x @ module.weight if is_conv1d(module) else F.linear(x, module.weight)
 
 
@@ -239,7 +243,7 @@ class Rowwise(ParallelStyle):
             return (comm.scatter_to(args[0], -1, sizes, group), *args[1:]), kwargs
 
         def partial_product(forward, x, *args, **kwargs):
-            return _matmul(module, x)
+            return matmul(module, x)
 
         def reduce(y):
             y = comm.reduce_from(y, group)

@@ -1,0 +1,72 @@
+"""A plain ``nn.Linear`` whose weight is kept quantized computes its own product (its class swapped, as FSDP2's
+``fully_shard`` swaps a module's class): ``KeptLinear`` dequantizes the weight for the product, ``KeptFP8Linear``
+multiplies FP8 weights as stored (``fp8_matmul``). The ``weight`` slot keeps its placeholder throughout, so any
+other use of the weight still fails loudly; and no parameter is built inside the forward, which
+``torch.compile(fullgraph=True)`` cannot trace (the forward hooks of other kept modules do). ``product`` is
+the product without the bias: a row-parallel shard sums it over TP before the bias is added once.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .fp8_matmul import BLOCK, PRODUCT_DTYPES, block_scales, fp8_product, supports_block_fp8
+
+
+class KeptLinear(nn.Linear):
+    """``kept_weight``: the ``KeptWeight`` dequantized for each product."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.product(x)
+        return out if self.bias is None else out + self.bias
+
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.kept_weight.dequantize())
+
+
+class KeptFP8Linear(KeptLinear):
+    """``fp8_weight`` / ``fp8_scale_b``: the stored bytes in whole 128 x 128 blocks and their scales as the
+    card's product takes them (``fp8_recipe``). An input that needs a gradient (an adapter trained over a kept
+    base) takes the dequantized product: ``_scaled_mm`` has no backward."""
+
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled() and x.requires_grad:
+            return super().product(x)
+        return fp8_product(x, self.fp8_weight, self.fp8_scale_b, x.dtype, self.fp8_recipe.rows)
+
+
+def hold_linear(module: nn.Module, weights: dict, fp8_products: bool) -> bool:
+    """Make a plain ``nn.Linear`` whose only kept parameter is its weight compute with it (FP8 products where
+    ``fp8_products`` and ``fp8_matmul``'s conditions hold, else dequantized); False for any other module."""
+    if type(module) is not nn.Linear or set(weights) != {"weight"}:
+        return False
+    weight = weights["weight"]
+    recipe = _fp8_recipe(weight) if fp8_products else None
+    module.__class__ = KeptLinear if recipe is None else KeptFP8Linear
+    module.kept_weight = weight
+    if recipe is not None:
+        kept = weight.pieces[0].kept
+        module.fp8_weight, module.fp8_recipe = kept.weight, recipe
+        module.fp8_scale_b = block_scales(kept.scales, recipe.padded_scales)
+    return True
+
+
+def _fp8_recipe(weight):
+    """The card's recipe where ``weight`` (a ``KeptWeight``) is one FP8 box of whole 128 x 128 blocks in a
+    compute dtype that asks for FP8 products (bfloat16); else None."""
+    from ..checkpoint.quantized import KeptFP8
+
+    if weight.dtype not in PRODUCT_DTYPES or len(weight.pieces) != 1:
+        return None
+    piece = weight.pieces[0]
+    kept, rows, columns = piece.kept, *weight.shape
+    if tuple(s.stop - s.start for s in piece.at) != (rows, columns) or not isinstance(kept, KeptFP8):
+        return None
+    whole = kept.block == (BLOCK, BLOCK) and kept.offset == (0, 0) and rows % BLOCK == 0 == columns % BLOCK
+    grid = tuple(kept.scales.shape) == (rows // BLOCK, columns // BLOCK)
+    if not (whole and grid and kept.weight.dtype == torch.float8_e4m3fn):
+        return None
+    recipe = supports_block_fp8(kept.weight.device)
+    return recipe if recipe is not None and recipe.takes(columns) else None
