@@ -47,12 +47,11 @@ def worker(args) -> None:
         model = transformers.AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, **tp)
         if not tp and torch.cuda.is_available():  # one process on the card the ranks share
             model.to("cuda")
-    result_kinds = {type(m).__name__ for m in model.modules()}
     vocab = model.config.vocab_size
     prompt = torch.randint(3, vocab, (1, args.prompt_len), generator=torch.Generator().manual_seed(0))
     prompt = prompt.to(model.device)
     result = {"impl": args.impl, "mode": args.mode, "rank": rank, "threads": torch.get_num_threads()}
-    result["fp8_products"] = "KeptFP8Linear" in result_kinds  # kept FP8 multiplied as stored (keep_quantized)
+    result["fp8_products"] = any(type(m).__name__ == "KeptFP8Linear" for m in model.modules())  # kept FP8 as stored
     result["device"] = torch.cuda.get_device_name(model.device) if model.device.type == "cuda" else "cpu"
     options = dict(max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False)
     if args.mode in ("compiled", "reduce-overhead"):

@@ -1,8 +1,8 @@
 """One linear's product at decode shapes on a GPU, three ways side by side in one run: a bf16 weight
 (``F.linear``), a weight kept FP8 and dequantized for the product (``keep_quantized=True``), and kept FP8
-multiplied as stored (``keep_quantized="fp8"`` on Hopper: ``tensor/fp8_matmul.py``). Prints the recipe the card was found to take
-(and why others were refused), then microseconds per product (CUDA events, median of ``--repeats``
-timings of ``--calls`` products each) and ratios against bf16.
+multiplied as stored (``keep_quantized="fp8"`` on Hopper: ``tensor/fp8_matmul.py``). Prints the recipe the
+card was found to take (and why others were refused), then microseconds per product (CUDA events, median of
+``--repeats`` timings of ``--calls`` products each) and ratios against bf16.
 
     python benchmarks/fp8_products.py [--tokens 1 16] [--shapes 4096x1536 1536x4096 768x1536]
 """

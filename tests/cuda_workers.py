@@ -114,8 +114,7 @@ def fp8_products(rank: int, world_size: int, path: str, save_root: str) -> dict:
     generator = torch.Generator(device=device).manual_seed(rank)
     for name, module in linears.items():
         x = torch.randn(5, module.fp8_weight.shape[1], device=device, generator=generator, dtype=torch.bfloat16)
-        quantized, scales = fp8_matmul.act_quant(x)
-        activations = (quantized.float().unflatten(1, (-1, fp8_matmul.BLOCK)) * scales[..., None]).flatten(1)
+        activations = fp8_matmul.act_dequant(*fp8_matmul.act_quant(x))
         with torch.no_grad():
             out["products"][name] = gap(module.product(x).float(), activations @ module.kept_weight.dequantize().T)
     out["logits"] = gap(logits["fp8"], logits[True])

@@ -30,6 +30,8 @@ from typing import NamedTuple
 
 import torch
 
+from ..checkpoint.quantized import KeptFP8
+
 BLOCK = 128
 FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
 PRODUCT_DTYPES = (torch.bfloat16,)  # the compute dtype that asks for FP8 products: the one the check runs in
@@ -44,6 +46,11 @@ def act_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = largest.div_(FP8_MAX).clamp_(min=torch.finfo(torch.float32).tiny)
     quantized = (rows / scale).to(torch.float8_e4m3fn).flatten(1)
     return quantized, scale.squeeze(-1).mT.contiguous().mT
+
+
+def act_dequant(quantized: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``act_quant``'s output as the float32 activations the product sees (``q * scale`` per group)."""
+    return (quantized.float().unflatten(-1, (-1, BLOCK)) * scale[..., None]).flatten(1)
 
 
 def block_scales(scales: torch.Tensor, padded: bool) -> torch.Tensor:
@@ -87,12 +94,6 @@ def fp8_product(x: torch.Tensor, weight: torch.Tensor, scale_b: torch.Tensor, ou
     return out[:count].reshape(*x.shape[:-1], weight.shape[0])
 
 
-def _dequantized(weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    rows, columns = weight.shape
-    blocks = weight.float().view(rows // BLOCK, BLOCK, columns // BLOCK, BLOCK)
-    return (blocks * scales.float()[:, None, :, None]).view(rows, columns)
-
-
 def _computes_right(device, blocks: int, padded: bool, rows: int) -> bool | str:
     """Products of ``blocks`` blocks' contraction against the same products in float32 (bfloat16 out): 8
     blocks of output, and 300 rows of activations, three and one (a prefill's, a decode step's): True, False,
@@ -101,9 +102,7 @@ def _computes_right(device, blocks: int, padded: bool, rows: int) -> bool | str:
     x = torch.randn(300, blocks * BLOCK, device=device, generator=generator, dtype=torch.bfloat16)
     weight = (torch.randn(8 * BLOCK, blocks * BLOCK, device=device, generator=generator) * 64).to(torch.float8_e4m3fn)
     scales = torch.rand(8, blocks, device=device, generator=generator) / 64 + 1e-3
-    quantized, scale_a = act_quant(x)
-    activations = (quantized.float().unflatten(-1, (-1, BLOCK)) * scale_a[..., None]).flatten(1)
-    want = activations @ _dequantized(weight, scales).T
+    want = act_dequant(*act_quant(x)) @ KeptFP8({}, weight, scales, (BLOCK, BLOCK), (0, 0)).dequantize().T
     tolerance = dict(rtol=0, atol=2**-7 * want.abs().max().item())  # bf16's rounding of the output (2**-9)
     try:
         got = [fp8_product(x[:m], weight, block_scales(scales, padded), torch.bfloat16, rows) for m in (300, 3, 1)]

@@ -86,10 +86,15 @@ class KeptWeight:
     def nbytes(self) -> int:
         return sum(piece.kept.nbytes for piece in self.pieces)
 
-    def dequantize(self) -> torch.Tensor:
+    @property
+    def whole(self) -> Kept | None:
+        """The one stored box that is this rank's whole shard (one run of its layout), else None."""
         first = self.pieces[0]
-        if len(self.pieces) == 1 and _covers(first.at, self.shape):  # its one run: no copy
-            return first.kept.dequantize(self.dtype).reshape(self.shape)
+        return first.kept if len(self.pieces) == 1 and _covers(first.at, self.shape) else None
+
+    def dequantize(self) -> torch.Tensor:
+        if self.whole is not None:  # its one run: no copy
+            return self.whole.dequantize(self.dtype).reshape(self.shape)
         out = torch.empty(self.shape, dtype=self.dtype, device=self.device)
         for piece in self.pieces:
             target = out[piece.at]

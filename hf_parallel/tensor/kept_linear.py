@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..checkpoint.quantized import KeptFP8
 from .fp8_matmul import BLOCK, PRODUCT_DTYPES, block_scales, fp8_product, supports_block_fp8
 
 
@@ -47,7 +48,7 @@ def hold_linear(module: nn.Module, weights: dict, fp8_products: bool) -> bool:
     module.__class__ = KeptLinear if recipe is None else KeptFP8Linear
     module.kept_weight = weight
     if recipe is not None:
-        kept = weight.pieces[0].kept
+        kept = weight.whole
         module.fp8_weight, module.fp8_recipe = kept.weight, recipe
         module.fp8_scale_b = block_scales(kept.scales, recipe.padded_scales)
     return True
@@ -56,13 +57,8 @@ def hold_linear(module: nn.Module, weights: dict, fp8_products: bool) -> bool:
 def _fp8_recipe(weight):
     """The card's recipe where ``weight`` (a ``KeptWeight``) is one FP8 box of whole 128 x 128 blocks in a
     compute dtype that asks for FP8 products (bfloat16); else None."""
-    from ..checkpoint.quantized import KeptFP8
-
-    if weight.dtype not in PRODUCT_DTYPES or len(weight.pieces) != 1:
-        return None
-    piece = weight.pieces[0]
-    kept, rows, columns = piece.kept, *weight.shape
-    if tuple(s.stop - s.start for s in piece.at) != (rows, columns) or not isinstance(kept, KeptFP8):
+    kept, (rows, columns) = weight.whole, weight.shape
+    if weight.dtype not in PRODUCT_DTYPES or not isinstance(kept, KeptFP8):
         return None
     whole = kept.block == (BLOCK, BLOCK) and kept.offset == (0, 0) and rows % BLOCK == 0 == columns % BLOCK
     grid = tuple(kept.scales.shape) == (rows // BLOCK, columns // BLOCK)

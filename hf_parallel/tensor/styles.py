@@ -25,8 +25,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..distributed import comm
-from .kept_linear import KeptLinear
 from .geometry import is_conv1d
+from .kept_linear import KeptLinear
 from .layout import Layout, chunks, even_sizes, per_rank
 from .splits import (
     GROUPED_MM_UNIT,
