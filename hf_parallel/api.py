@@ -69,6 +69,8 @@ def from_pretrained(
     ``allow_pickle``: accept a ``pytorch_model.bin`` checkpoint (loaded with ``weights_only=True``).
     ``keep_quantized``: a quantized checkpoint's weights stay quantized on each rank, dequantized module by
     module in the forward (inference; saved back in the checkpoint's format). Default: dequantized as read.
+    On a GPU, a plain linear's FP8 weight is multiplied as stored by the package's Triton kernel (weight-only,
+    decode-sized batches; ``tensor/fp8_kernel.py``) where it computes right on the card (checked at load).
     ``keep_quantized="fp8"``: besides, on a Hopper GPU in bfloat16, FP8 weights in whole 128x128 blocks are
     multiplied as stored, the activations quantized per token and 128 columns (W8A8, as transformers' and
     vLLM's FP8 linears), where small products on the card agree with float32 (checked once at load; torch

@@ -75,19 +75,28 @@ def on_gpu(rank: int, world_size: int, cases: dict, save_root: str) -> dict:
 
 
 def kept_fp8(rank: int, world_size: int, path: str, save_root: str, sizes: dict) -> dict:
-    """An FP8 checkpoint kept quantized on the GPU against the same checkpoint dequantized as read: logits,
-    and the kept weights saved back (per rank and gathered)."""
+    """An FP8 checkpoint kept quantized on the GPU against the same checkpoint dequantized as read, in float32
+    and bfloat16: logits (eager, and compiled whole in bfloat16), the classes of the kept linears (the
+    package's kernel where the card runs it), and the kept weights saved back (per rank and gathered)."""
     import hf_parallel
+    from hf_parallel.tensor import fp8_kernel
 
-    logits = {}
-    for keep in (False, True):
-        model = hf_parallel.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, keep_quantized=keep,
-                                                                 **sizes)  # fmt: skip
+    logits, out = {}, {}
+    for dtype in (torch.float32, torch.bfloat16):
+        for keep in (False, True):
+            model = hf_parallel.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, keep_quantized=keep, **sizes)
+            device = hf_parallel.parallel_state(model).mesh.device
+            with torch.no_grad():
+                logits[dtype, keep] = model(INPUT_IDS.to(device)).logits.float()
         with torch.no_grad():
-            logits[keep] = model(INPUT_IDS.to(hf_parallel.parallel_state(model).mesh.device)).logits
+            compiled = torch.compile(model.forward, fullgraph=True)(INPUT_IDS.to(device)).logits.float()
+        out[str(dtype)] = {"kept": gap(logits[dtype, True], logits[dtype, False]),
+                           "compiled": gap(compiled, logits[dtype, True])}  # fmt: skip
+        out[f"kinds {dtype}"] = sorted({type(m).__name__ for m in model.modules() if hasattr(m, "kept_weight")})
+    out["kernel"], out["capability"] = fp8_kernel.runs_on(device), list(torch.cuda.get_device_capability(device))
     model.save_pretrained(os.path.join(save_root, "gathered"))
     model.save_pretrained(os.path.join(save_root, "per_rank"), distributed=True)
-    return {"kept": gap(logits[True], logits[False])}
+    return out
 
 
 def fp8_products(rank: int, world_size: int, path: str, save_root: str) -> dict:

@@ -196,6 +196,9 @@ def test_quantized_weights_split_inside_a_block_match_one_process(
     for rank, result in enumerate(results):
         for name in paths:
             assert_close(result[name], references[name], atol=TOLERANCE, rtol=TOLERANCE, what=f"{name} rank {rank}")
+    if world_size == 4:  # every kept FP8 linear through the kernel (Triton's interpreter), its shards inside blocks
+        assert [result["kinds:llama_fp8"] for result in results] == [["KeptFP8KernelLinear"]] * 4
+        assert [result["kinds:llama_gptq"] for result in results] == [["KeptLinear"]] * 4
     for name in paths:
         _saved_plainly(str(tmp_path / "saved" / name), references[name])
 
@@ -241,7 +244,7 @@ def test_fp8_weights_without_their_scales_are_refused_by_name(quantized_paths, t
     ids=["tp2", "tp3", "tp4", "pp2", "ep2"],
 )  # fmt: skip
 def test_weights_kept_quantized_match_one_process_and_save_back_bitwise(
-    quantized_paths, references, tmp_path, world_size, sizes
+    quantized_paths, references, tmp_path, monkeypatch, world_size, sizes
 ):
     """``keep_quantized=True``: each rank holds its slices as stored (FP8 and the scales of its blocks, packed
     words and the groups' scales and zero points, MXFP4 blocks; experts stored one key per expert, each
@@ -250,7 +253,8 @@ def test_weights_kept_quantized_match_one_process_and_save_back_bitwise(
     what ``hf-parallel plan`` said, and the save gathers every part back: the source's keys, bitwise, with
     its quantization_config (pipeline stages: each stage's parts through rank 0). The per-rank save
     (``distributed=True``: each rank its pieces, overlapping where ranks share a block) consolidates to the
-    same bitwise checkpoint and loads back in one process."""
+    same bitwise checkpoint and loads back in one process. At TP=4, under Triton's interpreter, FP8 linears
+    multiply through the package's kernel (``tensor/fp8_kernel.py``), reading the scales from inside blocks."""
     import tp_workers
     from distributed import run_ranks
     from tp_workers import INPUT_IDS
@@ -262,11 +266,15 @@ def test_weights_kept_quantized_match_one_process_and_save_back_bitwise(
     if world_size == 4:  # one of each format: 6 / 2 heads replicated unevenly, 32-row blocks cut 40 / 40 / 40 / 40
         paths = {name: paths[name] for name in ("llama_fp8", "llama_w4_zero_point", "gpt_oss_mxfp4", "llama_gptq",
                                                 "llama_awq")}
+        monkeypatch.setenv("TRITON_INTERPRET", "1")  # FP8 linears multiply through the package's kernel
     results = run_ranks(world_size, tp_workers.quantized_logits, paths, str(tmp_path / "saved"), sizes, True,
                         out_dir=str(tmp_path / "out"))  # fmt: skip
     for rank, result in enumerate(results):
         for name in paths:
             assert_close(result[name], references[name], atol=TOLERANCE, rtol=TOLERANCE, what=f"{name} rank {rank}")
+    if world_size == 4:  # every kept FP8 linear through the kernel (Triton's interpreter), its shards inside blocks
+        assert [result["kinds:llama_fp8"] for result in results] == [["KeptFP8KernelLinear"]] * 4
+        assert [result["kinds:llama_gptq"] for result in results] == [["KeptLinear"]] * 4
     for name, path in paths.items():
         _saved_as_stored(str(tmp_path / "saved" / name), path)
         per_rank = str(tmp_path / "saved" / (name + "_per_rank"))

@@ -211,8 +211,8 @@ def verify_with_a_broken_layer(rank: int, world_size: int, path: str) -> dict | 
 def quantized_logits(rank: int, world_size: int, paths: dict, save_root: str, sizes: dict, keep=False) -> dict:
     """Each checkpoint of ``paths`` (quantized) loaded at ``sizes`` (``keep``: its weights kept quantized):
     its logits on INPUT_IDS, and a gathered save under ``save_root/<name>``; kept, "held:<name>" the bytes
-    this rank holds (kept parts, and the parameters that are not placeholders), and a per-rank save under
-    ``save_root/<name>_per_rank``."""
+    this rank holds (kept parts, and the parameters that are not placeholders), "kinds:<name>" the classes of
+    its kept linears, and a per-rank save under ``save_root/<name>_per_rank``."""
     import hf_parallel
 
     out = {}
@@ -225,6 +225,8 @@ def quantized_logits(rank: int, world_size: int, paths: dict, save_root: str, si
             params = {id(p): p for p in model.parameters() if p.device.type != "meta"}.values()
             kept = hf_parallel.parallel_state(model).kept.values()
             out["held:" + name] = sum(p.numel() * p.element_size() for p in params) + sum(w.nbytes for w in kept)
+            linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and hasattr(m, "kept_weight")]
+            out["kinds:" + name] = sorted({type(m).__name__ for m in linears})
             model.save_pretrained(os.path.join(save_root, name + "_per_rank"), distributed=True)
         model.save_pretrained(os.path.join(save_root, name))
     return out

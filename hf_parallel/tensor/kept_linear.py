@@ -1,9 +1,11 @@
 """A plain ``nn.Linear`` whose weight is kept quantized computes its own product (its class swapped, as FSDP2's
-``fully_shard`` swaps a module's class): ``KeptLinear`` dequantizes the weight for the product, ``KeptFP8Linear``
-multiplies FP8 weights as stored (``fp8_matmul``). The ``weight`` slot keeps its placeholder throughout, so any
-other use of the weight still fails loudly; and no parameter is built inside the forward, which
-``torch.compile(fullgraph=True)`` cannot trace (the forward hooks of other kept modules do). ``product`` is
-the product without the bias: a row-parallel shard sums it over TP before the bias is added once.
+``fully_shard`` swaps a module's class): ``KeptLinear`` dequantizes the weight for the product,
+``KeptFP8KernelLinear`` multiplies an FP8 weight as stored by the package's weight-only kernel (``fp8_kernel``,
+on GPUs), ``KeptFP8Linear`` by cuBLASLt's W8A8 product (``fp8_matmul``, asked for by ``keep_quantized="fp8"``).
+The ``weight`` slot keeps its placeholder throughout, so any other use of the weight still fails loudly; and
+no parameter is built inside the forward, which ``torch.compile(fullgraph=True)`` cannot trace (the forward
+hooks of other kept modules do). ``product`` is the product without the bias: a row-parallel shard sums it
+over TP before the bias is added once.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..checkpoint.quantized import KeptFP8
+from . import fp8_kernel
 from .fp8_matmul import BLOCK, PRODUCT_DTYPES, block_scales, fp8_product, supports_block_fp8
 
 
@@ -38,14 +41,27 @@ class KeptFP8Linear(KeptLinear):
         return fp8_product(x, self.fp8_weight, self.fp8_scale_b, x.dtype, self.fp8_recipe.rows)
 
 
+class KeptFP8KernelLinear(KeptLinear):
+    """A kept FP8 weight in one box (``kept_weight.whole``), multiplied as stored by ``fp8_kernel`` for batches
+    of up to its ``KERNEL_ROWS`` rows; a larger batch (a prefill) or an input that needs a gradient takes the
+    dequantized product (the kernel has no backward)."""
+
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() > fp8_kernel.KERNEL_ROWS * x.shape[-1] or (torch.is_grad_enabled() and x.requires_grad):
+            return super().product(x)
+        return fp8_kernel.weight_only_fp8(x, self.kept_weight.whole)
+
+
 def hold_linear(module: nn.Module, weights: dict, fp8_products: bool) -> bool:
-    """Make a plain ``nn.Linear`` whose only kept parameter is its weight compute with it (FP8 products where
-    ``fp8_products`` and ``fp8_matmul``'s conditions hold, else dequantized); False for any other module."""
+    """Make a plain ``nn.Linear`` whose only kept parameter is its weight compute with it: W8A8 products where
+    ``fp8_products`` and ``fp8_matmul``'s conditions hold, else the weight-only kernel where ``fp8_kernel``
+    takes the weight, else dequantized; False for any other module."""
     if type(module) is not nn.Linear or set(weights) != {"weight"}:
         return False
     weight = weights["weight"]
     recipe = _fp8_recipe(weight) if fp8_products else None
-    module.__class__ = KeptLinear if recipe is None else KeptFP8Linear
+    kernel = recipe is None and weight.whole is not None and fp8_kernel.takes(weight.whole, weight.shape, weight.dtype)
+    module.__class__ = KeptFP8Linear if recipe is not None else KeptFP8KernelLinear if kernel else KeptLinear
     module.kept_weight = weight
     if recipe is not None:
         kept = weight.whole

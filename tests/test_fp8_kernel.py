@@ -1,0 +1,115 @@
+"""The package's weight-only FP8 kernel (``tensor/fp8_kernel.py``) run by Triton's interpreter on CPU
+(``TRITON_INTERPRET=1``, which ``triton.jit`` reads when it decorates: the module is reloaded under it): the
+product of every kind of kept FP8 box (whole blocks, a box starting inside its blocks, blocks of other sizes,
+a scale per row or one for all, e5m2) against the dequantized weight's; the load-time check refusing a
+kernel that computes otherwise; which linears take it. TP=4, whose shards start inside blocks, is in
+``test_quantized.py``; the card's compiled kernel runs in the cuda tier (``test_cuda.py``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hf_parallel.checkpoint.quantized import KeptFP8
+from hf_parallel.tensor import fp8_kernel
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture
+def interpreted(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    yield importlib.reload(fp8_kernel)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    importlib.reload(fp8_kernel)
+
+
+def kept_box(outputs, inputs, offset, block, fp8=torch.float8_e4m3fn, seed=0) -> KeptFP8:
+    """A box of ``outputs`` x ``inputs`` starting at ``offset`` inside its first block, with the scales of the
+    blocks it touches (a block as large as the box: one scale, stored as [1])."""
+    generator = torch.Generator().manual_seed(seed)
+    grid = [-(-(size + start) // length) for size, start, length in zip((outputs, inputs), offset, block)]
+    scales = torch.rand(*grid, generator=generator) / 64 + 1e-3
+    weight = (torch.randn(outputs, inputs, generator=generator) * 64).to(fp8)
+    return KeptFP8({}, weight, scales.reshape(1) if grid == [1, 1] else scales, block, offset)
+
+
+BOXES = {  # name -> (outputs, inputs, offset, block, fp8, rows)
+    "whole 128 blocks, one row": (256, 256, (0, 0), (128, 128), torch.float8_e4m3fn, (1,)),
+    "inside its blocks": (200, 300, (64, 32), (128, 128), torch.float8_e4m3fn, (3,)),
+    "64 x 48 blocks, 3-D input": (70, 96, (3, 40), (64, 48), torch.float8_e4m3fn, (2, 5)),
+    "a scale per row": (33, 50, (0, 9), (1, 1000), torch.float8_e4m3fn, (40,)),
+    "one scale": (33, 50, (7, 9), (1000, 1000), torch.float8_e5m2, (4,)),
+}
+
+
+@pytest.mark.parametrize("box", BOXES, ids=list(BOXES))
+def test_the_kernel_computes_the_dequantized_weights_product(interpreted, box):
+    """float32: the dequantized product within float32's sums; bfloat16: within the weights' and output's
+    rounding (the interpreter truncates where the card rounds to nearest)."""
+    outputs, inputs, offset, block, fp8, rows = BOXES[box]
+    kept = kept_box(outputs, inputs, offset, block, fp8)
+    assert interpreted.takes(kept, (outputs, inputs), torch.float32)
+    x = torch.randn(*rows, inputs, generator=torch.Generator().manual_seed(1))
+    want = F.linear(x, kept.dequantize(torch.float32))
+    got = interpreted.weight_only_fp8(x, kept)
+    assert got.shape == (*rows, outputs) and got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5 * want.abs().max().item())
+    x = x.bfloat16()
+    want = F.linear(x.float(), kept.dequantize(torch.bfloat16).float())
+    got = interpreted.weight_only_fp8(x, kept)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, rtol=0, atol=2**-6 * want.abs().max().item())
+
+
+def test_a_kernel_that_computes_otherwise_is_refused_at_load(interpreted, monkeypatch):
+    """The load-time check against the dequantized product: a kernel reading a box's scales from the start of
+    its first block (its offset dropped) is refused with a warning naming the device; without Triton's
+    interpreter a CPU never takes the kernel."""
+    assert interpreted.runs_on(CPU)
+    interpreted.runs_on.cache_clear()
+    right = interpreted.weight_only_fp8
+    monkeypatch.setattr(interpreted, "weight_only_fp8",
+                        lambda x, kept: right(x, dataclasses.replace(kept, offset=(0, 0))))  # fmt: skip
+    with pytest.warns(UserWarning, match="does not compute right on cpu"):
+        assert not interpreted.runs_on(CPU)
+    monkeypatch.delenv("TRITON_INTERPRET")
+    compiled = importlib.reload(fp8_kernel)
+    assert not compiled.runs_on(CPU) and not compiled.takes(kept_box(32, 32, (0, 0), (32, 32)), (32, 32), torch.float32)
+
+
+def test_kept_fp8_linears_take_the_kernel_up_to_its_rows(interpreted, tiny_root, monkeypatch):
+    """One process, ``llama_fp8_partial`` (32 x 32 blocks, dims ending in a partial block) kept: every decoder
+    linear takes the kernel (``KeptFP8KernelLinear``) and gives the logits of the checkpoint dequantized as
+    read; a batch of more than ``KERNEL_ROWS`` rows takes the dequantized product, and so does an input
+    that needs a gradient; ue8m0 scales (``llama_fp8_ue8m0``) stay dequantized (``KeptLinear``)."""
+    from tiny_models import make_fp8_checkpoint
+    from tp_workers import INPUT_IDS
+
+    import hf_parallel
+
+    path = make_fp8_checkpoint("llama_fp8_partial", tiny_root)
+    kept = hf_parallel.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, keep_quantized=True)
+    read = hf_parallel.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    linears = [m for m in kept.model.layers.modules() if isinstance(m, nn.Linear)]
+    assert {type(m).__name__ for m in linears} == {"KeptFP8KernelLinear"}
+    calls = []
+    right = interpreted.weight_only_fp8
+    monkeypatch.setattr(interpreted, "weight_only_fp8",
+                        lambda x, kept: calls.append(x.numel() // x.shape[-1]) or right(x, kept))  # fmt: skip
+    long = INPUT_IDS.repeat(1, 5)  # 70 rows
+    with torch.no_grad():
+        for ids in (INPUT_IDS, long):
+            torch.testing.assert_close(kept(ids).logits, read(ids).logits, rtol=1e-5, atol=1e-5)
+    assert len(calls) == len(linears) and set(calls) == {INPUT_IDS.numel()}  # 14 rows: the kernel; 70: not
+    x = torch.randn(3, linears[0].in_features, requires_grad=True)
+    linears[0](x).sum().backward()
+    assert len(calls) == len(linears) and x.grad is not None
+    ue8m0 = hf_parallel.AutoModelForCausalLM.from_pretrained(make_fp8_checkpoint("llama_fp8_ue8m0", tiny_root),
+                                                             dtype=torch.bfloat16, keep_quantized=True)  # fmt: skip
+    assert {type(m).__name__ for m in ue8m0.model.layers.modules() if isinstance(m, nn.Linear)} == {"KeptLinear"}
