@@ -12,8 +12,10 @@ each mode reports the median gap. One process gets every core, N ranks cores/N t
 ratios (tokens/s against one process eager, and compiled against compiled) and writes ``decode.json``;
 every run's tokens must agree with one process's. ``--impls`` picks the implementations (the first is the
 baseline): a quantized checkpoint's ``hf_parallel`` (dequantized as read) against ``hf_parallel_kept``
-(``keep_quantized=True``: dequantized per module) and ``hf_parallel_kept_fp8`` (``keep_quantized="fp8"``: FP8
-products where the card has them).
+(``keep_quantized=True``: the package's FP8 kernel on a card that runs it, else dequantized per module),
+``hf_parallel_kept_fp8`` (``keep_quantized="fp8"``: FP8 products where the card has them) and
+``hf_parallel_kept_int4`` (``keep_quantized="int4"``: torch's int4 kernel for GPTQ / AWQ); with the weights each
+rank holds (MB).
 """
 
 from __future__ import annotations
@@ -27,7 +29,24 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-KEPT = {"hf_parallel": False, "hf_parallel_kept": True, "hf_parallel_kept_fp8": "fp8"}
+KEPT = {"hf_parallel": False, "hf_parallel_kept": True, "hf_parallel_kept_fp8": "fp8", "hf_parallel_kept_int4": "int4"}
+
+
+def held_bytes(model) -> int:
+    """This rank's weights as held: parameters (not kept placeholders), kept parts, and int4 kernels' copies."""
+    import hf_parallel
+
+    kept = sum(w.nbytes for w in hf_parallel.parallel_state(model).kept.values())
+    params = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values()
+                 if p.device.type != "meta")  # fmt: skip
+    packs = [m.int4_pack for m in model.modules() if getattr(m, "int4_pack", None) is not None]
+    return kept + params + sum(t.numel() * t.element_size() for pack in packs for t in pack if torch_tensor(t))
+
+
+def torch_tensor(value) -> bool:
+    import torch
+
+    return isinstance(value, torch.Tensor)
 
 
 def worker(args) -> None:
@@ -51,7 +70,11 @@ def worker(args) -> None:
     prompt = torch.randint(3, vocab, (1, args.prompt_len), generator=torch.Generator().manual_seed(0))
     prompt = prompt.to(model.device)
     result = {"impl": args.impl, "mode": args.mode, "rank": rank, "threads": torch.get_num_threads()}
-    result["fp8_products"] = any(type(m).__name__ == "KeptFP8Linear" for m in model.modules())  # kept FP8 as stored
+    kinds = {type(m).__name__ for m in model.modules()}  # which product kept FP8 took
+    result["fp8_products"], result["fp8_kernel"] = "KeptFP8Linear" in kinds, "KeptFP8KernelLinear" in kinds
+    result["int4_kernel"] = "KeptInt4Linear" in kinds
+    if args.impl.startswith("hf_parallel"):
+        result["held_mb"] = held_bytes(model) / 1e6
     result["device"] = torch.cuda.get_device_name(model.device) if model.device.type == "cuda" else "cpu"
     options = dict(max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False)
     if args.mode in ("compiled", "reduce-overhead"):
@@ -130,8 +153,9 @@ def main() -> None:
     parser.add_argument("--modes", nargs="+", default=["eager", "compiled"],
                         choices=["eager", "compiled", "reduce-overhead"])
     parser.add_argument("--impls", nargs="+", default=["single", "hf_parallel"], choices=["single", *KEPT],
-                        help="hf_parallel_kept: keep_quantized=True (dequantized per module); hf_parallel_kept_fp8: "
-                        "keep_quantized='fp8' (FP8 products where the card has them); the first is the baseline")
+                        help="hf_parallel_kept: keep_quantized=True (FP8 kernel on a GPU, else dequantized per "
+                        "module); hf_parallel_kept_fp8: keep_quantized='fp8' (FP8 products where the card has them); "
+                        "hf_parallel_kept_int4: keep_quantized='int4' (torch's int4 kernel); the first is the baseline")
     parser.add_argument("--transformers-tp", action="store_true", help="also transformers' own TP (where it splits)")
     parser.add_argument("--out", default=os.path.join(HERE, "results"))
     parser.add_argument("--timeout", type=int, default=1800)
@@ -171,10 +195,11 @@ def table(name: str, rows: dict, tp: int, dtype: str) -> str:
     where = base.get("device", "cpu")
     lines = [f"\n## {name}: decode, {dtype}, TP={tp}, on {where}\n",
              f"| run | ms/token | tokens/s | x {first} eager |"
-             f" x {first} compiled | tokens as {first} eager |", "|---|---|---|---|---|---|"]  # fmt: skip
+             f" x {first} compiled | tokens as {first} eager | weights held per rank (MB) |",
+             "|---|---|---|---|---|---|---|"]  # fmt: skip
     for key, row in rows.items():
         if "error" in row:
-            lines.append(f"| {key} | failed: {row['error']} | | | | |")
+            lines.append(f"| {key} | failed: {row['error']} | | | | | |")
             continue
         def speed(other: dict) -> str:  # how many times faster than ``other``
             return "-" if "error" in other else f"{other['s_per_token'] / row['s_per_token']:.2f}x"
@@ -183,8 +208,11 @@ def table(name: str, rows: dict, tp: int, dtype: str) -> str:
         same = "-" if "error" in base else f"{agree}/{len(base['tokens'])}"
         compiled = rows.get(f"{first} compiled", {"error": "-"})
         label = f"{key} (FP8 products)" if row.get("fp8_products") else key
+        label = f"{label} (FP8 kernel)" if row.get("fp8_kernel") else label
+        label = f"{label} (int4 kernel)" if row.get("int4_kernel") else label
+        held = f"{row['held_mb']:.0f}" if "held_mb" in row else "-"
         lines.append(f"| {label} | {row['s_per_token'] * 1e3:.1f} | {1 / row['s_per_token']:.1f} | {speed(base)} | "
-                     f"{speed(compiled)} | {same} |")  # fmt: skip
+                     f"{speed(compiled)} | {same} | {held} |")  # fmt: skip
     return "\n".join(lines)
 
 

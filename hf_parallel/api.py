@@ -75,12 +75,15 @@ def from_pretrained(
     multiplied as stored, the activations quantized per token and 128 columns (W8A8, as transformers' and
     vLLM's FP8 linears), where small products on the card agree with float32 (checked once at load; torch
     2.11 computes right only where the contraction is a multiple of 4 blocks); slower than dequantizing in
-    eager on an H100 (docs/guides/quantized.md).
+    eager on an H100 (docs/guides/quantized.md). ``keep_quantized="int4"``: besides the stored words, GPTQ / AWQ
+    4-bit weights are held repacked for torch's own int4 kernel (CPU and CUDA; ``tensor/int4_kernel.py``) and
+    multiplied by it in decode-sized batches: about twice the kept bytes of those weights, for products
+    faster than dequantizing (and, on CPU in bfloat16, than the bf16 weights').
 
     The steps a model goes through after its empty build, in this order, each owning what it sets up
     and none rewriting an earlier one's (long for its keywords; the body is one line a step)."""
-    if keep_quantized not in (False, True, "fp8"):
-        raise ValueError(f"keep_quantized={keep_quantized!r}: one of False, True and 'fp8'")
+    if keep_quantized not in (False, True, "fp8", "int4"):
+        raise ValueError(f"keep_quantized={keep_quantized!r}: one of False, True, 'fp8' and 'int4'")
     config = _read_config(path, device_map, config_kwargs)
     sizes = dict(tp_size=tp_size, sp_size=sp_size, pp_size=pp_size, stage_tp_sizes=stage_tp_sizes,
                  fsdp_size=fsdp_size, dp_replicate_size=dp_replicate_size, cp_size=cp_size)  # fmt: skip
@@ -96,7 +99,7 @@ def from_pretrained(
     # 2. load: each rank reads its slices (those kept quantized: dequantized in each module's call)
     source_keys = load_weights(model, path, built.layout, dtype, allow_pickle, built.ignore_keys, files=files,
                                quantization=built.quantization, kept=kept)  # fmt: skip
-    hold_quantized(model, kept or {}, fp8_products=keep_quantized == "fp8")
+    hold_quantized(model, kept or {}, fp8_products=keep_quantized == "fp8", int4_kernels=keep_quantized == "int4")
     _read_generation_config(model, path)
     # 3. tensor (and expert) parallelism: each module's collectives; gradient sums recorded
     gradients = GradientSums()

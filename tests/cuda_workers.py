@@ -76,22 +76,16 @@ def on_gpu(rank: int, world_size: int, cases: dict, save_root: str) -> dict:
 
 def kept_fp8(rank: int, world_size: int, path: str, save_root: str, sizes: dict) -> dict:
     """An FP8 checkpoint kept quantized on the GPU against the same checkpoint dequantized as read, in float32
-    and bfloat16: logits (eager, and compiled whole in bfloat16), the classes of the kept linears (the
-    package's kernel where the card runs it), and the kept weights saved back (per rank and gathered)."""
-    import hf_parallel
+    and bfloat16: logits (eager, and compiled whole), the classes of the kept linears (the package's kernel
+    where the card runs it), and the kept weights saved back (per rank and gathered)."""
     from hf_parallel.tensor import fp8_kernel
 
-    logits, out = {}, {}
+    out = {}
     for dtype in (torch.float32, torch.bfloat16):
-        for keep in (False, True):
-            model = hf_parallel.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, keep_quantized=keep, **sizes)
-            device = hf_parallel.parallel_state(model).mesh.device
-            with torch.no_grad():
-                logits[dtype, keep] = model(INPUT_IDS.to(device)).logits.float()
+        logits, model, device = _kept_logits(path, (False, True), dtype, **sizes)
         with torch.no_grad():
             compiled = torch.compile(model.forward, fullgraph=True)(INPUT_IDS.to(device)).logits.float()
-        out[str(dtype)] = {"kept": gap(logits[dtype, True], logits[dtype, False]),
-                           "compiled": gap(compiled, logits[dtype, True])}  # fmt: skip
+        out[str(dtype)] = {"kept": gap(logits[True], logits[False]), "compiled": gap(compiled, logits[True])}
         out[f"kinds {dtype}"] = sorted({type(m).__name__ for m in model.modules() if hasattr(m, "kept_weight")})
     out["kernel"], out["capability"] = fp8_kernel.runs_on(device), list(torch.cuda.get_device_capability(device))
     model.save_pretrained(os.path.join(save_root, "gathered"))
@@ -99,21 +93,45 @@ def kept_fp8(rank: int, world_size: int, path: str, save_root: str, sizes: dict)
     return out
 
 
+def _kept_logits(path: str, keeps: tuple, dtype, **sizes):
+    """``path`` loaded with each ``keep_quantized`` of ``keeps`` in turn: their logits on INPUT_IDS (float32),
+    and the last model and its device."""
+    import hf_parallel
+
+    logits = {}
+    for keep in keeps:
+        model = hf_parallel.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, keep_quantized=keep, **sizes)
+        device = hf_parallel.parallel_state(model).mesh.device
+        with torch.no_grad():
+            logits[keep] = model(INPUT_IDS.to(device)).logits.float()
+    return logits, model, device
+
+
+def kept_int4(rank: int, world_size: int, path: str, save_root: str) -> dict:
+    """An act-order GPTQ checkpoint at TP=2 in bfloat16, ``keep_quantized="int4"`` against dequantized as read:
+    logits (eager, and compiled whole), the kept linears' classes (torch's int4 kernel where the card runs it),
+    and the kept weights saved back."""
+    from hf_parallel.tensor import int4_kernel
+
+    logits, model, device = _kept_logits(path, (False, "int4"), torch.bfloat16, tp_size=2)
+    with torch.no_grad():
+        compiled = torch.compile(model.forward, fullgraph=True)(INPUT_IDS.to(device)).logits.float()
+    model.save_pretrained(os.path.join(save_root, "gathered"))
+    return {"kept": gap(logits["int4"], logits[False]), "compiled": gap(compiled, logits["int4"]),
+            "kinds": sorted({type(m).__name__ for m in model.modules() if hasattr(m, "kept_weight")}),
+            "kernel": int4_kernel.runs_on(device, torch.bfloat16),
+            "capability": list(torch.cuda.get_device_capability(device))}  # fmt: skip
+
+
 def fp8_products(rank: int, world_size: int, path: str, save_root: str) -> dict:
     """FP8 kept in 128 x 128 blocks at TP=2 in bfloat16: which modules multiply in FP8 on this card, each
     one's product against the same W8A8 product in float32 (its activations quantized as it quantizes them,
     its weight dequantized), the logits against ``keep_quantized=True``'s (dequantized), compiled (fullgraph)
     against eager, and the kept weights saved back."""
-    import hf_parallel
     from hf_parallel.tensor import fp8_matmul, kept_linear
 
-    out, logits = {}, {}
-    for keep in (True, "fp8"):
-        model = hf_parallel.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, keep_quantized=keep,
-                                                                 tp_size=2)  # fmt: skip
-        device = hf_parallel.parallel_state(model).mesh.device
-        with torch.no_grad():
-            logits[keep] = model(INPUT_IDS.to(device)).logits.float()
+    out = {}
+    logits, model, device = _kept_logits(path, (True, "fp8"), torch.bfloat16, tp_size=2)
     recipe = fp8_matmul.supports_block_fp8(device)
     out["supported"] = None if recipe is None else recipe._asdict()
     out["cuda"], out["capability"] = torch.version.cuda, list(torch.cuda.get_device_capability(device))

@@ -114,6 +114,24 @@ def test_fp8_kept_quantized_on_a_gpu(tmp_path, monkeypatch):
     assert_same_checkpoint(path, str(tmp_path / "consolidated"))
 
 
+def test_int4_kept_through_torch_kernel_on_a_gpu(tmp_path, monkeypatch):
+    """``keep_quantized="int4"``, act-order GPTQ (``llama_gptq``) at TP=2 in bfloat16: on a card with torch's
+    int4 kernel (Ampere and later) every kept linear takes it; logits as the checkpoint dequantized as read
+    within bfloat16's rounding, compiled whole as eager; saved back bitwise."""
+    import cuda_workers
+    from tiny_models import make_grouped_checkpoint
+
+    path = make_grouped_checkpoint("llama_gptq", str(tmp_path))[0]
+    monkeypatch.setenv("HF_PARALLEL_DEVICE", "cuda:0")
+    results = run_ranks(2, cuda_workers.kept_int4, path, str(tmp_path / "saved"), out_dir=str(tmp_path / "out"))
+    for rank, got in enumerate(results):
+        where = f"rank {rank}: {got}"
+        assert got["kernel"] or got["capability"] < [8, 0], where
+        assert got["kinds"] == ["KeptInt4Linear" if got["kernel"] else "KeptLinear"], where
+        assert_within({"kept": got["kept"], "compiled": got["compiled"]}, atol=0, rtol=0.05, where=where)
+    assert_same_checkpoint(path, str(tmp_path / "saved" / "gathered"))
+
+
 WHOLE_BLOCKS = ("self_attn.q_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")  # K of 4 blocks
 
 

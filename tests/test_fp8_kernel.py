@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import os
 
 import pytest
 import torch
@@ -23,10 +24,33 @@ CPU = torch.device("cpu")
 
 @pytest.fixture
 def interpreted(monkeypatch):
+    """``fp8_kernel`` with its Triton source (``fp8_triton``) made for the interpreter."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
+    importlib.reload(importlib.import_module("hf_parallel.tensor.fp8_triton"))
     yield importlib.reload(fp8_kernel)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    importlib.reload(importlib.import_module("hf_parallel.tensor.fp8_triton"))
     importlib.reload(fp8_kernel)
+
+
+def test_a_kept_fp8_load_on_cpu_does_not_import_the_kernel(tiny_root):
+    """Importing Triton costs a process about 80 MiB: a kept FP8 model on CPU, outside the interpreter, never
+    imports the kernel's source (``fp8_triton``; a fresh interpreter, its forward run). torch's own dynamo
+    imports Triton where it is installed; that is torch's cost, not this load's."""
+    import subprocess
+    import sys
+
+    from tiny_models import make_fp8_checkpoint
+
+    path = make_fp8_checkpoint("llama_fp8", tiny_root)
+    code = ("import sys, torch, hf_parallel\n"
+            f"model = hf_parallel.AutoModelForCausalLM.from_pretrained({path!r}, keep_quantized=True)\n"
+            "model(torch.tensor([[1, 2, 3]]))\n"
+            "kinds = sorted({type(m).__name__ for m in model.modules() if hasattr(m, 'kept_weight')})\n"
+            "print(kinds, 'hf_parallel.tensor.fp8_triton' in sys.modules)")  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
+    assert done.stdout.strip().splitlines()[-1] == "['KeptLinear'] False", done.stdout
 
 
 def kept_box(outputs, inputs, offset, block, fp8=torch.float8_e4m3fn, seed=0) -> KeptFP8:
@@ -86,8 +110,9 @@ def test_a_kernel_that_computes_otherwise_is_refused_at_load(interpreted, monkey
 def test_kept_fp8_linears_take_the_kernel_up_to_its_rows(interpreted, tiny_root, monkeypatch):
     """One process, ``llama_fp8_partial`` (32 x 32 blocks, dims ending in a partial block) kept: every decoder
     linear takes the kernel (``KeptFP8KernelLinear``) and gives the logits of the checkpoint dequantized as
-    read; a batch of more than ``KERNEL_ROWS`` rows takes the dequantized product, and so does an input
-    that needs a gradient; ue8m0 scales (``llama_fp8_ue8m0``) stay dequantized (``KeptLinear``)."""
+    read; a batch of more than ``KERNEL_ROWS`` rows takes the dequantized product, and so do an input
+    that needs a gradient and one of another dtype; ue8m0 scales (``llama_fp8_ue8m0``) stay dequantized
+    (``KeptLinear``)."""
     from tiny_models import make_fp8_checkpoint
     from tp_workers import INPUT_IDS
 
@@ -109,6 +134,8 @@ def test_kept_fp8_linears_take_the_kernel_up_to_its_rows(interpreted, tiny_root,
     assert len(calls) == len(linears) and set(calls) == {INPUT_IDS.numel()}  # 14 rows: the kernel; 70: not
     x = torch.randn(3, linears[0].in_features, requires_grad=True)
     linears[0](x).sum().backward()
+    with pytest.raises(RuntimeError, match="dtype"), torch.no_grad():  # another dtype: refused as nn.Linear does
+        linears[0](x.double())
     assert len(calls) == len(linears) and x.grad is not None
     ue8m0 = hf_parallel.AutoModelForCausalLM.from_pretrained(make_fp8_checkpoint("llama_fp8_ue8m0", tiny_root),
                                                              dtype=torch.bfloat16, keep_quantized=True)  # fmt: skip

@@ -112,5 +112,5 @@ def test_a_recipe_without_any_contraction_takes_multiples_of_four_blocks():
 def test_keep_quantized_takes_true_false_or_fp8(tiny_root):
     import hf_parallel
 
-    with pytest.raises(ValueError, match="keep_quantized='int8': one of False, True and 'fp8'"):
+    with pytest.raises(ValueError, match="keep_quantized='int8': one of False, True, 'fp8' and 'int4'"):
         hf_parallel.AutoModelForCausalLM.from_pretrained(tiny_root, keep_quantized="int8")

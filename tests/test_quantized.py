@@ -196,9 +196,13 @@ def test_quantized_weights_split_inside_a_block_match_one_process(
     for rank, result in enumerate(results):
         for name in paths:
             assert_close(result[name], references[name], atol=TOLERANCE, rtol=TOLERANCE, what=f"{name} rank {rank}")
-    if world_size == 4:  # every kept FP8 linear through the kernel (Triton's interpreter), its shards inside blocks
-        assert [result["kinds:llama_fp8"] for result in results] == [["KeptFP8KernelLinear"]] * 4
-        assert [result["kinds:llama_gptq"] for result in results] == [["KeptLinear"]] * 4
+    if world_size == 4:  # every kept FP8 linear through the kernel (Triton's interpreter), its shards inside blocks;
+        # ("int4") act-order GPTQ and AWQ through torch's int4 kernel (inputs spread to their groups' slots);
+        # compressed-tensors' ints dequantized
+        kinds = {name: [result["kinds:" + name] for result in results] for name in paths}
+        assert kinds["llama_fp8"] == [["KeptFP8KernelLinear"]] * 4, kinds
+        assert kinds["llama_gptq"] == kinds["llama_awq"] == [["KeptInt4Linear"]] * 4, kinds
+        assert kinds["llama_w4_zero_point"] == [["KeptLinear"]] * 4, kinds
     for name in paths:
         _saved_plainly(str(tmp_path / "saved" / name), references[name])
 
@@ -254,7 +258,8 @@ def test_weights_kept_quantized_match_one_process_and_save_back_bitwise(
     its quantization_config (pipeline stages: each stage's parts through rank 0). The per-rank save
     (``distributed=True``: each rank its pieces, overlapping where ranks share a block) consolidates to the
     same bitwise checkpoint and loads back in one process. At TP=4, under Triton's interpreter, FP8 linears
-    multiply through the package's kernel (``tensor/fp8_kernel.py``), reading the scales from inside blocks."""
+    multiply through the package's kernel (``tensor/fp8_kernel.py``), reading the scales from inside blocks,
+    and with ``keep_quantized="int4"`` GPTQ and AWQ linears through torch's int4 kernel (``int4_kernel.py``)."""
     import tp_workers
     from distributed import run_ranks
     from tp_workers import INPUT_IDS
@@ -267,14 +272,19 @@ def test_weights_kept_quantized_match_one_process_and_save_back_bitwise(
         paths = {name: paths[name] for name in ("llama_fp8", "llama_w4_zero_point", "gpt_oss_mxfp4", "llama_gptq",
                                                 "llama_awq")}
         monkeypatch.setenv("TRITON_INTERPRET", "1")  # FP8 linears multiply through the package's kernel
-    results = run_ranks(world_size, tp_workers.quantized_logits, paths, str(tmp_path / "saved"), sizes, True,
+    keep = "int4" if world_size == 4 else True  # int4: GPTQ and AWQ through torch's int4 kernel
+    results = run_ranks(world_size, tp_workers.quantized_logits, paths, str(tmp_path / "saved"), sizes, keep,
                         out_dir=str(tmp_path / "out"))  # fmt: skip
     for rank, result in enumerate(results):
         for name in paths:
             assert_close(result[name], references[name], atol=TOLERANCE, rtol=TOLERANCE, what=f"{name} rank {rank}")
-    if world_size == 4:  # every kept FP8 linear through the kernel (Triton's interpreter), its shards inside blocks
-        assert [result["kinds:llama_fp8"] for result in results] == [["KeptFP8KernelLinear"]] * 4
-        assert [result["kinds:llama_gptq"] for result in results] == [["KeptLinear"]] * 4
+    if world_size == 4:  # every kept FP8 linear through the kernel (Triton's interpreter), its shards inside blocks;
+        # ("int4") act-order GPTQ and AWQ through torch's int4 kernel (inputs spread to their groups' slots);
+        # compressed-tensors' ints dequantized
+        kinds = {name: [result["kinds:" + name] for result in results] for name in paths}
+        assert kinds["llama_fp8"] == [["KeptFP8KernelLinear"]] * 4, kinds
+        assert kinds["llama_gptq"] == kinds["llama_awq"] == [["KeptInt4Linear"]] * 4, kinds
+        assert kinds["llama_w4_zero_point"] == [["KeptLinear"]] * 4, kinds
     for name, path in paths.items():
         _saved_as_stored(str(tmp_path / "saved" / name), path)
         per_rank = str(tmp_path / "saved" / (name + "_per_rank"))

@@ -401,20 +401,34 @@ class KeptGrouped(Kept):
     first_group: int  # the group of ``scales[0]``
     shape: tuple[int, int]  # (outputs, inputs), as the parameter
 
-    def dequantize(self, dtype=torch.float32) -> torch.Tensor:
-        """In float32 (each value exact: a small integer times an fp16 scale), rounded once to ``dtype``; the
-        [out, in] result is the transpose of an [in, out] tensor (what ``F.linear`` multiplies by)."""
-        (outputs, inputs), (in_word, in_group, out_word), form = self.shape, self.offset, self.form
-        if outputs == 0 or inputs == 0:
-            return torch.empty(self.shape, dtype=dtype, device=self.words.device)
+    def integers(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The box's unsigned values [in, out] (uint8) and their zero points [its groups, out] (float32, the
+        stored zero plus ``zero_offset``): ``W.T = (values - zero[group]) * scales[group]`` per input's group."""
+        (outputs, inputs), (in_word, _, out_word), form = self.shape, self.offset, self.form
         if form.method == "gptq":
             values = _codes(self.words, form.bits, 0).narrow(0, in_word, inputs)
         else:
             values = _codes(self.words, form.bits, 1, form.order).narrow(1, out_word, outputs)
         zero = _codes(self.zero, form.bits, 1, form.order).narrow(1, out_word, outputs).float() + form.zero_offset
+        return values, zero
+
+    def groups(self) -> torch.Tensor:
+        """Each of the box's inputs' row in ``scales`` (and in ``integers``' zero points), int64."""
+        inputs, in_group = self.shape[1], self.offset[1]
+        if not self.ordered:  # act-order: each input its own group
+            return self.g_idx.long() - self.first_group
+        return (torch.arange(inputs, device=self.words.device) + in_group) // self.group
+
+    def dequantize(self, dtype=torch.float32) -> torch.Tensor:
+        """In float32 (each value exact: a small integer times an fp16 scale), rounded once to ``dtype``; the
+        [out, in] result is the transpose of an [in, out] tensor (what ``F.linear`` multiplies by)."""
+        (outputs, inputs), in_group = self.shape, self.offset[1]
+        if outputs == 0 or inputs == 0:
+            return torch.empty(self.shape, dtype=dtype, device=self.words.device)
+        values, zero = self.integers()
         scales, values = self.scales.float(), values.float()
         if not self.ordered:  # act-order: each input its own group
-            groups = self.g_idx.long() - self.first_group
+            groups = self.groups()
             weight = values.sub_(zero.index_select(0, groups)).mul_(scales.index_select(0, groups))
         elif in_group == 0 and inputs % self.group == 0:  # whole groups: broadcast, no per-input copy
             grouped = values.reshape(-1, self.group, outputs)

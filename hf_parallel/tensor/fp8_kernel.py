@@ -26,55 +26,20 @@ multiplies bfloat16 as its integer storage. Not measured on a GPU yet (``benchma
 from __future__ import annotations
 
 import functools
+import importlib.util
 import math
+import os
 import warnings
 
 import torch
 
 from ..checkpoint.quantized import KeptFP8
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU installs: the dequantized product
-    triton = None
-
 KERNEL_ROWS = 64  # the largest batch this kernel takes; more rows take the dequantized product
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 COMPUTE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 WHOLE = 1 << 30  # a "block" spanning any weight: one scale along that dim
-
-
-# whether ``triton.jit`` made the kernel for Triton's interpreter: it reads TRITON_INTERPRET when it decorates
-INTERPRETED = triton is not None and bool(triton.knobs.runtime.interpret)
-if triton is not None:
-
-    @triton.jit
-    def _weight_only_fp8(x_ptr, w_ptr, s_ptr, out_ptr, rows, outputs, inputs, x_stride, w_stride, s_stride,
-                         out_stride, row_offset, column_offset, block_rows, block_columns, TILE_M: tl.constexpr,
-                         TILE_N: tl.constexpr, TILE_K: tl.constexpr, DOT_FP32: tl.constexpr):  # fmt: skip
-        """out[m, n] = sum_k x[m, k] * round(w[n, k] * s[(n + row_offset) // block_rows,
-        (k + column_offset) // block_columns]): a TILE_M x TILE_N tile of the output per program. The block's
-        sizes are runtime arguments, so one compiled kernel serves every block size."""
-        m = tl.program_id(0) * TILE_M + tl.arange(0, TILE_M)
-        n = tl.program_id(1) * TILE_N + tl.arange(0, TILE_N)
-        scale_row = s_ptr + ((n + row_offset) // block_rows) * s_stride
-        total = tl.full((TILE_M, TILE_N), 0.0, dtype=tl.float32)  # a builtin: runs interpreted in any process
-        for start in range(-(column_offset % TILE_K), inputs, TILE_K):  # tiles on the whole weight's boundaries
-            k = start + tl.arange(0, TILE_K)
-            inside = (k >= 0) & (k < inputs)
-            x = tl.load(x_ptr + m[:, None] * x_stride + k[None, :], mask=(m[:, None] < rows) & inside[None, :],
-                        other=0.0)  # fmt: skip
-            w = tl.load(w_ptr + n[:, None] * w_stride + k[None, :], mask=(n[:, None] < outputs) & inside[None, :],
-                        other=0.0)  # fmt: skip
-            scale = tl.load(scale_row + (start + column_offset) // block_columns, mask=n < outputs, other=0.0)
-            w = (w.to(tl.float32) * scale.to(tl.float32)[:, None]).to(x.dtype)  # the dequantized path's rounding
-            if DOT_FP32:
-                total += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
-            else:
-                total += tl.dot(x, tl.trans(w))
-        mask = (m[:, None] < rows) & (n[None, :] < outputs)
-        tl.store(out_ptr + m[:, None] * out_stride + n[None, :], total.to(out_ptr.dtype.element_ty), mask=mask)
+_source = None  # ``fp8_triton``, once ``runs_on`` has imported it
 
 
 def tile_k(kept: KeptFP8) -> int | None:
@@ -92,7 +57,10 @@ def _scales(kept: KeptFP8) -> torch.Tensor:
 
 def weight_only_fp8(x: torch.Tensor, kept: KeptFP8) -> torch.Tensor:
     """``F.linear(x, kept.dequantize(x.dtype))`` from the stored bytes, in one launch (``x``: at most
-    ``KERNEL_ROWS`` rows once flattened)."""
+    ``KERNEL_ROWS`` rows once flattened; ``runs_on`` has said the kernel runs on its device)."""
+    source = _source or _import_source(x.device)
+    if source is None:
+        raise RuntimeError(f"the weight-only FP8 kernel does not run on {x.device} (runs_on decides where it does)")
     flat = x.reshape(-1, x.shape[-1])
     if flat.stride(-1) != 1:
         flat = flat.contiguous()
@@ -102,11 +70,11 @@ def weight_only_fp8(x: torch.Tensor, kept: KeptFP8) -> torch.Tensor:
     block_rows = kept.block[0] if scales.shape[0] > 1 else WHOLE
     block_columns = kept.block[1] if scales.shape[1] > 1 else WHOLE
     tile_m, tile_n = 16 if rows <= 16 else 32 if rows <= 32 else 64, 16  # comparisons: a compiled step guards them
-    grid = (triton.cdiv(rows, tile_m), triton.cdiv(outputs, tile_n))
-    _weight_only_fp8[grid](flat, kept.weight, scales, out, rows, outputs, inputs, flat.stride(0),
+    grid = (-(-rows // tile_m), -(-outputs // tile_n))
+    source.weight_only_fp8[grid](flat, kept.weight, scales, out, rows, outputs, inputs, flat.stride(0),
                            kept.weight.stride(0), scales.stride(0), out.stride(0), kept.offset[0], kept.offset[1],
                            block_rows, block_columns, TILE_M=tile_m, TILE_N=tile_n, TILE_K=tile_k(kept),
-                           DOT_FP32=x.dtype == torch.float32 or INTERPRETED)  # fmt: skip
+                           DOT_FP32=x.dtype == torch.float32 or source.INTERPRETED)  # fmt: skip
     return out.reshape(*x.shape[:-1], outputs)
 
 
@@ -124,17 +92,42 @@ def takes(kept, shape: tuple, dtype: torch.dtype) -> bool:
     return runs_on(kept.weight.device, kept.weight.dtype, dtype, kept.scales.dtype, tile_k(kept))
 
 
+def _import_source(device: torch.device):
+    """``fp8_triton`` where the kernel may run on ``device`` (CUDA with Triton installed; CPU under Triton's
+    interpreter), else None, without importing Triton."""
+    global _source
+    interpreter = os.environ.get("TRITON_INTERPRET", "").lower() not in ("", "0", "false", "off", "no")
+    if device.type not in ("cuda", "cpu") or (device.type == "cpu" and not interpreter):
+        return None
+    if importlib.util.find_spec("triton") is None:
+        return None
+    try:
+        from . import fp8_triton
+    except ImportError:  # a Triton that does not import: the dequantized product
+        return None
+
+    if device.type == "cpu" and not fp8_triton.INTERPRETED:  # made for the card before the variable was set
+        return None
+    _source = fp8_triton
+    return fp8_triton
+
+
 @functools.cache
 def runs_on(device: torch.device, fp8=torch.float8_e4m3fn, dtype=torch.bfloat16, scales=torch.float32,
             tile: int = 128) -> bool:  # fmt: skip
     """Whether the kernel compiles on ``device`` for these dtypes (the weight's, the compute's, the scales')
     and tile of columns, and computes there what the dequantized path does: products of 1, 20 and 40 rows
-    (each tile of rows) with blocks of ``tile`` columns, whole blocks, a box starting inside its blocks, and
-    one scale for all, against the same rounded weights multiplied in float32. CPU: only under Triton's
-    interpreter; no warning where there is nothing to run it."""
-    if triton is None or (device.type != "cuda" and not (device.type == "cpu" and INTERPRETED)):
+    (each tile of rows) with blocks of ``tile`` columns, whole blocks of aligned sizes, a box starting inside
+    its blocks, and one scale for all, against the same rounded weights multiplied in float32. CPU: only under
+    Triton's interpreter; no warning where there is nothing to run it."""
+    source = _import_source(device)
+    if source is None:
         return False
-    cases = [(1, (0, 0), (128, tile)), (20, (64, tile // 2), (128, tile)), (40, (5, 7), (WHOLE, WHOLE))]
+    cases = [
+        (1, (0, 0), (128, tile), (256, 512)),  # sizes and strides aligned to 16 (Triton specializes on it)
+        (20, (64, tile // 2), (128, tile), (200, 300)),
+        (40, (5, 7), (WHOLE, WHOLE), (200, 300)),
+    ]
     try:
         wrong = [case for case in cases if not _computes_right(device, fp8, dtype, scales, *case)]
     except Exception as error:  # noqa: BLE001 - Triton's compile errors have no common class; any refusal counts
@@ -144,14 +137,14 @@ def runs_on(device: torch.device, fp8=torch.float8_e4m3fn, dtype=torch.bfloat16,
     if wrong:
         warnings.warn(f"hf_parallel: the weight-only FP8 kernel does not compute right on {device} for {fp8} weights, "
                       f"{scales} scales and {dtype} products in tiles of {tile} columns (torch {torch.__version__}, "
-                      f"Triton {triton.__version__}): {wrong}; those kept FP8 weights are dequantized per module "
-                      f"instead")  # fmt: skip
+                      f"Triton {source.triton.__version__}): {wrong}; those kept FP8 weights are dequantized per "
+                      f"module instead")  # fmt: skip
     return not wrong
 
 
-def _computes_right(device, fp8, dtype, scales, rows: int, offset: tuple, block: tuple) -> bool:
+def _computes_right(device, fp8, dtype, scales, rows: int, offset: tuple, block: tuple, shape: tuple) -> bool:
     generator = torch.Generator(device=device).manual_seed(rows)
-    outputs, inputs = 200, 300
+    outputs, inputs = shape
     grid = [-(-(size + start) // length) for size, start, length in zip((outputs, inputs), offset, block)]
     weight = (torch.randn(outputs, inputs, device=device, generator=generator) * 16).to(fp8)
     scale = (torch.rand(*grid, device=device, generator=generator) / 64 + 1e-3).to(scales)

@@ -26,7 +26,7 @@ from ..checkpoint.writer import torch_dtype
 from ..distributed import p2p
 from ..distributed.devices import to_wire
 from ..distributed.faults import collective
-from .kept_linear import KeptFP8Linear, hold_linear
+from .kept_linear import KeptFP8Linear, KeptInt4Linear, hold_linear
 
 
 def placed_boxes(tiles: list, layout, rank: int, full_shape):
@@ -137,10 +137,11 @@ def placeholder(local_shape, dtype) -> KeptPlaceholder:
     return KeptPlaceholder(torch.empty(local_shape, dtype=dtype, device="meta"), requires_grad=False)
 
 
-def hold_quantized(model: nn.Module, kept: dict[str, KeptWeight], fp8_products: bool = False) -> list:
+def hold_quantized(model: nn.Module, kept: dict[str, KeptWeight], fp8_products: bool = False,
+                   int4_kernels: bool = False) -> list:  # fmt: skip
     """A plain linear computes with its kept weight itself (``kept_linear``: FP8 products with
-    ``fp8_products`` where the card has them); any other module's kept weights are dequantized into their
-    slots for its call only (hooks, returned)."""
+    ``fp8_products`` where the card has them, torch's int4 kernel with ``int4_kernels``); any other module's
+    kept weights are dequantized into their slots for its call only (hooks, returned)."""
     by_module: dict[str, dict[str, KeptWeight]] = {}
     for name, weight in kept.items():
         path, _, attr = name.rpartition(".")
@@ -148,7 +149,7 @@ def hold_quantized(model: nn.Module, kept: dict[str, KeptWeight], fp8_products: 
     handles = []
     for path, weights in by_module.items():
         module = model.get_submodule(path)
-        if hold_linear(module, weights, fp8_products):
+        if hold_linear(module, weights, fp8_products, int4_kernels):
             continue
         resting = {attr: module._parameters[attr] for attr in weights}
 
@@ -161,9 +162,13 @@ def hold_quantized(model: nn.Module, kept: dict[str, KeptWeight], fp8_products: 
 
         handles += [module.register_forward_pre_hook(put), module.register_forward_hook(take_back, always_call=True)]
     if fp8_products and kept and not any(isinstance(module, KeptFP8Linear) for module in model.modules()):
-        warnings.warn(f"keep_quantized='fp8': no kept weight multiplies in FP8 on this rank, all are dequantized per "
-                      f"module (none in whole 128 x 128 blocks in bfloat16, or no block-scaled FP8 product on "
-                      f"{next(iter(kept.values())).device})")  # fmt: skip
+        warnings.warn(f"keep_quantized='fp8': no kept weight multiplies in FP8 on this rank (none in whole 128 x 128 "
+                      f"blocks in bfloat16, or no block-scaled FP8 product on {next(iter(kept.values())).device}); "
+                      f"they take the weight-only FP8 kernel where it runs, else are dequantized")  # fmt: skip
+    if int4_kernels and kept and not any(isinstance(module, KeptInt4Linear) for module in model.modules()):
+        warnings.warn("keep_quantized='int4': no kept weight is multiplied by torch's int4 kernel on this rank (none "
+                      "GPTQ / AWQ 4-bit in groups of 32 to 256 inputs held by a plain linear, or no kernel for this "
+                      "device and dtype); they are held as with keep_quantized=True")  # fmt: skip
     return handles
 
 

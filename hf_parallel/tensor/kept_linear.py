@@ -1,7 +1,8 @@
 """A plain ``nn.Linear`` whose weight is kept quantized computes its own product (its class swapped, as FSDP2's
 ``fully_shard`` swaps a module's class): ``KeptLinear`` dequantizes the weight for the product,
 ``KeptFP8KernelLinear`` multiplies an FP8 weight as stored by the package's weight-only kernel (``fp8_kernel``,
-on GPUs), ``KeptFP8Linear`` by cuBLASLt's W8A8 product (``fp8_matmul``, asked for by ``keep_quantized="fp8"``).
+on GPUs), ``KeptFP8Linear`` by cuBLASLt's W8A8 product (``fp8_matmul``, asked for by ``keep_quantized="fp8"``),
+``KeptInt4Linear`` a GPTQ / AWQ int4 weight by torch's int4 kernel (``int4_kernel``, CPU and CUDA).
 The ``weight`` slot keeps its placeholder throughout, so any other use of the weight still fails loudly; and
 no parameter is built inside the forward, which ``torch.compile(fullgraph=True)`` cannot trace (the forward
 hooks of other kept modules do). ``product`` is the product without the bias: a row-parallel shard sums it
@@ -15,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..checkpoint.quantized import KeptFP8
-from . import fp8_kernel
+from . import fp8_kernel, int4_kernel
 from .fp8_matmul import BLOCK, PRODUCT_DTYPES, block_scales, fp8_product, supports_block_fp8
 
 
@@ -41,28 +42,54 @@ class KeptFP8Linear(KeptLinear):
         return fp8_product(x, self.fp8_weight, self.fp8_scale_b, x.dtype, self.fp8_recipe.rows)
 
 
-class KeptFP8KernelLinear(KeptLinear):
-    """A kept FP8 weight in one box (``kept_weight.whole``), multiplied as stored by ``fp8_kernel`` for batches
-    of up to its ``KERNEL_ROWS`` rows; a larger batch (a prefill) or an input that needs a gradient takes the
-    dequantized product (the kernel has no backward)."""
+class KeptKernelLinear(KeptLinear):
+    """A kept weight multiplied by a kernel (``kernel_product``) for batches of up to ``KERNEL_ROWS`` rows in
+    the dtype it was checked for; a larger batch (a prefill), an input that needs a gradient (the kernels have
+    no backward) or of another dtype (refused there as ``nn.Linear`` refuses it) takes the dequantized product."""
+
+    KERNEL_ROWS = 64
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() > fp8_kernel.KERNEL_ROWS * x.shape[-1] or (torch.is_grad_enabled() and x.requires_grad):
+        rows, grad = x.numel() // max(x.shape[-1], 1), torch.is_grad_enabled() and x.requires_grad
+        if rows > self.KERNEL_ROWS or x.dtype != self.kept_weight.dtype or grad:
             return super().product(x)
+        return self.kernel_product(x)
+
+
+class KeptFP8KernelLinear(KeptKernelLinear):
+    """A kept FP8 weight in one box (``kept_weight.whole``), multiplied as stored by ``fp8_kernel``."""
+
+    KERNEL_ROWS = fp8_kernel.KERNEL_ROWS
+
+    def kernel_product(self, x: torch.Tensor) -> torch.Tensor:
         return fp8_kernel.weight_only_fp8(x, self.kept_weight.whole)
 
 
-def hold_linear(module: nn.Module, weights: dict, fp8_products: bool) -> bool:
+class KeptInt4Linear(KeptKernelLinear):
+    """A kept GPTQ / AWQ int4 weight in one box, multiplied by torch's int4 kernel from ``int4_pack``."""
+
+    KERNEL_ROWS = int4_kernel.KERNEL_ROWS
+
+    def kernel_product(self, x: torch.Tensor) -> torch.Tensor:
+        return int4_kernel.int4_product(x, self.int4_pack)
+
+
+def hold_linear(module: nn.Module, weights: dict, fp8_products: bool, int4_kernels: bool = False) -> bool:
     """Make a plain ``nn.Linear`` whose only kept parameter is its weight compute with it: W8A8 products where
-    ``fp8_products`` and ``fp8_matmul``'s conditions hold, else the weight-only kernel where ``fp8_kernel``
-    takes the weight, else dequantized; False for any other module."""
+    ``fp8_products`` and ``fp8_matmul``'s conditions hold, else the weight-only FP8 kernel where ``fp8_kernel``
+    takes the weight, else, with ``int4_kernels``, torch's int4 kernel where ``int4_kernel`` packs it, else
+    dequantized; False for any other module."""
     if type(module) is not nn.Linear or set(weights) != {"weight"}:
         return False
     weight = weights["weight"]
     recipe = _fp8_recipe(weight) if fp8_products else None
-    kernel = recipe is None and weight.whole is not None and fp8_kernel.takes(weight.whole, weight.shape, weight.dtype)
-    module.__class__ = KeptFP8Linear if recipe is not None else KeptFP8KernelLinear if kernel else KeptLinear
-    module.kept_weight = weight
+    whole = weight.whole if recipe is None else None
+    kernel = whole is not None and fp8_kernel.takes(whole, weight.shape, weight.dtype)
+    int4 = int4_kernels and whole is not None and not kernel
+    pack = int4_kernel.int4_pack(whole, weight.shape, weight.dtype) if int4 else None
+    module.__class__ = (KeptFP8Linear if recipe is not None else KeptFP8KernelLinear if kernel else
+                        KeptInt4Linear if pack is not None else KeptLinear)  # fmt: skip
+    module.kept_weight, module.int4_pack = weight, pack
     if recipe is not None:
         kept = weight.whole
         module.fp8_weight, module.fp8_recipe = kept.weight, recipe

@@ -1,0 +1,37 @@
+"""The Triton source of ``fp8_kernel``'s weight-only FP8 product, in its own module: importing Triton costs a
+process about 80 MiB, so ``fp8_kernel`` imports this only where the kernel may run (a GPU, or Triton's
+interpreter), never on a plain CPU load."""
+
+import triton
+import triton.language as tl
+
+# whether ``triton.jit`` made the kernel for Triton's interpreter: it reads TRITON_INTERPRET when it decorates
+INTERPRETED = bool(triton.knobs.runtime.interpret)
+
+
+@triton.jit
+def weight_only_fp8(x_ptr, w_ptr, s_ptr, out_ptr, rows, outputs, inputs, x_stride, w_stride, s_stride,
+                     out_stride, row_offset, column_offset, block_rows, block_columns, TILE_M: tl.constexpr,
+                     TILE_N: tl.constexpr, TILE_K: tl.constexpr, DOT_FP32: tl.constexpr):  # fmt: skip
+    """out[m, n] = sum_k x[m, k] * round(w[n, k] * s[(n + row_offset) // block_rows,
+    (k + column_offset) // block_columns]): a TILE_M x TILE_N tile of the output per program. The block's
+    sizes are runtime arguments, so one compiled kernel serves every block size."""
+    m = tl.program_id(0) * TILE_M + tl.arange(0, TILE_M)
+    n = tl.program_id(1) * TILE_N + tl.arange(0, TILE_N)
+    scale_row = s_ptr + ((n + row_offset) // block_rows) * s_stride
+    total = tl.full((TILE_M, TILE_N), 0.0, dtype=tl.float32)  # a builtin: runs interpreted in any process
+    for start in range(-(column_offset % TILE_K), inputs, TILE_K):  # tiles on the whole weight's boundaries
+        k = start + tl.arange(0, TILE_K)
+        inside = (k >= 0) & (k < inputs)
+        x = tl.load(x_ptr + m[:, None] * x_stride + k[None, :], mask=(m[:, None] < rows) & inside[None, :],
+                    other=0.0)  # fmt: skip
+        w = tl.load(w_ptr + n[:, None] * w_stride + k[None, :], mask=(n[:, None] < outputs) & inside[None, :],
+                    other=0.0)  # fmt: skip
+        scale = tl.load(scale_row + (start + column_offset) // block_columns, mask=n < outputs, other=0.0)
+        w = (w.to(tl.float32) * scale.to(tl.float32)[:, None]).to(x.dtype)  # the dequantized path's rounding
+        if DOT_FP32:
+            total += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+        else:
+            total += tl.dot(x, tl.trans(w))
+    mask = (m[:, None] < rows) & (n[None, :] < outputs)
+    tl.store(out_ptr + m[:, None] * out_stride + n[None, :], total.to(out_ptr.dtype.element_ty), mask=mask)

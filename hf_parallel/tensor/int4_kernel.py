@@ -1,0 +1,156 @@
+"""Kept int4 weights (GPTQ, AWQ) multiplied by torch's own int4 kernels (``keep_quantized="int4"``).
+
+A kept int4 weight is otherwise unpacked and scaled module by module for every product: on this project's
+2-core CPU that made a GPTQ decode 17 times one process's. torch ships weight-only int4 kernels, the ones
+torchao's int4 layout runs on (tinygemm): ``_weight_int4pack_mm`` on CUDA and ``_weight_int4pack_mm_for_cpu``
+(vectorised; in bfloat16 a decode-sized product there takes about a third of the bf16 weight's time). They
+take unsigned 4-bit values in groups of 32 to 256 inputs with ``W = (q - 8) * scale + zero`` per group and
+output: GPTQ's and AWQ's ``(q - z) * s`` is that with ``scale = s``, ``zero = (8 - z) * s``.
+
+At load each kept box is repacked once into the kernel's layout (``int4_pack``), beside the stored words that
+a save writes back: about one more byte per two weights, plus the scales and zeros in the compute dtype; so
+it is asked for by name, where ``keep_quantized=True`` holds the stored bytes alone. The
+inputs go into the kernel's contraction group by group: in place where the box holds whole groups in order;
+otherwise (act-order, or a shard that starts inside a group) each group's inputs fill chunks of 32 slots, each
+chunk with its group's scale and zero, and the activations are spread into those slots for each product
+(unused slots: zero activations); an act-order shard touches most groups, so whole groups would make every
+row-parallel rank hold and multiply about the full contraction. Outputs are padded to 16 for the kernels'
+tiles.
+
+The values are the dequantized path's, computed otherwise: the kernels take each group's scale and zero in the
+compute dtype (CUDA: bfloat16 only), so in bfloat16 every weight of a group moves together, by up to the
+rounding of the group's largest weight (as with torchao's int4 layout); in float32, within float32's. Taken for
+batches of up to ``KERNEL_ROWS`` rows (decode steps, small batches); a prefill, an input that needs a
+gradient (no backward) or of another dtype take the dequantized product. Checked on each device and dtype
+at load (``runs_on``: small products against the same weights in float32); a refusal warns and dequantizes.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from typing import NamedTuple
+
+import torch
+
+from ..checkpoint.quantized import KeptGrouped
+
+GROUPS = (32, 64, 128, 256)  # the group sizes the kernels take
+CHUNK = 32  # the kernel's group where the format's groups are not all whole in the shard
+KERNEL_ROWS = 64
+PAD = 16  # the kernels' outputs come in tiles of 16 (CPU) or 8 (CUDA)
+COMPUTE_DTYPES = {"cpu": (torch.bfloat16, torch.float16, torch.float32), "cuda": (torch.bfloat16,)}
+
+
+class Int4Pack(NamedTuple):
+    packed: torch.Tensor  # the kernel's layout of the values [outputs padded, width]
+    scales_and_zeros: torch.Tensor  # [width / group, outputs padded, 2], the compute dtype
+    group: int
+    width: int  # the kernel's contraction: whole groups
+    slots: torch.Tensor | None  # each input's place in it (None: in place)
+    outputs: int
+
+
+def int4_pack(kept, shape: tuple, dtype: torch.dtype) -> Int4Pack | None:
+    """The kernel's form of a kept box that is a weight of ``shape`` in ``dtype``, or None where the kernels do
+    not take it (8 bits, groups of another size, a dtype or device without the kernel, the device's check
+    failed)."""
+    if not isinstance(kept, KeptGrouped) or kept.form.bits != 4 or kept.group not in GROUPS:
+        return None
+    device = kept.words.device
+    if tuple(kept.shape) != tuple(shape) or dtype not in COMPUTE_DTYPES.get(device.type, ()) or 0 in shape:
+        return None
+    if not runs_on(device, dtype):
+        return None
+    values, zero = kept.integers()
+    return _packed(values.T, zero, kept.scales.float(), kept.groups(), kept.group, dtype)
+
+
+def _packed(values, zero, scales, groups, group: int, dtype) -> Int4Pack | None:
+    """``values`` [outputs, inputs] (unsigned), ``zero`` / ``scales`` [groups, outputs], ``groups``: each
+    input's row in them. Where every group holds all its ``group`` inputs, the kernel's groups are the
+    format's; otherwise (act-order shards touch most groups with a few inputs each) each group's inputs fill
+    chunks of ``CHUNK`` slots, each chunk with its group's scale and zero, so the contraction stays about the
+    shard's own width."""
+    (outputs, inputs), device = values.shape, values.device
+    order = torch.argsort(groups, stable=True)
+    ranked = groups[order]
+    within = torch.arange(inputs, device=device) - torch.searchsorted(ranked, ranked)  # rank inside its group
+    counts = torch.bincount(groups, minlength=scales.shape[0])
+    if inputs and int(counts.max()) > group:  # more inputs in a group than it has: not this format
+        return None
+    step = group if bool((counts == group).all()) else CHUNK
+    chunks = -(-counts // step)
+    starts = (torch.cumsum(chunks, 0) - chunks) * step  # each group's first slot
+    slots = torch.empty_like(order)
+    slots[order] = starts[ranked] + within
+    width, rows = int(chunks.sum()) * step, -(-outputs // PAD) * PAD
+    codes = torch.full((rows, width), 8, dtype=torch.int32, device=device)  # unused slots: zero activations
+    codes[:outputs].index_copy_(1, slots, values.to(torch.int32))
+    scale_zero = torch.zeros(width // step, rows, 2, device=device)
+    scale_zero[:, :outputs, 0] = scales.repeat_interleave(chunks, 0)
+    scale_zero[:, :outputs, 1] = ((8 - zero) * scales).repeat_interleave(chunks, 0)
+    in_place = width == inputs and torch.equal(slots, torch.arange(inputs, device=device))
+    packed = _kernel_layout(codes)
+    return Int4Pack(packed, scale_zero.to(dtype), step, width, None if in_place else slots, outputs)
+
+
+def _kernel_layout(codes: torch.Tensor) -> torch.Tensor:
+    """[rows, width] int32 values 0-15 as the device's kernel reads them."""
+    if codes.device.type == "cpu":
+        return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+    width = codes.shape[1]
+    tiles = 8 if width % 128 == 0 else 4 if width % 64 == 0 else 2  # inner k tiles: width is a multiple of 32
+    return torch.ops.aten._convert_weight_to_int4pack((codes[:, ::2] << 4 | codes[:, 1::2]).to(torch.uint8), tiles)
+
+
+def int4_product(x: torch.Tensor, pack: Int4Pack) -> torch.Tensor:
+    """``x @ W.T`` for the weight ``pack`` holds, ``x`` in the compute dtype it was packed for."""
+    flat = x.reshape(-1, x.shape[-1])
+    if pack.slots is not None:
+        flat = flat.new_zeros(flat.shape[0], pack.width).index_copy_(1, pack.slots, flat)
+    elif not flat.is_contiguous():
+        flat = flat.contiguous()
+    if flat.device.type == "cpu":
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, pack.packed, pack.group, pack.scales_and_zeros)
+    else:
+        out = torch.ops.aten._weight_int4pack_mm(flat, pack.packed, pack.group, pack.scales_and_zeros)
+    return out[:, : pack.outputs].reshape(*x.shape[:-1], pack.outputs)
+
+
+@functools.cache
+def runs_on(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether torch's int4 kernel on ``device`` computes in ``dtype`` what the format says: products of 1, 5
+    and 40 rows, groups of 32 to 128, outputs padded, inputs in place and spread to chunks, contractions of 96,
+    448 and 128 (CUDA's tiles of 2, 4 and 8 x 16 columns), against the same weights in float32 (within the
+    compute dtype's rounding of the scales and zeros)."""
+    cases = [(1, 32, 48, 3, False), (5, 128, 64, 4, True), (40, 64, 16, 2, False)]  # rows, group, outputs, groups
+    try:
+        wrong = [case for case in cases if not _computes_right(device, dtype, *case)]
+    except Exception as error:  # noqa: BLE001 - the kernels' refusals (shapes, dtypes, builds) have no common class
+        if isinstance(error, getattr(torch, "AcceleratorError", ())):
+            raise
+        wrong = [f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"]
+    if wrong:
+        warnings.warn(f"hf_parallel: torch's int4 kernel does not compute right on {device} in {dtype} (torch "
+                      f"{torch.__version__}): {wrong}; kept int4 weights are dequantized per module")  # fmt: skip
+    return not wrong
+
+
+def _computes_right(device, dtype, rows: int, group: int, outputs: int, count: int, spread: bool) -> bool:
+    generator = torch.Generator(device=device).manual_seed(rows)
+    inputs = count * group - (group // 2 if spread else 0)  # spread: the last group half full
+    values = torch.randint(0, 16, (outputs, inputs), generator=generator, device=device, dtype=torch.uint8)
+    zero = torch.randint(0, 16, (count, outputs), generator=generator, device=device).float()
+    scales = torch.rand(count, outputs, generator=generator, device=device) / 16 + 1e-3
+    groups = torch.arange(inputs, device=device) // group
+    if spread:
+        groups = groups[torch.randperm(inputs, generator=generator, device=device)]
+    pack = _packed(values, zero, scales, groups, group, dtype)
+    weight = (values.float() - zero.T[:, groups]) * scales.T[:, groups]
+    x = torch.randn(rows, inputs, generator=generator, device=device).to(dtype)
+    want = x.float() @ weight.T
+    got = int4_product(x, pack).float()
+    tolerance = 1e-5 if dtype == torch.float32 else 2**-6  # the scales' and zeros' rounding, and the output's
+    within = torch.allclose(got, want, rtol=0, atol=tolerance * want.abs().max().item())
+    return within and (pack.slots is not None) == spread

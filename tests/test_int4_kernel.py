@@ -1,0 +1,115 @@
+"""Kept GPTQ / AWQ int4 weights multiplied by torch's own int4 kernel (``tensor/int4_kernel.py``), on CPU
+(``_weight_int4pack_mm_for_cpu``): the repacked form's products against the format's definition (groups in
+place, act-order inputs spread to their groups' slots, a last group half full, outputs padded to 16), the
+load-time check refusing a kernel that computes otherwise, and which linears take it in a model, whose
+logits are the checkpoint's dequantized as read. GPTQ and AWQ run through it with
+``keep_quantized="int4"`` at TP=4 in ``test_quantized.py``; CUDA's kernel runs in the cuda tier."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_parallel.tensor import int4_kernel
+
+CPU = torch.device("cpu")
+
+
+SHAPES = {  # name -> (groups, inputs in each, spread)
+    "groups in place": (3, None, False),
+    "act-order, a group half full": (3, None, True),
+    "an act-order shard, 10 inputs in each of 8 groups": (8, 10, True),
+}
+
+
+def int4_weight(outputs: int, group: int, shape: str, seed: int = 0):
+    """Unsigned values [outputs, inputs], zero points and scales [groups, outputs], each input's group (``SHAPES``;
+    spread: shuffled, as act-order stores them); and the weight they stand for."""
+    generator = torch.Generator().manual_seed(seed)
+    groups, each, spread = SHAPES[shape]
+    index = torch.arange(groups * group) // group
+    if each is not None:
+        index = torch.arange(groups).repeat_interleave(each)
+    elif spread:
+        index = index[: len(index) - group // 2]  # the last group half full
+    if spread:
+        index = index[torch.randperm(len(index), generator=generator)]
+    inputs = len(index)
+    values = torch.randint(0, 16, (outputs, inputs), generator=generator, dtype=torch.uint8)
+    zero = torch.randint(0, 16, (groups, outputs), generator=generator).float()
+    scales = torch.rand(groups, outputs, generator=generator) / 16 + 1e-3
+    weight = (values.float() - zero.T[:, index]) * scales.T[:, index]
+    return (values, zero, scales, index), weight
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("group", [32, 128])
+def test_the_repacked_weight_multiplies_as_the_format_defines(group, shape):
+    """float32: within float32's sums; bfloat16: within the scales', zeros' and output's rounding. Outputs of
+    40 (padded to 48), 1, 7 and 64 rows. Groups not whole in the box fill chunks of 32 slots: an act-order
+    shard's contraction is about its own width, not the whole weight's."""
+    (values, zero, scales, index), weight = int4_weight(40, group, shape)
+    spread, inputs = SHAPES[shape][2], values.shape[1]
+    for dtype, within in ((torch.float32, 1e-5), (torch.bfloat16, 2**-6)):
+        pack = int4_kernel._packed(values, zero, scales, index, group, dtype)
+        assert (pack.slots is not None) == spread and pack.packed.dtype == torch.uint8
+        assert pack.width == (inputs if not spread else sum(-(-int(n) // 32) * 32 for n in index.bincount()))
+        for rows in (1, 7, 64):
+            x = torch.randn(rows, values.shape[1]).to(dtype)
+            want = x.float() @ weight.T
+            got = int4_kernel.int4_product(x, pack)
+            assert got.shape == (rows, 40) and got.dtype == dtype
+            torch.testing.assert_close(got.float(), want, rtol=0, atol=within * want.abs().max().item())
+
+
+def test_a_kernel_that_computes_otherwise_is_refused_at_load(monkeypatch):
+    """The load-time check against the format's weights: a layout whose values' nibbles are swapped is refused
+    with a warning naming the device and dtype, and the weights stay dequantized."""
+    assert int4_kernel.runs_on(CPU, torch.float32)
+    layout = int4_kernel._kernel_layout
+    monkeypatch.setattr(int4_kernel, "_kernel_layout", lambda codes: layout(15 - codes))
+    int4_kernel.runs_on.cache_clear()
+    try:
+        with pytest.warns(UserWarning, match="int4 kernel does not compute right on cpu in torch.float32"):
+            assert not int4_kernel.runs_on(CPU, torch.float32)
+    finally:
+        int4_kernel.runs_on.cache_clear()
+
+
+def test_kept_gptq_and_awq_linears_take_the_int4_kernel(tiny_root, monkeypatch):
+    """One process, ``keep_quantized="int4"``: act-order GPTQ (``llama_gptq``) and AWQ with partial groups and
+    80 outputs (``llama_awq``) kept: every kept decoder linear takes the kernel and gives the logits of the checkpoint
+    dequantized as read (float32 within 1e-5, bfloat16 within its rounding); a batch over ``KERNEL_ROWS`` rows
+    takes the dequantized product; ``keep_quantized=True`` holds the stored bytes alone (dequantized per module),
+    and so do 8-bit GPTQ and a group of all the inputs (``phi3_gptq``), with a warning."""
+    from tiny_models import make_grouped_checkpoint
+    from tp_workers import INPUT_IDS
+
+    import hf_parallel
+
+    calls = []
+    product = int4_kernel.int4_product
+    monkeypatch.setattr(int4_kernel, "int4_product",
+                        lambda x, pack: calls.append(x.shape[:-1].numel()) or product(x, pack))  # fmt: skip
+    for name in ("llama_gptq", "llama_awq"):
+        path = make_grouped_checkpoint(name, tiny_root)[0]
+        for dtype, within in ((torch.float32, 1e-5), (torch.bfloat16, 2**-6)):
+            kept = hf_parallel.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, keep_quantized="int4")
+            read = hf_parallel.AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+            linears = [m for m in kept.model.layers.modules() if hasattr(m, "kept_weight")]
+            assert {type(m).__name__ for m in linears} == {"KeptInt4Linear"}, name
+            calls.clear()
+            with torch.no_grad():
+                for ids in (INPUT_IDS, INPUT_IDS.repeat(1, 5)):  # 14 rows: the kernel; 70: dequantized
+                    want = read(ids).logits.float()
+                    got = kept(ids).logits.float()
+                    torch.testing.assert_close(got, want, rtol=0, atol=within * want.abs().max().item())
+            assert calls == [INPUT_IDS.numel()] * len(linears), (name, calls)
+    path = make_grouped_checkpoint("llama_gptq", tiny_root)[0]  # keep_quantized=True: the stored bytes alone
+    kept = hf_parallel.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, keep_quantized=True)
+    assert {type(m).__name__ for m in kept.model.layers.modules() if hasattr(m, "kept_weight")} == {"KeptLinear"}
+    for name in ("llama_gptq_v2_w8", "phi3_gptq"):
+        path = make_grouped_checkpoint(name, tiny_root)[0]
+        with pytest.warns(UserWarning, match="keep_quantized='int4': no kept weight is multiplied"):
+            kept = hf_parallel.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, keep_quantized="int4")
+        assert {type(m).__name__ for m in kept.model.layers.modules() if hasattr(m, "kept_weight")} == {"KeptLinear"}
