@@ -32,22 +32,6 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 KEPT = {"hf_parallel": False, "hf_parallel_kept": True, "hf_parallel_kept_fp8": "fp8", "hf_parallel_kept_int4": "int4"}
 
 
-def held_bytes(model) -> int:
-    """This rank's weights as held: parameters (not kept placeholders), kept parts, and int4 kernels' copies."""
-    import hf_parallel
-
-    kept = sum(w.nbytes for w in hf_parallel.parallel_state(model).kept.values())
-    params = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values()
-                 if p.device.type != "meta")  # fmt: skip
-    packs = [m.int4_pack for m in model.modules() if getattr(m, "int4_pack", None) is not None]
-    return kept + params + sum(t.numel() * t.element_size() for pack in packs for t in pack if torch_tensor(t))
-
-
-def torch_tensor(value) -> bool:
-    import torch
-
-    return isinstance(value, torch.Tensor)
-
 
 def worker(args) -> None:
     import torch
@@ -74,7 +58,9 @@ def worker(args) -> None:
     result["fp8_products"], result["fp8_kernel"] = "KeptFP8Linear" in kinds, "KeptFP8KernelLinear" in kinds
     result["int4_kernel"] = "KeptInt4Linear" in kinds
     if args.impl.startswith("hf_parallel"):
-        result["held_mb"] = held_bytes(model) / 1e6
+        from worker import local_param_bytes  # this directory: run.py's measure of the weights a rank holds
+
+        result["held_mb"] = local_param_bytes(model) / 1e6
     result["device"] = torch.cuda.get_device_name(model.device) if model.device.type == "cuda" else "cpu"
     options = dict(max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False)
     if args.mode in ("compiled", "reduce-overhead"):

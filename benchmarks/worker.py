@@ -37,10 +37,13 @@ def load(impl: str, path: str, dtype: torch.dtype):
 
 
 def local_param_bytes(model) -> int:
-    """Bytes of this rank's parameters (weights kept quantized: as held, not their placeholders)."""
+    """Bytes of this rank's parameters (weights kept quantized: as held, not their placeholders, and the copies
+    repacked for torch's int4 kernel beside them)."""
     seen, total = set(), 0
     if "hf_parallel" in sys.modules:
         total = sum(w.nbytes for w in sys.modules["hf_parallel"].parallel_state(model).kept.values())
+        packs = [m.int4_pack for m in model.modules() if getattr(m, "int4_pack", None) is not None]
+        total += sum(t.nbytes for pack in packs for t in pack if isinstance(t, torch.Tensor))
     for param in model.parameters():
         if id(param) in seen or param.device.type == "meta":
             continue

@@ -34,6 +34,7 @@ import warnings
 import torch
 
 from ..checkpoint.quantized import KeptFP8
+from .kernel_checks import wrong_cases
 
 KERNEL_ROWS = 64  # the largest batch this kernel takes; more rows take the dequantized product
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -128,12 +129,7 @@ def runs_on(device: torch.device, fp8=torch.float8_e4m3fn, dtype=torch.bfloat16,
         (20, (64, tile // 2), (128, tile), (200, 300)),
         (40, (5, 7), (WHOLE, WHOLE), (200, 300)),
     ]
-    try:
-        wrong = [case for case in cases if not _computes_right(device, fp8, dtype, scales, *case)]
-    except Exception as error:  # noqa: BLE001 - Triton's compile errors have no common class; any refusal counts
-        if isinstance(error, getattr(torch, "AcceleratorError", ())):  # the card's own fault: not a refusal
-            raise
-        wrong = [f"{type(error).__name__}: {str(error).strip().splitlines()[-1] if str(error).strip() else ''}"]
+    wrong = wrong_cases(cases, functools.partial(_computes_right, device, fp8, dtype, scales))
     if wrong:
         warnings.warn(f"hf_parallel: the weight-only FP8 kernel does not compute right on {device} for {fp8} weights, "
                       f"{scales} scales and {dtype} products in tiles of {tile} columns (torch {torch.__version__}, "

@@ -34,6 +34,7 @@ from typing import NamedTuple
 import torch
 
 from ..checkpoint.quantized import KeptGrouped
+from .kernel_checks import wrong_cases
 
 GROUPS = (32, 64, 128, 256)  # the group sizes the kernels take
 CHUNK = 32  # the kernel's group where the format's groups are not all whole in the shard
@@ -125,12 +126,7 @@ def runs_on(device: torch.device, dtype: torch.dtype) -> bool:
     448 and 128 (CUDA's tiles of 2, 4 and 8 x 16 columns), against the same weights in float32 (within the
     compute dtype's rounding of the scales and zeros)."""
     cases = [(1, 32, 48, 3, False), (5, 128, 64, 4, True), (40, 64, 16, 2, False)]  # rows, group, outputs, groups
-    try:
-        wrong = [case for case in cases if not _computes_right(device, dtype, *case)]
-    except Exception as error:  # noqa: BLE001 - the kernels' refusals (shapes, dtypes, builds) have no common class
-        if isinstance(error, getattr(torch, "AcceleratorError", ())):
-            raise
-        wrong = [f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"]
+    wrong = wrong_cases(cases, functools.partial(_computes_right, device, dtype))
     if wrong:
         warnings.warn(f"hf_parallel: torch's int4 kernel does not compute right on {device} in {dtype} (torch "
                       f"{torch.__version__}): {wrong}; kept int4 weights are dequantized per module")  # fmt: skip

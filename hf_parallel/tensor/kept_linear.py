@@ -47,7 +47,7 @@ class KeptKernelLinear(KeptLinear):
     the dtype it was checked for; a larger batch (a prefill), an input that needs a gradient (the kernels have
     no backward) or of another dtype (refused there as ``nn.Linear`` refuses it) takes the dequantized product."""
 
-    KERNEL_ROWS = 64
+    KERNEL_ROWS: int  # each kernel's own (its module's ``KERNEL_ROWS``)
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
         rows, grad = x.numel() // max(x.shape[-1], 1), torch.is_grad_enabled() and x.requires_grad
