@@ -76,9 +76,9 @@ def from_pretrained(
     vLLM's FP8 linears), where small products on the card agree with float32 (checked once at load; torch
     2.11 computes right only where the contraction is a multiple of 4 blocks); slower than dequantizing in
     eager on an H100 (docs/guides/quantized.md). ``keep_quantized="int4"``: besides the stored words, GPTQ / AWQ
-    4-bit weights are held repacked for torch's own int4 kernel (CPU and CUDA; ``tensor/int4_kernel.py``) and
-    multiplied by it in decode-sized batches: about twice the kept bytes of those weights, for products
-    faster than dequantizing (and, on CPU in bfloat16, than the bf16 weights').
+    / compressed-tensors 4-bit weights are held repacked for torch's own int4 kernel (CPU and CUDA;
+    ``tensor/int4_kernel.py``) and multiplied by it in decode-sized batches: about twice the kept bytes of
+    those weights, for products faster than dequantizing (and, on CPU in bfloat16, than the bf16 weights').
 
     The steps a model goes through after its empty build, in this order, each owning what it sets up
     and none rewriting an earlier one's (long for its keywords; the body is one line a step)."""

@@ -62,6 +62,29 @@ def test_the_repacked_weight_multiplies_as_the_format_defines(group, shape):
             torch.testing.assert_close(got.float(), want, rtol=0, atol=within * want.abs().max().item())
 
 
+@pytest.mark.parametrize("inputs", [576, 288, 160])
+def test_a_scale_per_row_is_cut_into_the_largest_kernel_groups_that_fit(inputs):
+    """A format's group larger than the kernel's (compressed-tensors' scale per output row: a group of all 576
+    inputs) and a row-parallel shard of it (288, from input 288) stay in place, in the largest kernel group that
+    divides the box's inputs (64 and 32); a cut that none divides (160 inputs, with a group of 100 cut at 60:
+    counts 40, 100 and 20) fills chunks of 32 slots."""
+    generator = torch.Generator().manual_seed(inputs)
+    group = 576 if inputs != 160 else 100
+    index = (torch.arange(inputs) + (288 if inputs == 288 else 60 if inputs == 160 else 0)) // group
+    index -= int(index[0])
+    count = int(index.max()) + 1
+    values = torch.randint(0, 16, (24, inputs), generator=generator, dtype=torch.uint8)
+    zero = torch.randint(0, 16, (count, 24), generator=generator).float()
+    scales = torch.rand(count, 24, generator=generator) / 16 + 1e-3
+    weight = (values.float() - zero.T[:, index]) * scales.T[:, index]
+    pack = int4_kernel._packed(values, zero, scales, index, group, torch.float32)
+    assert (pack.group, pack.width, pack.slots is None) == {576: (64, 576, True), 288: (32, 288, True),
+                                                            160: (32, 64 + 128 + 32, False)}[inputs]  # fmt: skip
+    x = torch.randn(3, inputs)
+    want = x @ weight.T
+    torch.testing.assert_close(int4_kernel.int4_product(x, pack), want, rtol=0, atol=1e-5 * want.abs().max().item())
+
+
 def test_a_kernel_that_computes_otherwise_is_refused_at_load(monkeypatch):
     """The load-time check against the format's weights: a layout whose values' nibbles are swapped is refused
     with a warning naming the device and dtype, and the weights stay dequantized."""
@@ -76,13 +99,16 @@ def test_a_kernel_that_computes_otherwise_is_refused_at_load(monkeypatch):
         int4_kernel.runs_on.cache_clear()
 
 
-def test_kept_gptq_and_awq_linears_take_the_int4_kernel(tiny_root, monkeypatch):
-    """One process, ``keep_quantized="int4"``: act-order GPTQ (``llama_gptq``) and AWQ with partial groups and
-    80 outputs (``llama_awq``) kept: every kept decoder linear takes the kernel and gives the logits of the checkpoint
-    dequantized as read (float32 within 1e-5, bfloat16 within its rounding); a batch over ``KERNEL_ROWS`` rows
-    takes the dequantized product; ``keep_quantized=True`` holds the stored bytes alone (dequantized per module),
-    and so do 8-bit GPTQ and a group of all the inputs (``phi3_gptq``), with a warning."""
-    from tiny_models import make_grouped_checkpoint
+def test_kept_int4_linears_take_the_int4_kernel(tiny_root, monkeypatch):
+    """One process, ``keep_quantized="int4"``: act-order GPTQ (``llama_gptq``), GPTQ with one group of all the
+    inputs (``phi3_gptq``: groups of 96 and 160 inputs; its packed q|k|v and gate|up are a box per part, which
+    stay dequantized), AWQ with partial groups and 80 outputs (``llama_awq``), and compressed-tensors' W4A16
+    (groups of 32; zero points packed along the rows with partial groups; a scale and zero point per output
+    row) kept: every other kept decoder linear takes the kernel and gives
+    the logits of the checkpoint dequantized as read (float32 within 1e-5, bfloat16 within its rounding); a
+    batch over ``KERNEL_ROWS`` rows takes the dequantized product; ``keep_quantized=True`` holds the stored
+    bytes alone (dequantized per module), and so does 8-bit GPTQ, with a warning."""
+    from tiny_models import make_grouped_checkpoint, make_packed_checkpoint
     from tp_workers import INPUT_IDS
 
     import hf_parallel
@@ -91,24 +117,29 @@ def test_kept_gptq_and_awq_linears_take_the_int4_kernel(tiny_root, monkeypatch):
     product = int4_kernel.int4_product
     monkeypatch.setattr(int4_kernel, "int4_product",
                         lambda x, pack: calls.append(x.shape[:-1].numel()) or product(x, pack))  # fmt: skip
-    for name in ("llama_gptq", "llama_awq"):
-        path = make_grouped_checkpoint(name, tiny_root)[0]
+    grouped, packed = ("llama_gptq", "phi3_gptq", "llama_awq"), ("llama_w4_group", "llama_w4_zero_point",
+                                                                 "llama_w4_channel_zero_point")  # fmt: skip
+    for name in grouped + packed:
+        path = (make_grouped_checkpoint if name in grouped else make_packed_checkpoint)(name, tiny_root)[0]
         for dtype, within in ((torch.float32, 1e-5), (torch.bfloat16, 2**-6)):
             kept = hf_parallel.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, keep_quantized="int4")
             read = hf_parallel.AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-            linears = [m for m in kept.model.layers.modules() if hasattr(m, "kept_weight")]
-            assert {type(m).__name__ for m in linears} == {"KeptInt4Linear"}, name
+            linears = {n: m for n, m in kept.model.layers.named_modules() if hasattr(m, "kept_weight")}
+            for module_name, module in linears.items():  # Phi-3's packed parts: a box each, dequantized
+                several = name == "phi3_gptq" and module_name.endswith(("qkv_proj", "gate_up_proj"))
+                assert type(module).__name__ == ("KeptLinear" if several else "KeptInt4Linear"), (name, module_name)
+            taking = [m for m in linears.values() if type(m).__name__ == "KeptInt4Linear"]
             calls.clear()
             with torch.no_grad():
                 for ids in (INPUT_IDS, INPUT_IDS.repeat(1, 5)):  # 14 rows: the kernel; 70: dequantized
                     want = read(ids).logits.float()
                     got = kept(ids).logits.float()
                     torch.testing.assert_close(got, want, rtol=0, atol=within * want.abs().max().item())
-            assert calls == [INPUT_IDS.numel()] * len(linears), (name, calls)
+            assert calls == [INPUT_IDS.numel()] * len(taking), (name, calls)
     path = make_grouped_checkpoint("llama_gptq", tiny_root)[0]  # keep_quantized=True: the stored bytes alone
     kept = hf_parallel.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, keep_quantized=True)
     assert {type(m).__name__ for m in kept.model.layers.modules() if hasattr(m, "kept_weight")} == {"KeptLinear"}
-    for name in ("llama_gptq_v2_w8", "phi3_gptq"):
+    for name in ("llama_gptq_v2_w8",):
         path = make_grouped_checkpoint(name, tiny_root)[0]
         with pytest.warns(UserWarning, match="keep_quantized='int4': no kept weight is multiplied"):
             kept = hf_parallel.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, keep_quantized="int4")

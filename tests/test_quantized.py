@@ -197,12 +197,12 @@ def test_quantized_weights_split_inside_a_block_match_one_process(
         for name in paths:
             assert_close(result[name], references[name], atol=TOLERANCE, rtol=TOLERANCE, what=f"{name} rank {rank}")
     if world_size == 4:  # every kept FP8 linear through the kernel (Triton's interpreter), its shards inside blocks;
-        # ("int4") act-order GPTQ and AWQ through torch's int4 kernel (inputs spread to their groups' slots);
-        # compressed-tensors' ints dequantized
+        # ("int4") act-order GPTQ, AWQ and compressed-tensors' W4A16 with zero points through torch's int4 kernel
+        # (inputs spread to their groups' slots where a shard cuts groups)
         kinds = {name: [result["kinds:" + name] for result in results] for name in paths}
         assert kinds["llama_fp8"] == [["KeptFP8KernelLinear"]] * 4, kinds
-        assert kinds["llama_gptq"] == kinds["llama_awq"] == [["KeptInt4Linear"]] * 4, kinds
-        assert kinds["llama_w4_zero_point"] == [["KeptLinear"]] * 4, kinds
+        int4 = ("llama_gptq", "llama_awq", "llama_w4_zero_point")
+        assert [kinds[name] for name in int4] == [[["KeptInt4Linear"]] * 4] * 3, kinds
     for name in paths:
         _saved_plainly(str(tmp_path / "saved" / name), references[name])
 
@@ -259,7 +259,8 @@ def test_weights_kept_quantized_match_one_process_and_save_back_bitwise(
     (``distributed=True``: each rank its pieces, overlapping where ranks share a block) consolidates to the
     same bitwise checkpoint and loads back in one process. At TP=4, under Triton's interpreter, FP8 linears
     multiply through the package's kernel (``tensor/fp8_kernel.py``), reading the scales from inside blocks,
-    and with ``keep_quantized="int4"`` GPTQ and AWQ linears through torch's int4 kernel (``int4_kernel.py``)."""
+    and with ``keep_quantized="int4"`` GPTQ, AWQ and compressed-tensors' W4A16 linears through torch's int4
+    kernel (``int4_kernel.py``)."""
     import tp_workers
     from distributed import run_ranks
     from tp_workers import INPUT_IDS
@@ -279,12 +280,12 @@ def test_weights_kept_quantized_match_one_process_and_save_back_bitwise(
         for name in paths:
             assert_close(result[name], references[name], atol=TOLERANCE, rtol=TOLERANCE, what=f"{name} rank {rank}")
     if world_size == 4:  # every kept FP8 linear through the kernel (Triton's interpreter), its shards inside blocks;
-        # ("int4") act-order GPTQ and AWQ through torch's int4 kernel (inputs spread to their groups' slots);
-        # compressed-tensors' ints dequantized
+        # ("int4") act-order GPTQ, AWQ and compressed-tensors' W4A16 with zero points through torch's int4 kernel
+        # (inputs spread to their groups' slots where a shard cuts groups)
         kinds = {name: [result["kinds:" + name] for result in results] for name in paths}
         assert kinds["llama_fp8"] == [["KeptFP8KernelLinear"]] * 4, kinds
-        assert kinds["llama_gptq"] == kinds["llama_awq"] == [["KeptInt4Linear"]] * 4, kinds
-        assert kinds["llama_w4_zero_point"] == [["KeptLinear"]] * 4, kinds
+        int4 = ("llama_gptq", "llama_awq", "llama_w4_zero_point")
+        assert [kinds[name] for name in int4] == [[["KeptInt4Linear"]] * 4] * 3, kinds
     for name, path in paths.items():
         _saved_as_stored(str(tmp_path / "saved" / name), path)
         per_rank = str(tmp_path / "saved" / (name + "_per_rank"))

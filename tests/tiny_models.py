@@ -261,6 +261,9 @@ PACKED = {  # compressed-tensors' pack-quantized integers (the *-W4A16 / *-W8A16
     "qwen3_moe_w4_group": ("qwen3_moe_fp8", 4, "group", True),  # per-expert keys
 }
 PACKED_GROUP = 32
+PACKED_INT4_KERNEL = {  # read by the int4 kernel's test alone: a scale and zero point per output row, 4 bits
+    "llama_w4_channel_zero_point": ("llama_fp8", 4, "channel", False),
+}
 
 
 def make_packed_checkpoint(name: str, root: str) -> tuple[str, str]:
@@ -270,7 +273,7 @@ def make_packed_checkpoint(name: str, root: str) -> tuple[str, str]:
     plain floats: the two paths."""
     from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
 
-    model, bits, strategy, symmetric = PACKED[name]
+    model, bits, strategy, symmetric = {**PACKED, **PACKED_INT4_KERNEL}[name]
     path, plain, tensors = _float_twin(name, model, root)
     if tensors is None:
         return path, plain

@@ -27,6 +27,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from types import MappingProxyType
+from typing import NamedTuple
 
 import torch
 
@@ -348,6 +349,19 @@ class KeptFP8(Kept):
         return (self.weight.float() * scales).to(dtype)
 
 
+class GroupedValues(NamedTuple):
+    """A kept box of integers in groups of inputs, as kernels take them: ``W[o, i] = (values[o, i] - zero[g, o])
+    * scales[g, o]`` with ``g = groups[i]``, every value unsigned (GPTQ / AWQ as stored; compressed-tensors'
+    offset as stored)."""
+
+    values: torch.Tensor  # [outputs, inputs] uint8
+    zero: torch.Tensor  # [the box's groups, outputs] float32
+    scales: torch.Tensor  # [the box's groups, outputs] float32
+    groups: torch.Tensor  # [inputs] int64: each input's row in zero and scales
+    group: int  # the format's inputs per group
+    bits: int
+
+
 @dataclass
 class KeptIntegers(Kept):
     words: torch.Tensor  # int32, the box's rows and the words its columns touch
@@ -357,6 +371,22 @@ class KeptIntegers(Kept):
     group: int
     offset: tuple[int, int, int]  # the box's start inside its first word of rows, of columns, and its first group
     columns: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.words.shape[0], self.columns)
+
+    def grouped_values(self) -> GroupedValues:
+        """Unsigned as stored (the values offset by ``2 ** (bits - 1)``, and so the zero points; symmetric: the
+        offset alone), so ``q - z`` is the format's."""
+        (row, column, in_group), rows = self.offset, self.words.shape[0]
+        values = _codes(self.words, self.bits, 1).narrow(1, column, self.columns)
+        groups = (torch.arange(self.columns, device=values.device) + in_group) // self.group
+        if self.zero is None:
+            zero = torch.full(self.scales.shape, float(1 << (self.bits - 1)), device=values.device)
+        else:
+            zero = _codes(self.zero, self.bits, 0).narrow(0, row, rows).float()
+        return GroupedValues(values, zero.T, self.scales.float().T, groups, self.group, self.bits)
 
     def dequantize(self, dtype=torch.float32) -> torch.Tensor:
         (row, column, in_group), rows = self.offset, self.words.shape[0]
@@ -401,6 +431,10 @@ class KeptGrouped(Kept):
     first_group: int  # the group of ``scales[0]``
     shape: tuple[int, int]  # (outputs, inputs), as the parameter
 
+    @property
+    def bits(self) -> int:
+        return self.form.bits
+
     def integers(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The box's unsigned values [in, out] (uint8) and their zero points [its groups, out] (float32, the
         stored zero plus ``zero_offset``): ``W.T = (values - zero[group]) * scales[group]`` per input's group."""
@@ -418,6 +452,10 @@ class KeptGrouped(Kept):
         if not self.ordered:  # act-order: each input its own group
             return self.g_idx.long() - self.first_group
         return (torch.arange(inputs, device=self.words.device) + in_group) // self.group
+
+    def grouped_values(self) -> GroupedValues:
+        values, zero = self.integers()
+        return GroupedValues(values.T, zero, self.scales.float(), self.groups(), self.group, self.bits)
 
     def dequantize(self, dtype=torch.float32) -> torch.Tensor:
         """In float32 (each value exact: a small integer times an fp16 scale), rounded once to ``dtype``; the

@@ -1,19 +1,23 @@
-"""Kept int4 weights (GPTQ, AWQ) multiplied by torch's own int4 kernels (``keep_quantized="int4"``).
+"""Kept int4 weights (GPTQ, AWQ, compressed-tensors' pack-quantized W4A16) multiplied by torch's own int4
+kernels (``keep_quantized="int4"``).
 
 A kept int4 weight is otherwise unpacked and scaled module by module for every product: on this project's
 2-core CPU that made a GPTQ decode 17 times one process's. torch ships weight-only int4 kernels, the ones
 torchao's int4 layout runs on (tinygemm): ``_weight_int4pack_mm`` on CUDA and ``_weight_int4pack_mm_for_cpu``
 (vectorised; in bfloat16 a decode-sized product there takes about a third of the bf16 weight's time). They
 take unsigned 4-bit values in groups of 32 to 256 inputs with ``W = (q - 8) * scale + zero`` per group and
-output: GPTQ's and AWQ's ``(q - z) * s`` is that with ``scale = s``, ``zero = (8 - z) * s``.
+output: GPTQ's, AWQ's and compressed-tensors' ``(q - z) * s`` (a kept box's ``grouped_values``: the values
+unsigned as stored) is that with ``scale = s``, ``zero = (8 - z) * s``. A format's group of any size
+from 32 inputs (a scale per output row included) is cut into the kernel's groups, each with its scale.
 
 At load each kept box is repacked once into the kernel's layout (``int4_pack``), beside the stored words that
 a save writes back: about one more byte per two weights, plus the scales and zeros in the compute dtype; so
 it is asked for by name, where ``keep_quantized=True`` holds the stored bytes alone. The
-inputs go into the kernel's contraction group by group: in place where the box holds whole groups in order;
-otherwise (act-order, or a shard that starts inside a group) each group's inputs fill chunks of 32 slots, each
-chunk with its group's scale and zero, and the activations are spread into those slots for each product
-(unused slots: zero activations); an act-order shard touches most groups, so whole groups would make every
+inputs go into the kernel's contraction group by group: in place where they are in group order and a kernel's
+group size divides every group's count in the box (whole groups, a shard starting inside a group at a multiple
+of 32); otherwise (act-order, odd cuts) each group's inputs fill chunks of 32 slots, each chunk with its
+group's scale and zero, and the activations are spread into those slots for each product (unused slots: zero
+activations); an act-order shard touches most groups, so whole groups would make every
 row-parallel rank hold and multiply about the full contraction. Outputs are padded to 16 for the kernels'
 tiles.
 
@@ -33,7 +37,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..checkpoint.quantized import KeptGrouped
+from ..checkpoint.quantized import KeptGrouped, KeptIntegers
 from .kernel_checks import wrong_cases
 
 GROUPS = (32, 64, 128, 256)  # the group sizes the kernels take
@@ -54,25 +58,26 @@ class Int4Pack(NamedTuple):
 
 def int4_pack(kept, shape: tuple, dtype: torch.dtype) -> Int4Pack | None:
     """The kernel's form of a kept box that is a weight of ``shape`` in ``dtype``, or None where the kernels do
-    not take it (8 bits, groups of another size, a dtype or device without the kernel, the device's check
-    failed)."""
-    if not isinstance(kept, KeptGrouped) or kept.form.bits != 4 or kept.group not in GROUPS:
+    not take it (8 bits, groups of fewer than 32 inputs, a dtype or device without the kernel, the device's
+    check failed)."""
+    if not isinstance(kept, (KeptGrouped, KeptIntegers)) or kept.bits != 4 or kept.group < CHUNK:
         return None
     device = kept.words.device
     if tuple(kept.shape) != tuple(shape) or dtype not in COMPUTE_DTYPES.get(device.type, ()) or 0 in shape:
         return None
     if not runs_on(device, dtype):
         return None
-    values, zero = kept.integers()
-    return _packed(values.T, zero, kept.scales.float(), kept.groups(), kept.group, dtype)
+    values, zero, scales, groups, group, _ = kept.grouped_values()
+    return _packed(values, zero, scales, groups, group, dtype)
 
 
 def _packed(values, zero, scales, groups, group: int, dtype) -> Int4Pack | None:
     """``values`` [outputs, inputs] (unsigned), ``zero`` / ``scales`` [groups, outputs], ``groups``: each
-    input's row in them. Where every group holds all its ``group`` inputs, the kernel's groups are the
-    format's; otherwise (act-order shards touch most groups with a few inputs each) each group's inputs fill
-    chunks of ``CHUNK`` slots, each chunk with its group's scale and zero, so the contraction stays about the
-    shard's own width."""
+    input's row in them. The kernel's group is the largest of ``GROUPS`` that divides the box's count of inputs
+    in every group (a format's whole groups of 128 stay 128; a scale per output row, or a shard starting inside
+    a group, take the largest that fits); where none does (act-order shards touch most groups with a few
+    inputs each) each group's inputs fill chunks of ``CHUNK`` slots, each chunk with its group's scale and
+    zero, so the contraction stays about the shard's own width."""
     (outputs, inputs), device = values.shape, values.device
     order = torch.argsort(groups, stable=True)
     ranked = groups[order]
@@ -80,7 +85,7 @@ def _packed(values, zero, scales, groups, group: int, dtype) -> Int4Pack | None:
     counts = torch.bincount(groups, minlength=scales.shape[0])
     if inputs and int(counts.max()) > group:  # more inputs in a group than it has: not this format
         return None
-    step = group if bool((counts == group).all()) else CHUNK
+    step = next((size for size in reversed(GROUPS) if not bool((counts % size).any())), CHUNK)
     chunks = -(-counts // step)
     starts = (torch.cumsum(chunks, 0) - chunks) * step  # each group's first slot
     slots = torch.empty_like(order)
@@ -121,11 +126,12 @@ def int4_product(x: torch.Tensor, pack: Int4Pack) -> torch.Tensor:
 
 @functools.cache
 def runs_on(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether torch's int4 kernel on ``device`` computes in ``dtype`` what the format says: products of 1, 5
-    and 40 rows, groups of 32 to 128, outputs padded, inputs in place and spread to chunks, contractions of 96,
-    448 and 128 (CUDA's tiles of 2, 4 and 8 x 16 columns), against the same weights in float32 (within the
-    compute dtype's rounding of the scales and zeros)."""
-    cases = [(1, 32, 48, 3, False), (5, 128, 64, 4, True), (40, 64, 16, 2, False)]  # rows, group, outputs, groups
+    """Whether torch's int4 kernel on ``device`` computes in ``dtype`` what the format says: products of 1, 2,
+    5 and 40 rows, the kernel's groups of 32 to 256, outputs padded, inputs in place and spread, contractions of
+    96, 448, 128 and 256 (CUDA's tiles of 2, 4 and 8 x 16 columns), against the same weights in float32 (within
+    the compute dtype's rounding of the scales and zeros)."""
+    cases = [(1, 32, 48, 3, False), (5, 128, 64, 4, True), (40, 64, 16, 2, False),
+             (2, 256, 32, 1, False)]  # rows, group, outputs, groups, spread  # fmt: skip
     wrong = wrong_cases(cases, functools.partial(_computes_right, device, dtype))
     if wrong:
         warnings.warn(f"hf_parallel: torch's int4 kernel does not compute right on {device} in {dtype} (torch "

@@ -167,8 +167,9 @@ def hold_quantized(model: nn.Module, kept: dict[str, KeptWeight], fp8_products: 
                       f"they take the weight-only FP8 kernel where it runs, else are dequantized")  # fmt: skip
     if int4_kernels and kept and not any(isinstance(module, KeptInt4Linear) for module in model.modules()):
         warnings.warn("keep_quantized='int4': no kept weight is multiplied by torch's int4 kernel on this rank (none "
-                      "GPTQ / AWQ 4-bit in groups of 32 to 256 inputs held by a plain linear, or no kernel for this "
-                      "device and dtype); they are held as with keep_quantized=True")  # fmt: skip
+                      "GPTQ / AWQ / compressed-tensors 4-bit in groups of 32 inputs or more held in one box by a "
+                      "plain linear, or no kernel for this device and dtype); they are held as with "
+                      "keep_quantized=True")  # fmt: skip
     return handles
 
 

@@ -2,7 +2,7 @@
 ``fully_shard`` swaps a module's class): ``KeptLinear`` dequantizes the weight for the product,
 ``KeptFP8KernelLinear`` multiplies an FP8 weight as stored by the package's weight-only kernel (``fp8_kernel``,
 on GPUs), ``KeptFP8Linear`` by cuBLASLt's W8A8 product (``fp8_matmul``, asked for by ``keep_quantized="fp8"``),
-``KeptInt4Linear`` a GPTQ / AWQ int4 weight by torch's int4 kernel (``int4_kernel``, CPU and CUDA).
+``KeptInt4Linear`` a GPTQ / AWQ / compressed-tensors int4 weight by torch's int4 kernel (``int4_kernel``, CPU and CUDA).
 The ``weight`` slot keeps its placeholder throughout, so any other use of the weight still fails loudly; and
 no parameter is built inside the forward, which ``torch.compile(fullgraph=True)`` cannot trace (the forward
 hooks of other kept modules do). ``product`` is the product without the bias: a row-parallel shard sums it
@@ -66,7 +66,8 @@ class KeptFP8KernelLinear(KeptKernelLinear):
 
 
 class KeptInt4Linear(KeptKernelLinear):
-    """A kept GPTQ / AWQ int4 weight in one box, multiplied by torch's int4 kernel from ``int4_pack``."""
+    """A kept GPTQ / AWQ / compressed-tensors int4 weight in one box, multiplied by torch's int4 kernel from
+    ``int4_pack``."""
 
     KERNEL_ROWS = int4_kernel.KERNEL_ROWS
 
