@@ -124,5 +124,35 @@ def gptq_llama(group: int = 128) -> str:
     return path
 
 
+# ~0.4 B parameters, 0.1 B of them active a token: 8 layers of 32 experts (MLP 512), 4 of them a token
+QWEN3_MOE = dict(vocab_size=32000, hidden_size=1024, intermediate_size=2048, moe_intermediate_size=512, num_experts=32,
+                 num_experts_per_tok=4, num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4, head_dim=64,
+                 max_position_embeddings=2048, tie_word_embeddings=False)  # fmt: skip
+
+
+def fp8_qwen3_moe() -> str:
+    """A random Qwen3-MoE as its FP8 release stores it (one key per expert, 128 x 128 blocks; the tests'
+    ``quantize_fp8``): a decode step routes each token to 4 of each layer's 32 experts."""
+    from safetensors.torch import load_file, save_file
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+    from tiny_models import fp8_config, quantize_fp8
+
+    path = os.path.join(cache_root(), "bench-qwen3-moe-fp8")
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return path
+    torch.manual_seed(0)
+    config = transformers.Qwen3MoeConfig(**QWEN3_MOE)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(path + ".tmp", max_shard_size="100GB")
+    file = os.path.join(path + ".tmp", "model.safetensors")
+    quantized = quantize_fp8({k: v.float() for k, v in load_file(file).items()}, block=(128, 128))[0]
+    save_file({k: v if v.dtype != torch.float32 or k.endswith("_scale_inv") else v.to(torch.bfloat16)
+               for k, v in quantized.items()}, file, metadata={"format": "pt"})  # fmt: skip
+    fp8_config(path + ".tmp", block=(128, 128))
+    os.replace(path + ".tmp", path)
+    return path
+
+
 CHECKPOINTS = {"smollm2-135m": default_checkpoint, "llama-1gb": random_llama, "llama-1gb-fp8": fp8_llama,
-               "llama-1gb-gptq": gptq_llama}  # fmt: skip
+               "llama-1gb-gptq": gptq_llama, "qwen3-moe-fp8": fp8_qwen3_moe}  # fmt: skip

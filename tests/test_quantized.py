@@ -279,6 +279,10 @@ def test_weights_kept_quantized_match_one_process_and_save_back_bitwise(
     for rank, result in enumerate(results):
         for name in paths:
             assert_close(result[name], references[name], atol=TOLERANCE, rtol=TOLERANCE, what=f"{name} rank {rank}")
+            step = references[name][:1, :1]  # causal: the first token's logits alone
+            assert_close(result["step:" + name], step, atol=TOLERANCE, rtol=TOLERANCE, what=f"{name} step {rank}")
+            if name in MOE and "pp_size" not in sizes:  # every expert weight: its two experts gathered by id
+                assert result["experts:" + name] == 2 * 2, (name, rank, result["experts:" + name])
     if world_size == 4:  # every kept FP8 linear through the kernel (Triton's interpreter), its shards inside blocks;
         # ("int4") act-order GPTQ, AWQ and compressed-tensors' W4A16 with zero points through torch's int4 kernel
         # (inputs spread to their groups' slots where a shard cuts groups)

@@ -313,6 +313,7 @@ class Kept:
     each part's field -> (its key, where the elements sit in the stored tensor), to save it back."""
 
     at: dict[str, tuple[str, tuple]]
+    holds_experts = False  # its tensors' leading dim is the experts' (MXFP4's fused experts), dequantized with it
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return {k: v for k, v in vars(self).items() if isinstance(v, torch.Tensor)}
@@ -399,6 +400,7 @@ class KeptIntegers(Kept):
 
 @dataclass
 class KeptMXFP4(Kept):
+    holds_experts = True
     blocks: torch.Tensor  # uint8 [E, out, groups, 16]: the box's experts and outputs, the groups of its inputs
     scales: torch.Tensor  # uint8 [E, out, groups]
     offset: int  # the box's first input inside its first group

@@ -18,7 +18,7 @@ from .styles import Hooks, ParallelStyle
 EXPERT_ARG_ROLES = {"hidden_states": 0, "top_k_index": 1, "router_indices": 1, "top_k_weights": 2, "routing_weights": 2}
 
 
-def _rewrite_expert_args(args: tuple, kwargs: dict, rewrite) -> tuple[tuple, dict]:
+def rewrite_expert_args(args: tuple, kwargs: dict, rewrite) -> tuple[tuple, dict]:
     """Apply ``rewrite(role, value)`` to each experts-forward argument, passed by position or name."""
     args = tuple(rewrite(role, value) if role < 3 else value for role, value in enumerate(args))
     kwargs = {key: rewrite(EXPERT_ARG_ROLES[key], v) if key in EXPERT_ARG_ROLES else v for key, v in kwargs.items()}
@@ -68,7 +68,7 @@ class MoETPExperts(ParallelStyle):
         for attr in whole:
             ctx.gradients.sum_over(module.get_parameter(attr), group)
         return Hooks(
-            pre=lambda args, kwargs: _rewrite_expert_args(args, kwargs, rewrite),
+            pre=lambda args, kwargs: rewrite_expert_args(args, kwargs, rewrite),
             around=_counted_once(module, whole, ctx.rank),
             post=lambda out: comm.reduce_from(out, group),
         )

@@ -7,7 +7,9 @@ Between calls the parameter's slot holds a ``KeptPlaceholder``: its local shape 
 device (so shape checks and the plan see the weight), refusing any computation (a meta tensor alone would
 not: ``F.linear`` of a CPU input and a meta weight returns uninitialised memory). The module's forward
 pre-hook puts the dequantized weight there and its forward hook puts the placeholder back, so anything
-reading the weight outside its module's call fails loudly, never with a stale or wrong value.
+reading the weight outside its module's call fails loudly, never with a stale or wrong value. Plain linears
+(``kept_linear``) and fused experts (``kept_experts``, only the experts a step goes to) compute with their
+kept weights themselves instead.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from ..checkpoint.writer import torch_dtype
 from ..distributed import p2p
 from ..distributed.devices import to_wire
 from ..distributed.faults import collective
+from .kept_experts import hold_experts
 from .kept_linear import KeptFP8Linear, KeptInt4Linear, hold_linear
 
 
@@ -140,8 +143,9 @@ def placeholder(local_shape, dtype) -> KeptPlaceholder:
 def hold_quantized(model: nn.Module, kept: dict[str, KeptWeight], fp8_products: bool = False,
                    int4_kernels: bool = False) -> list:  # fmt: skip
     """A plain linear computes with its kept weight itself (``kept_linear``: FP8 products with
-    ``fp8_products`` where the card has them, torch's int4 kernel with ``int4_kernels``); any other module's
-    kept weights are dequantized into their slots for its call only (hooks, returned)."""
+    ``fp8_products`` where the card has them, torch's int4 kernel with ``int4_kernels``), a fused-experts
+    module dequantizes the experts its tokens go to (``kept_experts``); any other module's kept weights are
+    dequantized into their slots for its call only (hooks, returned)."""
     by_module: dict[str, dict[str, KeptWeight]] = {}
     for name, weight in kept.items():
         path, _, attr = name.rpartition(".")
@@ -149,7 +153,7 @@ def hold_quantized(model: nn.Module, kept: dict[str, KeptWeight], fp8_products: 
     handles = []
     for path, weights in by_module.items():
         module = model.get_submodule(path)
-        if hold_linear(module, weights, fp8_products, int4_kernels):
+        if hold_linear(module, weights, fp8_products, int4_kernels) or hold_experts(module, weights):
             continue
         resting = {attr: module._parameters[attr] for attr in weights}
 

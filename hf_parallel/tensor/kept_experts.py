@@ -1,0 +1,170 @@
+"""Kept experts dequantized only where tokens go (``keep_quantized=True`` on a fused-experts module).
+
+A kept weight of any other module is dequantized whole for each call. An experts module holds every local
+expert ([E, ...]: Qwen3-MoE, DeepSeek-V3, GPT-OSS, Mixtral), and a decode step routes each token to only
+``top_k`` of them, so dequantizing all E per step (what transformers' grouped_mm forward would need: it
+takes the whole [E, ...] weight) costs E / top_k times the work of the experts used: 16x for 128 experts
+and top-8.
+
+So where a call routes no more (token, expert) pairs than the module holds experts (decode steps, small
+batches), the module computes as if it held one expert per pair: each pair's expert is dequantized (its
+kept parts gathered by expert id on the device, no host sync, every pair at once through ``torch.vmap`` of
+the format's own dequantization), every other per-expert parameter (biases) gathered likewise, and the
+pairs' ids become 0..pairs-1 (an expert parallel sentinel stays the sentinel, now ``pairs``). transformers'
+experts forward (eager, grouped_mm or batched_mm: whichever the config names) runs unchanged on that
+module of ``pairs`` experts; the numbers are the whole weight's, each pair multiplied by the same rows.
+Larger calls (prefill) dequantize every expert into the slots, as other modules do.
+
+The module's class is swapped for a subclass with this forward (as FSDP2's ``fully_shard`` swaps a
+module's class) before the TP / EP hooks wrap it, so it sees the expert ids EP has made local. A kept
+weight's per-expert pieces (one per expert key, or per expert and part) are stacked once at load into
+one tensor per part, the pieces keeping views of it (what a save reads), so the gather is one index per
+part. Pieces that cannot stack (an act-order GPTQ expert's groups start elsewhere than its neighbour's)
+leave that module on the whole-weight path.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from dataclasses import fields, replace
+
+import torch
+from torch import nn
+
+from ..checkpoint.quantized import Kept
+from ..compat.torch import MODULE_PARAMETERS
+from .experts import EXPERT_ARG_ROLES, rewrite_expert_args
+
+
+class ExpertRows:
+    """A kept weight's experts gathered by id: ``rows(ids)`` is ``weight.dequantize()[ids]`` without
+    dequantizing the others. ``stacks``: per part of each expert's slice (its place there), the experts'
+    ``Kept`` boxes of that part stacked along a new leading dim (or one box holding every expert)."""
+
+    def __init__(self, weight, stacks: list[tuple[tuple, Kept, bool]]):
+        self.weight, self.stacks = weight, stacks  # (place in an expert's slice, stacked box, box holds E)
+
+    @classmethod
+    def of(cls, weight) -> ExpertRows | None:
+        """Stack ``weight``'s (a ``KeptWeight`` [E, ...]) pieces, each piece then holding views of the stack;
+        None where they do not stack."""
+        experts, by_place, stacks = weight.shape[0], {}, []
+        for piece in weight.pieces:
+            first, place = piece.at[0], piece.at[1:]
+            if piece.kept.holds_experts:  # one box of all the experts (MXFP4: [E, out, groups, 16])
+                if (first.start, first.stop) != (0, experts):
+                    return None
+                stacks.append((place, piece.kept, True))
+            elif first.stop - first.start == 1:  # one expert's box: stacked with the others' of its place
+                by_place.setdefault(_key(place), {})[first.start] = piece
+            else:
+                return None
+        stacked_places = []
+        for place, pieces in by_place.items():
+            ordered = [pieces.get(e) for e in range(experts)]
+            stacked = _stacked([p.kept for p in ordered]) if None not in ordered else None
+            if stacked is None:
+                return None
+            stacked_places.append((place, ordered, stacked))
+        for place, ordered, stacked in stacked_places:
+            for e, piece in enumerate(ordered):  # views of the stack: the bytes once
+                piece.kept = replace(piece.kept, **{name: t[e] for name, t in stacked.tensors().items()})
+            stacks.append((tuple(slice(a, b) for a, b in place), stacked, False))
+        return cls(weight, stacks)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Experts ``ids`` (int64, on the device) dequantized: [len(ids), *an expert's shape]."""
+        weight = self.weight
+        out = torch.empty((ids.numel(), *weight.shape[1:]), dtype=weight.dtype, device=ids.device)
+        for place, stacked, holds_all in self.stacks:
+            taken = {name: t.index_select(0, ids) for name, t in stacked.tensors().items()}
+            if holds_all:  # the format dequantizes its experts' dim itself
+                values = replace(stacked, **taken).dequantize(weight.dtype)
+            else:  # every expert at once, by the format's own dequantization
+                one = functools.partial(_dequantized, stacked, weight.dtype, list(taken))
+                values = torch.vmap(one)(*taken.values())
+            target = out[(slice(None), *place)]
+            target.copy_(values.reshape(target.shape))
+        return out
+
+
+def _dequantized(template: Kept, dtype, names: list, *tensors) -> torch.Tensor:
+    return replace(template, **dict(zip(names, tensors))).dequantize(dtype)
+
+
+def _key(place: tuple) -> tuple:
+    return tuple((s.start, s.stop) for s in place)
+
+
+def _stacked(boxes: list[Kept]) -> Kept | None:
+    """One box whose tensors are ``boxes``' stacked (the first's other fields), or None where they differ in
+    anything but their tensors' values and where they were read from."""
+    first = boxes[0]
+    same = [f.name for f in fields(first) if f.name != "at" and not isinstance(getattr(first, f.name), torch.Tensor)]
+    shapes = {name: t.shape for name, t in first.tensors().items()}
+    for box in boxes[1:]:
+        if any(getattr(box, name) != getattr(first, name) for name in same):
+            return None
+        if {name: t.shape for name, t in box.tensors().items()} != shapes:
+            return None
+    return replace(first, **{name: torch.stack([getattr(b, name) for b in boxes]) for name in shapes})
+
+
+class KeptExperts(nn.Module):
+    """The forward of a fused-experts module whose weights are kept (mixed in before its own class)."""
+
+    kept_rows: dict  # attr -> ExpertRows, or None: that weight dequantizes whole
+    kept_weights: dict  # attr -> KeptWeight
+    per_expert: tuple  # its other parameters (biases), gathered by id alike (the placeholders never touched)
+
+    def forward(self, *args, **kwargs):
+        ids = args[1] if len(args) > 1 else next(v for k, v in kwargs.items() if EXPERT_ARG_ROLES.get(k) == 1)
+        experts, pairs = self.num_experts, ids.numel()
+        if pairs > experts or any(rows is None for rows in self.kept_rows.values()):
+            whole = {attr: weight.dequantize() for attr, weight in self.kept_weights.items()}
+            return self._forward_with(whole, experts, args, kwargs)
+        index = ids.reshape(-1).clamp(max=experts - 1)  # EP's sentinel (``experts``) gathers any; it is skipped
+        own = torch.arange(pairs, device=ids.device).view_as(ids)
+        per_pair = torch.where(ids < experts, own, pairs)
+        slots = {attr: self._parameters[attr].index_select(0, index) for attr in self.per_expert}  # biases
+        slots.update({attr: rows.rows(index) for attr, rows in self.kept_rows.items()})
+        args, kwargs = rewrite_expert_args(args, kwargs, lambda role, value: per_pair if role == 1 else value)
+        return self._forward_with(slots, pairs, args, kwargs)
+
+    def _forward_with(self, slots: dict, experts: int, args, kwargs):
+        """The class's forward with ``slots`` in those parameters' places, as a module of ``experts`` experts;
+        put back after, whatever happens (try / finally, not a context manager: dynamo compiles this whole)."""
+        saved, held = {attr: self._parameters[attr] for attr in slots}, self.num_experts
+        self._parameters.update(slots)
+        self.num_experts = experts
+        try:
+            return super().forward(*args, **kwargs)
+        finally:
+            self._parameters.update(saved)
+            self.num_experts = held
+
+
+@functools.cache
+def _kept_class(cls: type) -> type:
+    return type(f"Kept{cls.__name__}", (KeptExperts, cls), {})
+
+
+def hold_experts(module: nn.Module, weights: dict) -> bool:
+    """Make a fused-experts module (transformers' experts forward taking expert ids, an int ``num_experts``,
+    every parameter stacked [E, ...]) compute with
+    its kept ``weights`` (attr -> ``KeptWeight``) as this module's docstring says; False for any other."""
+    params = dict(module.named_parameters(recurse=False))
+    leading = {tuple(p.shape[:1]) for p in params.values()}
+    named = inspect.signature(type(module).forward).parameters  # transformers' experts forward: (hidden, ids, ..)
+    routed = any(EXPERT_ARG_ROLES.get(name) == 1 for name in named)
+    if not routed or not isinstance(getattr(module, "num_experts", None), int) or len(leading) != 1 or () in leading:
+        return False
+    if not set(weights) <= set(params) or any(w.shape[:1] != next(iter(leading)) for w in weights.values()):
+        return False
+    MODULE_PARAMETERS.get()  # the forward swaps entries of the module's parameters for its call
+    module.__class__ = _kept_class(type(module))
+    module.kept_weights = weights
+    module.per_expert = tuple(attr for attr in params if attr not in weights)
+    module.kept_rows = {attr: ExpertRows.of(weight) for attr, weight in weights.items()}
+    return True
