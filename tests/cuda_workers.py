@@ -107,6 +107,28 @@ def _kept_logits(path: str, keeps: tuple, dtype, **sizes):
     return logits, model, device
 
 
+def kept_experts(rank: int, world_size: int, path: str, save_root: str, sizes: dict) -> dict:
+    """A Qwen3-MoE FP8 checkpoint at ``sizes`` in float32, kept against dequantized as read: a one-token step
+    (each pair's expert gathered by id on the card) and a prefill (every expert dequantized), the step
+    compiled whole against eager, how many experts modules compute with their kept weights, and the kept
+    weights saved back."""
+    import hf_parallel
+    from hf_parallel.tensor.kept_experts import KeptExperts
+
+    models = {keep: hf_parallel.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, keep_quantized=keep,
+                                                                     **sizes) for keep in (False, True)}  # fmt: skip
+    device, out = hf_parallel.parallel_state(models[True]).mesh.device, {}
+    step = INPUT_IDS[:1, :1].to(device)
+    with torch.no_grad():
+        for what, ids in (("step", step), ("prefill", INPUT_IDS.to(device))):
+            out[what] = gap(models[True](ids).logits.float(), models[False](ids).logits.float())
+        compiled = torch.compile(models[True].forward, fullgraph=True)(step).logits.float()
+        out["compiled"] = gap(compiled, models[True](step).logits.float())
+    out["experts"] = sum(isinstance(m, KeptExperts) for m in models[True].modules())
+    models[True].save_pretrained(os.path.join(save_root, "gathered"))
+    return out
+
+
 def kept_int4(rank: int, world_size: int, path: str, save_root: str) -> dict:
     """An act-order GPTQ checkpoint at TP=2 in bfloat16, ``keep_quantized="int4"`` against dequantized as read:
     logits (eager, and compiled whole), the kept linears' classes (torch's int4 kernel where the card runs it),

@@ -132,6 +132,24 @@ def test_int4_kept_through_torch_kernel_on_a_gpu(tmp_path, monkeypatch):
     assert_same_checkpoint(path, str(tmp_path / "saved" / "gathered"))
 
 
+def test_kept_experts_gather_a_steps_experts_on_a_gpu(tmp_path, monkeypatch):
+    """``keep_quantized=True``, Qwen3-MoE FP8 (per-expert keys) with its experts spread (EP=2) in float32: a
+    one-token step gathers each pair's expert on the card (other ranks' experts as EP's sentinel), a prefill
+    dequantizes every expert, both as the checkpoint dequantized as read; the step compiles whole; saved
+    back bitwise."""
+    import cuda_workers
+    from tiny_models import make_fp8_checkpoint
+
+    path = make_fp8_checkpoint("qwen3_moe_fp8", str(tmp_path))
+    monkeypatch.setenv("HF_PARALLEL_DEVICE", "cuda:0")
+    results = run_ranks(2, cuda_workers.kept_experts, path, str(tmp_path / "saved"), dict(tp_size=2, ep_plan="auto"),
+                        out_dir=str(tmp_path / "out"))  # fmt: skip
+    for rank, got in enumerate(results):
+        assert got["experts"] == 2, got
+        assert_within({k: got[k] for k in ("step", "prefill", "compiled")}, atol=1e-4, rtol=0, where=f"rank {rank}")
+    assert_same_checkpoint(path, str(tmp_path / "saved" / "gathered"))
+
+
 WHOLE_BLOCKS = ("self_attn.q_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")  # K of 4 blocks
 
 
