@@ -30,6 +30,22 @@ def once_per_world_size(compute):
     return get
 
 
+@pytest.fixture
+def interpreted(monkeypatch):
+    """``tensor/fp8_kernel`` with its Triton source (``fp8_triton``) made for Triton's interpreter, which
+    ``triton.jit`` reads when it decorates: both modules reloaded under ``TRITON_INTERPRET=1``, and after."""
+    import importlib
+
+    from hf_parallel.tensor import fp8_kernel
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    importlib.reload(importlib.import_module("hf_parallel.tensor.fp8_triton"))
+    yield importlib.reload(fp8_kernel)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    importlib.reload(importlib.import_module("hf_parallel.tensor.fp8_triton"))
+    importlib.reload(fp8_kernel)
+
+
 @pytest.fixture(scope="session")
 def tiny_root(tmp_path_factory):
     return str(tmp_path_factory.mktemp("tiny"))

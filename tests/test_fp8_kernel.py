@@ -22,17 +22,6 @@ from hf_parallel.tensor import fp8_kernel
 CPU = torch.device("cpu")
 
 
-@pytest.fixture
-def interpreted(monkeypatch):
-    """``fp8_kernel`` with its Triton source (``fp8_triton``) made for the interpreter."""
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    importlib.reload(importlib.import_module("hf_parallel.tensor.fp8_triton"))
-    yield importlib.reload(fp8_kernel)
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    importlib.reload(importlib.import_module("hf_parallel.tensor.fp8_triton"))
-    importlib.reload(fp8_kernel)
-
-
 def test_a_kept_fp8_load_on_cpu_does_not_import_the_kernel(tiny_root):
     """Importing Triton costs a process about 80 MiB: a kept FP8 model on CPU, outside the interpreter, never
     imports the kernel's source (``fp8_triton``; a fresh interpreter, its forward run). torch's own dynamo
@@ -91,6 +80,26 @@ def test_the_kernel_computes_the_dequantized_weights_product(interpreted, box):
     torch.testing.assert_close(got.float(), want, rtol=0, atol=2**-6 * want.abs().max().item())
 
 
+@pytest.mark.parametrize("box", BOXES, ids=list(BOXES))
+def test_the_gathered_kernel_multiplies_each_pair_by_its_experts_weight(interpreted, box):
+    """The gathered product (``kept_experts``' decode steps): three experts' boxes stacked, five (token,
+    expert) pairs, one expert twice and one not at all: each pair's row times its expert's dequantized weight
+    (float32 within its sums, bfloat16 within the weights' and output's rounding)."""
+    outputs, inputs, offset, block, fp8, _ = BOXES[box]
+    experts = [kept_box(outputs, inputs, offset, block, fp8, seed=e) for e in range(3)]
+    stacked = dataclasses.replace(experts[0], weight=torch.stack([e.weight for e in experts]),
+                                  scales=torch.stack([e.scales for e in experts]))  # fmt: skip
+    assert interpreted.gathered_takes(stacked, torch.float32)
+    ids = torch.tensor([2, 0, 2, 0, 2])
+    x = torch.randn(5, inputs, generator=torch.Generator().manual_seed(1))
+    for dtype, within in ((torch.float32, 1e-5), (torch.bfloat16, 2**-6)):
+        want = torch.stack([x[p].to(dtype).float() @ experts[e].dequantize(dtype).float().T
+                            for p, e in enumerate(ids.tolist())])  # fmt: skip
+        got = interpreted.gathered_weight_only_fp8(x.to(dtype), ids, stacked)
+        assert got.shape == (5, outputs) and got.dtype == dtype
+        torch.testing.assert_close(got.float(), want, rtol=0, atol=within * want.abs().max().item())
+
+
 def test_a_kernel_that_computes_otherwise_is_refused_at_load(interpreted, monkeypatch):
     """The load-time check against the dequantized product: a kernel reading a box's scales from the start of
     its first block (its offset dropped) is refused with a warning naming the device; without Triton's
@@ -102,6 +111,10 @@ def test_a_kernel_that_computes_otherwise_is_refused_at_load(interpreted, monkey
                         lambda x, kept: right(x, dataclasses.replace(kept, offset=(0, 0))))  # fmt: skip
     with pytest.warns(UserWarning, match="does not compute right on cpu"):
         assert not interpreted.runs_on(CPU)
+    gathered = interpreted.gathered_weight_only_fp8  # one expert's weight for every pair: refused
+    monkeypatch.setattr(interpreted, "gathered_weight_only_fp8", lambda x, ids, kept: gathered(x, ids * 0, kept))
+    with pytest.warns(UserWarning, match="gathered weight-only FP8 kernel does not compute right on cpu"):
+        assert not interpreted.gathered_runs_on(CPU)
     monkeypatch.delenv("TRITON_INTERPRET")
     compiled = importlib.reload(fp8_kernel)
     assert not compiled.runs_on(CPU) and not compiled.takes(kept_box(32, 32, (0, 0), (32, 32)), (32, 32), torch.float32)

@@ -55,6 +55,41 @@ def test_a_step_dequantizes_only_the_experts_its_tokens_go_to(tiny_root, monkeyp
             got = kept(ids).logits
         torch.testing.assert_close(got, want, rtol=0, atol=1e-5 * want.abs().max().item())
         assert gathered == [pairs] * (4 if pairs else 0), (name, ids.shape, gathered)
+    if name.startswith("qwen3"):  # no token at all: the whole path, as transformers' forward takes it
+        hidden = torch.zeros(0, experts[0].hidden_dim)
+        with torch.no_grad():
+            assert experts[0](hidden, torch.zeros(0, 2, dtype=torch.long), torch.zeros(0, 2)).shape == (0, 64)
+
+
+def test_fp8_experts_multiply_as_stored_by_the_gathered_kernel(interpreted, tiny_root, monkeypatch):
+    """Where the gathered FP8 kernel runs (here Triton's interpreter), a gated Qwen3-MoE step multiplies its
+    pairs' experts as stored: three launches a layer (gate, up, down), the logits of the checkpoint
+    dequantized as read (float32 within 1e-5, bfloat16 within its rounding); a prefill and an input that
+    needs a gradient take the dequantized experts; GPT-OSS (biases, its own gate) never takes it."""
+    import hf_parallel
+
+    path = _paths(tiny_root)["qwen3_moe_fp8"]
+    launches, gathered = [], interpreted.gathered_weight_only_fp8
+    monkeypatch.setattr(interpreted, "gathered_weight_only_fp8",
+                        lambda x, ids, kept: launches.append(len(ids)) or gathered(x, ids, kept))  # fmt: skip
+    for dtype, within in ((torch.float32, 1e-5), (torch.bfloat16, 2**-6)):
+        kept = hf_parallel.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, keep_quantized=True)
+        read = hf_parallel.AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        assert [m.fp8_products for m in kept.modules() if isinstance(m, kept_experts.KeptExperts)] == [True] * 2
+        for ids, pairs in ((torch.tensor([[5]]), 2), (torch.tensor([[5], [9]]), 4), (torch.tensor([[5, 9, 3]]), 0)):
+            launches.clear()
+            with torch.no_grad():
+                want = read(ids).logits.float()
+                got = kept(ids).logits.float()
+            torch.testing.assert_close(got, want, rtol=0, atol=within * want.abs().max().item())
+            assert launches == [pairs] * (6 if pairs else 0), (dtype, ids.shape, launches)
+    experts = next(m for m in kept.modules() if isinstance(m, kept_experts.KeptExperts))
+    hidden = torch.randn(1, experts.hidden_dim, dtype=dtype, requires_grad=True)
+    launches.clear()
+    experts(hidden, torch.tensor([[1, 3]]), torch.tensor([[0.5, 0.5]], dtype=dtype)).sum().backward()
+    assert launches == [] and hidden.grad is not None
+    mxfp4 = hf_parallel.AutoModelForCausalLM.from_pretrained(_paths(tiny_root)["gpt_oss_mxfp4"], keep_quantized=True)
+    assert not any(m.fp8_products for m in mxfp4.modules() if isinstance(m, kept_experts.KeptExperts))
 
 
 def test_boxes_that_differ_but_in_their_values_do_not_stack(tiny_root):
@@ -62,19 +97,21 @@ def test_boxes_that_differ_but_in_their_values_do_not_stack(tiny_root):
     starts elsewhere inside its blocks leaves its weight on the whole path (every expert dequantized)."""
     weight = torch.zeros(4, 8, dtype=torch.float8_e4m3fn)
     boxes = [KeptFP8({"weight": (f"e{e}", ())}, weight, torch.ones(1, 1), (4, 8), (0, 0)) for e in range(3)]
+    assert kept_experts._stack_together(boxes)
     stacked = kept_experts._stacked(boxes)
     assert stacked.weight.shape == (3, 4, 8) and stacked.scales.shape == (3, 1, 1)
-    assert kept_experts._stacked([*boxes, KeptFP8({}, weight, torch.ones(1, 1), (4, 8), (2, 0))]) is None
-    assert kept_experts._stacked([*boxes, KeptFP8({}, weight[:2], torch.ones(1, 1), (4, 8), (0, 0))]) is None
+    assert not kept_experts._stack_together([*boxes, KeptFP8({}, weight, torch.ones(1, 1), (4, 8), (2, 0))])
+    assert not kept_experts._stack_together([*boxes, KeptFP8({}, weight[:2], torch.ones(1, 1), (4, 8), (0, 0))])
 
 
 @pytest.mark.slow
-def test_kept_experts_compile_whole(tiny_root, monkeypatch):
-    """``torch.compile(fullgraph=True)`` of a kept Qwen3-MoE FP8 model: a one-token step (experts gathered
-    by id) and a seven-token prefill (every expert dequantized) give eager's logits."""
+@pytest.mark.parametrize("name", ["qwen3_moe_fp8", "qwen3_moe_w4_group"])
+def test_kept_experts_compile_whole(tiny_root, monkeypatch, name):
+    """``torch.compile(fullgraph=True)`` of a kept Qwen3-MoE model, FP8 and pack-quantized int4: a one-token
+    step (experts gathered by id) and a seven-token prefill (every expert dequantized) give eager's logits."""
     import hf_parallel
 
-    path = _paths(tiny_root)["qwen3_moe_fp8"]
+    path = _paths(tiny_root)[name]
     kept = hf_parallel.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, keep_quantized=True)
     gathered = _counting(monkeypatch)
     forward = torch.compile(kept.forward, fullgraph=True)

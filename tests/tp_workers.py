@@ -214,7 +214,8 @@ def quantized_logits(rank: int, world_size: int, paths: dict, save_root: str, si
     this rank holds (kept parts, and the parameters that are not placeholders), "kinds:<name>" the classes of
     its kept linears, a per-rank save under ``save_root/<name>_per_rank``, "step:<name>" the logits of
     INPUT_IDS' first token alone (a decode step's size: fused experts dequantize only the experts it goes to)
-    and "experts:<name>" how many kept expert weights were gathered by expert id in that step."""
+    and "experts:<name>" each kept expert weight gathered by expert id in that step ("dequantized", or "as
+    stored": multiplied by the gathered FP8 kernel)."""
     import hf_parallel
     from hf_parallel.tensor.kept_experts import ExpertRows
 
@@ -230,14 +231,15 @@ def quantized_logits(rank: int, world_size: int, paths: dict, save_root: str, si
             out["held:" + name] = sum(p.numel() * p.element_size() for p in params) + sum(w.nbytes for w in kept)
             linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and hasattr(m, "kept_weight")]
             out["kinds:" + name] = sorted({type(m).__name__ for m in linears})
-            gathered, rows = [], ExpertRows.rows
-            ExpertRows.rows = lambda self, ids: gathered.append(ids.numel()) or rows(self, ids)
+            gathered, rows, product = [], ExpertRows.rows, ExpertRows.product
+            ExpertRows.rows = lambda self, ids: gathered.append("dequantized") or rows(self, ids)
+            ExpertRows.product = lambda self, x, ids: gathered.append("as stored") or product(self, x, ids)
             try:
                 with torch.no_grad():
                     out["step:" + name] = model(INPUT_IDS[:1, :1]).logits.tolist()
             finally:
-                ExpertRows.rows = rows
-            out["experts:" + name] = len(gathered)
+                ExpertRows.rows, ExpertRows.product = rows, product
+            out["experts:" + name] = gathered
             model.save_pretrained(os.path.join(save_root, name + "_per_rank"), distributed=True)
         model.save_pretrained(os.path.join(save_root, name))
     return out

@@ -15,6 +15,9 @@ starts on a block boundary of the whole weight, so each tile takes one scale per
 up to ``KERNEL_ROWS`` rows (decode steps, small batches), where a product reads more weight than
 activations; larger ones (prefill) take the dequantized product (cuBLAS).
 
+Its gathered form (``gathered_weight_only_fp8``) multiplies each row of a decode step's (token, expert)
+pairs by its own expert's weight from a stack of experts' FP8 boxes (``kept_experts``), one launch for all.
+
 Checked on each device before use (``runs_on``: small products against the dequantized product in float32,
 once per device and variant: the weight's, scales' and compute dtypes, the tile of columns): a card or
 Triton that cannot compile it (e4m3 conversions need Ada, Hopper or later) or computes otherwise keeps the
@@ -150,4 +153,84 @@ def _computes_right(device, fp8, dtype, scales, rows: int, offset: tuple, block:
     got = weight_only_fp8(x, kept).float()
     # bf16's rounding of the weights and the output, with room for the interpreter's truncation; a wrong scale,
     # offset or tile is off by far more (scales differ up to 16-fold between blocks)
+    return torch.allclose(got, want, rtol=0, atol=2**-6 * want.abs().max().item())
+
+
+GATHERED_TILE_N = 32  # outputs a program of the gathered product computes
+
+
+def _expert_scales(stacked: KeptFP8) -> torch.Tensor:
+    """A stack's scales as [experts, block rows, block columns] (one scale an expert: [E, 1, 1])."""
+    scales = stacked.scales
+    return scales if scales.dim() == 3 else scales.reshape(scales.shape[0], 1, 1)
+
+
+def gathered_takes(stacked, dtype: torch.dtype) -> bool:
+    """Whether ``gathered_weight_only_fp8`` multiplies by this stack of experts' FP8 boxes (``kept_experts``:
+    [E, outputs, inputs], their scales stacked alike) in ``dtype`` on its device (checked there once)."""
+    if not isinstance(stacked, KeptFP8) or stacked.weight.dim() != 3 or stacked.weight.dtype not in FP8_DTYPES:
+        return False
+    if dtype not in COMPUTE_DTYPES or stacked.scales.dtype not in COMPUTE_DTYPES:
+        return False
+    weight, scales = stacked.weight, _expert_scales(stacked)
+    if weight.stride(-1) != 1 or scales.stride(-1) != 1 or weight.shape[1] * weight.stride(1) >= 2**31:
+        return False
+    tile = 128 if scales.shape[2] == 1 else math.gcd(stacked.block[1], 128)
+    return tile >= 16 and gathered_runs_on(weight.device, weight.dtype, dtype, stacked.scales.dtype, tile)
+
+
+def gathered_weight_only_fp8(x: torch.Tensor, ids: torch.Tensor, stacked: KeptFP8) -> torch.Tensor:
+    """Each row ``p`` of ``x`` ([pairs, inputs]) times expert ``ids[p]``'s weight of the stack, as
+    ``F.linear(x[p], stacked[ids[p]].dequantize(x.dtype))`` computes it, in one launch (``gathered_takes``
+    has said the kernel runs here)."""
+    source = _source or _import_source(x.device)
+    if source is None:
+        raise RuntimeError(f"the weight-only FP8 kernel does not run on {x.device} (runs_on decides where it does)")
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    weight, scales = stacked.weight, _expert_scales(stacked)
+    (pairs, _), (_, outputs, inputs) = x.shape, weight.shape
+    out = torch.empty(pairs, outputs, dtype=x.dtype, device=x.device)
+    block_rows = stacked.block[0] if scales.shape[1] > 1 else WHOLE
+    block_columns = stacked.block[1] if scales.shape[2] > 1 else WHOLE
+    tile = 128 if scales.shape[2] == 1 else math.gcd(stacked.block[1], 128)
+    grid = (pairs, -(-outputs // GATHERED_TILE_N))
+    source.gathered_weight_only_fp8[grid](x, ids, weight, scales, out, outputs, inputs, x.stride(0), weight.stride(0),
+                                          weight.stride(1), scales.stride(0), scales.stride(1), out.stride(0),
+                                          stacked.offset[0], stacked.offset[1], block_rows, block_columns,
+                                          TILE_N=GATHERED_TILE_N, TILE_K=tile,
+                                          DOT_FP32=x.dtype == torch.float32 or source.INTERPRETED)  # fmt: skip
+    return out
+
+
+@functools.cache
+def gathered_runs_on(device: torch.device, fp8=torch.float8_e4m3fn, dtype=torch.bfloat16, scales=torch.float32,
+                     tile: int = 128) -> bool:  # fmt: skip
+    """``runs_on`` for the gathered product: 1 and 5 pairs over 3 experts (one expert twice), a box inside
+    its blocks and one scale an expert, against each pair's product with its expert's dequantized weight."""
+    source = _import_source(device)
+    if source is None:
+        return False
+    cases = [(1, (0, 0), (128, tile), (96, 256)), (5, (64, tile // 2), (128, tile), (70, 300)),
+             (5, (5, 7), (WHOLE, WHOLE), (40, 100))]  # fmt: skip
+    wrong = wrong_cases(cases, functools.partial(_gathers_right, device, fp8, dtype, scales))
+    if wrong:
+        warnings.warn(f"hf_parallel: the gathered weight-only FP8 kernel does not compute right on {device} for {fp8} "
+                      f"weights, {scales} scales and {dtype} products in tiles of {tile} columns (torch "
+                      f"{torch.__version__}, Triton {source.triton.__version__}): {wrong}; kept FP8 experts are "
+                      f"dequantized instead")  # fmt: skip
+    return not wrong
+
+
+def _gathers_right(device, fp8, dtype, scales, pairs: int, offset: tuple, block: tuple, shape: tuple) -> bool:
+    generator = torch.Generator(device=device).manual_seed(pairs)
+    outputs, inputs = shape
+    grid = [-(-(size + start) // length) for size, start, length in zip((outputs, inputs), offset, block)]
+    weight = (torch.randn(3, outputs, inputs, device=device, generator=generator) * 16).to(fp8)
+    scale = (torch.rand(3, *grid, device=device, generator=generator) / 64 + 1e-3).to(scales)
+    stacked = KeptFP8({}, weight, scale, block, offset)
+    ids = torch.tensor([2, 0, 2, 1, 0][:pairs], device=device)
+    x = torch.randn(pairs, inputs, device=device, generator=generator, dtype=dtype)
+    want = torch.stack([x[p].float() @ KeptFP8({}, weight[e], scale[e], block, offset).dequantize(dtype).float().T
+                        for p, e in enumerate(ids.tolist())])  # fmt: skip
+    got = gathered_weight_only_fp8(x, ids, stacked).float()
     return torch.allclose(got, want, rtol=0, atol=2**-6 * want.abs().max().item())

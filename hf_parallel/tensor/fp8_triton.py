@@ -35,3 +35,35 @@ def weight_only_fp8(x_ptr, w_ptr, s_ptr, out_ptr, rows, outputs, inputs, x_strid
             total += tl.dot(x, tl.trans(w))
     mask = (m[:, None] < rows) & (n[None, :] < outputs)
     tl.store(out_ptr + m[:, None] * out_stride + n[None, :], total.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def gathered_weight_only_fp8(x_ptr, ids_ptr, w_ptr, s_ptr, out_ptr, outputs, inputs, x_stride, w_expert_stride,
+                             w_stride, s_expert_stride, s_stride, out_stride, row_offset, column_offset, block_rows,
+                             block_columns, TILE_N: tl.constexpr, TILE_K: tl.constexpr,
+                             DOT_FP32: tl.constexpr):  # fmt: skip
+    """out[p, n] = sum_k x[p, k] * round(w[ids[p], n, k] * s[ids[p], ...]): each row of ``x`` (a (token,
+    expert) pair) times its own expert's weight, a TILE_N slice of its outputs per program. The row is the
+    first of a 16-row tile (``tl.dot``'s least; the others masked to zero): a decode step's product is bound
+    by reading the weight, not by the dot."""
+    pair = tl.program_id(0)
+    n = tl.program_id(1) * TILE_N + tl.arange(0, TILE_N)
+    row = tl.arange(0, 16)
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    weight_rows = w_ptr + expert * w_expert_stride + n[:, None] * w_stride
+    scale_row = s_ptr + expert * s_expert_stride + ((n + row_offset) // block_rows) * s_stride
+    total = tl.full((16, TILE_N), 0.0, dtype=tl.float32)  # a builtin: runs interpreted in any process
+    for start in range(-(column_offset % TILE_K), inputs, TILE_K):  # tiles on the whole weight's boundaries
+        k = start + tl.arange(0, TILE_K)
+        inside = (k >= 0) & (k < inputs)
+        x = tl.load(x_ptr + pair * x_stride + row[:, None] * 0 + k[None, :], mask=(row[:, None] == 0) & inside[None, :],
+                    other=0.0)  # fmt: skip
+        w = tl.load(weight_rows + k[None, :], mask=(n[:, None] < outputs) & inside[None, :], other=0.0)
+        scale = tl.load(scale_row + (start + column_offset) // block_columns, mask=n < outputs, other=0.0)
+        w = (w.to(tl.float32) * scale.to(tl.float32)[:, None]).to(x.dtype)  # the dequantized path's rounding
+        if DOT_FP32:
+            total += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+        else:
+            total += tl.dot(x, tl.trans(w))
+    mask = (row[:, None] == 0) & (n[None, :] < outputs)
+    tl.store(out_ptr + pair * out_stride + row[:, None] * 0 + n[None, :], total.to(out_ptr.dtype.element_ty), mask=mask)

@@ -126,12 +126,12 @@ def int4_product(x: torch.Tensor, pack: Int4Pack) -> torch.Tensor:
 
 @functools.cache
 def runs_on(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether torch's int4 kernel on ``device`` computes in ``dtype`` what the format says: products of 1, 2,
-    5 and 40 rows, the kernel's groups of 32 to 256, outputs padded, inputs in place and spread, contractions of
-    96, 448, 128 and 256 (CUDA's tiles of 2, 4 and 8 x 16 columns), against the same weights in float32 (within
-    the compute dtype's rounding of the scales and zeros)."""
-    cases = [(1, 32, 48, 3, False), (5, 128, 64, 4, True), (40, 64, 16, 2, False),
-             (2, 256, 32, 1, False)]  # rows, group, outputs, groups, spread  # fmt: skip
+    """Whether torch's int4 kernel on ``device`` computes in ``dtype`` what the format says: products of 1 to
+    40 rows, each of the kernel's groups (32 to 256), outputs padded, inputs in place and spread to chunks,
+    contractions of 96, 480, 128, 256 and 256 (CUDA's tiles of 2, 4 and 8 x 16 columns), against the same
+    weights in float32 (within the compute dtype's rounding of the scales and zeros)."""
+    cases = [(1, 32, 48, 3, False), (5, 128, 64, 4, True), (40, 64, 16, 2, False), (3, 128, 32, 2, False),
+             (2, 256, 32, 1, False)]  # rows, the format's group, outputs, groups, spread  # fmt: skip
     wrong = wrong_cases(cases, functools.partial(_computes_right, device, dtype))
     if wrong:
         warnings.warn(f"hf_parallel: torch's int4 kernel does not compute right on {device} in {dtype} (torch "
@@ -141,7 +141,7 @@ def runs_on(device: torch.device, dtype: torch.dtype) -> bool:
 
 def _computes_right(device, dtype, rows: int, group: int, outputs: int, count: int, spread: bool) -> bool:
     generator = torch.Generator(device=device).manual_seed(rows)
-    inputs = count * group - (group // 2 if spread else 0)  # spread: the last group half full
+    inputs = count * group - (group // 4 if spread else 0)  # spread: the last group 3/4 full (chunks of 32)
     values = torch.randint(0, 16, (outputs, inputs), generator=generator, device=device, dtype=torch.uint8)
     zero = torch.randint(0, 16, (count, outputs), generator=generator, device=device).float()
     scales = torch.rand(count, outputs, generator=generator, device=device) / 16 + 1e-3
@@ -155,4 +155,4 @@ def _computes_right(device, dtype, rows: int, group: int, outputs: int, count: i
     got = int4_product(x, pack).float()
     tolerance = 1e-5 if dtype == torch.float32 else 2**-6  # the scales' and zeros' rounding, and the output's
     within = torch.allclose(got, want, rtol=0, atol=tolerance * want.abs().max().item())
-    return within and (pack.slots is not None) == spread
+    return within and (pack.slots is not None) == spread and pack.group == (CHUNK if spread else group)

@@ -15,6 +15,11 @@ experts forward (eager, grouped_mm or batched_mm: whichever the config names) ru
 module of ``pairs`` experts; the numbers are the whole weight's, each pair multiplied by the same rows.
 Larger calls (prefill) dequantize every expert into the slots, as other modules do.
 
+Where the weights are FP8 and the module is transformers' gated kind without biases (Qwen3-MoE, DeepSeek-V3,
+Mixtral), on a device where the package's gathered FP8 kernel runs, a step skips the dequantization: each
+pair's row is multiplied by its own expert's weight as stored (``fp8_kernel.gathered_weight_only_fp8``),
+and the gate, down product, routing weights and sum follow transformers' grouped_mm forward.
+
 The module's class is swapped for a subclass with this forward (as FSDP2's ``fully_shard`` swaps a
 module's class) before the TP / EP hooks wrap it, so it sees the expert ids EP has made local. A kept
 weight's per-expert pieces (one per expert key, or per expert and part) are stacked once at load into
@@ -34,6 +39,7 @@ from torch import nn
 
 from ..checkpoint.quantized import Kept
 from ..compat.torch import MODULE_PARAMETERS
+from . import fp8_kernel
 from .experts import EXPERT_ARG_ROLES, rewrite_expert_args
 
 
@@ -60,14 +66,11 @@ class ExpertRows:
                 by_place.setdefault(_key(place), {})[first.start] = piece
             else:
                 return None
-        stacked_places = []
-        for place, pieces in by_place.items():
-            ordered = [pieces.get(e) for e in range(experts)]
-            stacked = _stacked([p.kept for p in ordered]) if None not in ordered else None
-            if stacked is None:
-                return None
-            stacked_places.append((place, ordered, stacked))
-        for place, ordered, stacked in stacked_places:
+        places = [(place, [pieces.get(e) for e in range(experts)]) for place, pieces in by_place.items()]
+        if any(None in ordered or not _stack_together([p.kept for p in ordered]) for _, ordered in places):
+            return None
+        for place, ordered in places:  # one place at a time: its pieces' bytes are held twice only meanwhile
+            stacked = _stacked([p.kept for p in ordered])
             for e, piece in enumerate(ordered):  # views of the stack: the bytes once
                 piece.kept = replace(piece.kept, **{name: t[e] for name, t in stacked.tensors().items()})
             stacks.append((tuple(slice(a, b) for a, b in place), stacked, False))
@@ -89,6 +92,24 @@ class ExpertRows:
         return out
 
 
+    def multiplies_as_stored(self) -> bool:
+        """Whether every part is a stack of FP8 boxes of whole rows of an expert's slice that the gathered
+        weight-only FP8 kernel takes on their device (``fp8_kernel.gathered_takes``)."""
+        columns = self.weight.shape[2] if len(self.weight.shape) == 3 else None
+        return columns is not None and all(
+            not holds_all and (place[1].start, place[1].stop) == (0, columns)
+            and fp8_kernel.gathered_takes(stacked, self.weight.dtype)
+            for place, stacked, holds_all in self.stacks
+        )
+
+    def product(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Each row ``p`` of ``x`` times expert ``ids[p]``'s weight as stored (``multiplies_as_stored``)."""
+        out = torch.empty(x.shape[0], self.weight.shape[1], dtype=x.dtype, device=x.device)
+        for (rows, _), stacked, _ in self.stacks:
+            out[:, rows] = fp8_kernel.gathered_weight_only_fp8(x, ids, stacked)
+        return out
+
+
 def _dequantized(template: Kept, dtype, names: list, *tensors) -> torch.Tensor:
     return replace(template, **dict(zip(names, tensors))).dequantize(dtype)
 
@@ -97,18 +118,18 @@ def _key(place: tuple) -> tuple:
     return tuple((s.start, s.stop) for s in place)
 
 
-def _stacked(boxes: list[Kept]) -> Kept | None:
-    """One box whose tensors are ``boxes``' stacked (the first's other fields), or None where they differ in
-    anything but their tensors' values and where they were read from."""
+def _stack_together(boxes: list[Kept]) -> bool:
+    """Whether ``boxes`` differ in nothing but their tensors' values and where they were read from."""
     first = boxes[0]
     same = [f.name for f in fields(first) if f.name != "at" and not isinstance(getattr(first, f.name), torch.Tensor)]
     shapes = {name: t.shape for name, t in first.tensors().items()}
-    for box in boxes[1:]:
-        if any(getattr(box, name) != getattr(first, name) for name in same):
-            return None
-        if {name: t.shape for name, t in box.tensors().items()} != shapes:
-            return None
-    return replace(first, **{name: torch.stack([getattr(b, name) for b in boxes]) for name in shapes})
+    return all(all(getattr(box, name) == getattr(first, name) for name in same)
+               and {name: t.shape for name, t in box.tensors().items()} == shapes for box in boxes[1:])  # fmt: skip
+
+
+def _stacked(boxes: list[Kept]) -> Kept:
+    """One box whose tensors are ``boxes``' stacked along a new leading dim (the first's other fields)."""
+    return replace(boxes[0], **{name: torch.stack([getattr(b, name) for b in boxes]) for name in boxes[0].tensors()})
 
 
 class KeptExperts(nn.Module):
@@ -117,13 +138,17 @@ class KeptExperts(nn.Module):
     kept_rows: dict  # attr -> ExpertRows, or None: that weight dequantizes whole
     kept_weights: dict  # attr -> KeptWeight
     per_expert: tuple  # its other parameters (biases), gathered by id alike (the placeholders never touched)
+    fp8_products: bool  # a step's pairs multiply the FP8 experts as stored (``_products_as_stored``)
 
     def forward(self, *args, **kwargs):
-        ids = args[1] if len(args) > 1 else next(v for k, v in kwargs.items() if EXPERT_ARG_ROLES.get(k) == 1)
+        hidden, ids, routing = (_argument(args, kwargs, role) for role in range(3))
         experts, pairs = self.num_experts, ids.numel()
-        if pairs > experts or any(rows is None for rows in self.kept_rows.values()):
+        if pairs == 0 or pairs > experts or any(rows is None for rows in self.kept_rows.values()):
             whole = {attr: weight.dequantize() for attr, weight in self.kept_weights.items()}
             return self._forward_with(whole, experts, args, kwargs)
+        grad = torch.is_grad_enabled() and hidden.requires_grad
+        if self.fp8_products and not grad and hidden.dtype == self.kept_weights["down_proj"].dtype:
+            return self._products_as_stored(hidden, ids, routing)
         index = ids.reshape(-1).clamp(max=experts - 1)  # EP's sentinel (``experts``) gathers any; it is skipped
         own = torch.arange(pairs, device=ids.device).view_as(ids)
         per_pair = torch.where(ids < experts, own, pairs)
@@ -131,6 +156,18 @@ class KeptExperts(nn.Module):
         slots.update({attr: rows.rows(index) for attr, rows in self.kept_rows.items()})
         args, kwargs = rewrite_expert_args(args, kwargs, lambda role, value: per_pair if role == 1 else value)
         return self._forward_with(slots, pairs, args, kwargs)
+
+    def _products_as_stored(self, hidden, ids, routing) -> torch.Tensor:
+        """transformers' experts forward for a gated, bias-free, untransposed module (grouped_mm's steps: the
+        gate|up product, ``_apply_gate``, the down product, weighted by the routing and summed over each
+        token's experts), each pair's products by the gathered FP8 kernel from the stored bytes."""
+        experts, (tokens, top_k) = self.num_experts, ids.shape
+        index = ids.reshape(-1).clamp(max=experts - 1)
+        pairs = hidden.repeat_interleave(top_k, 0)  # pair p is token p // top_k's
+        gated = self._apply_gate(self.kept_rows["gate_up_proj"].product(pairs, index))
+        out = self.kept_rows["down_proj"].product(gated, index) * routing.reshape(-1, 1)
+        out = torch.where((ids < experts).reshape(-1, 1), out, 0)  # EP's sentinel: another rank's expert
+        return out.view(tokens, top_k, -1).sum(dim=1).to(hidden.dtype)
 
     def _forward_with(self, slots: dict, experts: int, args, kwargs):
         """The class's forward with ``slots`` in those parameters' places, as a module of ``experts`` experts;
@@ -143,6 +180,21 @@ class KeptExperts(nn.Module):
         finally:
             self._parameters.update(saved)
             self.num_experts = held
+
+
+def _argument(args: tuple, kwargs: dict, role: int):
+    """The experts forward's hidden states (0), expert ids (1) or routing weights (2), by position or name."""
+    return args[role] if len(args) > role else next(v for k, v in kwargs.items() if EXPERT_ARG_ROLES.get(k) == role)
+
+
+def _takes_fp8_products(module) -> bool:
+    """transformers' gated experts (``use_experts_implementation``'s flags: a gate|up weight, no biases, not
+    transposed, no norm after each expert) whose two weights the gathered FP8 kernel multiplies as stored."""
+    flags = [getattr(module, name, None) for name in ("has_gate", "has_bias", "is_transposed", "has_post_expert_norm")]
+    rows = module.kept_rows
+    return flags == [True, False, False, False] and set(rows) == {"gate_up_proj", "down_proj"} and all(
+        r is not None and r.multiplies_as_stored() for r in rows.values()
+    )
 
 
 @functools.cache
@@ -158,7 +210,9 @@ def hold_experts(module: nn.Module, weights: dict) -> bool:
     leading = {tuple(p.shape[:1]) for p in params.values()}
     named = inspect.signature(type(module).forward).parameters  # transformers' experts forward: (hidden, ids, ..)
     routed = any(EXPERT_ARG_ROLES.get(name) == 1 for name in named)
-    if not routed or not isinstance(getattr(module, "num_experts", None), int) or len(leading) != 1 or () in leading:
+    if not routed or not isinstance(getattr(module, "num_experts", None), int) or len(leading) != 1:
+        return False
+    if any(p.dim() < 2 for p in params.values()):  # stacked weights [E, out, in] and biases [E, out] only
         return False
     if not set(weights) <= set(params) or any(w.shape[:1] != next(iter(leading)) for w in weights.values()):
         return False
@@ -167,4 +221,5 @@ def hold_experts(module: nn.Module, weights: dict) -> bool:
     module.kept_weights = weights
     module.per_expert = tuple(attr for attr in params if attr not in weights)
     module.kept_rows = {attr: ExpertRows.of(weight) for attr, weight in weights.items()}
+    module.fp8_products = _takes_fp8_products(module)
     return True
