@@ -28,6 +28,7 @@ multiplies bfloat16 as its integer storage. Not measured on a GPU yet (``benchma
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.util
 import math
@@ -49,10 +50,15 @@ _source = None  # ``fp8_triton``, once ``runs_on`` has imported it
 def tile_k(kept: KeptFP8) -> int | None:
     """The columns of a tile for this weight: the largest power of two up to 128 dividing its blocks' columns
     (one scale per row in each tile), or None where that is under 16 (``tl.dot``'s least)."""
-    if _scales(kept).shape[1] == 1:
-        return 128
-    size = math.gcd(kept.block[1], 128)
-    return size if size >= 16 else None
+    return _launch_blocks(kept.block, _scales(kept).shape[-2:])[2]
+
+
+def _launch_blocks(block: tuple, grid) -> tuple[int, int, int | None]:
+    """A launch's block rows and columns (``WHOLE`` where one scale spans that dim: ``grid``, the scales' rows
+    and columns, is 1 there) and its tile of columns (``tile_k``)."""
+    rows, columns = (size if count > 1 else WHOLE for size, count in zip(block, grid))
+    tile = 128 if grid[1] == 1 else math.gcd(block[1], 128)
+    return rows, columns, tile if tile >= 16 else None
 
 
 def _scales(kept: KeptFP8) -> torch.Tensor:
@@ -71,13 +77,12 @@ def weight_only_fp8(x: torch.Tensor, kept: KeptFP8) -> torch.Tensor:
     rows, (outputs, inputs) = flat.shape[0], kept.weight.shape
     out = torch.empty(rows, outputs, dtype=x.dtype, device=x.device)
     scales = _scales(kept)
-    block_rows = kept.block[0] if scales.shape[0] > 1 else WHOLE
-    block_columns = kept.block[1] if scales.shape[1] > 1 else WHOLE
+    block_rows, block_columns, tile = _launch_blocks(kept.block, scales.shape)
     tile_m, tile_n = 16 if rows <= 16 else 32 if rows <= 32 else 64, 16  # comparisons: a compiled step guards them
     grid = (-(-rows // tile_m), -(-outputs // tile_n))
     source.weight_only_fp8[grid](flat, kept.weight, scales, out, rows, outputs, inputs, flat.stride(0),
                            kept.weight.stride(0), scales.stride(0), out.stride(0), kept.offset[0], kept.offset[1],
-                           block_rows, block_columns, TILE_M=tile_m, TILE_N=tile_n, TILE_K=tile_k(kept),
+                           block_rows, block_columns, TILE_M=tile_m, TILE_N=tile_n, TILE_K=tile,
                            DOT_FP32=x.dtype == torch.float32 or source.INTERPRETED)  # fmt: skip
     return out.reshape(*x.shape[:-1], outputs)
 
@@ -124,31 +129,42 @@ def runs_on(device: torch.device, fp8=torch.float8_e4m3fn, dtype=torch.bfloat16,
     (each tile of rows) with blocks of ``tile`` columns, whole blocks of aligned sizes, a box starting inside
     its blocks, and one scale for all, against the same rounded weights multiplied in float32. CPU: only under
     Triton's interpreter; no warning where there is nothing to run it."""
-    source = _import_source(device)
-    if source is None:
-        return False
     cases = [
         (1, (0, 0), (128, tile), (256, 512)),  # sizes and strides aligned to 16 (Triton specializes on it)
         (20, (64, tile // 2), (128, tile), (200, 300)),
         (40, (5, 7), (WHOLE, WHOLE), (200, 300)),
     ]
-    wrong = wrong_cases(cases, functools.partial(_computes_right, device, fp8, dtype, scales))
+    return _checked("weight-only FP8 kernel", _computes_right, cases, device, fp8, dtype, scales, tile)
+
+
+def _checked(kernel: str, computes_right, cases: list, device, fp8, dtype, scales, tile: int) -> bool:
+    """Whether ``computes_right(device, fp8, dtype, scales, *case)`` holds for every case; a warning naming
+    what failed where it does not (a refusal: the weights are dequantized)."""
+    source = _import_source(device)
+    if source is None:
+        return False
+    wrong = wrong_cases(cases, functools.partial(computes_right, device, fp8, dtype, scales))
     if wrong:
-        warnings.warn(f"hf_parallel: the weight-only FP8 kernel does not compute right on {device} for {fp8} weights, "
-                      f"{scales} scales and {dtype} products in tiles of {tile} columns (torch {torch.__version__}, "
-                      f"Triton {source.triton.__version__}): {wrong}; those kept FP8 weights are dequantized per "
-                      f"module instead")  # fmt: skip
+        warnings.warn(f"hf_parallel: the {kernel} does not compute right on {device} for {fp8} weights, {scales} "
+                      f"scales and {dtype} products in tiles of {tile} columns (torch {torch.__version__}, Triton "
+                      f"{source.triton.__version__}): {wrong}; those kept FP8 weights are dequantized "
+                      f"instead")  # fmt: skip
     return not wrong
+
+
+def _random_box(generator, experts: tuple, shape: tuple, offset: tuple, block: tuple, fp8, scales) -> KeptFP8:
+    """A random FP8 box of ``shape`` at ``offset`` inside its blocks (``experts``: () or (E,), stacked)."""
+    grid = [-(-(size + start) // length) for size, start, length in zip(shape, offset, block)]
+    device = generator.device
+    weight = (torch.randn(*experts, *shape, device=device, generator=generator) * 16).to(fp8)
+    scale = (torch.rand(*experts, *grid, device=device, generator=generator) / 64 + 1e-3).to(scales)
+    return KeptFP8({}, weight, scale, block, offset)
 
 
 def _computes_right(device, fp8, dtype, scales, rows: int, offset: tuple, block: tuple, shape: tuple) -> bool:
     generator = torch.Generator(device=device).manual_seed(rows)
-    outputs, inputs = shape
-    grid = [-(-(size + start) // length) for size, start, length in zip((outputs, inputs), offset, block)]
-    weight = (torch.randn(outputs, inputs, device=device, generator=generator) * 16).to(fp8)
-    scale = (torch.rand(*grid, device=device, generator=generator) / 64 + 1e-3).to(scales)
-    kept = KeptFP8({}, weight, scale, block, offset)
-    x = torch.randn(rows, inputs, device=device, generator=generator, dtype=dtype)
+    kept = _random_box(generator, (), shape, offset, block, fp8, scales)
+    x = torch.randn(rows, shape[1], device=device, generator=generator, dtype=dtype)
     want = x.float() @ kept.dequantize(dtype).float().T
     got = weight_only_fp8(x, kept).float()
     # bf16's rounding of the weights and the output, with room for the interpreter's truncation; a wrong scale,
@@ -175,8 +191,8 @@ def gathered_takes(stacked, dtype: torch.dtype) -> bool:
     weight, scales = stacked.weight, _expert_scales(stacked)
     if weight.stride(-1) != 1 or scales.stride(-1) != 1 or weight.shape[1] * weight.stride(1) >= 2**31:
         return False
-    tile = 128 if scales.shape[2] == 1 else math.gcd(stacked.block[1], 128)
-    return tile >= 16 and gathered_runs_on(weight.device, weight.dtype, dtype, stacked.scales.dtype, tile)
+    tile = _launch_blocks(stacked.block, scales.shape[1:])[2]
+    return tile is not None and gathered_runs_on(weight.device, weight.dtype, dtype, stacked.scales.dtype, tile)
 
 
 def gathered_weight_only_fp8(x: torch.Tensor, ids: torch.Tensor, stacked: KeptFP8) -> torch.Tensor:
@@ -190,9 +206,7 @@ def gathered_weight_only_fp8(x: torch.Tensor, ids: torch.Tensor, stacked: KeptFP
     weight, scales = stacked.weight, _expert_scales(stacked)
     (pairs, _), (_, outputs, inputs) = x.shape, weight.shape
     out = torch.empty(pairs, outputs, dtype=x.dtype, device=x.device)
-    block_rows = stacked.block[0] if scales.shape[1] > 1 else WHOLE
-    block_columns = stacked.block[1] if scales.shape[2] > 1 else WHOLE
-    tile = 128 if scales.shape[2] == 1 else math.gcd(stacked.block[1], 128)
+    block_rows, block_columns, tile = _launch_blocks(stacked.block, scales.shape[1:])
     grid = (pairs, -(-outputs // GATHERED_TILE_N))
     source.gathered_weight_only_fp8[grid](x, ids, weight, scales, out, outputs, inputs, x.stride(0), weight.stride(0),
                                           weight.stride(1), scales.stride(0), scales.stride(1), out.stride(0),
@@ -207,30 +221,17 @@ def gathered_runs_on(device: torch.device, fp8=torch.float8_e4m3fn, dtype=torch.
                      tile: int = 128) -> bool:  # fmt: skip
     """``runs_on`` for the gathered product: 1 and 5 pairs over 3 experts (one expert twice), a box inside
     its blocks and one scale an expert, against each pair's product with its expert's dequantized weight."""
-    source = _import_source(device)
-    if source is None:
-        return False
     cases = [(1, (0, 0), (128, tile), (96, 256)), (5, (64, tile // 2), (128, tile), (70, 300)),
              (5, (5, 7), (WHOLE, WHOLE), (40, 100))]  # fmt: skip
-    wrong = wrong_cases(cases, functools.partial(_gathers_right, device, fp8, dtype, scales))
-    if wrong:
-        warnings.warn(f"hf_parallel: the gathered weight-only FP8 kernel does not compute right on {device} for {fp8} "
-                      f"weights, {scales} scales and {dtype} products in tiles of {tile} columns (torch "
-                      f"{torch.__version__}, Triton {source.triton.__version__}): {wrong}; kept FP8 experts are "
-                      f"dequantized instead")  # fmt: skip
-    return not wrong
+    return _checked("gathered weight-only FP8 kernel", _gathers_right, cases, device, fp8, dtype, scales, tile)
 
 
 def _gathers_right(device, fp8, dtype, scales, pairs: int, offset: tuple, block: tuple, shape: tuple) -> bool:
     generator = torch.Generator(device=device).manual_seed(pairs)
-    outputs, inputs = shape
-    grid = [-(-(size + start) // length) for size, start, length in zip((outputs, inputs), offset, block)]
-    weight = (torch.randn(3, outputs, inputs, device=device, generator=generator) * 16).to(fp8)
-    scale = (torch.rand(3, *grid, device=device, generator=generator) / 64 + 1e-3).to(scales)
-    stacked = KeptFP8({}, weight, scale, block, offset)
+    stacked = _random_box(generator, (3,), shape, offset, block, fp8, scales)
     ids = torch.tensor([2, 0, 2, 1, 0][:pairs], device=device)
-    x = torch.randn(pairs, inputs, device=device, generator=generator, dtype=dtype)
-    want = torch.stack([x[p].float() @ KeptFP8({}, weight[e], scale[e], block, offset).dequantize(dtype).float().T
-                        for p, e in enumerate(ids.tolist())])  # fmt: skip
+    x = torch.randn(pairs, shape[1], device=device, generator=generator, dtype=dtype)
+    expert = [dataclasses.replace(stacked, weight=stacked.weight[e], scales=stacked.scales[e]) for e in range(3)]
+    want = torch.stack([x[p].float() @ expert[e].dequantize(dtype).float().T for p, e in enumerate(ids.tolist())])
     got = gathered_weight_only_fp8(x, ids, stacked).float()
     return torch.allclose(got, want, rtol=0, atol=2**-6 * want.abs().max().item())

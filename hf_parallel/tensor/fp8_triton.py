@@ -10,6 +10,24 @@ INTERPRETED = bool(triton.knobs.runtime.interpret)
 
 
 @triton.jit
+def _weight_tile(weight_rows, scale_row, n, k, inside, outputs, column, like):
+    """The weight's tile at rows ``n`` and columns ``k`` (``weight_rows``: each row's start), each row scaled
+    by its block's scale (column ``column`` of ``scale_row``) and rounded to ``like``'s dtype as the
+    dequantized path rounds it."""
+    w = tl.load(weight_rows + k[None, :], mask=(n[:, None] < outputs) & inside[None, :], other=0.0)
+    scale = tl.load(scale_row + column, mask=n < outputs, other=0.0)
+    return (w.to(tl.float32) * scale.to(tl.float32)[:, None]).to(like.dtype)
+
+
+@triton.jit
+def _product(x, w, DOT_FP32: tl.constexpr):
+    """``x @ w.T`` summed in float32 (``DOT_FP32``: multiplied in float32 too)."""
+    if DOT_FP32:
+        return tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+    return tl.dot(x, tl.trans(w))
+
+
+@triton.jit
 def weight_only_fp8(x_ptr, w_ptr, s_ptr, out_ptr, rows, outputs, inputs, x_stride, w_stride, s_stride,
                      out_stride, row_offset, column_offset, block_rows, block_columns, TILE_M: tl.constexpr,
                      TILE_N: tl.constexpr, TILE_K: tl.constexpr, DOT_FP32: tl.constexpr):  # fmt: skip
@@ -25,14 +43,9 @@ def weight_only_fp8(x_ptr, w_ptr, s_ptr, out_ptr, rows, outputs, inputs, x_strid
         inside = (k >= 0) & (k < inputs)
         x = tl.load(x_ptr + m[:, None] * x_stride + k[None, :], mask=(m[:, None] < rows) & inside[None, :],
                     other=0.0)  # fmt: skip
-        w = tl.load(w_ptr + n[:, None] * w_stride + k[None, :], mask=(n[:, None] < outputs) & inside[None, :],
-                    other=0.0)  # fmt: skip
-        scale = tl.load(scale_row + (start + column_offset) // block_columns, mask=n < outputs, other=0.0)
-        w = (w.to(tl.float32) * scale.to(tl.float32)[:, None]).to(x.dtype)  # the dequantized path's rounding
-        if DOT_FP32:
-            total += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
-        else:
-            total += tl.dot(x, tl.trans(w))
+        column = (start + column_offset) // block_columns
+        total += _product(x, _weight_tile(w_ptr + n[:, None] * w_stride, scale_row, n, k, inside, outputs, column,
+                                          x), DOT_FP32)  # fmt: skip
     mask = (m[:, None] < rows) & (n[None, :] < outputs)
     tl.store(out_ptr + m[:, None] * out_stride + n[None, :], total.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -58,12 +71,7 @@ def gathered_weight_only_fp8(x_ptr, ids_ptr, w_ptr, s_ptr, out_ptr, outputs, inp
         inside = (k >= 0) & (k < inputs)
         x = tl.load(x_ptr + pair * x_stride + row[:, None] * 0 + k[None, :], mask=(row[:, None] == 0) & inside[None, :],
                     other=0.0)  # fmt: skip
-        w = tl.load(weight_rows + k[None, :], mask=(n[:, None] < outputs) & inside[None, :], other=0.0)
-        scale = tl.load(scale_row + (start + column_offset) // block_columns, mask=n < outputs, other=0.0)
-        w = (w.to(tl.float32) * scale.to(tl.float32)[:, None]).to(x.dtype)  # the dequantized path's rounding
-        if DOT_FP32:
-            total += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
-        else:
-            total += tl.dot(x, tl.trans(w))
+        column = (start + column_offset) // block_columns
+        total += _product(x, _weight_tile(weight_rows, scale_row, n, k, inside, outputs, column, x), DOT_FP32)
     mask = (row[:, None] == 0) & (n[None, :] < outputs)
     tl.store(out_ptr + pair * out_stride + row[:, None] * 0 + n[None, :], total.to(out_ptr.dtype.element_ty), mask=mask)
