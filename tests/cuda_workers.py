@@ -117,14 +117,21 @@ def kept_experts(rank: int, world_size: int, path: str, save_root: str, sizes: d
 
     models = {keep: hf_parallel.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, keep_quantized=keep,
                                                                      **sizes) for keep in (False, True)}  # fmt: skip
+    from hf_parallel.tensor import fp8_kernel
+
     device, out = hf_parallel.parallel_state(models[True]).mesh.device, {}
     step = INPUT_IDS[:1, :1].to(device)
+    launches, gathered = [], fp8_kernel.gathered_weight_only_fp8
+    fp8_kernel.gathered_weight_only_fp8 = lambda x, ids, kept: launches.append(len(ids)) or gathered(x, ids, kept)
     with torch.no_grad():
         for what, ids in (("step", step), ("prefill", INPUT_IDS.to(device))):
             out[what] = gap(models[True](ids).logits.float(), models[False](ids).logits.float())
+        out["launches"] = len(launches)  # the step's, where the card runs the gathered FP8 kernel
         compiled = torch.compile(models[True].forward, fullgraph=True)(step).logits.float()
         out["compiled"] = gap(compiled, models[True](step).logits.float())
-    out["experts"] = sum(isinstance(m, KeptExperts) for m in models[True].modules())
+    experts = [m for m in models[True].modules() if isinstance(m, KeptExperts)]
+    out["experts"], out["as_stored"] = len(experts), [m.fp8_products for m in experts]
+    out["capability"] = list(torch.cuda.get_device_capability(device))
     models[True].save_pretrained(os.path.join(save_root, "gathered"))
     return out
 

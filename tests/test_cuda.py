@@ -134,7 +134,8 @@ def test_int4_kept_through_torch_kernel_on_a_gpu(tmp_path, monkeypatch):
 
 def test_kept_experts_gather_a_steps_experts_on_a_gpu(tmp_path, monkeypatch):
     """``keep_quantized=True``, Qwen3-MoE FP8 (per-expert keys) with its experts spread (EP=2) in float32: a
-    one-token step gathers each pair's expert on the card (other ranks' experts as EP's sentinel), a prefill
+    one-token step gathers each pair's expert on the card (other ranks' experts as EP's sentinel), multiplied
+    as stored by the gathered FP8 kernel on cards with FP8 conversions (Ada, Hopper and later), a prefill
     dequantizes every expert, both as the checkpoint dequantized as read; the step compiles whole; saved
     back bitwise."""
     import cuda_workers
@@ -146,6 +147,8 @@ def test_kept_experts_gather_a_steps_experts_on_a_gpu(tmp_path, monkeypatch):
                         out_dir=str(tmp_path / "out"))  # fmt: skip
     for rank, got in enumerate(results):
         assert got["experts"] == 2, got
+        if got["capability"] >= [8, 9]:  # FP8 conversions: a step's experts multiplied as stored (3 a layer)
+            assert got["as_stored"] == [True, True] and got["launches"] == 6, got
         assert_within({k: got[k] for k in ("step", "prefill", "compiled")}, atol=1e-4, rtol=0, where=f"rank {rank}")
     assert_same_checkpoint(path, str(tmp_path / "saved" / "gathered"))
 

@@ -261,7 +261,8 @@ def test_weights_kept_quantized_match_one_process_and_save_back_bitwise(
     multiply through the package's kernel (``tensor/fp8_kernel.py``), reading the scales from inside blocks,
     and with ``keep_quantized="int4"`` GPTQ, AWQ and compressed-tensors' W4A16 linears through torch's int4
     kernel (``int4_kernel.py``); Qwen3-MoE's FP8 experts (8 of each expert's 32-row blocks a rank) take the
-    gathered FP8 kernel in a one-token step (``kept_experts.py``)."""
+    gathered FP8 kernel in a one-token step (``kept_experts.py``), and at EP=2 too (other ranks' experts:
+    EP's sentinel)."""
     import tp_workers
     from distributed import run_ranks
     from tp_workers import INPUT_IDS
@@ -274,6 +275,8 @@ def test_weights_kept_quantized_match_one_process_and_save_back_bitwise(
         paths = {name: paths[name] for name in ("llama_fp8", "llama_w4_zero_point", "gpt_oss_mxfp4", "llama_gptq",
                                                 "llama_awq", "qwen3_moe_fp8")}
         monkeypatch.setenv("TRITON_INTERPRET", "1")  # FP8 linears multiply through the package's kernel
+    if "ep_plan" in sizes:  # FP8 experts through the gathered kernel, other ranks' experts as EP's sentinel
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
     keep = "int4" if world_size == 4 else True  # int4: GPTQ and AWQ through torch's int4 kernel
     results = run_ranks(world_size, tp_workers.quantized_logits, paths, str(tmp_path / "saved"), sizes, keep,
                         out_dir=str(tmp_path / "out"))  # fmt: skip
@@ -283,7 +286,8 @@ def test_weights_kept_quantized_match_one_process_and_save_back_bitwise(
             step = references[name][:1, :1]  # causal: the first token's logits alone
             assert_close(result["step:" + name], step, atol=TOLERANCE, rtol=TOLERANCE, what=f"{name} step {rank}")
             if name in MOE and "pp_size" not in sizes:  # every expert weight: its two experts gathered by id
-                how = "as stored" if world_size == 4 and "fp8" in name else "dequantized"  # FP8: the kernel
+                kernel = (world_size == 4 or "ep_plan" in sizes) and "fp8" in name  # under Triton's interpreter
+                how = "as stored" if kernel else "dequantized"
                 assert result["experts:" + name] == [how] * 4, (name, rank, result["experts:" + name])
     if world_size == 4:  # every kept FP8 linear through the kernel (Triton's interpreter), its shards inside blocks;
         # ("int4") act-order GPTQ, AWQ and compressed-tensors' W4A16 with zero points through torch's int4 kernel

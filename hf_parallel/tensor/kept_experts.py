@@ -95,9 +95,13 @@ class ExpertRows:
     def multiplies_as_stored(self) -> bool:
         """Whether every part is a stack of FP8 boxes of whole rows of an expert's slice that the gathered
         weight-only FP8 kernel takes on their device (``fp8_kernel.gathered_takes``)."""
-        columns = self.weight.shape[2] if len(self.weight.shape) == 3 else None
-        return columns is not None and all(
-            not holds_all and (place[1].start, place[1].stop) == (0, columns)
+        if len(self.weight.shape) != 3 or not self.stacks:
+            return False
+        rows = sorted((place[0].start, place[0].stop) for place, _, _ in self.stacks)  # they tile the rows
+        ends = [0] + [stop for _, stop in rows]
+        tiled = [start for start, _ in rows] == ends[:-1] and ends[-1] == self.weight.shape[1]
+        return tiled and all(
+            not holds_all and (place[1].start, place[1].stop) == (0, self.weight.shape[2])
             and fp8_kernel.gathered_takes(stacked, self.weight.dtype)
             for place, stacked, holds_all in self.stacks
         )
