@@ -57,6 +57,7 @@ def worker(args) -> None:
     kinds = {type(m).__name__ for m in model.modules()}  # which product kept FP8 took
     result["fp8_products"], result["fp8_kernel"] = "KeptFP8Linear" in kinds, "KeptFP8KernelLinear" in kinds
     result["int4_kernel"] = "KeptInt4Linear" in kinds
+    result["fp8_experts"] = any(getattr(m, "fp8_products", False) is True for m in model.modules())  # kept_experts
     if args.impl.startswith("hf_parallel"):
         from worker import local_param_bytes  # this directory: run.py's measure of the weights a rank holds
 
@@ -196,6 +197,7 @@ def table(name: str, rows: dict, tp: int, dtype: str) -> str:
         label = f"{key} (FP8 products)" if row.get("fp8_products") else key
         label = f"{label} (FP8 kernel)" if row.get("fp8_kernel") else label
         label = f"{label} (int4 kernel)" if row.get("int4_kernel") else label
+        label = f"{label} (FP8 experts kernel)" if row.get("fp8_experts") else label
         held = f"{row['held_mb']:.0f}" if "held_mb" in row else "-"
         lines.append(f"| {label} | {row['s_per_token'] * 1e3:.1f} | {1 / row['s_per_token']:.1f} | {speed(base)} | "
                      f"{speed(compiled)} | {same} | {held} |")  # fmt: skip
