@@ -68,9 +68,7 @@ def _scales(kept: KeptFP8) -> torch.Tensor:
 def weight_only_fp8(x: torch.Tensor, kept: KeptFP8) -> torch.Tensor:
     """``F.linear(x, kept.dequantize(x.dtype))`` from the stored bytes, in one launch (``x``: at most
     ``KERNEL_ROWS`` rows once flattened; ``runs_on`` has said the kernel runs on its device)."""
-    source = _source or _import_source(x.device)
-    if source is None:
-        raise RuntimeError(f"the weight-only FP8 kernel does not run on {x.device} (runs_on decides where it does)")
+    source = _loaded(x.device)
     flat = x.reshape(-1, x.shape[-1])
     if flat.stride(-1) != 1:
         flat = flat.contiguous()
@@ -99,6 +97,14 @@ def takes(kept, shape: tuple, dtype: torch.dtype) -> bool:
     if kept.weight.shape[0] * kept.weight.stride(0) >= 2**31 or tile_k(kept) is None:  # its offsets are 32-bit
         return False
     return runs_on(kept.weight.device, kept.weight.dtype, dtype, kept.scales.dtype, tile_k(kept))
+
+
+def _loaded(device: torch.device):
+    """``fp8_triton`` for a launch on ``device``, where a load-time check has said the kernels run there."""
+    source = _source or _import_source(device)
+    if source is None:
+        raise RuntimeError(f"the weight-only FP8 kernels do not run on {device} (runs_on decides where they do)")
+    return source
 
 
 def _import_source(device: torch.device):
@@ -199,9 +205,7 @@ def gathered_weight_only_fp8(x: torch.Tensor, ids: torch.Tensor, stacked: KeptFP
     """Each row ``p`` of ``x`` ([pairs, inputs]) times expert ``ids[p]``'s weight of the stack, as
     ``F.linear(x[p], stacked[ids[p]].dequantize(x.dtype))`` computes it, in one launch (``gathered_takes``
     has said the kernel runs here)."""
-    source = _source or _import_source(x.device)
-    if source is None:
-        raise RuntimeError(f"the weight-only FP8 kernel does not run on {x.device} (runs_on decides where it does)")
+    source = _loaded(x.device)
     x = x if x.stride(-1) == 1 else x.contiguous()
     weight, scales = stacked.weight, _expert_scales(stacked)
     (pairs, _), (_, outputs, inputs) = x.shape, weight.shape

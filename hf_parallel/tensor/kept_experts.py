@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from ..checkpoint.quantized import Kept
-from ..compat.torch import MODULE_PARAMETERS
+from ..compat.torch import MODULE_PARAMETERS, parameters_replaced
 from . import fp8_kernel
 from .experts import EXPERT_ARG_ROLES, rewrite_expert_args
 
@@ -90,7 +90,6 @@ class ExpertRows:
             target = out[(slice(None), *place)]
             target.copy_(values.reshape(target.shape))
         return out
-
 
     def multiplies_as_stored(self) -> bool:
         """Whether every part is a stack of FP8 boxes of whole rows of an expert's slice that the gathered
@@ -175,15 +174,14 @@ class KeptExperts(nn.Module):
 
     def _forward_with(self, slots: dict, experts: int, args, kwargs):
         """The class's forward with ``slots`` in those parameters' places, as a module of ``experts`` experts;
-        put back after, whatever happens (try / finally, not a context manager: dynamo compiles this whole)."""
-        saved, held = {attr: self._parameters[attr] for attr in slots}, self.num_experts
-        self._parameters.update(slots)
-        self.num_experts = experts
-        try:
-            return super().forward(*args, **kwargs)
-        finally:
-            self._parameters.update(saved)
-            self.num_experts = held
+        put back after, whatever happens."""
+        held = self.num_experts
+        with parameters_replaced(self, slots):
+            self.num_experts = experts
+            try:
+                return super().forward(*args, **kwargs)
+            finally:
+                self.num_experts = held
 
 
 def _argument(args: tuple, kwargs: dict, role: int):
