@@ -7,13 +7,20 @@ card was found to take (and why others were refused), then microseconds per prod
 ``--repeats`` timings of ``--calls`` products each) and ratios against bf16.
 
     python benchmarks/fp8_products.py [--tokens 1 16] [--shapes 4096x1536 1536x4096 768x1536]
+
+``--sweep`` times the package's two FP8 kernels (the plain and the gathered product) at 32 launches (outputs
+a program, warps, pipeline stages, the weight's tile as either operand: ``fp8_kernel.Launch``) from CUDA
+graphs, the GPU's time alone, and prints the fastest beside the launch the package uses (``fp8_kernel.PLAIN``
+and ``GATHERED``) and the host's cost of a launch (and of ``F.linear``'s): how those defaults were chosen.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import math
 import statistics
+import time
 
 import torch
 import torch.nn.functional as F
@@ -35,19 +42,107 @@ def timed(fn, calls: int, repeats: int) -> float:
     return statistics.median(samples)
 
 
-def main() -> None:
+def graphed(fn, calls: int, repeats: int) -> float:
+    """Median microseconds per call of ``fn`` replayed from a CUDA graph of ``calls`` calls: the GPU's time
+    without the host's cost of launching."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up (compiles) off the capturing stream, as torch.cuda.graphs asks
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return timed(graph.replay, 1, repeats) / calls
+
+
+def graphed_or_inf(fn, calls: int, repeats: int) -> float:
+    """``graphed``, or infinity where the launch does not compile (too much shared memory, say)."""
+    try:
+        return graphed(fn, calls, repeats)
+    except Exception as error:  # noqa: BLE001 - a sweep reports what it could not run and goes on
+        print(f"  not run: {str(error).splitlines()[0][:200]}", flush=True)
+        return math.inf
+
+
+def host_us(fn, calls: int) -> float:
+    """Microseconds of the host's time per call of ``fn`` (launches queued, not waited for)."""
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    spent = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return spent * 1e6 / calls
+
+
+def fp8_box(n: int, k: int, device, experts: tuple = ()):
+    """A random bf16 weight [*experts, n, k] and it kept as FP8 in 128 x 128 blocks (``KeptFP8``)."""
     from hf_parallel.checkpoint.quantized import KeptFP8
+    from hf_parallel.tensor.fp8_matmul import BLOCK
+
+    weight = torch.randn(*experts, n, k, device=device, dtype=torch.bfloat16) / k**0.5
+    blocks = weight.float().view(*experts, n // BLOCK, BLOCK, k // BLOCK, BLOCK)
+    scales = blocks.abs().amax(dim=(-3, -1)) / 448
+    stored = (blocks / scales[..., :, None, :, None]).view(*experts, n, k).to(torch.float8_e4m3fn)
+    return weight, KeptFP8({}, stored, scales, (BLOCK, BLOCK), (0, 0))
+
+
+def sweep(args, device) -> None:
     from hf_parallel.tensor import fp8_kernel
-    from hf_parallel.tensor.fp8_matmul import BLOCK, block_scales, fp8_product, supports_block_fp8
+
+    launches = [fp8_kernel.Launch(n, w, s, swap) for n in (16, 32, 64, 128) for w in (4, 8) for s in (2, 3)
+                for swap in (False, True)]  # fmt: skip
+    print(f"| product | rows | bf16 us | {fp8_kernel.PLAIN} us | fastest launches (us) | host us a launch (bf16) |\n"
+          "|---|---|---|---|---|---|")  # fmt: skip
+    for shape in args.shapes:
+        n, k = map(int, shape.split("x"))
+        weight, kept = fp8_box(n, k, device)
+        for tokens in args.tokens:
+            x = torch.randn(tokens, k, device=device, dtype=torch.bfloat16)
+            plain = graphed(lambda: F.linear(x, weight), args.calls, args.repeats)
+            times = {launch: graphed_or_inf(lambda: fp8_kernel.weight_only_fp8(x, kept, launch), args.calls,
+                                            args.repeats) for launch in launches}  # fmt: skip
+            host = host_us(lambda: fp8_kernel.weight_only_fp8(x, kept), 10 * args.calls)
+            host = f"{host:.1f} ({host_us(lambda: F.linear(x, weight), 10 * args.calls):.1f})"
+            best = ", ".join(f"{tuple(launch)} {t:.1f}" for launch, t in sorted(times.items(), key=lambda i: i[1])[:3])
+            print(f"| {n} x {k} | {tokens} | {plain:.1f} | {times[fp8_kernel.PLAIN]:.1f} | {best} | {host} |",
+                  flush=True)  # fmt: skip
+    for shape in args.expert_shapes:  # the gathered product: one expert a pair
+        e, n, k = map(int, shape.split("x"))
+        weight, kept = fp8_box(n, k, device, (e,))
+        for pairs in args.pairs:
+            x = torch.randn(pairs, k, device=device, dtype=torch.bfloat16)
+            ids = torch.randint(0, e, (pairs,), device=device)
+            plain = graphed(lambda: torch.bmm(weight[ids], x[:, :, None]), args.calls, args.repeats)
+            times = {launch: graphed_or_inf(lambda: fp8_kernel.gathered_weight_only_fp8(x, ids, kept, launch),
+                                            args.calls, args.repeats) for launch in launches}  # fmt: skip
+            host = host_us(lambda: fp8_kernel.gathered_weight_only_fp8(x, ids, kept), 10 * args.calls)
+            best = ", ".join(f"{tuple(launch)} {t:.1f}" for launch, t in sorted(times.items(), key=lambda i: i[1])[:3])
+            print(f"| {e} experts {n} x {k} | {pairs} pairs | {plain:.1f} (gathered bf16) | "
+                  f"{times[fp8_kernel.GATHERED]:.1f} | {best} | {host:.1f} |", flush=True)  # fmt: skip
+
+
+def main() -> None:
+    from hf_parallel.tensor import fp8_kernel
+    from hf_parallel.tensor.fp8_matmul import block_scales, fp8_product, supports_block_fp8
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--shapes", nargs="+", default=["4096x1536", "1536x4096", "768x1536", "14336x4096"], help="NxK")
     parser.add_argument("--calls", type=int, default=100)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--sweep", action="store_true", help="time the kernels' launches instead (see above)")
+    parser.add_argument("--expert-shapes", nargs="+", default=["32x1024x1024", "32x1024x512"], help="ExNxK")
+    parser.add_argument("--pairs", type=int, nargs="+", default=[4, 16])
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO)
     device = torch.device("cuda", torch.cuda.current_device())
+    if args.sweep:
+        return sweep(args, device)
     recipe = supports_block_fp8(device)
     kernel = fp8_kernel.runs_on(device)
     print(f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}, CUDA {torch.version.cuda}: {recipe}, "
@@ -56,11 +151,8 @@ def main() -> None:
           "| FP8 products x bf16 |\n|---|---|---|---|---|---|---|---|")  # fmt: skip
     for shape in args.shapes:
         n, k = map(int, shape.split("x"))
-        weight = torch.randn(n, k, device=device, dtype=torch.bfloat16) / k**0.5
-        blocks = weight.float().view(n // BLOCK, BLOCK, k // BLOCK, BLOCK)
-        scales = blocks.abs().amax(dim=(1, 3)) / 448
-        stored = (blocks / scales[:, None, :, None]).view(n, k).to(torch.float8_e4m3fn)
-        kept = KeptFP8({}, stored, scales, (BLOCK, BLOCK), (0, 0))
+        weight, kept = fp8_box(n, k, device)
+        stored, scales = kept.weight, kept.scales
         for tokens in args.tokens:
             x = torch.randn(tokens, k, device=device, dtype=torch.bfloat16)
             plain = timed(lambda: F.linear(x, weight), args.calls, args.repeats)

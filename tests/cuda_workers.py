@@ -81,7 +81,7 @@ def kept_fp8(rank: int, world_size: int, path: str, save_root: str, sizes: dict)
     from hf_parallel.tensor import fp8_kernel
 
     out = {}
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype in (torch.bfloat16, torch.float32):  # the last, as the checkpoint's floats: saved bit for bit
         logits, model, device = _kept_logits(path, (False, True), dtype, **sizes)
         with torch.no_grad():
             compiled = torch.compile(model.forward, fullgraph=True)(INPUT_IDS.to(device)).logits.float()
@@ -172,7 +172,8 @@ def fp8_products(rank: int, world_size: int, path: str, save_root: str) -> dict:
         x = torch.randn(5, module.fp8_weight.shape[1], device=device, generator=generator, dtype=torch.bfloat16)
         activations = fp8_matmul.act_dequant(*fp8_matmul.act_quant(x))
         with torch.no_grad():
-            out["products"][name] = gap(module.product(x).float(), activations @ module.kept_weight.dequantize().T)
+            weight = module.kept_weight.whole.dequantize(torch.float32)  # exact: FP8 codes times float32 scales
+            out["products"][name] = gap(module.product(x).float(), activations @ weight.T)
     out["logits"] = gap(logits["fp8"], logits[True])
     compiled = torch.compile(model.forward, fullgraph=True)
     with torch.no_grad():

@@ -23,7 +23,9 @@ once per device and variant: the weight's, scales' and compute dtypes, the tile 
 Triton that cannot compile it (e4m3 conversions need Ada, Hopper or later) or computes otherwise keeps the
 dequantized path, with a warning naming why. On CPU it runs only under Triton's interpreter
 (``TRITON_INTERPRET=1``), which the tests use; there the dot is taken in float32, since the interpreter
-multiplies bfloat16 as its integer storage. Not measured on a GPU yet (``benchmarks/fp8_products.py``).
+multiplies bfloat16 as its integer storage. On an H200 a one-row product takes 2.9-3.9x the bf16 weight's GPU
+time (it reads half the bytes, at 0.2-0.6 TB/s: latency-bound) and its launch about twice ``F.linear``'s
+host time (``benchmarks/fp8_products.py --sweep``; docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import importlib.util
 import math
 import os
 import warnings
+from typing import NamedTuple
 
 import torch
 
@@ -41,6 +44,23 @@ from ..checkpoint.quantized import KeptFP8
 from .kernel_checks import wrong_cases
 
 KERNEL_ROWS = 64  # the largest batch this kernel takes; more rows take the dequantized product
+
+
+class Launch(NamedTuple):
+    """How a product is cut and run: the outputs a program computes (``tile_n``), Triton's warps a program and
+    pipeline stages (loads in flight along the inputs), and whether the weight's tile is the left operand of
+    the tile products (``swap``: the tensor cores read it from registers; not yet timed on a card)."""
+
+    tile_n: int
+    warps: int
+    stages: int
+    swap: bool = False
+
+
+# the fastest of 24 launches (tile_n 16-128, 4 or 8 warps, 2-4 stages) on an NVIDIA H200 at decode shapes, timed
+# from CUDA graphs (benchmarks/fp8_products.py --sweep, 2026-11-26): each product's time grows with tile_n
+PLAIN = Launch(tile_n=16, warps=4, stages=3)
+GATHERED = Launch(tile_n=16, warps=4, stages=2)  # 8.7 us where tile_n=32 took 15.8 (32 experts 1024 x 1024)
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 COMPUTE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 WHOLE = 1 << 30  # a "block" spanning any weight: one scale along that dim
@@ -65,24 +85,24 @@ def _scales(kept: KeptFP8) -> torch.Tensor:
     return kept.scales.reshape(1, 1) if kept.scales.dim() != 2 else kept.scales
 
 
-def weight_only_fp8(x: torch.Tensor, kept: KeptFP8) -> torch.Tensor:
+def weight_only_fp8(x: torch.Tensor, kept: KeptFP8, launch: Launch = PLAIN) -> torch.Tensor:
     """``F.linear(x, kept.dequantize(x.dtype))`` from the stored bytes, in one launch (``x``: at most
     ``KERNEL_ROWS`` rows once flattened; ``runs_on`` has said the kernel runs on its device)."""
     source = _loaded(x.device)
-    flat = x.reshape(-1, x.shape[-1])
-    if flat.stride(-1) != 1:
-        flat = flat.contiguous()
-    rows, (outputs, inputs) = flat.shape[0], kept.weight.shape
-    out = torch.empty(rows, outputs, dtype=x.dtype, device=x.device)
+    x = x if x.is_contiguous() else x.contiguous()  # its rows a stride of ``inputs`` apart: no reshape (host time)
+    (outputs, inputs) = kept.weight.shape
+    rows = x.numel() // max(inputs, 1)
+    out = torch.empty(*x.shape[:-1], outputs, dtype=x.dtype, device=x.device)
     scales = _scales(kept)
     block_rows, block_columns, tile = _launch_blocks(kept.block, scales.shape)
-    tile_m, tile_n = 16 if rows <= 16 else 32 if rows <= 32 else 64, 16  # comparisons: a compiled step guards them
-    grid = (-(-rows // tile_m), -(-outputs // tile_n))
-    source.weight_only_fp8[grid](flat, kept.weight, scales, out, rows, outputs, inputs, flat.stride(0),
-                           kept.weight.stride(0), scales.stride(0), out.stride(0), kept.offset[0], kept.offset[1],
-                           block_rows, block_columns, TILE_M=tile_m, TILE_N=tile_n, TILE_K=tile,
-                           DOT_FP32=x.dtype == torch.float32 or source.INTERPRETED)  # fmt: skip
-    return out.reshape(*x.shape[:-1], outputs)
+    tile_m = 16 if rows <= 16 else 32 if rows <= 32 else 64  # comparisons: a compiled step guards them
+    grid = (-(-rows // tile_m), -(-outputs // launch.tile_n))
+    source.weight_only_fp8[grid](x, kept.weight, scales, out, rows, outputs, inputs, inputs,
+                           kept.weight.stride(0), scales.stride(0), outputs, kept.offset[0], kept.offset[1],
+                           block_rows, block_columns, TILE_M=tile_m, TILE_N=launch.tile_n, TILE_K=tile,
+                           DOT_FP32=x.dtype == torch.float32 or source.INTERPRETED, SWAP=launch.swap,
+                           num_warps=launch.warps, num_stages=launch.stages)  # fmt: skip
+    return out
 
 
 def takes(kept, shape: tuple, dtype: torch.dtype) -> bool:
@@ -178,9 +198,6 @@ def _computes_right(device, fp8, dtype, scales, rows: int, offset: tuple, block:
     return torch.allclose(got, want, rtol=0, atol=2**-6 * want.abs().max().item())
 
 
-GATHERED_TILE_N = 32  # outputs a program of the gathered product computes
-
-
 def _expert_scales(stacked: KeptFP8) -> torch.Tensor:
     """A stack's scales as [experts, block rows, block columns] (one scale an expert: [E, 1, 1])."""
     scales = stacked.scales
@@ -201,7 +218,8 @@ def gathered_takes(stacked, dtype: torch.dtype) -> bool:
     return tile is not None and gathered_runs_on(weight.device, weight.dtype, dtype, stacked.scales.dtype, tile)
 
 
-def gathered_weight_only_fp8(x: torch.Tensor, ids: torch.Tensor, stacked: KeptFP8) -> torch.Tensor:
+def gathered_weight_only_fp8(x: torch.Tensor, ids: torch.Tensor, stacked: KeptFP8,
+                             launch: Launch = GATHERED) -> torch.Tensor:  # fmt: skip
     """Each row ``p`` of ``x`` ([pairs, inputs]) times expert ``ids[p]``'s weight of the stack, as
     ``F.linear(x[p], stacked[ids[p]].dequantize(x.dtype))`` computes it, in one launch (``gathered_takes``
     has said the kernel runs here)."""
@@ -211,12 +229,14 @@ def gathered_weight_only_fp8(x: torch.Tensor, ids: torch.Tensor, stacked: KeptFP
     (pairs, _), (_, outputs, inputs) = x.shape, weight.shape
     out = torch.empty(pairs, outputs, dtype=x.dtype, device=x.device)
     block_rows, block_columns, tile = _launch_blocks(stacked.block, scales.shape[1:])
-    grid = (pairs, -(-outputs // GATHERED_TILE_N))
+    grid = (pairs, -(-outputs // launch.tile_n))
     source.gathered_weight_only_fp8[grid](x, ids, weight, scales, out, outputs, inputs, x.stride(0), weight.stride(0),
                                           weight.stride(1), scales.stride(0), scales.stride(1), out.stride(0),
                                           stacked.offset[0], stacked.offset[1], block_rows, block_columns,
-                                          TILE_N=GATHERED_TILE_N, TILE_K=tile,
-                                          DOT_FP32=x.dtype == torch.float32 or source.INTERPRETED)  # fmt: skip
+                                          TILE_N=launch.tile_n, TILE_K=tile,
+                                          DOT_FP32=x.dtype == torch.float32 or source.INTERPRETED,
+                                          SWAP=launch.swap, num_warps=launch.warps,
+                                          num_stages=launch.stages)  # fmt: skip
     return out
 
 

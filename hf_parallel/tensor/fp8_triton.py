@@ -28,33 +28,66 @@ def _product(x, w, DOT_FP32: tl.constexpr):
 
 
 @triton.jit
+def _start(TILE_M: tl.constexpr, TILE_N: tl.constexpr, SWAP: tl.constexpr):
+    """A program's float32 sums: [TILE_M, TILE_N], or transposed where ``SWAP`` (``_add``)."""
+    if SWAP:  # a branch on a constexpr: compiled as its one side, so the two shapes never meet
+        total = tl.full((TILE_N, TILE_M), 0.0, dtype=tl.float32)  # a builtin: runs interpreted in any process
+    else:
+        total = tl.full((TILE_M, TILE_N), 0.0, dtype=tl.float32)
+    return total
+
+
+@triton.jit
+def _add(total, x, w, DOT_FP32: tl.constexpr, SWAP: tl.constexpr):
+    """``total`` plus ``x @ w.T``; where ``SWAP``, its transpose ``w @ x.T``: the weight's tile the product's
+    left operand, which the tensor cores read from registers (the right one goes through shared memory), and
+    a decode step's few rows the small side of the product."""
+    if SWAP:
+        total += _product(w, x, DOT_FP32)
+    else:
+        total += _product(x, w, DOT_FP32)
+    return total
+
+
+@triton.jit
+def _store(out_ptr, total, m, n, out_stride, m_inside, n_inside, SWAP: tl.constexpr):
+    """``total`` (``_start``'s orientation) into the output's rows ``m`` and columns ``n`` where inside."""
+    if SWAP:
+        tl.store(out_ptr + m[None, :] * out_stride + n[:, None], total.to(out_ptr.dtype.element_ty),
+                 mask=m_inside[None, :] & n_inside[:, None])  # fmt: skip
+    else:
+        tl.store(out_ptr + m[:, None] * out_stride + n[None, :], total.to(out_ptr.dtype.element_ty),
+                 mask=m_inside[:, None] & n_inside[None, :])  # fmt: skip
+
+
+@triton.jit
 def weight_only_fp8(x_ptr, w_ptr, s_ptr, out_ptr, rows, outputs, inputs, x_stride, w_stride, s_stride,
                      out_stride, row_offset, column_offset, block_rows, block_columns, TILE_M: tl.constexpr,
-                     TILE_N: tl.constexpr, TILE_K: tl.constexpr, DOT_FP32: tl.constexpr):  # fmt: skip
+                     TILE_N: tl.constexpr, TILE_K: tl.constexpr, DOT_FP32: tl.constexpr,
+                     SWAP: tl.constexpr):  # fmt: skip
     """out[m, n] = sum_k x[m, k] * round(w[n, k] * s[(n + row_offset) // block_rows,
     (k + column_offset) // block_columns]): a TILE_M x TILE_N tile of the output per program. The block's
     sizes are runtime arguments, so one compiled kernel serves every block size."""
     m = tl.program_id(0) * TILE_M + tl.arange(0, TILE_M)
     n = tl.program_id(1) * TILE_N + tl.arange(0, TILE_N)
     scale_row = s_ptr + ((n + row_offset) // block_rows) * s_stride
-    total = tl.full((TILE_M, TILE_N), 0.0, dtype=tl.float32)  # a builtin: runs interpreted in any process
+    total = _start(TILE_M, TILE_N, SWAP)
     for start in range(-(column_offset % TILE_K), inputs, TILE_K):  # tiles on the whole weight's boundaries
         k = start + tl.arange(0, TILE_K)
         inside = (k >= 0) & (k < inputs)
         x = tl.load(x_ptr + m[:, None] * x_stride + k[None, :], mask=(m[:, None] < rows) & inside[None, :],
                     other=0.0)  # fmt: skip
         column = (start + column_offset) // block_columns
-        total += _product(x, _weight_tile(w_ptr + n[:, None] * w_stride, scale_row, n, k, inside, outputs, column,
-                                          x), DOT_FP32)  # fmt: skip
-    mask = (m[:, None] < rows) & (n[None, :] < outputs)
-    tl.store(out_ptr + m[:, None] * out_stride + n[None, :], total.to(out_ptr.dtype.element_ty), mask=mask)
+        w = _weight_tile(w_ptr + n[:, None] * w_stride, scale_row, n, k, inside, outputs, column, x)
+        total = _add(total, x, w, DOT_FP32, SWAP)
+    _store(out_ptr, total, m, n, out_stride, m < rows, n < outputs, SWAP)
 
 
 @triton.jit
 def gathered_weight_only_fp8(x_ptr, ids_ptr, w_ptr, s_ptr, out_ptr, outputs, inputs, x_stride, w_expert_stride,
                              w_stride, s_expert_stride, s_stride, out_stride, row_offset, column_offset, block_rows,
                              block_columns, TILE_N: tl.constexpr, TILE_K: tl.constexpr,
-                             DOT_FP32: tl.constexpr):  # fmt: skip
+                             DOT_FP32: tl.constexpr, SWAP: tl.constexpr):  # fmt: skip
     """out[p, n] = sum_k x[p, k] * round(w[ids[p], n, k] * s[ids[p], ...]): each row of ``x`` (a (token,
     expert) pair) times its own expert's weight, a TILE_N slice of its outputs per program. The row is the
     first of a 16-row tile (``tl.dot``'s least; the others masked to zero): a decode step's product is bound
@@ -65,13 +98,12 @@ def gathered_weight_only_fp8(x_ptr, ids_ptr, w_ptr, s_ptr, out_ptr, outputs, inp
     expert = tl.load(ids_ptr + pair).to(tl.int64)
     weight_rows = w_ptr + expert * w_expert_stride + n[:, None] * w_stride
     scale_row = s_ptr + expert * s_expert_stride + ((n + row_offset) // block_rows) * s_stride
-    total = tl.full((16, TILE_N), 0.0, dtype=tl.float32)  # a builtin: runs interpreted in any process
+    total = _start(16, TILE_N, SWAP)
     for start in range(-(column_offset % TILE_K), inputs, TILE_K):  # tiles on the whole weight's boundaries
         k = start + tl.arange(0, TILE_K)
         inside = (k >= 0) & (k < inputs)
         x = tl.load(x_ptr + pair * x_stride + row[:, None] * 0 + k[None, :], mask=(row[:, None] == 0) & inside[None, :],
                     other=0.0)  # fmt: skip
         column = (start + column_offset) // block_columns
-        total += _product(x, _weight_tile(weight_rows, scale_row, n, k, inside, outputs, column, x), DOT_FP32)
-    mask = (row[:, None] == 0) & (n[None, :] < outputs)
-    tl.store(out_ptr + pair * out_stride + row[:, None] * 0 + n[None, :], total.to(out_ptr.dtype.element_ty), mask=mask)
+        total = _add(total, x, _weight_tile(weight_rows, scale_row, n, k, inside, outputs, column, x), DOT_FP32, SWAP)
+    _store(out_ptr + pair * out_stride, total, row * 0, n, 0, row == 0, n < outputs, SWAP)
