@@ -101,23 +101,25 @@ def test_the_gathered_kernel_multiplies_each_pair_by_its_experts_weight(interpre
 
 
 @pytest.mark.parametrize("box", ["inside its blocks", "a scale per row"])
-def test_a_swapped_launch_computes_the_same_product(interpreted, box):
-    """``Launch.swap`` (the weight's tile the tiles' left operand, the sums held transposed) at 32 outputs a
-    program, plain and gathered: each the dequantized weights' product, as the default launches compute it."""
+def test_the_other_launches_compute_the_same_product(interpreted, box):
+    """``Launch.swap`` (the weight's tile the tiles' left operand, the sums held transposed) and ``unroll``
+    (tiles of columns loaded together, the last past the inputs' end), plain and gathered: each the dequantized
+    weights' product, as the default launches compute it."""
     outputs, inputs, offset, block, fp8, rows = BOXES[box]
     experts = [kept_box(outputs, inputs, offset, block, fp8, seed=e) for e in range(3)]
     stacked = dataclasses.replace(experts[0], weight=torch.stack([e.weight for e in experts]),
                                   scales=torch.stack([e.scales for e in experts]))  # fmt: skip
-    swapped, ids = interpreted.Launch(tile_n=32, warps=4, stages=2, swap=True), torch.tensor([2, 0, 2])
-    x = torch.randn(*rows, inputs, generator=torch.Generator().manual_seed(1))
-    wants = {"plain": F.linear(x, experts[0].dequantize(torch.float32)),
-             "gathered": torch.stack([x[p % len(x)] @ experts[e].dequantize(torch.float32).T
-                                      for p, e in enumerate(ids.tolist())])}  # fmt: skip
+    x, ids = torch.randn(*rows, inputs, generator=torch.Generator().manual_seed(1)), torch.tensor([2, 0, 2])
     pairs = x[torch.arange(3) % len(x)]
-    gots = {"plain": interpreted.weight_only_fp8(x, experts[0], swapped),
-            "gathered": interpreted.gathered_weight_only_fp8(pairs, ids, stacked, swapped)}  # fmt: skip
-    for name, want in wants.items():
-        torch.testing.assert_close(gots[name], want, rtol=0, atol=1e-5 * want.abs().max().item(), msg=name)
+    wants = {"plain": F.linear(x, experts[0].dequantize(torch.float32)),
+             "gathered": torch.stack([pairs[p] @ experts[e].dequantize(torch.float32).T
+                                      for p, e in enumerate(ids.tolist())])}  # fmt: skip
+    for launch in (interpreted.Launch(32, 4, 2, swap=True, unroll=2), interpreted.Launch(16, 4, 3, unroll=3)):
+        gots = {"plain": interpreted.weight_only_fp8(x, experts[0], launch),
+                "gathered": interpreted.gathered_weight_only_fp8(pairs, ids, stacked, launch)}  # fmt: skip
+        for name, want in wants.items():
+            torch.testing.assert_close(gots[name], want, rtol=0, atol=1e-5 * want.abs().max().item(),
+                                       msg=f"{name}, {launch}")  # fmt: skip
 
 
 def test_a_kernel_that_computes_otherwise_is_refused_at_load(interpreted, monkeypatch):

@@ -48,13 +48,15 @@ KERNEL_ROWS = 64  # the largest batch this kernel takes; more rows take the dequ
 
 class Launch(NamedTuple):
     """How a product is cut and run: the outputs a program computes (``tile_n``), Triton's warps a program and
-    pipeline stages (loads in flight along the inputs), and whether the weight's tile is the left operand of
-    the tile products (``swap``: the tensor cores read it from registers; not yet timed on a card)."""
+    pipeline stages, whether the weight's tile is the left operand of the tile products (``swap``: the tensor
+    cores read it from registers), and the tiles of columns a program loads at once (``unroll``: more bytes in
+    flight, where stages were seen to change nothing). ``swap`` and ``unroll`` are not yet timed on a card."""
 
     tile_n: int
     warps: int
     stages: int
     swap: bool = False
+    unroll: int = 1
 
 
 # the fastest of 24 launches (tile_n 16-128, 4 or 8 warps, 2-4 stages) on an NVIDIA H200 at decode shapes, timed
@@ -101,7 +103,7 @@ def weight_only_fp8(x: torch.Tensor, kept: KeptFP8, launch: Launch = PLAIN) -> t
                            kept.weight.stride(0), scales.stride(0), outputs, kept.offset[0], kept.offset[1],
                            block_rows, block_columns, TILE_M=tile_m, TILE_N=launch.tile_n, TILE_K=tile,
                            DOT_FP32=x.dtype == torch.float32 or source.INTERPRETED, SWAP=launch.swap,
-                           num_warps=launch.warps, num_stages=launch.stages)  # fmt: skip
+                           UNROLL=launch.unroll, num_warps=launch.warps, num_stages=launch.stages)  # fmt: skip
     return out
 
 
@@ -235,7 +237,7 @@ def gathered_weight_only_fp8(x: torch.Tensor, ids: torch.Tensor, stacked: KeptFP
                                           stacked.offset[0], stacked.offset[1], block_rows, block_columns,
                                           TILE_N=launch.tile_n, TILE_K=tile,
                                           DOT_FP32=x.dtype == torch.float32 or source.INTERPRETED,
-                                          SWAP=launch.swap, num_warps=launch.warps,
+                                          SWAP=launch.swap, UNROLL=launch.unroll, num_warps=launch.warps,
                                           num_stages=launch.stages)  # fmt: skip
     return out
 

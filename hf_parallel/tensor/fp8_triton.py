@@ -63,23 +63,26 @@ def _store(out_ptr, total, m, n, out_stride, m_inside, n_inside, SWAP: tl.conste
 @triton.jit
 def weight_only_fp8(x_ptr, w_ptr, s_ptr, out_ptr, rows, outputs, inputs, x_stride, w_stride, s_stride,
                      out_stride, row_offset, column_offset, block_rows, block_columns, TILE_M: tl.constexpr,
-                     TILE_N: tl.constexpr, TILE_K: tl.constexpr, DOT_FP32: tl.constexpr,
-                     SWAP: tl.constexpr):  # fmt: skip
+                     TILE_N: tl.constexpr, TILE_K: tl.constexpr, DOT_FP32: tl.constexpr, SWAP: tl.constexpr,
+                     UNROLL: tl.constexpr):  # fmt: skip
     """out[m, n] = sum_k x[m, k] * round(w[n, k] * s[(n + row_offset) // block_rows,
-    (k + column_offset) // block_columns]): a TILE_M x TILE_N tile of the output per program. The block's
-    sizes are runtime arguments, so one compiled kernel serves every block size."""
+    (k + column_offset) // block_columns]): a TILE_M x TILE_N tile of the output per program, UNROLL tiles of
+    columns a step (their loads issued together: more bytes in flight). The block's sizes are runtime
+    arguments, so one compiled kernel serves every block size."""
     m = tl.program_id(0) * TILE_M + tl.arange(0, TILE_M)
     n = tl.program_id(1) * TILE_N + tl.arange(0, TILE_N)
     scale_row = s_ptr + ((n + row_offset) // block_rows) * s_stride
     total = _start(TILE_M, TILE_N, SWAP)
-    for start in range(-(column_offset % TILE_K), inputs, TILE_K):  # tiles on the whole weight's boundaries
-        k = start + tl.arange(0, TILE_K)
-        inside = (k >= 0) & (k < inputs)
-        x = tl.load(x_ptr + m[:, None] * x_stride + k[None, :], mask=(m[:, None] < rows) & inside[None, :],
-                    other=0.0)  # fmt: skip
-        column = (start + column_offset) // block_columns
-        w = _weight_tile(w_ptr + n[:, None] * w_stride, scale_row, n, k, inside, outputs, column, x)
-        total = _add(total, x, w, DOT_FP32, SWAP)
+    for first in range(-(column_offset % TILE_K), inputs, TILE_K * UNROLL):  # on the whole weight's tiles
+        for step in tl.static_range(UNROLL):
+            start = first + step * TILE_K
+            k = start + tl.arange(0, TILE_K)
+            inside = (k >= 0) & (k < inputs)
+            x = tl.load(x_ptr + m[:, None] * x_stride + k[None, :], mask=(m[:, None] < rows) & inside[None, :],
+                        other=0.0)  # fmt: skip
+            column = (start + column_offset) // block_columns
+            w = _weight_tile(w_ptr + n[:, None] * w_stride, scale_row, n, k, inside, outputs, column, x)
+            total = _add(total, x, w, DOT_FP32, SWAP)
     _store(out_ptr, total, m, n, out_stride, m < rows, n < outputs, SWAP)
 
 
@@ -87,7 +90,7 @@ def weight_only_fp8(x_ptr, w_ptr, s_ptr, out_ptr, rows, outputs, inputs, x_strid
 def gathered_weight_only_fp8(x_ptr, ids_ptr, w_ptr, s_ptr, out_ptr, outputs, inputs, x_stride, w_expert_stride,
                              w_stride, s_expert_stride, s_stride, out_stride, row_offset, column_offset, block_rows,
                              block_columns, TILE_N: tl.constexpr, TILE_K: tl.constexpr,
-                             DOT_FP32: tl.constexpr, SWAP: tl.constexpr):  # fmt: skip
+                             DOT_FP32: tl.constexpr, SWAP: tl.constexpr, UNROLL: tl.constexpr):  # fmt: skip
     """out[p, n] = sum_k x[p, k] * round(w[ids[p], n, k] * s[ids[p], ...]): each row of ``x`` (a (token,
     expert) pair) times its own expert's weight, a TILE_N slice of its outputs per program. The row is the
     first of a 16-row tile (``tl.dot``'s least; the others masked to zero): a decode step's product is bound
@@ -99,11 +102,14 @@ def gathered_weight_only_fp8(x_ptr, ids_ptr, w_ptr, s_ptr, out_ptr, outputs, inp
     weight_rows = w_ptr + expert * w_expert_stride + n[:, None] * w_stride
     scale_row = s_ptr + expert * s_expert_stride + ((n + row_offset) // block_rows) * s_stride
     total = _start(16, TILE_N, SWAP)
-    for start in range(-(column_offset % TILE_K), inputs, TILE_K):  # tiles on the whole weight's boundaries
-        k = start + tl.arange(0, TILE_K)
-        inside = (k >= 0) & (k < inputs)
-        x = tl.load(x_ptr + pair * x_stride + row[:, None] * 0 + k[None, :], mask=(row[:, None] == 0) & inside[None, :],
-                    other=0.0)  # fmt: skip
-        column = (start + column_offset) // block_columns
-        total = _add(total, x, _weight_tile(weight_rows, scale_row, n, k, inside, outputs, column, x), DOT_FP32, SWAP)
+    for first in range(-(column_offset % TILE_K), inputs, TILE_K * UNROLL):  # on the whole weight's tiles
+        for step in tl.static_range(UNROLL):
+            start = first + step * TILE_K
+            k = start + tl.arange(0, TILE_K)
+            inside = (k >= 0) & (k < inputs)
+            x = tl.load(x_ptr + pair * x_stride + row[:, None] * 0 + k[None, :],
+                        mask=(row[:, None] == 0) & inside[None, :], other=0.0)  # fmt: skip
+            column = (start + column_offset) // block_columns
+            w = _weight_tile(weight_rows, scale_row, n, k, inside, outputs, column, x)
+            total = _add(total, x, w, DOT_FP32, SWAP)
     _store(out_ptr + pair * out_stride, total, row * 0, n, 0, row == 0, n < outputs, SWAP)
