@@ -95,38 +95,55 @@ def fp8_box(n: int, k: int, device, experts: tuple = ()):
 def sweep(args, device) -> None:
     from hf_parallel.tensor import fp8_kernel
 
-    # stages changed nothing on an H200 (the loads are not pipelined): tiles loaded together may
+    # stages changed nothing on an H200 (the loads seem not to be pipelined): tiles loaded together may
     launches = [fp8_kernel.Launch(n, w, 3, swap, unroll) for n in (16, 32, 64) for w in (4, 8)
                 for swap in (False, True) for unroll in (1, 4)]  # fmt: skip
     launches = sorted({*launches, fp8_kernel.PLAIN, fp8_kernel.GATHERED})  # the defaults, whatever they are
-    print(f"| product | rows | bf16 us | {fp8_kernel.PLAIN} us | fastest launches (us) | host us a launch (bf16) |\n"
+    print("| product | rows | bf16 us | the default launch us | fastest launches (us) | host us a launch (bf16) |\n"
           "|---|---|---|---|---|---|")  # fmt: skip
     for shape in args.shapes:
         n, k = map(int, shape.split("x"))
         weight, kept = fp8_box(n, k, device)
         for tokens in args.tokens:
             x = torch.randn(tokens, k, device=device, dtype=torch.bfloat16)
+            times = launch_times(lambda launch: fp8_kernel.weight_only_fp8(x, kept, launch), launches,
+                                 fp8_kernel.PLAIN, args)  # fmt: skip
             plain = graphed(lambda: F.linear(x, weight), args.calls, args.repeats)
-            times = {launch: graphed_or_inf(lambda: fp8_kernel.weight_only_fp8(x, kept, launch), args.calls,
-                                            args.repeats) for launch in launches}  # fmt: skip
             host = host_us(lambda: fp8_kernel.weight_only_fp8(x, kept), 10 * args.calls)
             host = f"{host:.1f} ({host_us(lambda: F.linear(x, weight), 10 * args.calls):.1f})"
-            best = ", ".join(f"{tuple(launch)} {t:.1f}" for launch, t in sorted(times.items(), key=lambda i: i[1])[:3])
-            print(f"| {n} x {k} | {tokens} | {plain:.1f} | {times[fp8_kernel.PLAIN]:.1f} | {best} | {host} |",
-                  flush=True)  # fmt: skip
+            print(f"| {n} x {k} | {tokens} | {plain:.1f} | {times[fp8_kernel.PLAIN]:.1f} | {fastest(times)} | "
+                  f"{host} |", flush=True)  # fmt: skip
     for shape in args.expert_shapes:  # the gathered product: one expert a pair
         e, n, k = map(int, shape.split("x"))
         weight, kept = fp8_box(n, k, device, (e,))
         for pairs in args.pairs:
             x = torch.randn(pairs, k, device=device, dtype=torch.bfloat16)
             ids = torch.randint(0, e, (pairs,), device=device)
+            times = launch_times(lambda launch: fp8_kernel.gathered_weight_only_fp8(x, ids, kept, launch), launches,
+                                 fp8_kernel.GATHERED, args)  # fmt: skip
             plain = graphed(lambda: torch.bmm(weight[ids], x[:, :, None]), args.calls, args.repeats)
-            times = {launch: graphed_or_inf(lambda: fp8_kernel.gathered_weight_only_fp8(x, ids, kept, launch),
-                                            args.calls, args.repeats) for launch in launches}  # fmt: skip
             host = host_us(lambda: fp8_kernel.gathered_weight_only_fp8(x, ids, kept), 10 * args.calls)
-            best = ", ".join(f"{tuple(launch)} {t:.1f}" for launch, t in sorted(times.items(), key=lambda i: i[1])[:3])
-            print(f"| {e} experts {n} x {k} | {pairs} pairs | {plain:.1f} (gathered bf16) | "
-                  f"{times[fp8_kernel.GATHERED]:.1f} | {best} | {host:.1f} |", flush=True)  # fmt: skip
+            print(f"| {e} experts {n} x {k} | {pairs} pairs | {plain:.1f} (bf16: gather, bmm) | "
+                  f"{times[fp8_kernel.GATHERED]:.1f} | {fastest(times)} | {host:.1f} |", flush=True)  # fmt: skip
+
+
+def launch_times(product, launches: list, default, args) -> dict:
+    """Each launch's GPU time for ``product(launch)``, infinity where it does not compile or computes
+    otherwise than the kernel's ``default`` launch (every launch must give its numbers)."""
+    reference = product(default).float()
+    times = {}
+    for launch in launches:
+        got = graphed_or_inf(lambda: product(launch), 1, 1)  # compiles it, or says why not
+        if got != math.inf and not torch.allclose(product(launch).float(), reference, rtol=0,
+                                                   atol=2**-6 * reference.abs().max().item()):  # fmt: skip
+            print(f"  {launch} computes otherwise than {default}", flush=True)
+            got = math.inf
+        times[launch] = got if got == math.inf else graphed(lambda: product(launch), args.calls, args.repeats)
+    return times
+
+
+def fastest(times: dict) -> str:
+    return ", ".join(f"{tuple(launch)} {t:.1f}" for launch, t in sorted(times.items(), key=lambda i: i[1])[:3])
 
 
 def main() -> None:

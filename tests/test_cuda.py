@@ -95,7 +95,8 @@ def test_on_a_gpu_like_one_process(gpu_results, case):
 def test_fp8_kept_quantized_on_a_gpu(tmp_path, monkeypatch):
     """``llama_fp8`` (32 x 32 blocks) kept at TP=2, whose shards start inside blocks: on a card that runs the
     package's weight-only kernel every kept linear takes it; logits as the checkpoint dequantized as read
-    (float32 and bfloat16), compiled whole as eager; saved back bitwise, gathered and per rank."""
+    (float32 and bfloat16), compiled whole as eager; saved back (the float32 load bitwise, gathered and per
+    rank; the bfloat16 one's plain weights as it holds them)."""
     import cuda_workers
     from tiny_models import make_fp8_checkpoint
 
@@ -109,15 +110,17 @@ def test_fp8_kept_quantized_on_a_gpu(tmp_path, monkeypatch):
         for dtype, within in (("torch.float32", dict(atol=1e-4, rtol=0)), ("torch.bfloat16", dict(atol=0, rtol=0.05))):
             assert got[f"kinds {dtype}"] == ["KeptFP8KernelLinear" if got["kernel"] else "KeptLinear"], where
             assert_within(got[dtype], **within, where=f"FP8 kept and compiled, {dtype}, {where}")
-    assert_same_checkpoint(path, str(tmp_path / "saved" / "gathered"))
-    hf_parallel.consolidate(str(tmp_path / "saved" / "per_rank"), str(tmp_path / "consolidated"), progress=False)
+    assert_same_checkpoint(path, str(tmp_path / "saved" / "float32" / "gathered"))
+    assert_same_checkpoint(path, str(tmp_path / "saved" / "bfloat16" / "gathered"), held=torch.bfloat16)
+    hf_parallel.consolidate(str(tmp_path / "saved" / "float32" / "per_rank"), str(tmp_path / "consolidated"),
+                            progress=False)  # fmt: skip
     assert_same_checkpoint(path, str(tmp_path / "consolidated"))
 
 
 def test_int4_kept_through_torch_kernel_on_a_gpu(tmp_path, monkeypatch):
     """``keep_quantized="int4"``, act-order GPTQ (``llama_gptq``) at TP=2 in bfloat16: on a card with torch's
     int4 kernel (Ampere and later) every kept linear takes it; logits as the checkpoint dequantized as read
-    within bfloat16's rounding, compiled whole as eager; saved back bitwise."""
+    within bfloat16's rounding, compiled whole as eager; its quantized parts saved back bitwise."""
     import cuda_workers
     from tiny_models import make_grouped_checkpoint
 

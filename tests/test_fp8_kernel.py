@@ -100,15 +100,34 @@ def test_the_gathered_kernel_multiplies_each_pair_by_its_experts_weight(interpre
         torch.testing.assert_close(got.float(), want, rtol=0, atol=within * want.abs().max().item())
 
 
+def test_an_empty_box_is_left_to_the_dequantized_product(interpreted):
+    """A shard with no rows or no inputs: nothing for a kernel to read (and no program to write a zero result),
+    so neither kernel takes it; the dequantized product gives the empty or zero result."""
+    for shape in ((0, 64), (64, 0)):
+        kept = KeptFP8({}, torch.zeros(shape, dtype=torch.float8_e4m3fn), torch.ones(1), (128, 128), (0, 0))
+        assert not interpreted.takes(kept, shape, torch.float32), shape
+        stacked = dataclasses.replace(kept, weight=kept.weight.expand(2, *shape), scales=torch.ones(2, 1, 1))
+        assert not interpreted.gathered_takes(stacked, torch.float32), shape
+
+
+def nan_beyond(scales: torch.Tensor) -> torch.Tensor:
+    """``scales`` as a view whose rows are each followed by a NaN in memory (the last row too)."""
+    padded = torch.full((*scales.shape[:-1], scales.shape[-1] + 1), float("nan"), dtype=scales.dtype)
+    padded[..., :-1] = scales
+    return padded[..., :-1]
+
+
 @pytest.mark.parametrize("box", ["inside its blocks", "a scale per row"])
 def test_the_other_launches_compute_the_same_product(interpreted, box):
     """``Launch.swap`` (the weight's tile the tiles' left operand, the sums held transposed) and ``unroll``
     (tiles of columns loaded together, the last past the inputs' end), plain and gathered: each the dequantized
-    weights' product, as the default launches compute it."""
+    weights' product, as the default launches compute it, with NaN just past each row of scales (an unrolled
+    step past the end must read none of it)."""
     outputs, inputs, offset, block, fp8, rows = BOXES[box]
     experts = [kept_box(outputs, inputs, offset, block, fp8, seed=e) for e in range(3)]
+    experts = [dataclasses.replace(e, scales=nan_beyond(e.scales)) for e in experts]
     stacked = dataclasses.replace(experts[0], weight=torch.stack([e.weight for e in experts]),
-                                  scales=torch.stack([e.scales for e in experts]))  # fmt: skip
+                                  scales=nan_beyond(torch.stack([e.scales for e in experts])))  # fmt: skip
     x, ids = torch.randn(*rows, inputs, generator=torch.Generator().manual_seed(1)), torch.tensor([2, 0, 2])
     pairs = x[torch.arange(3) % len(x)]
     wants = {"plain": F.linear(x, experts[0].dequantize(torch.float32)),

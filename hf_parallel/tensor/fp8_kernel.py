@@ -92,8 +92,7 @@ def weight_only_fp8(x: torch.Tensor, kept: KeptFP8, launch: Launch = PLAIN) -> t
     ``KERNEL_ROWS`` rows once flattened; ``runs_on`` has said the kernel runs on its device)."""
     source = _loaded(x.device)
     x = x if x.is_contiguous() else x.contiguous()  # its rows a stride of ``inputs`` apart: no reshape (host time)
-    (outputs, inputs) = kept.weight.shape
-    rows = x.numel() // max(inputs, 1)
+    (outputs, inputs), rows = kept.weight.shape, math.prod(x.shape[:-1])
     out = torch.empty(*x.shape[:-1], outputs, dtype=x.dtype, device=x.device)
     scales = _scales(kept)
     block_rows, block_columns, tile = _launch_blocks(kept.block, scales.shape)
@@ -117,6 +116,8 @@ def takes(kept, shape: tuple, dtype: torch.dtype) -> bool:
     if tuple(kept.weight.shape) != tuple(shape) or kept.weight.stride(-1) != 1 or _scales(kept).stride(-1) != 1:
         return False  # the kernel steps along rows of the weight and of the scales
     if kept.weight.shape[0] * kept.weight.stride(0) >= 2**31 or tile_k(kept) is None:  # its offsets are 32-bit
+        return False
+    if 0 in kept.weight.shape:  # nothing to read: the dequantized product (an empty or zero result)
         return False
     return runs_on(kept.weight.device, kept.weight.dtype, dtype, kept.scales.dtype, tile_k(kept))
 
@@ -215,6 +216,8 @@ def gathered_takes(stacked, dtype: torch.dtype) -> bool:
         return False
     weight, scales = stacked.weight, _expert_scales(stacked)
     if weight.stride(-1) != 1 or scales.stride(-1) != 1 or weight.shape[1] * weight.stride(1) >= 2**31:
+        return False
+    if 0 in weight.shape:
         return False
     tile = _launch_blocks(stacked.block, scales.shape[1:])[2]
     return tile is not None and gathered_runs_on(weight.device, weight.dtype, dtype, stacked.scales.dtype, tile)

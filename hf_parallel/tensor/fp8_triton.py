@@ -10,12 +10,13 @@ INTERPRETED = bool(triton.knobs.runtime.interpret)
 
 
 @triton.jit
-def _weight_tile(weight_rows, scale_row, n, k, inside, outputs, column, like):
+def _weight_tile(weight_rows, scale_row, n, k, inside, outputs, column, live, like):
     """The weight's tile at rows ``n`` and columns ``k`` (``weight_rows``: each row's start), each row scaled
     by its block's scale (column ``column`` of ``scale_row``) and rounded to ``like``'s dtype as the
-    dequantized path rounds it."""
+    dequantized path rounds it. ``live``: per row, whether the tile starts before the inputs' end (an unrolled
+    step past it reads no scale: one past the grid may be anything, and 0 x NaN is NaN)."""
     w = tl.load(weight_rows + k[None, :], mask=(n[:, None] < outputs) & inside[None, :], other=0.0)
-    scale = tl.load(scale_row + column, mask=n < outputs, other=0.0)
+    scale = tl.load(scale_row + column, mask=(n < outputs) & live, other=0.0)
     return (w.to(tl.float32) * scale.to(tl.float32)[:, None]).to(like.dtype)
 
 
@@ -81,7 +82,8 @@ def weight_only_fp8(x_ptr, w_ptr, s_ptr, out_ptr, rows, outputs, inputs, x_strid
             x = tl.load(x_ptr + m[:, None] * x_stride + k[None, :], mask=(m[:, None] < rows) & inside[None, :],
                         other=0.0)  # fmt: skip
             column = (start + column_offset) // block_columns
-            w = _weight_tile(w_ptr + n[:, None] * w_stride, scale_row, n, k, inside, outputs, column, x)
+            w = _weight_tile(w_ptr + n[:, None] * w_stride, scale_row, n, k, inside, outputs, column,
+                             n * 0 + start < inputs, x)  # fmt: skip
             total = _add(total, x, w, DOT_FP32, SWAP)
     _store(out_ptr, total, m, n, out_stride, m < rows, n < outputs, SWAP)
 
@@ -110,6 +112,6 @@ def gathered_weight_only_fp8(x_ptr, ids_ptr, w_ptr, s_ptr, out_ptr, outputs, inp
             x = tl.load(x_ptr + pair * x_stride + row[:, None] * 0 + k[None, :],
                         mask=(row[:, None] == 0) & inside[None, :], other=0.0)  # fmt: skip
             column = (start + column_offset) // block_columns
-            w = _weight_tile(weight_rows, scale_row, n, k, inside, outputs, column, x)
+            w = _weight_tile(weight_rows, scale_row, n, k, inside, outputs, column, n * 0 + start < inputs, x)
             total = _add(total, x, w, DOT_FP32, SWAP)
     _store(out_ptr + pair * out_stride, total, row * 0, n, 0, row == 0, n < outputs, SWAP)
