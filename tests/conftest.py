@@ -5,6 +5,7 @@ import os
 import sys
 
 import pytest
+from hypothesis import settings
 
 sys.path.insert(0, os.path.dirname(__file__))  # spawned ranks import tests' helper modules by name
 
@@ -15,6 +16,10 @@ os.environ.setdefault("HF_PARALLEL_P2P_RULES", "nccl")
 # the suite's ranks compute on the CPU, on a GPU machine too (hf_parallel would pick the GPU): one process's
 # references are CPU models fed CPU inputs. The cuda tier (test_cuda.py) asks for the GPU itself.
 os.environ.setdefault("HF_PARALLEL_DEVICE", "cpu")
+# examples a property test draws where it does not set its own: CI (.ci/run) draws 150, an edit-test loop 40
+settings.register_profile("ci", max_examples=150)
+settings.register_profile("dev", max_examples=40)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 
 
 def once_per_world_size(compute):
@@ -30,18 +35,19 @@ def once_per_world_size(compute):
     return get
 
 
-@pytest.fixture
-def interpreted(monkeypatch):
+@pytest.fixture(scope="module")
+def interpreted():
     """``tensor/fp8_kernel`` with its Triton source (``fp8_triton``) made for Triton's interpreter, which
-    ``triton.jit`` reads when it decorates: both modules reloaded under ``TRITON_INTERPRET=1``, and after."""
+    ``triton.jit`` reads when it decorates: both modules reloaded under ``TRITON_INTERPRET=1``, and after. One
+    test file shares it, so its load-time checks (``runs_on``, interpreted: seconds each) run once a file."""
     import importlib
 
     from hf_parallel.tensor import fp8_kernel
 
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    importlib.reload(importlib.import_module("hf_parallel.tensor.fp8_triton"))
-    yield importlib.reload(fp8_kernel)
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TRITON_INTERPRET", "1")
+        importlib.reload(importlib.import_module("hf_parallel.tensor.fp8_triton"))
+        yield importlib.reload(fp8_kernel)
     importlib.reload(importlib.import_module("hf_parallel.tensor.fp8_triton"))
     importlib.reload(fp8_kernel)
 

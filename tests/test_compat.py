@@ -115,24 +115,31 @@ def test_a_seam_goes_in_when_its_module_is_first_imported(tmp_path):
     assert out == "[1, 2] [True, True]"
 
 
-def test_an_inference_load_imports_neither_the_trainer_nor_peft(tmp_path):
-    """A load and a generate import neither the Trainer nor peft; importing the Trainer afterwards puts
-    its seams in (on one rank only the resume of a checkpoint written over several ranks acts; the model
-    declares no placement of its own), and peft's."""
+def test_an_inference_load_imports_neither_the_trainer_peft_nor_the_kernel(tiny_root):
+    """A load and a generate (FP8 kept, on CPU) import neither the Trainer, peft nor the FP8 kernel's Triton
+    source (``fp8_triton``: Triton costs a process about 80 MiB; torch's own dynamo imports Triton where it is
+    installed, torch's cost); the training and report modules import no peft either; importing the Trainer
+    afterwards puts its seams in (on one rank only the resume of a checkpoint written over several ranks acts;
+    the model declares no placement of its own), and peft's. One fresh interpreter for all (seconds each)."""
+    from tiny_models import make_fp8_checkpoint
+
+    path = make_fp8_checkpoint("llama_fp8", tiny_root)
     out = _fresh(f"""
-        import sys, torch, transformers
-        config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                          num_attention_heads=4, num_key_value_heads=2)
-        transformers.LlamaForCausalLM(config).save_pretrained({str(tmp_path)!r})
+        import os, sys, torch
+        os.environ.pop("TRITON_INTERPRET", None)
         import hf_parallel
-        model = hf_parallel.AutoModelForCausalLM.from_pretrained({str(tmp_path)!r}, dtype=torch.float32)
+        model = hf_parallel.AutoModelForCausalLM.from_pretrained({path!r}, keep_quantized=True)
         model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=2, do_sample=False)
-        loaded = sorted(m for m in ("transformers.trainer", "peft") if m in sys.modules)
+        kinds = sorted({{type(m).__name__ for m in model.modules() if hasattr(m, "kept_weight")}})
+        heavy = ("transformers.trainer", "peft", "hf_parallel.tensor.fp8_triton")
+        loaded = sorted(m for m in heavy if m in sys.modules)
+        import hf_parallel.api, hf_parallel.training.step, hf_parallel.training.trainer, hf_parallel.commands.report
+        peft_by_training = "peft" in sys.modules
         import importlib.util
         assert importlib.util.find_spec("peft") is not None  # asking whether peft is installed changes nothing
         from transformers import Trainer
         import peft
-        print(loaded, hasattr(Trainer._clip_grad_norm, "__wrapped__"), model.is_distributed_loading_by_transformers,
-              hasattr(peft.PeftModel.save_pretrained, "__wrapped__"))
+        print(kinds, loaded, peft_by_training, hasattr(Trainer._clip_grad_norm, "__wrapped__"),
+              model.is_distributed_loading_by_transformers, hasattr(peft.PeftModel.save_pretrained, "__wrapped__"))
     """)
-    assert out == "[] True False True"
+    assert out == "['KeptLinear'] [] False True False True", out

@@ -35,14 +35,6 @@ def test_pure_modules_import_no_transformers():
     assert "transformers" not in _loaded_after(code)
 
 
-def test_peft_is_imported_only_when_a_peft_model_is_used():
-    code = (
-        "import hf_parallel.api, hf_parallel.training.step, hf_parallel.training.trainer, "
-        "hf_parallel.commands.report"
-    )
-    assert "peft" not in _loaded_after(code)
-
-
 def test_public_names_resolve_lazily():
     import hf_parallel
 

@@ -260,17 +260,19 @@ def test_cli_generate_streams_from_one_rank_at_vtp(smollm2):
     assert stdout.split("[12 tokens in")[0].strip() == want.strip(), stdout
 
 
-def test_cli_plan_shows_stages_ranks_bytes_and_activations(pp_paths):
-    done = subprocess.run(
-        [sys.executable, "-m", "hf_parallel", "plan", pp_paths["pp_tied"], "--stage-tp", "2,1"],
-        capture_output=True, text=True, timeout=300, check=True,
-    )  # fmt: skip
-    lines = done.stdout.splitlines()
+def test_cli_plan_shows_stages_ranks_bytes_and_activations(pp_paths, capsys):
+    """``hf-parallel plan`` with stages (its ``main`` in this process: a fresh interpreter costs seconds; the
+    module's entry runs in ``test_cli.py``)."""
+    from hf_parallel.commands.cli import main
+
+    main(["plan", pp_paths["pp_tied"], "--stage-tp", "2,1"])
+    stdout = capsys.readouterr().out
+    lines = stdout.splitlines()
     assert "2 stages, TP per stage [2, 1]" in lines[0]
     assert lines[1].startswith("stage 0: ranks [0, 1] (tp=2), layers 0-1 (2) + model.embed_tokens"), lines[1]
     assert lines[2].startswith("stage 1: ranks [2] (tp=1), layers 2-3 (2)"), lines[2]
     assert "bytes per rank [" in lines[1] and "tied model.embed_tokens.weight" in lines[2]
-    assert "sent between stages per token: 256 bytes of hidden state (hidden 64 x 4)" in done.stdout
+    assert "sent between stages per token: 256 bytes of hidden state (hidden 64 x 4)" in stdout
 
 
 @pytest.mark.distributed

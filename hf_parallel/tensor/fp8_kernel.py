@@ -158,9 +158,9 @@ def runs_on(device: torch.device, fp8=torch.float8_e4m3fn, dtype=torch.bfloat16,
     (each tile of rows) with blocks of ``tile`` columns, whole blocks of aligned sizes, a box starting inside
     its blocks, and one scale for all, against the same rounded weights multiplied in float32. CPU: only under
     Triton's interpreter; no warning where there is nothing to run it."""
-    cases = [
-        (1, (0, 0), (128, tile), (256, 512)),  # sizes and strides aligned to 16 (Triton specializes on it)
-        (20, (64, tile // 2), (128, tile), (200, 300)),
+    cases = [  # four and about two and a half tiles of columns, whichever the tile (the interpreter's cost)
+        (1, (0, 0), (128, tile), (256, 4 * tile)),  # sizes and strides aligned to 16 (Triton specializes on it)
+        (20, (64, tile // 2), (128, tile), (200, 300 * tile // 128)),
         (40, (5, 7), (WHOLE, WHOLE), (200, 300)),
     ]
     return _checked("weight-only FP8 kernel", _computes_right, cases, device, fp8, dtype, scales, tile)
@@ -250,7 +250,7 @@ def gathered_runs_on(device: torch.device, fp8=torch.float8_e4m3fn, dtype=torch.
                      tile: int = 128) -> bool:  # fmt: skip
     """``runs_on`` for the gathered product: 1 and 5 pairs over 3 experts (one expert twice), a box inside
     its blocks and one scale an expert, against each pair's product with its expert's dequantized weight."""
-    cases = [(1, (0, 0), (128, tile), (96, 256)), (5, (64, tile // 2), (128, tile), (70, 300)),
+    cases = [(1, (0, 0), (128, tile), (96, 2 * tile)), (5, (64, tile // 2), (128, tile), (70, 300 * tile // 128)),
              (5, (5, 7), (WHOLE, WHOLE), (40, 100))]  # fmt: skip
     return _checked("gathered weight-only FP8 kernel", _gathers_right, cases, device, fp8, dtype, scales, tile)
 
