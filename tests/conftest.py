@@ -39,7 +39,8 @@ def once_per_world_size(compute):
 def interpreted():
     """``tensor/fp8_kernel`` with its Triton source (``fp8_triton``) made for Triton's interpreter, which
     ``triton.jit`` reads when it decorates: both modules reloaded under ``TRITON_INTERPRET=1``, and after. One
-    test file shares it, so its load-time checks (``runs_on``, interpreted: seconds each) run once a file."""
+    test file shares it, so its load-time checks (``runs_on``, interpreted: seconds each) run once a file; the
+    file's tests after its first use run under it too, so those that use it come last."""
     import importlib
 
     from hf_parallel.tensor import fp8_kernel

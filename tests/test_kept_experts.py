@@ -61,37 +61,6 @@ def test_a_step_dequantizes_only_the_experts_its_tokens_go_to(tiny_root, monkeyp
             assert experts[0](hidden, torch.zeros(0, 2, dtype=torch.long), torch.zeros(0, 2)).shape == (0, 64)
 
 
-def test_fp8_experts_multiply_as_stored_by_the_gathered_kernel(interpreted, tiny_root, monkeypatch):
-    """Where the gathered FP8 kernel runs (here Triton's interpreter), a gated Qwen3-MoE step (two tokens: four
-    pairs) multiplies its pairs' experts as stored: three launches a layer (gate, up, down), the logits of the
-    checkpoint dequantized as read (float32 within 1e-5, bfloat16 within its rounding); a prefill and an
-    input that needs a gradient take the dequantized experts; GPT-OSS (biases, its own gate) never takes it."""
-    import hf_parallel
-
-    path = _paths(tiny_root)["qwen3_moe_fp8"]
-    launches, gathered = [], interpreted.gathered_weight_only_fp8
-    monkeypatch.setattr(interpreted, "gathered_weight_only_fp8",
-                        lambda x, ids, kept: launches.append(len(ids)) or gathered(x, ids, kept))  # fmt: skip
-    for dtype, within in ((torch.float32, 1e-5), (torch.bfloat16, 2**-6)):
-        kept = hf_parallel.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, keep_quantized=True)
-        read = hf_parallel.AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-        assert [m.fp8_products for m in kept.modules() if isinstance(m, kept_experts.KeptExperts)] == [True] * 2
-        for ids, pairs in ((torch.tensor([[5], [9]]), 4), (torch.tensor([[5, 9, 3]]), 0)):
-            launches.clear()
-            with torch.no_grad():
-                want = read(ids).logits.float()
-                got = kept(ids).logits.float()
-            torch.testing.assert_close(got, want, rtol=0, atol=within * want.abs().max().item())
-            assert launches == [pairs] * (6 if pairs else 0), (dtype, ids.shape, launches)
-    experts = next(m for m in kept.modules() if isinstance(m, kept_experts.KeptExperts))
-    hidden = torch.randn(1, experts.hidden_dim, dtype=dtype, requires_grad=True)
-    launches.clear()
-    experts(hidden, torch.tensor([[1, 3]]), torch.tensor([[0.5, 0.5]], dtype=dtype)).sum().backward()
-    assert launches == [] and hidden.grad is not None
-    mxfp4 = hf_parallel.AutoModelForCausalLM.from_pretrained(_paths(tiny_root)["gpt_oss_mxfp4"], keep_quantized=True)
-    assert not any(m.fp8_products for m in mxfp4.modules() if isinstance(m, kept_experts.KeptExperts))
-
-
 def test_boxes_that_differ_but_in_their_values_do_not_stack(tiny_root):
     """Experts' boxes stack where only their tensors' values (and where they were read) differ; a box that
     starts elsewhere inside its blocks leaves its weight on the whole path (every expert dequantized)."""
@@ -121,3 +90,34 @@ def test_kept_experts_compile_whole(tiny_root, monkeypatch):
             compiled = forward(ids).logits
         torch.testing.assert_close(compiled, eager, rtol=0, atol=1e-5 * eager.abs().max().item())
     assert gathered and set(gathered) == {2}, gathered  # the step's gathers, traced and run eagerly
+
+
+def test_fp8_experts_multiply_as_stored_by_the_gathered_kernel(interpreted, tiny_root, monkeypatch):
+    """Where the gathered FP8 kernel runs (here Triton's interpreter), a gated Qwen3-MoE step (two tokens: four
+    pairs) multiplies its pairs' experts as stored: three launches a layer (gate, up, down), the logits of the
+    checkpoint dequantized as read (float32 within 1e-5, bfloat16 within its rounding); a prefill and an
+    input that needs a gradient take the dequantized experts; GPT-OSS (biases, its own gate) never takes it."""
+    import hf_parallel
+
+    path = _paths(tiny_root)["qwen3_moe_fp8"]
+    launches, gathered = [], interpreted.gathered_weight_only_fp8
+    monkeypatch.setattr(interpreted, "gathered_weight_only_fp8",
+                        lambda x, ids, kept: launches.append(len(ids)) or gathered(x, ids, kept))  # fmt: skip
+    for dtype, within in ((torch.float32, 1e-5), (torch.bfloat16, 2**-6)):
+        kept = hf_parallel.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, keep_quantized=True)
+        read = hf_parallel.AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        assert [m.fp8_products for m in kept.modules() if isinstance(m, kept_experts.KeptExperts)] == [True] * 2
+        for ids, pairs in ((torch.tensor([[5], [9]]), 4), (torch.tensor([[5, 9, 3]]), 0)):
+            launches.clear()
+            with torch.no_grad():
+                want = read(ids).logits.float()
+                got = kept(ids).logits.float()
+            torch.testing.assert_close(got, want, rtol=0, atol=within * want.abs().max().item())
+            assert launches == [pairs] * (6 if pairs else 0), (dtype, ids.shape, launches)
+    experts = next(m for m in kept.modules() if isinstance(m, kept_experts.KeptExperts))
+    hidden = torch.randn(1, experts.hidden_dim, dtype=dtype, requires_grad=True)
+    launches.clear()
+    experts(hidden, torch.tensor([[1, 3]]), torch.tensor([[0.5, 0.5]], dtype=dtype)).sum().backward()
+    assert launches == [] and hidden.grad is not None
+    mxfp4 = hf_parallel.AutoModelForCausalLM.from_pretrained(_paths(tiny_root)["gpt_oss_mxfp4"], keep_quantized=True)
+    assert not any(m.fp8_products for m in mxfp4.modules() if isinstance(m, kept_experts.KeptExperts))
