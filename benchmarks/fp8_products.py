@@ -8,11 +8,11 @@ card was found to take (and why others were refused), then microseconds per prod
 
     python benchmarks/fp8_products.py [--tokens 1 16] [--shapes 4096x1536 1536x4096 768x1536]
 
-``--sweep`` times the package's two FP8 kernels (the plain and the gathered product) at 24 launches and the
-defaults (outputs a program, warps, the weight's tile as either operand, tiles loaded at once:
-``fp8_kernel.Launch``) from CUDA graphs, the GPU's time alone, and prints the fastest beside the launch the
-package uses (``fp8_kernel.PLAIN`` and ``GATHERED``) and the host's cost of a launch (and of ``F.linear``'s):
-how those defaults are chosen.
+``--sweep`` times the package's two FP8 kernels (the plain and the gathered product) at 64 launches and the
+defaults (outputs a program, warps, the weight's tile as either operand, tiles loaded at once, runs of
+columns: ``fp8_kernel.Launch``) from CUDA graphs, the GPU's time alone, and prints the fastest beside the
+launches the package uses (``fp8_kernel.PLAIN`` and ``GATHERED``: in eager, and split as a compiled step
+splits them) and the host's cost of a launch (and of ``F.linear``'s): how those defaults are chosen.
 """
 
 from __future__ import annotations
@@ -95,36 +95,41 @@ def fp8_box(n: int, k: int, device, experts: tuple = ()):
 def sweep(args, device) -> None:
     from hf_parallel.tensor import fp8_kernel
 
-    # stages changed nothing on an H200 (the loads seem not to be pipelined): tiles loaded together may
-    launches = [fp8_kernel.Launch(n, w, 3, swap, unroll) for n in (16, 32, 64) for w in (4, 8)
-                for swap in (False, True) for unroll in (1, 4)]  # fmt: skip
-    launches = sorted({*launches, fp8_kernel.PLAIN, fp8_kernel.GATHERED})  # the defaults, whatever they are
-    print("| product | rows | bf16 us | the default launch us | fastest launches (us) | host us a launch (bf16) |\n"
-          "|---|---|---|---|---|---|")  # fmt: skip
+    # stages changed nothing on an H200 and 16 outputs a program was fastest (the loads seem not to be pipelined,
+    # the card not filled): tiles loaded together (unroll) and runs of columns (split) may
+    launches = [fp8_kernel.Launch(n, w, 3, swap, unroll, split) for n in (16, 32) for w in (4, 8)
+                for swap in (False, True) for unroll in (1, 4) for split in (1, 2, 4, 8)]  # fmt: skip
+    print("| product | rows | bf16 us | the default launch us: eager, compiled (its split) | fastest launches (us) "
+          "| host us a launch (bf16) |\n|---|---|---|---|---|---|")  # fmt: skip
     for shape in args.shapes:
         n, k = map(int, shape.split("x"))
         weight, kept = fp8_box(n, k, device)
         for tokens in args.tokens:
             x = torch.randn(tokens, k, device=device, dtype=torch.bfloat16)
-            times = launch_times(lambda launch: fp8_kernel.weight_only_fp8(x, kept, launch), launches,
-                                 fp8_kernel.PLAIN, args)  # fmt: skip
+            compiled = fp8_kernel.PLAIN._replace(split=fp8_kernel.split_for(-(-n // fp8_kernel.PLAIN.tile_n), k, 128))
+            times = launch_times(lambda launch: fp8_kernel.weight_only_fp8(x, kept, launch),
+                                 sorted({*launches, fp8_kernel.PLAIN, compiled}), fp8_kernel.PLAIN, args)  # fmt: skip
             plain = graphed(lambda: F.linear(x, weight), args.calls, args.repeats)
             host = host_us(lambda: fp8_kernel.weight_only_fp8(x, kept), 10 * args.calls)
             host = f"{host:.1f} ({host_us(lambda: F.linear(x, weight), 10 * args.calls):.1f})"
-            print(f"| {n} x {k} | {tokens} | {plain:.1f} | {times[fp8_kernel.PLAIN]:.1f} | {fastest(times)} | "
-                  f"{host} |", flush=True)  # fmt: skip
+            defaults = f"{times[fp8_kernel.PLAIN]:.1f}, {times[compiled]:.1f} ({compiled.split})"
+            print(f"| {n} x {k} | {tokens} | {plain:.1f} | {defaults} | {fastest(times)} | {host} |", flush=True)
     for shape in args.expert_shapes:  # the gathered product: one expert a pair
         e, n, k = map(int, shape.split("x"))
         weight, kept = fp8_box(n, k, device, (e,))
         for pairs in args.pairs:
             x = torch.randn(pairs, k, device=device, dtype=torch.bfloat16)
             ids = torch.randint(0, e, (pairs,), device=device)
-            times = launch_times(lambda launch: fp8_kernel.gathered_weight_only_fp8(x, ids, kept, launch), launches,
-                                 fp8_kernel.GATHERED, args)  # fmt: skip
+            programs = pairs * -(-n // fp8_kernel.GATHERED.tile_n)
+            compiled = fp8_kernel.GATHERED._replace(split=fp8_kernel.split_for(programs, k, 128))
+            times = launch_times(lambda launch: fp8_kernel.gathered_weight_only_fp8(x, ids, kept, launch),
+                                 sorted({*launches, fp8_kernel.GATHERED, compiled}), fp8_kernel.GATHERED,
+                                 args)  # fmt: skip
             plain = graphed(lambda: torch.bmm(weight[ids], x[:, :, None]), args.calls, args.repeats)
             host = host_us(lambda: fp8_kernel.gathered_weight_only_fp8(x, ids, kept), 10 * args.calls)
-            print(f"| {e} experts {n} x {k} | {pairs} pairs | {plain:.1f} (bf16: gather, bmm) | "
-                  f"{times[fp8_kernel.GATHERED]:.1f} | {fastest(times)} | {host:.1f} |", flush=True)  # fmt: skip
+            defaults = f"{times[fp8_kernel.GATHERED]:.1f}, {times[compiled]:.1f} ({compiled.split})"
+            print(f"| {e} experts {n} x {k} | {pairs} pairs | {plain:.1f} (bf16: gather, bmm) | {defaults} | "
+                  f"{fastest(times)} | {host:.1f} |", flush=True)  # fmt: skip
 
 
 def launch_times(product, launches: list, default, args) -> dict:

@@ -98,10 +98,11 @@ def nan_beyond(scales: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("box", ["inside its blocks", "a scale per row"])
 def test_the_other_launches_compute_the_same_product(interpreted, box):
-    """``Launch.swap`` (the weight's tile the tiles' left operand, the sums held transposed) and ``unroll``
-    (tiles of columns loaded together, the last past the inputs' end), plain and gathered: each the dequantized
-    weights' product, as the default launches compute it, with NaN just past each row of scales (an unrolled
-    step past the end must read none of it)."""
+    """``Launch.swap`` (the weight's tile the tiles' left operand, the sums held transposed), ``unroll``
+    (tiles of columns loaded together, the last past the inputs' end) and ``split`` (runs of columns summed
+    apart: here 3 tiles or 1 in 2 or 4 runs, some empty, some ending inside an unrolled step), plain and
+    gathered: each the dequantized weights' product, as the default launches compute it, with NaN just past
+    each row of scales (an unrolled step past the end must read none of it)."""
     outputs, inputs, offset, block, fp8, rows = BOXES[box]
     experts = [kept_box(outputs, inputs, offset, block, fp8, seed=e) for e in range(3)]
     experts = [dataclasses.replace(e, scales=nan_beyond(e.scales)) for e in experts]
@@ -112,12 +113,40 @@ def test_the_other_launches_compute_the_same_product(interpreted, box):
     wants = {"plain": F.linear(x, experts[0].dequantize(torch.float32)),
              "gathered": torch.stack([pairs[p] @ experts[e].dequantize(torch.float32).T
                                       for p, e in enumerate(ids.tolist())])}  # fmt: skip
-    for launch in (interpreted.Launch(32, 4, 2, swap=True, unroll=2), interpreted.Launch(16, 4, 3, unroll=3)):
+    launches = [interpreted.Launch(32, 4, 2, swap=True, unroll=2), interpreted.Launch(16, 4, 3, unroll=3),
+                interpreted.Launch(16, 4, 3, unroll=2, split=2), interpreted.Launch(16, 4, 3, swap=True, split=4)]
+    for launch in launches:
         gots = {"plain": interpreted.weight_only_fp8(x, experts[0], launch),
                 "gathered": interpreted.gathered_weight_only_fp8(pairs, ids, stacked, launch)}  # fmt: skip
         for name, want in wants.items():
+            assert gots[name].shape == want.shape and gots[name].dtype == torch.float32, (name, launch)
             torch.testing.assert_close(gots[name], want, rtol=0, atol=1e-5 * want.abs().max().item(),
                                        msg=f"{name}, {launch}")  # fmt: skip
+    split = interpreted.Launch(16, 4, 3, unroll=2, split=2)  # float32 runs summed, then rounded once
+    got = interpreted.weight_only_fp8(x.bfloat16(), experts[0], split)
+    want = F.linear(x.bfloat16().float(), experts[0].dequantize(torch.bfloat16).float())
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, rtol=0, atol=2**-7 * want.abs().max().item())
+
+
+def test_a_compiled_step_splits_the_columns_of_a_product_with_few_programs(interpreted, monkeypatch):
+    """``split=0`` (the defaults): one run of columns in eager; inside a compiled step (here its flag raised
+    by hand, the product run by the interpreter) ``split_for``'s, the least power of two giving ``PROGRAMS``
+    programs with runs of at least two tiles, and the product is still the dequantized weight's."""
+    programs, split_for = interpreted.PROGRAMS, interpreted.split_for
+    assert split_for(programs // 3, 4096, 128) == 4  # 3x too few: 4 runs of 8 tiles
+    assert split_for(4, 1024, 128) == 4 and split_for(4, 1023, 128) == 2  # runs of two tiles or more
+    assert split_for(programs, 4096, 128) == 1 == split_for(1, 511, 128)
+    kept = kept_box(64, 1024, (0, 0), (128, 128))
+    x = torch.randn(1, 1024, generator=torch.Generator().manual_seed(1))
+    want = F.linear(x, kept.dequantize(torch.float32))
+    splits, output = [], interpreted._output
+    monkeypatch.setattr(interpreted, "_output", lambda split, *rest: splits.append(split) or output(split, *rest))
+    for compiling in (False, True):
+        monkeypatch.setattr(torch.compiler, "is_compiling", lambda: compiling)
+        got = interpreted.weight_only_fp8(x, kept)
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5 * want.abs().max().item())
+    assert splits == [1, 4]
 
 
 def test_a_kernel_that_computes_otherwise_is_refused_at_load(interpreted, monkeypatch):
@@ -127,13 +156,16 @@ def test_a_kernel_that_computes_otherwise_is_refused_at_load(interpreted, monkey
     assert interpreted.runs_on(CPU)
     interpreted.runs_on.cache_clear()
     right = interpreted.weight_only_fp8
-    monkeypatch.setattr(interpreted, "weight_only_fp8",
-                        lambda x, kept: right(x, dataclasses.replace(kept, offset=(0, 0))))  # fmt: skip
-    with pytest.warns(UserWarning, match="does not compute right on cpu"):
+    def offset_dropped(x, kept, *launch):
+        return right(x, dataclasses.replace(kept, offset=(0, 0)), *launch)
+
+    monkeypatch.setattr(interpreted, "weight_only_fp8", offset_dropped)
+    with pytest.warns(UserWarning, match=r"does not compute right on cpu.*\[\(20, \(64, 64\)"):  # the case named
         assert not interpreted.runs_on(CPU)
     gathered = interpreted.gathered_weight_only_fp8  # one expert's weight for every pair: refused
-    monkeypatch.setattr(interpreted, "gathered_weight_only_fp8", lambda x, ids, kept: gathered(x, ids * 0, kept))
-    with pytest.warns(UserWarning, match="gathered weight-only FP8 kernel does not compute right on cpu"):
+    monkeypatch.setattr(interpreted, "gathered_weight_only_fp8",
+                        lambda x, ids, kept, *launch: gathered(x, ids * 0, kept, *launch))  # fmt: skip
+    with pytest.warns(UserWarning, match=r"gathered weight-only FP8 kernel does not compute right on cpu.*\[\(1, "):
         assert not interpreted.gathered_runs_on(CPU)
     monkeypatch.delenv("TRITON_INTERPRET")
     compiled = importlib.reload(fp8_kernel)
@@ -158,8 +190,11 @@ def test_kept_fp8_linears_take_the_kernel_up_to_its_rows(interpreted, tiny_root,
     assert {type(m).__name__ for m in linears} == {"KeptFP8KernelLinear"}
     calls = []
     right = interpreted.weight_only_fp8
-    monkeypatch.setattr(interpreted, "weight_only_fp8",
-                        lambda x, kept: calls.append(x.numel() // x.shape[-1]) or right(x, kept))  # fmt: skip
+    def counted(x, kept, *launch):
+        calls.append(x.numel() // x.shape[-1])
+        return right(x, kept, *launch)
+
+    monkeypatch.setattr(interpreted, "weight_only_fp8", counted)
     long = INPUT_IDS.repeat(1, 5)  # 70 rows
     with torch.no_grad():
         for ids in (INPUT_IDS, long):

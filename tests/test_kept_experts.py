@@ -101,8 +101,12 @@ def test_fp8_experts_multiply_as_stored_by_the_gathered_kernel(interpreted, tiny
 
     path = _paths(tiny_root)["qwen3_moe_fp8"]
     launches, gathered = [], interpreted.gathered_weight_only_fp8
-    monkeypatch.setattr(interpreted, "gathered_weight_only_fp8",
-                        lambda x, ids, kept: launches.append(len(ids)) or gathered(x, ids, kept))  # fmt: skip
+
+    def counted(x, ids, kept, *launch):
+        launches.append(len(ids))
+        return gathered(x, ids, kept, *launch)
+
+    monkeypatch.setattr(interpreted, "gathered_weight_only_fp8", counted)
     for dtype, within in ((torch.float32, 1e-5), (torch.bfloat16, 2**-6)):
         kept = hf_parallel.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, keep_quantized=True)
         read = hf_parallel.AutoModelForCausalLM.from_pretrained(path, dtype=dtype)

@@ -49,20 +49,30 @@ KERNEL_ROWS = 64  # the largest batch this kernel takes; more rows take the dequ
 class Launch(NamedTuple):
     """How a product is cut and run: the outputs a program computes (``tile_n``), Triton's warps a program and
     pipeline stages, whether the weight's tile is the left operand of the tile products (``swap``: the tensor
-    cores read it from registers), and the tiles of columns a program loads at once (``unroll``: more bytes in
-    flight, where stages were seen to change nothing). ``swap`` and ``unroll`` are not yet timed on a card."""
+    cores read it from registers), the tiles of columns a program loads at once (``unroll``: more bytes in
+    flight, where stages were seen to change nothing), and the runs of columns the product is split into
+    (``split``, split-K: as many times the programs, each summing its run in float32 into its own output,
+    summed after by torch, one launch more, which a compiled step fuses). A decode step's product on a large
+    card has fewer programs than the card runs at once (1536 outputs at 16 a program: 96 programs on an H200's
+    132 multiprocessors), each walking every column in turn: latency-bound. ``swap``, ``unroll`` and ``split``
+    are not yet timed on a card."""
 
     tile_n: int
     warps: int
     stages: int
     swap: bool = False
     unroll: int = 1
+    split: int = 1
 
 
 # the fastest of 24 launches (tile_n 16-128, 4 or 8 warps, 2-4 stages) on an NVIDIA H200 at decode shapes, timed
-# from CUDA graphs (benchmarks/fp8_products.py --sweep, 2026-11-26): each product's time grows with tile_n
-PLAIN = Launch(tile_n=16, warps=4, stages=3)
-GATHERED = Launch(tile_n=16, warps=4, stages=2)  # 8.7 us where tile_n=32 took 15.8 (32 experts 1024 x 1024)
+# from CUDA graphs (benchmarks/fp8_products.py --sweep, 2026-11-26): each product's time grows with tile_n.
+# ``split=0``: split-K chosen per product inside a compiled step (``_split``), none in eager.
+PLAIN = Launch(tile_n=16, warps=4, stages=3, split=0)
+GATHERED = Launch(tile_n=16, warps=4, stages=2, split=0)  # 8.7 us where tile_n=32 took 15.8 (32 experts 1024 x 1024)
+# the programs a split product aims for: about two a multiprocessor on an H100 / H200 (132), which ran about two of
+# this kernel's at once; a constant, as a compiled step cannot ask the card (L40S 142, B200 148 multiprocessors)
+PROGRAMS = 256
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 COMPUTE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 WHOLE = 1 << 30  # a "block" spanning any weight: one scale along that dim
@@ -88,22 +98,51 @@ def _scales(kept: KeptFP8) -> torch.Tensor:
 
 
 def weight_only_fp8(x: torch.Tensor, kept: KeptFP8, launch: Launch = PLAIN) -> torch.Tensor:
-    """``F.linear(x, kept.dequantize(x.dtype))`` from the stored bytes, in one launch (``x``: at most
-    ``KERNEL_ROWS`` rows once flattened; ``runs_on`` has said the kernel runs on its device)."""
+    """``F.linear(x, kept.dequantize(x.dtype))`` from the stored bytes, in one launch (and split-K's sum where
+    it splits: ``_split``; ``x``: at most ``KERNEL_ROWS`` rows once flattened; ``runs_on`` has said the kernel
+    runs on its device)."""
     source = _loaded(x.device)
     x = x if x.is_contiguous() else x.contiguous()  # its rows a stride of ``inputs`` apart: no reshape (host time)
     (outputs, inputs), rows = kept.weight.shape, math.prod(x.shape[:-1])
-    out = torch.empty(*x.shape[:-1], outputs, dtype=x.dtype, device=x.device)
     scales = _scales(kept)
     block_rows, block_columns, tile = _launch_blocks(kept.block, scales.shape)
     tile_m = 16 if rows <= 16 else 32 if rows <= 32 else 64  # comparisons: a compiled step guards them
     grid = (-(-rows // tile_m), -(-outputs // launch.tile_n))
+    split = _split(launch, grid[0] * grid[1], inputs + kept.offset[1] % tile, tile)
+    out, grid = _output(split, (*x.shape[:-1], outputs), x), (*grid, split)
     source.weight_only_fp8[grid](x, kept.weight, scales, out, rows, outputs, inputs, inputs,
-                           kept.weight.stride(0), scales.stride(0), outputs, kept.offset[0], kept.offset[1],
-                           block_rows, block_columns, TILE_M=tile_m, TILE_N=launch.tile_n, TILE_K=tile,
-                           DOT_FP32=x.dtype == torch.float32 or source.INTERPRETED, SWAP=launch.swap,
-                           UNROLL=launch.unroll, num_warps=launch.warps, num_stages=launch.stages)  # fmt: skip
-    return out
+                           kept.weight.stride(0), scales.stride(0), outputs, rows * outputs, kept.offset[0],
+                           kept.offset[1], block_rows, block_columns, TILE_M=tile_m, TILE_N=launch.tile_n,
+                           TILE_K=tile, DOT_FP32=x.dtype == torch.float32 or source.INTERPRETED,
+                           SWAP=launch.swap, UNROLL=launch.unroll, num_warps=launch.warps,
+                           num_stages=launch.stages)  # fmt: skip
+    return out if split == 1 else out.sum(0).to(x.dtype)
+
+
+def _split(launch: Launch, programs: int, columns: int, tile: int) -> int:
+    """The runs of columns for ``launch``: its own, or where it leaves them to the product (``split=0``) one
+    in eager, where the summing launch would cost the host more than the card gains (a decode step there waits
+    on the host), and ``split_for`` inside a compiled step (whose graph fuses the sum, and CUDA graphs launch
+    it for nothing)."""
+    if launch.split:
+        return launch.split
+    return split_for(programs, columns, tile) if torch.compiler.is_compiling() else 1
+
+
+def split_for(programs: int, columns: int, tile: int) -> int:
+    """The least power of two that gives ``PROGRAMS`` programs, each run at least two tiles of ``tile``
+    (``columns``: from the first tile's start). Not yet timed on a card."""
+    split = 1
+    while programs * split < PROGRAMS and columns >= 4 * split * tile:
+        split *= 2
+    return split
+
+
+def _output(split: int, shape: tuple, x: torch.Tensor) -> torch.Tensor:
+    """A launch's output: the product's, or ``split`` float32 ones of its shape (split-K's runs, summed after)."""
+    if split == 1:
+        return torch.empty(shape, dtype=x.dtype, device=x.device)
+    return torch.empty(split, *shape, dtype=torch.float32, device=x.device)
 
 
 def takes(kept, shape: tuple, dtype: torch.dtype) -> bool:
@@ -156,12 +195,14 @@ def runs_on(device: torch.device, fp8=torch.float8_e4m3fn, dtype=torch.bfloat16,
     """Whether the kernel compiles on ``device`` for these dtypes (the weight's, the compute's, the scales')
     and tile of columns, and computes there what the dequantized path does: products of 1, 20 and 40 rows
     (each tile of rows) with blocks of ``tile`` columns, whole blocks of aligned sizes, a box starting inside
-    its blocks, and one scale for all, against the same rounded weights multiplied in float32. CPU: only under
+    its blocks, and one scale for all, whole and split-K (``Launch.split``), against the same rounded weights
+    multiplied in float32. CPU: only under
     Triton's interpreter; no warning where there is nothing to run it."""
     cases = [  # four and about two and a half tiles of columns, whichever the tile (the interpreter's cost)
-        (1, (0, 0), (128, tile), (256, 4 * tile)),  # sizes and strides aligned to 16 (Triton specializes on it)
-        (20, (64, tile // 2), (128, tile), (200, 300 * tile // 128)),
-        (40, (5, 7), (WHOLE, WHOLE), (200, 300)),
+        (1, (0, 0), (128, tile), (256, 4 * tile), 1),  # sizes and strides aligned to 16 (Triton specializes on it)
+        (1, (0, 0), (128, tile), (256, 4 * tile), 4),  # split-K as a compiled step splits it: a tile a run
+        (20, (64, tile // 2), (128, tile), (200, 300 * tile // 128), 2),  # runs of two tiles and of one
+        (40, (5, 7), (WHOLE, WHOLE), (200, 300), 1),
     ]
     return _checked("weight-only FP8 kernel", _computes_right, cases, device, fp8, dtype, scales, tile)
 
@@ -190,12 +231,13 @@ def _random_box(generator, experts: tuple, shape: tuple, offset: tuple, block: t
     return KeptFP8({}, weight, scale, block, offset)
 
 
-def _computes_right(device, fp8, dtype, scales, rows: int, offset: tuple, block: tuple, shape: tuple) -> bool:
+def _computes_right(device, fp8, dtype, scales, rows: int, offset: tuple, block: tuple, shape: tuple,
+                    split: int) -> bool:  # fmt: skip
     generator = torch.Generator(device=device).manual_seed(rows)
     kept = _random_box(generator, (), shape, offset, block, fp8, scales)
     x = torch.randn(rows, shape[1], device=device, generator=generator, dtype=dtype)
     want = x.float() @ kept.dequantize(dtype).float().T
-    got = weight_only_fp8(x, kept).float()
+    got = weight_only_fp8(x, kept, PLAIN._replace(split=split)).float()
     # bf16's rounding of the weights and the output, with room for the interpreter's truncation; a wrong scale,
     # offset or tile is off by far more (scales differ up to 16-fold between blocks)
     return torch.allclose(got, want, rtol=0, atol=2**-6 * want.abs().max().item())
@@ -232,35 +274,38 @@ def gathered_weight_only_fp8(x: torch.Tensor, ids: torch.Tensor, stacked: KeptFP
     x = x if x.stride(-1) == 1 else x.contiguous()
     weight, scales = stacked.weight, _expert_scales(stacked)
     (pairs, _), (_, outputs, inputs) = x.shape, weight.shape
-    out = torch.empty(pairs, outputs, dtype=x.dtype, device=x.device)
     block_rows, block_columns, tile = _launch_blocks(stacked.block, scales.shape[1:])
     grid = (pairs, -(-outputs // launch.tile_n))
+    split = _split(launch, grid[0] * grid[1], inputs + stacked.offset[1] % tile, tile)
+    out, grid = _output(split, (pairs, outputs), x), (*grid, split)
     source.gathered_weight_only_fp8[grid](x, ids, weight, scales, out, outputs, inputs, x.stride(0), weight.stride(0),
-                                          weight.stride(1), scales.stride(0), scales.stride(1), out.stride(0),
-                                          stacked.offset[0], stacked.offset[1], block_rows, block_columns,
-                                          TILE_N=launch.tile_n, TILE_K=tile,
+                                          weight.stride(1), scales.stride(0), scales.stride(1), outputs,
+                                          pairs * outputs, stacked.offset[0], stacked.offset[1], block_rows,
+                                          block_columns, TILE_N=launch.tile_n, TILE_K=tile,
                                           DOT_FP32=x.dtype == torch.float32 or source.INTERPRETED,
                                           SWAP=launch.swap, UNROLL=launch.unroll, num_warps=launch.warps,
                                           num_stages=launch.stages)  # fmt: skip
-    return out
+    return out if split == 1 else out.sum(0).to(x.dtype)
 
 
 @functools.cache
 def gathered_runs_on(device: torch.device, fp8=torch.float8_e4m3fn, dtype=torch.bfloat16, scales=torch.float32,
                      tile: int = 128) -> bool:  # fmt: skip
     """``runs_on`` for the gathered product: 1 and 5 pairs over 3 experts (one expert twice), a box inside
-    its blocks and one scale an expert, against each pair's product with its expert's dequantized weight."""
-    cases = [(1, (0, 0), (128, tile), (96, 2 * tile)), (5, (64, tile // 2), (128, tile), (70, 300 * tile // 128)),
-             (5, (5, 7), (WHOLE, WHOLE), (40, 100))]  # fmt: skip
+    its blocks and one scale an expert, whole and split-K, against each pair's product with its expert's
+    dequantized weight."""
+    cases = [(1, (0, 0), (128, tile), (96, 2 * tile), 1), (1, (0, 0), (128, tile), (96, 2 * tile), 2),
+             (5, (64, tile // 2), (128, tile), (70, 300 * tile // 128), 2), (5, (5, 7), (WHOLE, WHOLE), (40, 100), 1)]
     return _checked("gathered weight-only FP8 kernel", _gathers_right, cases, device, fp8, dtype, scales, tile)
 
 
-def _gathers_right(device, fp8, dtype, scales, pairs: int, offset: tuple, block: tuple, shape: tuple) -> bool:
+def _gathers_right(device, fp8, dtype, scales, pairs: int, offset: tuple, block: tuple, shape: tuple,
+                   split: int) -> bool:  # fmt: skip
     generator = torch.Generator(device=device).manual_seed(pairs)
     stacked = _random_box(generator, (3,), shape, offset, block, fp8, scales)
     ids = torch.tensor([2, 0, 2, 1, 0][:pairs], device=device)
     x = torch.randn(pairs, shape[1], device=device, generator=generator, dtype=dtype)
     expert = [dataclasses.replace(stacked, weight=stacked.weight[e], scales=stacked.scales[e]) for e in range(3)]
     want = torch.stack([x[p].float() @ expert[e].dequantize(dtype).float().T for p, e in enumerate(ids.tolist())])
-    got = gathered_weight_only_fp8(x, ids, stacked).float()
+    got = gathered_weight_only_fp8(x, ids, stacked, GATHERED._replace(split=split)).float()
     return torch.allclose(got, want, rtol=0, atol=2**-6 * want.abs().max().item())

@@ -62,41 +62,56 @@ def _store(out_ptr, total, m, n, out_stride, m_inside, n_inside, SWAP: tl.conste
 
 
 @triton.jit
+def _chunk(inputs, column_offset, TILE_K: tl.constexpr):
+    """This program's columns of the inputs, ``[start, end)``: the whole weight's tiles of ``TILE_K`` columns
+    (the first may start before column 0) cut into ``tl.num_programs(2)`` runs of whole tiles, this one the
+    ``tl.program_id(2)``-th (split-K: more programs in flight; a run past the last tile is empty)."""
+    start = -(column_offset % TILE_K)
+    tiles = tl.cdiv(inputs - start, TILE_K)
+    per_split = tl.cdiv(tiles, tl.num_programs(2))
+    start += tl.program_id(2) * per_split * TILE_K
+    return start, tl.minimum(start + per_split * TILE_K, inputs)
+
+
+@triton.jit
 def weight_only_fp8(x_ptr, w_ptr, s_ptr, out_ptr, rows, outputs, inputs, x_stride, w_stride, s_stride,
-                     out_stride, row_offset, column_offset, block_rows, block_columns, TILE_M: tl.constexpr,
-                     TILE_N: tl.constexpr, TILE_K: tl.constexpr, DOT_FP32: tl.constexpr, SWAP: tl.constexpr,
-                     UNROLL: tl.constexpr):  # fmt: skip
+                     out_stride, split_stride, row_offset, column_offset, block_rows, block_columns,
+                     TILE_M: tl.constexpr, TILE_N: tl.constexpr, TILE_K: tl.constexpr, DOT_FP32: tl.constexpr,
+                     SWAP: tl.constexpr, UNROLL: tl.constexpr):  # fmt: skip
     """out[m, n] = sum_k x[m, k] * round(w[n, k] * s[(n + row_offset) // block_rows,
     (k + column_offset) // block_columns]): a TILE_M x TILE_N tile of the output per program, UNROLL tiles of
     columns a step (their loads issued together: more bytes in flight). The block's sizes are runtime
-    arguments, so one compiled kernel serves every block size."""
+    arguments, so one compiled kernel serves every block size. Split along the columns (a grid of several
+    along its third axis, ``_chunk``), each program writes its float32 sums to its own output of
+    ``split_stride`` elements, summed after."""
     m = tl.program_id(0) * TILE_M + tl.arange(0, TILE_M)
     n = tl.program_id(1) * TILE_N + tl.arange(0, TILE_N)
     scale_row = s_ptr + ((n + row_offset) // block_rows) * s_stride
     total = _start(TILE_M, TILE_N, SWAP)
-    for first in range(-(column_offset % TILE_K), inputs, TILE_K * UNROLL):  # on the whole weight's tiles
+    begin, end = _chunk(inputs, column_offset, TILE_K)
+    for first in range(begin, end, TILE_K * UNROLL):  # on the whole weight's tiles
         for step in tl.static_range(UNROLL):
             start = first + step * TILE_K
             k = start + tl.arange(0, TILE_K)
-            inside = (k >= 0) & (k < inputs)
+            inside = (k >= 0) & (k < end)
             x = tl.load(x_ptr + m[:, None] * x_stride + k[None, :], mask=(m[:, None] < rows) & inside[None, :],
                         other=0.0)  # fmt: skip
             column = (start + column_offset) // block_columns
             w = _weight_tile(w_ptr + n[:, None] * w_stride, scale_row, n, k, inside, outputs, column,
-                             n * 0 + start < inputs, x)  # fmt: skip
+                             n * 0 + start < end, x)  # fmt: skip
             total = _add(total, x, w, DOT_FP32, SWAP)
-    _store(out_ptr, total, m, n, out_stride, m < rows, n < outputs, SWAP)
+    _store(out_ptr + tl.program_id(2) * split_stride, total, m, n, out_stride, m < rows, n < outputs, SWAP)
 
 
 @triton.jit
 def gathered_weight_only_fp8(x_ptr, ids_ptr, w_ptr, s_ptr, out_ptr, outputs, inputs, x_stride, w_expert_stride,
-                             w_stride, s_expert_stride, s_stride, out_stride, row_offset, column_offset, block_rows,
-                             block_columns, TILE_N: tl.constexpr, TILE_K: tl.constexpr,
+                             w_stride, s_expert_stride, s_stride, out_stride, split_stride, row_offset,
+                             column_offset, block_rows, block_columns, TILE_N: tl.constexpr, TILE_K: tl.constexpr,
                              DOT_FP32: tl.constexpr, SWAP: tl.constexpr, UNROLL: tl.constexpr):  # fmt: skip
     """out[p, n] = sum_k x[p, k] * round(w[ids[p], n, k] * s[ids[p], ...]): each row of ``x`` (a (token,
     expert) pair) times its own expert's weight, a TILE_N slice of its outputs per program. The row is the
     first of a 16-row tile (``tl.dot``'s least; the others masked to zero): a decode step's product is bound
-    by reading the weight, not by the dot."""
+    by reading the weight, not by the dot. Split along the columns as ``weight_only_fp8`` is."""
     pair = tl.program_id(0)
     n = tl.program_id(1) * TILE_N + tl.arange(0, TILE_N)
     row = tl.arange(0, 16)
@@ -104,14 +119,16 @@ def gathered_weight_only_fp8(x_ptr, ids_ptr, w_ptr, s_ptr, out_ptr, outputs, inp
     weight_rows = w_ptr + expert * w_expert_stride + n[:, None] * w_stride
     scale_row = s_ptr + expert * s_expert_stride + ((n + row_offset) // block_rows) * s_stride
     total = _start(16, TILE_N, SWAP)
-    for first in range(-(column_offset % TILE_K), inputs, TILE_K * UNROLL):  # on the whole weight's tiles
+    begin, end = _chunk(inputs, column_offset, TILE_K)
+    for first in range(begin, end, TILE_K * UNROLL):  # on the whole weight's tiles
         for step in tl.static_range(UNROLL):
             start = first + step * TILE_K
             k = start + tl.arange(0, TILE_K)
-            inside = (k >= 0) & (k < inputs)
+            inside = (k >= 0) & (k < end)
             x = tl.load(x_ptr + pair * x_stride + row[:, None] * 0 + k[None, :],
                         mask=(row[:, None] == 0) & inside[None, :], other=0.0)  # fmt: skip
             column = (start + column_offset) // block_columns
-            w = _weight_tile(weight_rows, scale_row, n, k, inside, outputs, column, n * 0 + start < inputs, x)
+            w = _weight_tile(weight_rows, scale_row, n, k, inside, outputs, column, n * 0 + start < end, x)
             total = _add(total, x, w, DOT_FP32, SWAP)
-    _store(out_ptr + pair * out_stride, total, row * 0, n, 0, row == 0, n < outputs, SWAP)
+    out_ptr += tl.program_id(2) * split_stride + pair * out_stride
+    _store(out_ptr, total, row * 0, n, 0, row == 0, n < outputs, SWAP)
