@@ -19,7 +19,7 @@ def test_every_internal_of_the_installed_dependencies_checks_in_under_a_second()
     start = time.perf_counter()
     checked = compat.check_all()
     assert time.perf_counter() - start < 1.0
-    assert {seam.dependency for seam in checked} == {"transformers", "peft", "accelerate", "torch", "trl"}
+    assert {seam.dependency for seam in checked} == {"transformers", "peft", "accelerate", "torch", "trl", "triton"}
     # each module that touches an internal goes through a seam of its dependency
     wheres = {seam.where for seam in checked}
     for expected in (
@@ -30,6 +30,7 @@ def test_every_internal_of_the_installed_dependencies_checks_in_under_a_second()
         "accelerate.accelerator:Accelerator.prepare_data_loader",
         "trl.trainer.utils:add_fused_lm_head",
         "torch.distributed.fsdp._fully_shard._fsdp_param:FSDPParam.init_unsharded_param",
+        "triton.compiler.compiler:CompiledKernel.__getitem__",
     ):
         assert expected in wheres, expected
 

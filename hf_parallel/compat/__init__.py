@@ -2,9 +2,9 @@
 
 A dependency's private names move between releases; a use that fails quietly trains wrong. So every
 internal hf_parallel relies on is declared here as a ``Seam`` (one module per dependency: ``transformers``,
-``peft``, ``accelerate``, ``torch``) and resolved through ``Seam.get()``: the name must exist, take the
-parameters we pass, and (for a flag we set for the dependency to read) be read by the code that is
-meant to read it. Anything else raises ``DependencyChanged`` naming the dependency, its installed
+``peft``, ``accelerate``, ``torch``, ``trl``, ``triton``) and resolved through ``Seam.get()``: the name must
+exist, take the parameters we pass, and (for a flag we set for the dependency to read) be read by the code
+that is meant to read it. Anything else raises ``DependencyChanged`` naming the dependency, its installed
 version and the one tested, before anything is computed. ``check_all()`` runs every check (the pure
 test tier does, in well under a second), and ``when_imported`` installs a seam only once its
 dependency is imported: an inference load imports no Trainer and no peft.
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 
 # the minors tested, which pyproject.toml pins
-TESTED = {"transformers": "5.23", "peft": "0.21", "accelerate": "1.15", "torch": "2.13", "trl": "1.16"}
+TESTED = {"transformers": "5.23", "peft": "0.21", "accelerate": "1.15", "torch": "2.13", "trl": "1.16", "triton": "3.9"}
 
 
 class DependencyChanged(RuntimeError):
@@ -114,10 +114,11 @@ _RESOLVED: dict[Seam, object] = {}
 
 def seams() -> list[Seam]:
     """Every declared seam, of every dependency."""
-    from . import accelerate, peft, torch, transformers, trl
+    from . import accelerate, peft, torch, transformers, triton, trl
 
     found = []  # a module's seams, and those it keeps in tables (one per replaced step, trainer, ...)
-    for value in (value for module in (transformers, peft, accelerate, torch, trl) for value in vars(module).values()):
+    modules = (transformers, peft, accelerate, torch, trl, triton)
+    for value in (value for module in modules for value in vars(module).values()):
         found += [seam for seam in (value.values() if isinstance(value, dict) else [value]) if isinstance(seam, Seam)]
     return list(dict.fromkeys(found))
 

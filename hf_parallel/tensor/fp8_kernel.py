@@ -18,8 +18,13 @@ activations; larger ones (prefill) take the dequantized product (cuBLAS).
 Its gathered form (``gathered_weight_only_fp8``) multiplies each row of a decode step's (token, expert)
 pairs by its own expert's weight from a stack of experts' FP8 boxes (``kept_experts``), one launch for all.
 
+Launched through ``triton_launch``: the kernel Triton returns for a key's first launch is called again for
+the next ones, without ``JITFunction.run``'s work each call (the host's time, which an eager decode step
+waits on).
+
 Checked on each device before use (``runs_on``: small products against the dequantized product in float32,
-once per device and variant: the weight's, scales' and compute dtypes, the tile of columns): a card or
+each launched twice, the second through the kept kernel and bit for bit the first, once per device and
+variant: the weight's, scales' and compute dtypes, the tile of columns): a card or
 Triton that cannot compile it (e4m3 conversions need Ada, Hopper or later) or computes otherwise keeps the
 dequantized path, with a warning naming why. On CPU it runs only under Triton's interpreter
 (``TRITON_INTERPRET=1``), which the tests use; there the dot is taken in float32, since the interpreter
@@ -110,12 +115,11 @@ def weight_only_fp8(x: torch.Tensor, kept: KeptFP8, launch: Launch = PLAIN) -> t
     grid = (-(-rows // tile_m), -(-outputs // launch.tile_n))
     split = _split(launch, grid[0] * grid[1], inputs + kept.offset[1] % tile, tile)
     out, grid = _output(split, (*x.shape[:-1], outputs), x), (*grid, split)
-    source.weight_only_fp8[grid](x, kept.weight, scales, out, rows, outputs, inputs, inputs,
-                           kept.weight.stride(0), scales.stride(0), outputs, rows * outputs, kept.offset[0],
-                           kept.offset[1], block_rows, block_columns, TILE_M=tile_m, TILE_N=launch.tile_n,
-                           TILE_K=tile, DOT_FP32=x.dtype == torch.float32 or source.INTERPRETED,
-                           SWAP=launch.swap, UNROLL=launch.unroll, num_warps=launch.warps,
-                           num_stages=launch.stages)  # fmt: skip
+    arguments = (x, kept.weight, scales, out, rows, outputs, inputs, inputs, kept.weight.stride(0),
+                 scales.stride(0), outputs, rows * outputs, kept.offset[0], kept.offset[1], block_rows, block_columns)
+    constexprs = dict(TILE_M=tile_m, TILE_N=launch.tile_n, TILE_K=tile,
+                      DOT_FP32=x.dtype == torch.float32 or source.INTERPRETED, SWAP=launch.swap, UNROLL=launch.unroll)
+    source.launch_weight_only_fp8(grid, arguments, constexprs, launch.warps, launch.stages)
     return out if split == 1 else out.sum(0).to(x.dtype)
 
 
@@ -240,7 +244,14 @@ def _computes_right(device, fp8, dtype, scales, rows: int, offset: tuple, block:
     got = weight_only_fp8(x, kept, PLAIN._replace(split=split)).float()
     # bf16's rounding of the weights and the output, with room for the interpreter's truncation; a wrong scale,
     # offset or tile is off by far more (scales differ up to 16-fold between blocks)
-    return torch.allclose(got, want, rtol=0, atol=2**-6 * want.abs().max().item())
+    return torch.allclose(got, want, rtol=0, atol=2**-6 * want.abs().max().item()) and _again(
+        got, lambda: weight_only_fp8(x, kept, PLAIN._replace(split=split)).float())
+
+
+def _again(got: torch.Tensor, product) -> bool:
+    """Whether ``product()`` launched again (the kernel its first launch returned: ``triton_launch``) gives
+    ``got`` bit for bit; under the interpreter, which keeps no kernel, not launched."""
+    return _source.INTERPRETED or torch.equal(product(), got)
 
 
 def _expert_scales(stacked: KeptFP8) -> torch.Tensor:
@@ -278,13 +289,12 @@ def gathered_weight_only_fp8(x: torch.Tensor, ids: torch.Tensor, stacked: KeptFP
     grid = (pairs, -(-outputs // launch.tile_n))
     split = _split(launch, grid[0] * grid[1], inputs + stacked.offset[1] % tile, tile)
     out, grid = _output(split, (pairs, outputs), x), (*grid, split)
-    source.gathered_weight_only_fp8[grid](x, ids, weight, scales, out, outputs, inputs, x.stride(0), weight.stride(0),
-                                          weight.stride(1), scales.stride(0), scales.stride(1), outputs,
-                                          pairs * outputs, stacked.offset[0], stacked.offset[1], block_rows,
-                                          block_columns, TILE_N=launch.tile_n, TILE_K=tile,
-                                          DOT_FP32=x.dtype == torch.float32 or source.INTERPRETED,
-                                          SWAP=launch.swap, UNROLL=launch.unroll, num_warps=launch.warps,
-                                          num_stages=launch.stages)  # fmt: skip
+    arguments = (x, ids, weight, scales, out, outputs, inputs, x.stride(0), weight.stride(0), weight.stride(1),
+                 scales.stride(0), scales.stride(1), outputs, pairs * outputs, stacked.offset[0], stacked.offset[1],
+                 block_rows, block_columns)  # fmt: skip
+    constexprs = dict(TILE_N=launch.tile_n, TILE_K=tile, DOT_FP32=x.dtype == torch.float32 or source.INTERPRETED,
+                      SWAP=launch.swap, UNROLL=launch.unroll)  # fmt: skip
+    source.launch_gathered_weight_only_fp8(grid, arguments, constexprs, launch.warps, launch.stages)
     return out if split == 1 else out.sum(0).to(x.dtype)
 
 
@@ -308,4 +318,5 @@ def _gathers_right(device, fp8, dtype, scales, pairs: int, offset: tuple, block:
     expert = [dataclasses.replace(stacked, weight=stacked.weight[e], scales=stacked.scales[e]) for e in range(3)]
     want = torch.stack([x[p].float() @ expert[e].dequantize(dtype).float().T for p, e in enumerate(ids.tolist())])
     got = gathered_weight_only_fp8(x, ids, stacked, GATHERED._replace(split=split)).float()
-    return torch.allclose(got, want, rtol=0, atol=2**-6 * want.abs().max().item())
+    return torch.allclose(got, want, rtol=0, atol=2**-6 * want.abs().max().item()) and _again(
+        got, lambda: gathered_weight_only_fp8(x, ids, stacked, GATHERED._replace(split=split)).float())

@@ -5,6 +5,8 @@ interpreter), never on a plain CPU load."""
 import triton
 import triton.language as tl
 
+from .triton_launch import CachedLaunch
+
 # whether ``triton.jit`` made the kernel for Triton's interpreter: it reads TRITON_INTERPRET when it decorates
 INTERPRETED = bool(triton.knobs.runtime.interpret)
 
@@ -66,9 +68,9 @@ def _chunk(inputs, column_offset, TILE_K: tl.constexpr):
     """This program's columns of the inputs, ``[start, end)``: the whole weight's tiles of ``TILE_K`` columns
     (the first may start before column 0) cut into ``tl.num_programs(2)`` runs of whole tiles, this one the
     ``tl.program_id(2)``-th (split-K: more programs in flight; a run past the last tile is empty)."""
-    start = -(column_offset % TILE_K)
-    tiles = tl.cdiv(inputs - start, TILE_K)
-    per_split = tl.cdiv(tiles, tl.num_programs(2))
+    start = -(column_offset % TILE_K)  # (``tl.cdiv`` is itself jitted: the interpreter runs builtins only)
+    tiles = (inputs - start + TILE_K - 1) // TILE_K
+    per_split = (tiles + tl.num_programs(2) - 1) // tl.num_programs(2)
     start += tl.program_id(2) * per_split * TILE_K
     return start, tl.minimum(start + per_split * TILE_K, inputs)
 
@@ -132,3 +134,8 @@ def gathered_weight_only_fp8(x_ptr, ids_ptr, w_ptr, s_ptr, out_ptr, outputs, inp
             total = _add(total, x, w, DOT_FP32, SWAP)
     out_ptr += tl.program_id(2) * split_stride + pair * out_stride
     _store(out_ptr, total, row * 0, n, 0, row == 0, n < outputs, SWAP)
+
+
+# the launches ``fp8_kernel`` makes: each kernel kept after its first launch of a key (``triton_launch``)
+launch_weight_only_fp8 = CachedLaunch(weight_only_fp8)
+launch_gathered_weight_only_fp8 = CachedLaunch(gathered_weight_only_fp8)

@@ -1,0 +1,72 @@
+"""A Triton kernel launched again without ``JITFunction.run``'s work each call (``compat/triton.py``: about
+12.5 us of the host's time a launch, where a decode step in eager waits on the host).
+
+Triton still chooses the kernel: the first launch of each key goes through ``kernel[grid](...)``, which
+compiles or finds the kernel that Triton's own specialization picks, and returns it; a later launch with the
+same key calls that kernel. The key holds all Triton specializes on, and more: each integer's value (Triton:
+whether it is 1, or divisible by 16), each tensor's dtype and address modulo 256 (Triton: whether it is
+divisible by 16), the constexprs, warps and stages, and the current device. Arguments with one key therefore
+get the kernel ``kernel[grid]`` would launch for them. A changed Triton setting (``knobs``: debug,
+instrumentation) after a key's first launch is not seen by that key.
+
+Inside a compiled step the launch is always ``kernel[grid](...)``, which the graph captures as a kernel of its
+own. Under Triton's interpreter, ``kernel[grid]`` returns no kernel, so every launch goes through it. Where
+Triton no longer has what this relies on, every launch goes through it too, with one warning naming what
+changed.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import torch
+
+from ..compat import DependencyChanged
+from ..compat import triton as triton_seams
+
+
+class CachedLaunch:
+    """``kernel[grid](*arguments, **constexprs, num_warps=warps, num_stages=stages)``, the kernel kept per key
+    after its first launch (``kernels``). ``grid``: three sizes; ``constexprs``: the kernel's last parameters,
+    in its order."""
+
+    def __init__(self, kernel):
+        self.kernel, self.kernels = kernel, {}
+
+    def __call__(self, grid: tuple, arguments: tuple, constexprs: dict, warps: int, stages: int) -> None:
+        if torch.compiler.is_compiling() or _compiled_kernel() is None:
+            self.kernel[grid](*arguments, **constexprs, num_warps=warps, num_stages=stages)
+            return
+        device = torch.cuda.current_device() if arguments[0].is_cuda else -1
+        key = (device, *map(_specialized, arguments), *constexprs.values(), warps, stages)
+        compiled = self.kernels.get(key)
+        if compiled is not None:
+            compiled[grid](*arguments, *constexprs.values())
+            return
+        if self.kernel.arg_names[len(arguments):] != list(constexprs) or len(grid) != 3:  # a caller's mistake
+            raise TypeError(f"{self.kernel.arg_names}: a cached launch passes the constexprs last, in this order, "
+                            f"and a grid of three sizes; given {list(constexprs)}, grid {grid}")  # fmt: skip
+        compiled = self.kernel[grid](*arguments, **constexprs, num_warps=warps, num_stages=stages)
+        if isinstance(compiled, _compiled_kernel()):
+            self.kernels[key] = compiled
+
+
+def _specialized(argument):
+    """What of an argument the key holds: a tensor's dtype and address modulo 256, else its type and value
+    (``True`` and ``1`` apart)."""
+    if isinstance(argument, torch.Tensor):
+        return argument.dtype, argument.data_ptr() % 256
+    return type(argument), argument
+
+
+@functools.cache
+def _compiled_kernel():
+    """Triton's ``CompiledKernel`` class where every seam a cached launch uses holds, else None (warned once)."""
+    try:
+        for seam in (triton_seams.RUN, triton_seams.LAUNCH, triton_seams.ARG_NAMES):
+            seam.get()
+        return triton_seams.COMPILED_KERNEL.get()
+    except DependencyChanged as error:
+        warnings.warn(f"hf_parallel: Triton kernels launch through JITFunction.run each time: {error}", stacklevel=3)
+        return None

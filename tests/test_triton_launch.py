@@ -1,0 +1,80 @@
+"""``tensor/triton_launch.py``: which launches reuse the kernel a key's first launch returned. A kernel stands in
+for Triton's (no card here: Triton's interpreter returns no compiled kernel); what it records is what each
+launch passed. The card's launches run in the cuda tier (``test_cuda.py``), the kernels' load-time checks
+launching each key twice."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from triton.compiler.compiler import CompiledKernel
+
+from hf_parallel.tensor.triton_launch import CachedLaunch
+
+
+class Compiled(CompiledKernel):
+    """A compiled kernel that records its launches (``kernel[grid](*arguments)``, constexprs included)."""
+
+    def __init__(self, calls: list):
+        self.calls = calls
+
+    def __del__(self):  # nothing loaded on a device to unload
+        pass
+
+    def __getitem__(self, grid):
+        return lambda *arguments: self.calls.append(("compiled", grid, arguments))
+
+
+class Kernel:
+    """``kernel[grid](*arguments, **constexprs, num_warps=, num_stages=)``, as ``JITFunction.run`` is called,
+    returning a compiled kernel (one per launch: a reused key launches the first one)."""
+
+    arg_names = ["x_ptr", "rows", "flag", "TILE", "SWAP"]
+
+    def __init__(self):
+        self.calls = []
+
+    def __getitem__(self, grid):
+        def run(*arguments, **options):
+            self.calls.append(("jit", grid, arguments, options))
+            return Compiled(self.calls)
+
+        return run
+
+
+def test_a_launch_reuses_the_kernel_of_its_keys_first_launch():
+    """Same dtypes, addresses modulo 256, integers, constexprs, warps and stages: the first kernel, every
+    argument in order; another integer value, a tensor 2 bytes off, ``True`` for ``1``, other constexprs or
+    warps: Triton's launch again."""
+    kernel = Kernel()
+    launch = CachedLaunch(kernel)
+    memory = torch.zeros(1024, dtype=torch.bfloat16)
+    x, other = memory[:64], memory[128:192]  # another tensor 256 bytes on
+    grid = (1, 2, 1)
+    launch(grid, (x, 3, 1), {"TILE": 16, "SWAP": False}, 4, 3)
+    launch((5, 2, 1), (other, 3, 1), {"TILE": 16, "SWAP": False}, 4, 3)
+    assert [call[0] for call in kernel.calls] == ["jit", "compiled"]
+    assert kernel.calls[1][1:] == ((5, 2, 1), (other, 3, 1, 16, False))
+    assert kernel.calls[0][3] == {"TILE": 16, "SWAP": False, "num_warps": 4, "num_stages": 3}
+    others = [((x, 4, 1), 16, 4), ((x[1:], 3, 1), 16, 4), ((x, 3, True), 16, 4), ((x, 3, 1), 32, 4),
+              ((x, 3, 1), 16, 8), ((x.float(), 3, 1), 16, 4)]  # fmt: skip
+    for arguments, tile, warps in others:
+        kernel.calls.clear()
+        launch(grid, arguments, {"TILE": tile, "SWAP": False}, warps, 3)
+        assert [call[0] for call in kernel.calls] == ["jit"], (arguments[1:], tile, warps)
+
+
+def test_a_compiled_step_and_a_caller_out_of_order_take_no_kept_kernel(monkeypatch):
+    """Inside a compiled step every launch is Triton's own (the graph captures it); constexprs passed out of
+    the kernel's order, or a grid of fewer than three sizes, are refused before any launch."""
+    kernel, x = Kernel(), torch.zeros(8)
+    launch = CachedLaunch(kernel)
+    with pytest.raises(TypeError, match="constexprs last, in this order"):
+        launch((1, 1, 1), (x, 1, 1), {"SWAP": False, "TILE": 16}, 4, 3)
+    with pytest.raises(TypeError, match="a grid of three sizes"):
+        launch((1,), (x, 1, 1), {"TILE": 16, "SWAP": False}, 4, 3)
+    assert kernel.calls == []
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    for _ in range(2):
+        launch((1, 1, 1), (x, 1, 1), {"TILE": 16, "SWAP": False}, 4, 3)
+    assert [call[0] for call in kernel.calls] == ["jit", "jit"] and launch.kernels == {}
