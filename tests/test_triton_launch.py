@@ -1,7 +1,7 @@
 """``tensor/triton_launch.py``: which launches reuse the kernel a key's first launch returned. A kernel stands in
 for Triton's (no card here: Triton's interpreter returns no compiled kernel); what it records is what each
 launch passed. The card's launches run in the cuda tier (``test_cuda.py``), the kernels' load-time checks
-launching each key twice."""
+launching each key twice. And what a compiled step captures of the FP8 kernels' launches (traced, not run)."""
 
 from __future__ import annotations
 
@@ -78,3 +78,43 @@ def test_a_compiled_step_and_a_caller_out_of_order_take_no_kept_kernel(monkeypat
     for _ in range(2):
         launch((1, 1, 1), (x, 1, 1), {"TILE": 16, "SWAP": False}, 4, 3)
     assert [call[0] for call in kernel.calls] == ["jit", "jit"] and launch.kernels == {}
+
+
+def test_a_compiled_step_captures_the_fp8_kernels_whole_split_and_summed(monkeypatch):
+    """``torch.compile(fullgraph=True)`` of both FP8 products (traced only: the graph is kept, not run, as no
+    card is here; dynamo told Triton can launch, as on a card): each launch through ``CachedLaunch`` is one
+    captured Triton kernel, split into ``split_for``'s runs, then summed and rounded to the input's dtype."""
+    import importlib
+
+    import torch.utils._triton
+
+    from hf_parallel.checkpoint.quantized import KeptFP8
+    from hf_parallel.tensor import fp8_kernel, fp8_triton
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(fp8_kernel, "_source", importlib.reload(fp8_triton))  # the kernels made for a card
+    monkeypatch.setattr(torch.utils._triton, "has_triton", lambda: True)
+    kept = KeptFP8({}, torch.zeros(1536, 4096, dtype=torch.float8_e4m3fn), torch.ones(12, 32), (128, 128), (0, 0))
+    stacked = KeptFP8({}, kept.weight.expand(4, -1, -1), kept.scales.expand(4, -1, -1), (128, 128), (0, 0))
+    graphs = []
+
+    def kept_graph(graph, example_inputs):
+        graphs.append(graph)
+        return lambda *inputs: [None]  # the graph's one output, never computed
+
+    products = {"plain": lambda x: fp8_kernel.weight_only_fp8(x, kept),
+                "gathered": lambda x: fp8_kernel.gathered_weight_only_fp8(x, torch.tensor([3]), stacked)}  # fmt: skip
+    try:
+        for name, product in products.items():
+            torch.compile(product, backend=kept_graph, fullgraph=True)(torch.zeros(1, 4096, dtype=torch.bfloat16))
+    finally:
+        torch._dynamo.reset()
+        importlib.reload(fp8_triton)
+    split = fp8_kernel.split_for(1536 // 16, 4096, 128)
+    assert split > 1
+    assert len(graphs) == 2
+    for graph, rows in zip(graphs, (1, 1)):
+        kernels = [node for node in graph.graph.nodes if "triton_kernel_wrapper" in str(node.target)]
+        assert len(kernels) == 1 and kernels[0].kwargs["grid"] == [(rows, 1536 // 16, split)], graph.code
+        methods = [node.target for node in graph.graph.nodes if node.op == "call_method"]
+        assert methods == ["sum", "to"], graph.code
