@@ -232,3 +232,18 @@ def test_a_reduce_overhead_tp_decode_gives_eager_tokens(tmp_path):
     for rank, got in enumerate(run_ranks(2, compile_workers.compiled_cases, cases, out_dir=str(tmp_path / "out"))):
         assert got["tp2"]["tokens"] == got["tp2"]["eager_tokens"], (rank, got["tp2"])
         assert got["tp2"]["device"].startswith("cuda"), got["tp2"]
+
+
+def test_a_reduce_overhead_decode_of_kept_fp8_gives_eager_tokens(tmp_path, monkeypatch):
+    """One process on the card, ``llama_fp8`` kept (float32): ``torch.compile(mode="reduce-overhead")`` of the
+    decode step with a static cache captures the package's FP8 kernel in CUDA graphs, split along the columns
+    where a compiled step splits it (the MLP's down projection: 160 inputs in tiles of 32, two runs), and
+    gives eager's greedy tokens (eager splits none)."""
+    import compile_workers
+    from tiny_models import make_fp8_checkpoint
+
+    path = make_fp8_checkpoint("llama_fp8", str(tmp_path))
+    monkeypatch.setenv("HF_PARALLEL_DEVICE", "cuda:0")
+    cases = {"kept": ("generate", path, dict(keep_quantized=True), dict(mode="reduce-overhead"))}
+    (got,) = run_ranks(1, compile_workers.compiled_cases, cases, out_dir=str(tmp_path / "out"))
+    assert got["kept"]["tokens"] == got["kept"]["eager_tokens"] and got["kept"]["device"].startswith("cuda"), got
