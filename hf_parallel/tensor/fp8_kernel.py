@@ -199,13 +199,12 @@ def runs_on(device: torch.device, fp8=torch.float8_e4m3fn, dtype=torch.bfloat16,
     """Whether the kernel compiles on ``device`` for these dtypes (the weight's, the compute's, the scales')
     and tile of columns, and computes there what the dequantized path does: products of 1, 20 and 40 rows
     (each tile of rows) with blocks of ``tile`` columns, whole blocks of aligned sizes, a box starting inside
-    its blocks, and one scale for all, whole and split-K (``Launch.split``), against the same rounded weights
-    multiplied in float32. CPU: only under
+    its blocks (split-K: ``Launch.split``), and one scale for all, against the same rounded weights multiplied
+    in float32. CPU: only under
     Triton's interpreter; no warning where there is nothing to run it."""
     cases = [  # four and about two and a half tiles of columns, whichever the tile (the interpreter's cost)
         (1, (0, 0), (128, tile), (256, 4 * tile), 1),  # sizes and strides aligned to 16 (Triton specializes on it)
-        (1, (0, 0), (128, tile), (256, 4 * tile), 4),  # split-K as a compiled step splits it: a tile a run
-        (20, (64, tile // 2), (128, tile), (200, 300 * tile // 128), 2),  # runs of two tiles and of one
+        (20, (64, tile // 2), (128, tile), (200, 300 * tile // 128), 2),  # split-K's runs: two tiles and one
         (40, (5, 7), (WHOLE, WHOLE), (200, 300), 1),
     ]
     return _checked("weight-only FP8 kernel", _computes_right, cases, device, fp8, dtype, scales, tile)
@@ -302,10 +301,10 @@ def gathered_weight_only_fp8(x: torch.Tensor, ids: torch.Tensor, stacked: KeptFP
 def gathered_runs_on(device: torch.device, fp8=torch.float8_e4m3fn, dtype=torch.bfloat16, scales=torch.float32,
                      tile: int = 128) -> bool:  # fmt: skip
     """``runs_on`` for the gathered product: 1 and 5 pairs over 3 experts (one expert twice), a box inside
-    its blocks and one scale an expert, whole and split-K, against each pair's product with its expert's
-    dequantized weight."""
-    cases = [(1, (0, 0), (128, tile), (96, 2 * tile), 1), (1, (0, 0), (128, tile), (96, 2 * tile), 2),
-             (5, (64, tile // 2), (128, tile), (70, 300 * tile // 128), 2), (5, (5, 7), (WHOLE, WHOLE), (40, 100), 1)]
+    its blocks (split-K) and one scale an expert, against each pair's product with its expert's dequantized
+    weight."""
+    cases = [(1, (0, 0), (128, tile), (96, 2 * tile), 1), (5, (64, tile // 2), (128, tile), (70, 300 * tile // 128), 2),
+             (5, (5, 7), (WHOLE, WHOLE), (40, 100), 1)]  # fmt: skip
     return _checked("gathered weight-only FP8 kernel", _gathers_right, cases, device, fp8, dtype, scales, tile)
 
 
