@@ -12,12 +12,15 @@ card was found to take (and why others were refused), then microseconds per prod
 defaults (outputs a program, warps, the weight's tile as either operand, tiles loaded at once, runs of
 columns: ``fp8_kernel.Launch``) from CUDA graphs, the GPU's time alone, and prints the fastest beside the
 launches the package uses (``fp8_kernel.PLAIN`` and ``GATHERED``: in eager, and split as a compiled step
-splits them) and the host's cost of a launch (and of ``F.linear``'s): how those defaults are chosen.
+splits them, here with torch's sum and cast unfused: an upper bound of the compiled step's) and the host's
+cost of a launch, through the kernel kept from the first launch and through ``JITFunction.run`` (and of
+``F.linear``'s): how those defaults are chosen.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import math
 import statistics
@@ -80,6 +83,21 @@ def host_us(fn, calls: int) -> float:
     return spent * 1e6 / calls
 
 
+@contextlib.contextmanager
+def through_run(name: str):
+    """``fp8_triton``'s launcher ``name`` going through ``JITFunction.run`` each launch (as before
+    ``tensor/triton_launch.py``), for the host's time of both."""
+    from hf_parallel.tensor import fp8_triton
+
+    kept = getattr(fp8_triton, name)
+    setattr(fp8_triton, name, lambda grid, arguments, constexprs, warps, stages: kept.kernel[grid](
+        *arguments, **constexprs, num_warps=warps, num_stages=stages))  # fmt: skip
+    try:
+        yield
+    finally:
+        setattr(fp8_triton, name, kept)
+
+
 def fp8_box(n: int, k: int, device, experts: tuple = ()):
     """A random bf16 weight [*experts, n, k] and it kept as FP8 in 128 x 128 blocks (``KeptFP8``)."""
     from hf_parallel.checkpoint.quantized import KeptFP8
@@ -100,7 +118,7 @@ def sweep(args, device) -> None:
     launches = [fp8_kernel.Launch(n, w, 3, swap, unroll, split) for n in (16, 32) for w in (4, 8)
                 for swap in (False, True) for unroll in (1, 4) for split in (1, 2, 4, 8)]  # fmt: skip
     print("| product | rows | bf16 us | the default launch us: eager, compiled (its split) | fastest launches (us) "
-          "| host us a launch (bf16) |\n|---|---|---|---|---|---|")  # fmt: skip
+          "| host us a launch: kept kernel, through run (bf16) |\n|---|---|---|---|---|---|")  # fmt: skip
     for shape in args.shapes:
         n, k = map(int, shape.split("x"))
         weight, kept = fp8_box(n, k, device)
@@ -111,7 +129,9 @@ def sweep(args, device) -> None:
                                  sorted({*launches, fp8_kernel.PLAIN, compiled}), fp8_kernel.PLAIN, args)  # fmt: skip
             plain = graphed(lambda: F.linear(x, weight), args.calls, args.repeats)
             host = host_us(lambda: fp8_kernel.weight_only_fp8(x, kept), 10 * args.calls)
-            host = f"{host:.1f} ({host_us(lambda: F.linear(x, weight), 10 * args.calls):.1f})"
+            with through_run("launch_weight_only_fp8"):
+                run = host_us(lambda: fp8_kernel.weight_only_fp8(x, kept), 10 * args.calls)
+            host = f"{host:.1f}, {run:.1f} ({host_us(lambda: F.linear(x, weight), 10 * args.calls):.1f})"
             defaults = f"{times[fp8_kernel.PLAIN]:.1f}, {times[compiled]:.1f} ({compiled.split})"
             print(f"| {n} x {k} | {tokens} | {plain:.1f} | {defaults} | {fastest(times)} | {host} |", flush=True)
     for shape in args.expert_shapes:  # the gathered product: one expert a pair
@@ -127,9 +147,11 @@ def sweep(args, device) -> None:
                                  args)  # fmt: skip
             plain = graphed(lambda: torch.bmm(weight[ids], x[:, :, None]), args.calls, args.repeats)
             host = host_us(lambda: fp8_kernel.gathered_weight_only_fp8(x, ids, kept), 10 * args.calls)
+            with through_run("launch_gathered_weight_only_fp8"):
+                run = host_us(lambda: fp8_kernel.gathered_weight_only_fp8(x, ids, kept), 10 * args.calls)
             defaults = f"{times[fp8_kernel.GATHERED]:.1f}, {times[compiled]:.1f} ({compiled.split})"
             print(f"| {e} experts {n} x {k} | {pairs} pairs | {plain:.1f} (bf16: gather, bmm) | {defaults} | "
-                  f"{fastest(times)} | {host:.1f} |", flush=True)  # fmt: skip
+                  f"{fastest(times)} | {host:.1f}, {run:.1f} |", flush=True)  # fmt: skip
 
 
 def launch_times(product, launches: list, default, args) -> dict:

@@ -76,21 +76,25 @@ def on_gpu(rank: int, world_size: int, cases: dict, save_root: str) -> dict:
 
 def kept_fp8(rank: int, world_size: int, path: str, save_root: str, sizes: dict) -> dict:
     """An FP8 checkpoint kept quantized on the GPU against the same checkpoint dequantized as read, in float32
-    and bfloat16: logits (eager, and compiled whole), the classes of the kept linears (the package's kernel
-    where the card runs it), and each load saved back (gathered; the float32 one per rank too)."""
+    and bfloat16: logits (eager, eager again: through the kernels kept from the first launches, and compiled
+    whole), the classes of the kept linears (the package's kernel where the card runs it), the kernels kept for
+    launching again, and each load saved back (gathered; the float32 one per rank too)."""
     from hf_parallel.tensor import fp8_kernel
 
     out = {}
     for dtype in (torch.float32, torch.bfloat16):
         logits, model, device = _kept_logits(path, (False, True), dtype, **sizes)
         with torch.no_grad():
+            again = model(INPUT_IDS.to(device)).logits.float()
             compiled = torch.compile(model.forward, fullgraph=True)(INPUT_IDS.to(device)).logits.float()
         out[str(dtype)] = {"kept": gap(logits[True], logits[False]), "compiled": gap(compiled, logits[True])}
+        out[f"again {dtype}"] = torch.equal(again, logits[True])
         out[f"kinds {dtype}"] = sorted({type(m).__name__ for m in model.modules() if hasattr(m, "kept_weight")})
         model.save_pretrained(os.path.join(save_root, str(dtype).removeprefix("torch."), "gathered"))
         if dtype == torch.float32:  # the checkpoint's floats: every tensor saved bit for bit, per rank too
             model.save_pretrained(os.path.join(save_root, "float32", "per_rank"), distributed=True)
     out["kernel"], out["capability"] = fp8_kernel.runs_on(device), list(torch.cuda.get_device_capability(device))
+    out["kept kernels"] = len(fp8_kernel._source.launch_weight_only_fp8.kernels) if out["kernel"] else 0
     return out
 
 

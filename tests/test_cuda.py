@@ -95,8 +95,9 @@ def test_on_a_gpu_like_one_process(gpu_results, case):
 def test_fp8_kept_quantized_on_a_gpu(tmp_path, monkeypatch):
     """``llama_fp8`` (32 x 32 blocks) kept at TP=2, whose shards start inside blocks: on a card that runs the
     package's weight-only kernel every kept linear takes it; logits as the checkpoint dequantized as read
-    (float32 and bfloat16), compiled whole as eager; saved back (the float32 load bitwise, gathered and per
-    rank; the bfloat16 one's plain weights as it holds them)."""
+    (float32 and bfloat16), a second eager forward bit for bit the first (its launches through the kernels kept
+    from the first's: ``triton_launch``), compiled whole as eager; saved back (the float32 load bitwise,
+    gathered and per rank; the bfloat16 one's plain weights as it holds them)."""
     import cuda_workers
     from tiny_models import make_fp8_checkpoint
 
@@ -107,8 +108,10 @@ def test_fp8_kept_quantized_on_a_gpu(tmp_path, monkeypatch):
     for rank, got in enumerate(results):
         where = f"rank {rank}: {got}"
         assert got["kernel"] or got["capability"] < [8, 9], where  # FP8 conversions: Ada, Hopper and later
+        assert got["kept kernels"] or not got["kernel"], where  # the eager launches after a key's first: kept
         for dtype, within in (("torch.float32", dict(atol=1e-4, rtol=0)), ("torch.bfloat16", dict(atol=0, rtol=0.05))):
             assert got[f"kinds {dtype}"] == ["KeptFP8KernelLinear" if got["kernel"] else "KeptLinear"], where
+            assert got[f"again {dtype}"], where  # bit for bit through the kept kernels
             assert_within(got[dtype], **within, where=f"FP8 kept and compiled, {dtype}, {where}")
     assert_same_checkpoint(path, str(tmp_path / "saved" / "float32" / "gathered"))
     assert_same_checkpoint(path, str(tmp_path / "saved" / "bfloat16" / "gathered"), held=torch.bfloat16)
@@ -236,9 +239,9 @@ def test_a_reduce_overhead_tp_decode_gives_eager_tokens(tmp_path):
 
 def test_a_reduce_overhead_decode_of_kept_fp8_gives_eager_tokens(tmp_path, monkeypatch):
     """One process on the card, ``llama_fp8`` kept (float32): ``torch.compile(mode="reduce-overhead")`` of the
-    decode step with a static cache captures the package's FP8 kernel in CUDA graphs, split along the columns
-    where a compiled step splits it (the MLP's down projection: 160 inputs in tiles of 32, two runs), and
-    gives eager's greedy tokens (eager splits none)."""
+    decode step with a static cache, the package's FP8 kernel inside the CUDA graphs (the MLP's down projection
+    split in two runs, as ``split_for`` gives 160 inputs in tiles of 32: what a compiled step captures is traced
+    on CPU in ``test_triton_launch.py``), gives eager's greedy tokens (eager splits none)."""
     import compile_workers
     from tiny_models import make_fp8_checkpoint
 

@@ -136,12 +136,13 @@ def test_a_compiled_step_splits_the_columns_of_a_product_with_few_programs(inter
     programs, split_for = interpreted.PROGRAMS, interpreted.split_for
     assert split_for(programs // 3, 4096, 128) == 4  # 3x too few: 4 runs of 8 tiles
     assert split_for(4, 1024, 128) == 4 and split_for(4, 1023, 128) == 2  # runs of two tiles or more
+    assert split_for(4, 9 * 128, 128) == 3  # 9 tiles cut for 4 runs: runs of 3, so three runs, none empty
     assert split_for(programs, 4096, 128) == 1 == split_for(1, 511, 128)
     kept = kept_box(64, 1024, (0, 0), (128, 128))
     x = torch.randn(1, 1024, generator=torch.Generator().manual_seed(1))
     want = F.linear(x, kept.dequantize(torch.float32))
-    splits, output = [], interpreted._output
-    monkeypatch.setattr(interpreted, "_output", lambda split, *rest: splits.append(split) or output(split, *rest))
+    splits, split = [], interpreted._split
+    monkeypatch.setattr(interpreted, "_split", lambda *given: splits.append(split(*given)) or splits[-1])
     for compiling in (False, True):
         monkeypatch.setattr(torch.compiler, "is_compiling", lambda: compiling)
         got = interpreted.weight_only_fp8(x, kept)
@@ -170,6 +171,8 @@ def test_a_kernel_that_computes_otherwise_is_refused_at_load(interpreted, monkey
     monkeypatch.delenv("TRITON_INTERPRET")
     compiled = importlib.reload(fp8_kernel)
     assert not compiled.runs_on(CPU) and not compiled.takes(kept_box(32, 32, (0, 0), (32, 32)), (32, 32), torch.float32)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the file's shared module as it was: interpreted, nothing refused
+    importlib.reload(fp8_kernel)
 
 
 def test_kept_fp8_linears_take_the_kernel_up_to_its_rows(interpreted, tiny_root, monkeypatch):

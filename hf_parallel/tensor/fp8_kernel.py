@@ -57,7 +57,8 @@ class Launch(NamedTuple):
     cores read it from registers), the tiles of columns a program loads at once (``unroll``: more bytes in
     flight, where stages were seen to change nothing), and the runs of columns the product is split into
     (``split``, split-K: as many times the programs, each summing its run in float32 into its own output,
-    summed after by torch, one launch more, which a compiled step fuses). A decode step's product on a large
+    summed and rounded after by torch: in eager two launches more, which a compiled step fuses into one; 0: as
+    ``_split`` chooses). A decode step's product on a large
     card has fewer programs than the card runs at once (1536 outputs at 16 a program: 96 programs on an H200's
     132 multiprocessors), each walking every column in turn: latency-bound. ``swap``, ``unroll`` and ``split``
     are not yet timed on a card."""
@@ -75,8 +76,10 @@ class Launch(NamedTuple):
 # ``split=0``: split-K chosen per product inside a compiled step (``_split``), none in eager.
 PLAIN = Launch(tile_n=16, warps=4, stages=3, split=0)
 GATHERED = Launch(tile_n=16, warps=4, stages=2, split=0)  # 8.7 us where tile_n=32 took 15.8 (32 experts 1024 x 1024)
-# the programs a split product aims for: about two a multiprocessor on an H100 / H200 (132), which ran about two of
-# this kernel's at once; a constant, as a compiled step cannot ask the card (L40S 142, B200 148 multiprocessors)
+# the programs a split product aims for: about two a multiprocessor on an H100 / H200 (132). An estimate, not a
+# measurement: the H200's 14336 x 4096 product (896 programs of 32 tiles each) took about as long as waves of
+# two programs a multiprocessor at its smaller products' time a tile. A constant, as a compiled step cannot ask
+# the card (L40S 142, B200 148 multiprocessors); the sweep times splits on the card
 PROGRAMS = 256
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 COMPUTE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -113,40 +116,49 @@ def weight_only_fp8(x: torch.Tensor, kept: KeptFP8, launch: Launch = PLAIN) -> t
     block_rows, block_columns, tile = _launch_blocks(kept.block, scales.shape)
     tile_m = 16 if rows <= 16 else 32 if rows <= 32 else 64  # comparisons: a compiled step guards them
     grid = (-(-rows // tile_m), -(-outputs // launch.tile_n))
-    split = _split(launch, grid[0] * grid[1], inputs + kept.offset[1] % tile, tile)
-    out, grid = _output(split, (*x.shape[:-1], outputs), x), (*grid, split)
+    out, grid = _output(launch, grid, inputs + kept.offset[1] % tile, tile, (*x.shape[:-1], outputs), x)
     arguments = (x, kept.weight, scales, out, rows, outputs, inputs, inputs, kept.weight.stride(0),
-                 scales.stride(0), outputs, rows * outputs, kept.offset[0], kept.offset[1], block_rows, block_columns)
+                 scales.stride(0), outputs, kept.offset[0], kept.offset[1], block_rows, block_columns)
     constexprs = dict(TILE_M=tile_m, TILE_N=launch.tile_n, TILE_K=tile,
                       DOT_FP32=x.dtype == torch.float32 or source.INTERPRETED, SWAP=launch.swap, UNROLL=launch.unroll)
     source.launch_weight_only_fp8(grid, arguments, constexprs, launch.warps, launch.stages)
-    return out if split == 1 else out.sum(0).to(x.dtype)
+    return _summed(out, grid, x.dtype)
+
+
+def _output(launch: Launch, grid: tuple, columns: int, tile: int, shape: tuple, x: torch.Tensor):
+    """A launch's output and its grid of three: the product's output of ``shape``, or split-K's float32 runs
+    of it, ``[split, *shape]``, where the launch splits (``_split``; ``columns``: from the first tile's start)."""
+    split = _split(launch, grid[0] * grid[1], columns, tile)
+    if split == 1:
+        return torch.empty(shape, dtype=x.dtype, device=x.device), (*grid, 1)
+    return torch.empty(split, *shape, dtype=torch.float32, device=x.device), (*grid, split)
+
+
+def _summed(out: torch.Tensor, grid: tuple, dtype: torch.dtype) -> torch.Tensor:
+    """The product from a launch's output: itself, or split-K's runs (``grid[2]``) summed and rounded to
+    ``dtype`` (in eager a sum and a cast, which a compiled step fuses into one kernel)."""
+    return out if grid[2] == 1 else out.sum(0).to(dtype)
 
 
 def _split(launch: Launch, programs: int, columns: int, tile: int) -> int:
     """The runs of columns for ``launch``: its own, or where it leaves them to the product (``split=0``) one
-    in eager, where the summing launch would cost the host more than the card gains (a decode step there waits
-    on the host), and ``split_for`` inside a compiled step (whose graph fuses the sum, and CUDA graphs launch
-    it for nothing)."""
+    in eager, where the sum and cast would cost the host more than the card gains (a decode step there waits
+    on the host), and ``split_for`` inside a compiled step (whose graph fuses them, and CUDA graphs launch it
+    for nothing)."""
     if launch.split:
         return launch.split
     return split_for(programs, columns, tile) if torch.compiler.is_compiling() else 1
 
 
 def split_for(programs: int, columns: int, tile: int) -> int:
-    """The least power of two that gives ``PROGRAMS`` programs, each run at least two tiles of ``tile``
-    (``columns``: from the first tile's start). Not yet timed on a card."""
+    """The runs that give about ``PROGRAMS`` programs: the least power of two reaching it with runs of at least
+    two tiles of ``tile`` (``columns``: from the first tile's start), then as many runs as that cut leaves
+    tiles to (9 tiles in 4 runs are runs of 3: three, none empty). Not yet timed on a card."""
     split = 1
     while programs * split < PROGRAMS and columns >= 4 * split * tile:
         split *= 2
-    return split
-
-
-def _output(split: int, shape: tuple, x: torch.Tensor) -> torch.Tensor:
-    """A launch's output: the product's, or ``split`` float32 ones of its shape (split-K's runs, summed after)."""
-    if split == 1:
-        return torch.empty(shape, dtype=x.dtype, device=x.device)
-    return torch.empty(split, *shape, dtype=torch.float32, device=x.device)
+    tiles = -(-columns // tile)
+    return -(-tiles // -(-tiles // split))
 
 
 def takes(kept, shape: tuple, dtype: torch.dtype) -> bool:
@@ -240,11 +252,12 @@ def _computes_right(device, fp8, dtype, scales, rows: int, offset: tuple, block:
     kept = _random_box(generator, (), shape, offset, block, fp8, scales)
     x = torch.randn(rows, shape[1], device=device, generator=generator, dtype=dtype)
     want = x.float() @ kept.dequantize(dtype).float().T
-    got = weight_only_fp8(x, kept, PLAIN._replace(split=split)).float()
+    launch = PLAIN._replace(split=split)
+    got = weight_only_fp8(x, kept, launch).float()
     # bf16's rounding of the weights and the output, with room for the interpreter's truncation; a wrong scale,
     # offset or tile is off by far more (scales differ up to 16-fold between blocks)
     return torch.allclose(got, want, rtol=0, atol=2**-6 * want.abs().max().item()) and _again(
-        got, lambda: weight_only_fp8(x, kept, PLAIN._replace(split=split)).float())
+        got, lambda: weight_only_fp8(x, kept, launch).float())
 
 
 def _again(got: torch.Tensor, product) -> bool:
@@ -286,15 +299,14 @@ def gathered_weight_only_fp8(x: torch.Tensor, ids: torch.Tensor, stacked: KeptFP
     (pairs, _), (_, outputs, inputs) = x.shape, weight.shape
     block_rows, block_columns, tile = _launch_blocks(stacked.block, scales.shape[1:])
     grid = (pairs, -(-outputs // launch.tile_n))
-    split = _split(launch, grid[0] * grid[1], inputs + stacked.offset[1] % tile, tile)
-    out, grid = _output(split, (pairs, outputs), x), (*grid, split)
+    out, grid = _output(launch, grid, inputs + stacked.offset[1] % tile, tile, (pairs, outputs), x)
     arguments = (x, ids, weight, scales, out, outputs, inputs, x.stride(0), weight.stride(0), weight.stride(1),
-                 scales.stride(0), scales.stride(1), outputs, pairs * outputs, stacked.offset[0], stacked.offset[1],
-                 block_rows, block_columns)  # fmt: skip
+                 scales.stride(0), scales.stride(1), outputs, stacked.offset[0], stacked.offset[1], block_rows,
+                 block_columns)  # fmt: skip
     constexprs = dict(TILE_N=launch.tile_n, TILE_K=tile, DOT_FP32=x.dtype == torch.float32 or source.INTERPRETED,
                       SWAP=launch.swap, UNROLL=launch.unroll)  # fmt: skip
     source.launch_gathered_weight_only_fp8(grid, arguments, constexprs, launch.warps, launch.stages)
-    return out if split == 1 else out.sum(0).to(x.dtype)
+    return _summed(out, grid, x.dtype)
 
 
 @functools.cache
@@ -316,6 +328,7 @@ def _gathers_right(device, fp8, dtype, scales, pairs: int, offset: tuple, block:
     x = torch.randn(pairs, shape[1], device=device, generator=generator, dtype=dtype)
     expert = [dataclasses.replace(stacked, weight=stacked.weight[e], scales=stacked.scales[e]) for e in range(3)]
     want = torch.stack([x[p].float() @ expert[e].dequantize(dtype).float().T for p, e in enumerate(ids.tolist())])
-    got = gathered_weight_only_fp8(x, ids, stacked, GATHERED._replace(split=split)).float()
+    launch = GATHERED._replace(split=split)
+    got = gathered_weight_only_fp8(x, ids, stacked, launch).float()
     return torch.allclose(got, want, rtol=0, atol=2**-6 * want.abs().max().item()) and _again(
-        got, lambda: gathered_weight_only_fp8(x, ids, stacked, GATHERED._replace(split=split)).float())
+        got, lambda: gathered_weight_only_fp8(x, ids, stacked, launch).float())

@@ -77,15 +77,15 @@ def _chunk(inputs, column_offset, TILE_K: tl.constexpr):
 
 @triton.jit
 def weight_only_fp8(x_ptr, w_ptr, s_ptr, out_ptr, rows, outputs, inputs, x_stride, w_stride, s_stride,
-                     out_stride, split_stride, row_offset, column_offset, block_rows, block_columns,
+                     out_stride, row_offset, column_offset, block_rows, block_columns,
                      TILE_M: tl.constexpr, TILE_N: tl.constexpr, TILE_K: tl.constexpr, DOT_FP32: tl.constexpr,
                      SWAP: tl.constexpr, UNROLL: tl.constexpr):  # fmt: skip
     """out[m, n] = sum_k x[m, k] * round(w[n, k] * s[(n + row_offset) // block_rows,
     (k + column_offset) // block_columns]): a TILE_M x TILE_N tile of the output per program, UNROLL tiles of
     columns a step (their loads issued together: more bytes in flight). The block's sizes are runtime
     arguments, so one compiled kernel serves every block size. Split along the columns (a grid of several
-    along its third axis, ``_chunk``), each program writes its float32 sums to its own output of
-    ``split_stride`` elements, summed after."""
+    along its third axis, ``_chunk``), each program writes its float32 sums to its run's own output (``rows``
+    rows after the previous run's), summed after."""
     m = tl.program_id(0) * TILE_M + tl.arange(0, TILE_M)
     n = tl.program_id(1) * TILE_N + tl.arange(0, TILE_N)
     scale_row = s_ptr + ((n + row_offset) // block_rows) * s_stride
@@ -102,14 +102,15 @@ def weight_only_fp8(x_ptr, w_ptr, s_ptr, out_ptr, rows, outputs, inputs, x_strid
             w = _weight_tile(w_ptr + n[:, None] * w_stride, scale_row, n, k, inside, outputs, column,
                              n * 0 + start < end, x)  # fmt: skip
             total = _add(total, x, w, DOT_FP32, SWAP)
-    _store(out_ptr + tl.program_id(2) * split_stride, total, m, n, out_stride, m < rows, n < outputs, SWAP)
+    out_ptr += tl.program_id(2) * rows * out_stride
+    _store(out_ptr, total, m, n, out_stride, m < rows, n < outputs, SWAP)
 
 
 @triton.jit
 def gathered_weight_only_fp8(x_ptr, ids_ptr, w_ptr, s_ptr, out_ptr, outputs, inputs, x_stride, w_expert_stride,
-                             w_stride, s_expert_stride, s_stride, out_stride, split_stride, row_offset,
-                             column_offset, block_rows, block_columns, TILE_N: tl.constexpr, TILE_K: tl.constexpr,
-                             DOT_FP32: tl.constexpr, SWAP: tl.constexpr, UNROLL: tl.constexpr):  # fmt: skip
+                             w_stride, s_expert_stride, s_stride, out_stride, row_offset, column_offset, block_rows,
+                             block_columns, TILE_N: tl.constexpr, TILE_K: tl.constexpr, DOT_FP32: tl.constexpr,
+                             SWAP: tl.constexpr, UNROLL: tl.constexpr):  # fmt: skip
     """out[p, n] = sum_k x[p, k] * round(w[ids[p], n, k] * s[ids[p], ...]): each row of ``x`` (a (token,
     expert) pair) times its own expert's weight, a TILE_N slice of its outputs per program. The row is the
     first of a 16-row tile (``tl.dot``'s least; the others masked to zero): a decode step's product is bound
@@ -132,7 +133,7 @@ def gathered_weight_only_fp8(x_ptr, ids_ptr, w_ptr, s_ptr, out_ptr, outputs, inp
             column = (start + column_offset) // block_columns
             w = _weight_tile(weight_rows, scale_row, n, k, inside, outputs, column, n * 0 + start < end, x)
             total = _add(total, x, w, DOT_FP32, SWAP)
-    out_ptr += tl.program_id(2) * split_stride + pair * out_stride
+    out_ptr += (tl.program_id(2) * tl.num_programs(0) + pair) * out_stride  # a run's outputs: one row a pair
     _store(out_ptr, total, row * 0, n, 0, row == 0, n < outputs, SWAP)
 
 

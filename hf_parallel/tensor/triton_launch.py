@@ -3,16 +3,16 @@
 
 Triton still chooses the kernel: the first launch of each key goes through ``kernel[grid](...)``, which
 compiles or finds the kernel that Triton's own specialization picks, and returns it; a later launch with the
-same key calls that kernel. The key holds all Triton specializes on, and more: each integer's value (Triton:
-whether it is 1, or divisible by 16), each tensor's dtype and address modulo 256 (Triton: whether it is
-divisible by 16), the constexprs, warps and stages, and the current device. Arguments with one key therefore
-get the kernel ``kernel[grid]`` would launch for them. A changed Triton setting (``knobs``: debug,
-instrumentation) after a key's first launch is not seen by that key.
+same key calls that kernel. The key holds all Triton specializes on for NVIDIA's cards, and more: each
+integer's value (Triton: whether it is 1, or divisible by 16), each tensor's dtype and address modulo 256
+(Triton: whether it is divisible by 16), the constexprs, warps and stages, and the current device. Arguments
+with one key therefore get the kernel ``kernel[grid]`` would launch for them. A changed Triton setting
+(``knobs``: debug, instrumentation) after a key's first launch is not seen by that key.
 
-Inside a compiled step the launch is always ``kernel[grid](...)``, which the graph captures as a kernel of its
-own. Under Triton's interpreter, ``kernel[grid]`` returns no kernel, so every launch goes through it. Where
-Triton no longer has what this relies on, every launch goes through it too, with one warning naming what
-changed.
+Inside a compiled step every launch is ``kernel[grid](...)``, which the graph captures as a kernel of its own;
+on ROCm too, where Triton also specializes a tensor on whether its storage spans under 2 GB. Under
+Triton's interpreter, ``kernel[grid]`` returns no kernel, so every launch goes through it. Where Triton no
+longer has what this relies on, every launch goes through it too, with one warning naming what changed.
 """
 
 from __future__ import annotations
@@ -35,11 +35,11 @@ class CachedLaunch:
         self.kernel, self.kernels = kernel, {}
 
     def __call__(self, grid: tuple, arguments: tuple, constexprs: dict, warps: int, stages: int) -> None:
-        if torch.compiler.is_compiling() or _compiled_kernel() is None:
+        if torch.compiler.is_compiling() or torch.version.hip or _compiled_kernel() is None:
             self.kernel[grid](*arguments, **constexprs, num_warps=warps, num_stages=stages)
             return
         device = torch.cuda.current_device() if arguments[0].is_cuda else -1
-        key = (device, *map(_specialized, arguments), *constexprs.values(), warps, stages)
+        key = (device, *map(_specialized, arguments), *map(_specialized, constexprs.values()), warps, stages)
         compiled = self.kernels.get(key)
         if compiled is not None:
             compiled[grid](*arguments, *constexprs.values())
