@@ -64,6 +64,29 @@ def test_a_launch_reuses_the_kernel_of_its_keys_first_launch():
         assert [call[0] for call in kernel.calls] == ["jit"], (arguments[1:], tile, warps)
 
 
+class Refusing(Compiled):
+    """A kept kernel whose launcher takes other arguments than Triton's ``run`` passed (it raises first)."""
+
+    def __getitem__(self, grid):
+        def launch(*arguments):
+            raise TypeError(f"function takes {len(arguments) - 1} arguments")
+
+        return launch
+
+
+def test_a_kept_kernel_that_refuses_its_arguments_turns_keeping_off():
+    """The launch goes through Triton's ``run`` instead, then and from then on, with one warning."""
+    kernel, x = Kernel(), torch.zeros(8)
+    launch = CachedLaunch(kernel)
+    launch((1, 1, 1), (x, 1, 1), {"TILE": 16, "SWAP": False}, 4, 3)
+    (key,) = launch.kernels
+    launch.kernels[key] = Refusing(kernel.calls)
+    with pytest.warns(UserWarning, match="a kept kernel refused its arguments"):
+        launch((1, 1, 1), (x, 1, 1), {"TILE": 16, "SWAP": False}, 4, 3)
+    launch((1, 1, 1), (x, 1, 1), {"TILE": 16, "SWAP": False}, 4, 3)
+    assert [call[0] for call in kernel.calls] == ["jit"] * 3 and launch.off and launch.kernels == {}
+
+
 def test_a_compiled_step_and_a_caller_out_of_order_take_no_kept_kernel(monkeypatch):
     """Inside a compiled step every launch is Triton's own (the graph captures it); constexprs passed out of
     the kernel's order, or a grid of fewer than three sizes, are refused before any launch."""

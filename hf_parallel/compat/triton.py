@@ -9,7 +9,8 @@ launch the package's kernel seven times a layer. Triton's maintainers advise kee
 ``tensor/triton_launch.py`` does, through these seams:
 - ``JITFunction.run`` returns the ``CompiledKernel`` it launched (the first launch of each key goes through it);
 - ``CompiledKernel.__getitem__(grid)(*arguments)`` launches it on the current stream, every argument in the
-  kernel's order, constexprs too, as ``run`` passes them;
+  kernel's order, constexprs too, as ``run`` passes them (since Triton 3.3; ``triton_launch`` checks the
+  version);
 - ``JITFunction.arg_names``: that order.
 """
 

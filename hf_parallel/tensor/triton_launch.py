@@ -12,7 +12,9 @@ with one key therefore get the kernel ``kernel[grid]`` would launch for them. A 
 Inside a compiled step every launch is ``kernel[grid](...)``, which the graph captures as a kernel of its own;
 on ROCm too, where Triton also specializes a tensor on whether its storage spans under 2 GB. Under
 Triton's interpreter, ``kernel[grid]`` returns no kernel, so every launch goes through it. Where Triton no
-longer has what this relies on, every launch goes through it too, with one warning naming what changed.
+longer has what this relies on (or is older than 3.3, whose launches left the constexprs out), every launch
+goes through it too, with one warning naming what changed; and so from the first kept kernel that refuses its
+arguments (its launcher parses them before launching anything).
 """
 
 from __future__ import annotations
@@ -32,18 +34,24 @@ class CachedLaunch:
     in its order."""
 
     def __init__(self, kernel):
-        self.kernel, self.kernels = kernel, {}
+        self.kernel, self.kernels, self.off = kernel, {}, False
 
     def __call__(self, grid: tuple, arguments: tuple, constexprs: dict, warps: int, stages: int) -> None:
-        if torch.compiler.is_compiling() or torch.version.hip or _compiled_kernel() is None:
+        if torch.compiler.is_compiling() or torch.version.hip or self.off or _compiled_kernel() is None:
             self.kernel[grid](*arguments, **constexprs, num_warps=warps, num_stages=stages)
             return
         device = torch.cuda.current_device() if arguments[0].is_cuda else -1
         key = (device, *map(_specialized, arguments), *map(_specialized, constexprs.values()), warps, stages)
         compiled = self.kernels.get(key)
         if compiled is not None:
-            compiled[grid](*arguments, *constexprs.values())
-            return
+            try:
+                compiled[grid](*arguments, *constexprs.values())
+                return
+            except TypeError as error:  # its launcher parses other arguments (before launching): run's from now on
+                self.off, self.kernels = True, {}
+                warnings.warn(f"hf_parallel: {self.kernel} launches through JITFunction.run each time: a kept "
+                              f"kernel refused its arguments ({error})", stacklevel=3)  # fmt: skip
+                return self(grid, arguments, constexprs, warps, stages)
         if self.kernel.arg_names[len(arguments):] != list(constexprs) or len(grid) != 3:  # a caller's mistake
             raise TypeError(f"{self.kernel.arg_names}: a cached launch passes the constexprs last, in this order, "
                             f"and a grid of three sizes; given {list(constexprs)}, grid {grid}")  # fmt: skip
@@ -62,11 +70,17 @@ def _specialized(argument):
 
 @functools.cache
 def _compiled_kernel():
-    """Triton's ``CompiledKernel`` class where every seam a cached launch uses holds, else None (warned once)."""
+    """Triton's ``CompiledKernel`` class where every seam a cached launch uses holds, else None (warned once).
+    Triton before 3.3 launched a kernel with its arguments but the constexprs, which a cached launch passes."""
+    import triton
+
     try:
+        if tuple(int(part) for part in triton.__version__.split(".")[:2]) < (3, 3):
+            raise DependencyChanged(f"triton {triton.__version__} launches without the constexprs (3.3 and later "
+                                    f"pass them)")  # fmt: skip
         for seam in (triton_seams.RUN, triton_seams.LAUNCH, triton_seams.ARG_NAMES):
             seam.get()
         return triton_seams.COMPILED_KERNEL.get()
-    except DependencyChanged as error:
+    except (DependencyChanged, ValueError) as error:  # ValueError: a version this cannot read
         warnings.warn(f"hf_parallel: Triton kernels launch through JITFunction.run each time: {error}", stacklevel=3)
         return None
