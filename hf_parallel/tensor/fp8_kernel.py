@@ -212,8 +212,7 @@ def runs_on(device: torch.device, fp8=torch.float8_e4m3fn, dtype=torch.bfloat16,
     and tile of columns, and computes there what the dequantized path does: products of 1, 20 and 40 rows
     (each tile of rows) with blocks of ``tile`` columns, whole blocks of aligned sizes, a box starting inside
     its blocks (split-K: ``Launch.split``), and one scale for all, against the same rounded weights multiplied
-    in float32. CPU: only under
-    Triton's interpreter; no warning where there is nothing to run it."""
+    in float32. CPU: only under Triton's interpreter; no warning where there is nothing to run it."""
     cases = [  # four and about two and a half tiles of columns, whichever the tile (the interpreter's cost)
         (1, (0, 0), (128, tile), (256, 4 * tile), 1),  # sizes and strides aligned to 16 (Triton specializes on it)
         (20, (64, tile // 2), (128, tile), (200, 300 * tile // 128), 2),  # split-K's runs: two tiles and one
