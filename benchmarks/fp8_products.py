@@ -13,8 +13,9 @@ defaults (outputs a program, warps, the weight's tile as either operand, tiles l
 columns: ``fp8_kernel.Launch``) from CUDA graphs, the GPU's time alone, and prints the fastest beside the
 launches the package uses (``fp8_kernel.PLAIN`` and ``GATHERED``: in eager, and split as a compiled step
 splits them, here with torch's sum and cast unfused: an upper bound of the compiled step's) and the host's
-cost of a launch, through the kernel kept from the first launch and through ``JITFunction.run`` (and of
-``F.linear``'s): how those defaults are chosen.
+cost of a launch: as a kept linear makes it (its plan worked out once, ``fp8_kernel.Plans``; the kernel kept
+from the first launch) and as it was made before both (worked out and through ``JITFunction.run`` each time),
+beside ``F.linear``'s: how those defaults are chosen.
 """
 
 from __future__ import annotations
@@ -90,8 +91,8 @@ def through_run(name: str):
     from hf_parallel.tensor import fp8_triton
 
     kept = getattr(fp8_triton, name)
-    setattr(fp8_triton, name, lambda grid, arguments, constexprs, warps, stages: kept.kernel[grid](
-        *arguments, **constexprs, num_warps=warps, num_stages=stages))  # fmt: skip
+    setattr(fp8_triton, name, lambda bound, *tensors: kept.kernel[bound.grid](
+        *tensors, *bound.fixed, **bound.constexprs, num_warps=bound.warps, num_stages=bound.stages))  # fmt: skip
     try:
         yield
     finally:
@@ -118,7 +119,7 @@ def sweep(args, device) -> None:
     launches = [fp8_kernel.Launch(n, w, 3, swap, unroll, split) for n in (16, 32) for w in (4, 8)
                 for swap in (False, True) for unroll in (1, 4) for split in (1, 2, 4, 8)]  # fmt: skip
     print("| product | rows | bf16 us | the default launch us: eager, compiled (its split) | fastest launches (us) "
-          "| host us a launch: kept kernel, through run (bf16) |\n|---|---|---|---|---|---|")  # fmt: skip
+          "| host us a launch: planned and kept, through run (bf16) |\n|---|---|---|---|---|---|")  # fmt: skip
     for shape in args.shapes:
         n, k = map(int, shape.split("x"))
         weight, kept = fp8_box(n, k, device)
@@ -128,7 +129,8 @@ def sweep(args, device) -> None:
             times = launch_times(lambda launch: fp8_kernel.weight_only_fp8(x, kept, launch),
                                  sorted({*launches, fp8_kernel.PLAIN, compiled}), fp8_kernel.PLAIN, args)  # fmt: skip
             plain = graphed(lambda: F.linear(x, weight), args.calls, args.repeats)
-            host = host_us(lambda: fp8_kernel.weight_only_fp8(x, kept), 10 * args.calls)
+            plans = fp8_kernel.Plans()  # as a kept linear launches it
+            host = host_us(lambda: fp8_kernel.weight_only_fp8(x, kept, plans=plans), 10 * args.calls)
             with through_run("launch_weight_only_fp8"):
                 run = host_us(lambda: fp8_kernel.weight_only_fp8(x, kept), 10 * args.calls)
             host = f"{host:.1f}, {run:.1f} ({host_us(lambda: F.linear(x, weight), 10 * args.calls):.1f})"
@@ -146,7 +148,8 @@ def sweep(args, device) -> None:
                                  sorted({*launches, fp8_kernel.GATHERED, compiled}), fp8_kernel.GATHERED,
                                  args)  # fmt: skip
             plain = graphed(lambda: torch.bmm(weight[ids], x[:, :, None]), args.calls, args.repeats)
-            host = host_us(lambda: fp8_kernel.gathered_weight_only_fp8(x, ids, kept), 10 * args.calls)
+            plans = fp8_kernel.Plans()  # as kept experts launch it
+            host = host_us(lambda: fp8_kernel.gathered_weight_only_fp8(x, ids, kept, plans=plans), 10 * args.calls)
             with through_run("launch_gathered_weight_only_fp8"):
                 run = host_us(lambda: fp8_kernel.gathered_weight_only_fp8(x, ids, kept), 10 * args.calls)
             defaults = f"{times[fp8_kernel.GATHERED]:.1f}, {times[compiled]:.1f} ({compiled.split})"

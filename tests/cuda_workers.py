@@ -127,8 +127,8 @@ def kept_experts(rank: int, world_size: int, path: str, save_root: str, sizes: d
     device, out = hf_parallel.parallel_state(models[True]).mesh.device, {}
     step = INPUT_IDS[:1, :1].to(device)
     launches, gathered = [], fp8_kernel.gathered_weight_only_fp8
-    fp8_kernel.gathered_weight_only_fp8 = lambda x, ids, kept, *launch: launches.append(len(ids)) or gathered(
-        x, ids, kept, *launch)  # fmt: skip
+    fp8_kernel.gathered_weight_only_fp8 = lambda x, ids, kept, *launch, **plans: launches.append(len(ids)) or gathered(
+        x, ids, kept, *launch, **plans)  # fmt: skip
     with torch.no_grad():
         for what, ids in (("step", step), ("prefill", INPUT_IDS.to(device))):
             out[what] = gap(models[True](ids).logits.float(), models[False](ids).logits.float())

@@ -71,7 +71,7 @@ def test_pipeline_benchmark_runs_every_configuration(tiny_paths, tmp_path):
     assert "shared-memory pipes over gloo" in done.stdout
 
 
-def test_save_and_import_benchmarks_run(tiny_paths, tmp_path):
+def test_save_import_and_launch_host_benchmarks_run(tiny_paths, tmp_path):
     """save.py: every configuration saves (with and without O_DIRECT) and reports its ratio and
     rank 0's profile; imports.py: both entry points measured."""
     command = [sys.executable, os.path.join(ROOT, "benchmarks", "save.py"), "--model", tiny_paths["llama"]]
@@ -86,6 +86,12 @@ def test_save_and_import_benchmarks_run(tiny_paths, tmp_path):
         [sys.executable, os.path.join(ROOT, "benchmarks", "imports.py"), "--runs", "1"], capture_output=True, text=True
     )
     assert imports.returncode == 0 and "import RSS, hf_parallel over transformers" in imports.stdout, imports.stderr
+    hosts = subprocess.run(  # a kept FP8 product's host time, a stand-in for Triton's kernel: both products
+        [sys.executable, os.path.join(ROOT, "benchmarks", "launch_host.py"), "--calls", "20"], capture_output=True,
+        text=True,
+    )  # fmt: skip
+    rows = [line.strip("| ").split(" | ") for line in hosts.stdout.splitlines() if line.startswith(("| pl", "| ga"))]
+    assert hosts.returncode == 0 and len(rows) == 2 and all(float(us) > 0 for row in rows for us in row[1:]), hosts
 
 
 def test_training_benchmark_runs_every_configuration(tiny_paths, tmp_path):

@@ -7,8 +7,10 @@ kernel that computes otherwise; which linears take it. TP=4, whose shards start 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import importlib
+import pickle
 
 import pytest
 import torch
@@ -175,6 +177,23 @@ def test_a_kernel_that_computes_otherwise_is_refused_at_load(interpreted, monkey
     importlib.reload(fp8_kernel)
 
 
+def _a_second_step_reuses_each_linears_plan(interpreted, kept, linears: list, monkeypatch):
+    """Each kept linear worked out its launch for the step's shape once (``Plans``): the step again makes no
+    plan and gives the same logits bit for bit; a copy of its plans is empty (a plan holds its tensors'
+    addresses)."""
+    from tp_workers import INPUT_IDS
+
+    shapes = [[(torch.Size([*INPUT_IDS.shape, m.in_features]), torch.float32, interpreted.PLAIN)] for m in linears]
+    assert [list(m.kernel_plans) for m in linears] == shapes
+    made, plan = [], interpreted._plain_plan
+    monkeypatch.setattr(interpreted, "_plain_plan", lambda *arguments: made.append(1) or plan(*arguments))
+    with torch.no_grad():
+        first, again = kept(INPUT_IDS[:, :3]).logits, kept(INPUT_IDS[:, :3]).logits
+    plans = linears[0].kernel_plans
+    assert len(made) == len(linears) and torch.equal(again, first) and len(plans) == 2
+    assert copy.deepcopy(plans) == {} and pickle.loads(pickle.dumps(plans)) == {}
+
+
 def test_kept_fp8_linears_take_the_kernel_up_to_its_rows(interpreted, tiny_root, monkeypatch):
     """One process, ``llama_fp8_partial`` (32 x 32 blocks, dims ending in a partial block) kept: every decoder
     linear takes the kernel (``KeptFP8KernelLinear``) and gives the logits of the checkpoint dequantized as
@@ -193,9 +212,9 @@ def test_kept_fp8_linears_take_the_kernel_up_to_its_rows(interpreted, tiny_root,
     assert {type(m).__name__ for m in linears} == {"KeptFP8KernelLinear"}
     calls = []
     right = interpreted.weight_only_fp8
-    def counted(x, kept, *launch):
+    def counted(x, kept, *launch, **plans):
         calls.append(x.numel() // x.shape[-1])
-        return right(x, kept, *launch)
+        return right(x, kept, *launch, **plans)
 
     monkeypatch.setattr(interpreted, "weight_only_fp8", counted)
     long = INPUT_IDS.repeat(1, 5)  # 70 rows
@@ -208,6 +227,7 @@ def test_kept_fp8_linears_take_the_kernel_up_to_its_rows(interpreted, tiny_root,
     with pytest.raises(RuntimeError, match="dtype"), torch.no_grad():  # another dtype: refused as nn.Linear does
         linears[0](x.double())
     assert len(calls) == len(linears) and x.grad is not None
+    _a_second_step_reuses_each_linears_plan(interpreted, kept, linears, monkeypatch)
     ue8m0 = hf_parallel.AutoModelForCausalLM.from_pretrained(make_fp8_checkpoint("llama_fp8_ue8m0", tiny_root),
                                                              dtype=torch.bfloat16, keep_quantized=True)  # fmt: skip
     assert {type(m).__name__ for m in ue8m0.model.layers.modules() if isinstance(m, nn.Linear)} == {"KeptLinear"}

@@ -6,6 +6,8 @@ EP (sentinels for other ranks' experts) and PP, a one-token step is checked agai
 
 from __future__ import annotations
 
+import operator
+
 import pytest
 import torch
 
@@ -102,9 +104,9 @@ def test_fp8_experts_multiply_as_stored_by_the_gathered_kernel(interpreted, tiny
     path = _paths(tiny_root)["qwen3_moe_fp8"]
     launches, gathered = [], interpreted.gathered_weight_only_fp8
 
-    def counted(x, ids, kept, *launch):
+    def counted(x, ids, kept, *launch, **plans):
         launches.append(len(ids))
-        return gathered(x, ids, kept, *launch)
+        return gathered(x, ids, kept, *launch, **plans)
 
     monkeypatch.setattr(interpreted, "gathered_weight_only_fp8", counted)
     for dtype, within in ((torch.float32, 1e-5), (torch.bfloat16, 2**-6)):
@@ -118,6 +120,15 @@ def test_fp8_experts_multiply_as_stored_by_the_gathered_kernel(interpreted, tiny
                 got = kept(ids).logits.float()
             torch.testing.assert_close(got, want, rtol=0, atol=within * want.abs().max().item())
             assert launches == [pairs] * (6 if pairs else 0), (dtype, ids.shape, launches)
+            if pairs:
+                step = got
+    plans = [rows.kernel_plans for m in kept.modules() if isinstance(m, kept_experts.KeptExperts)
+             for rows in m.kept_rows.values()]  # fmt: skip
+    made = [list(p.values()) for p in plans]  # a plan a stack (gate, up; down) for the step's four pairs
+    with torch.no_grad():  # the step again: each stack's plan reused, the logits bit for bit
+        assert torch.equal(kept(torch.tensor([[5], [9]])).logits.float(), step)
+    again = [list(p.values()) for p in plans]
+    assert [len(p) for p in made] == [2, 1] * 2 and all(map(operator.is_, sum(again, []), sum(made, [])))
     experts = next(m for m in kept.modules() if isinstance(m, kept_experts.KeptExperts))
     hidden = torch.randn(1, experts.hidden_dim, dtype=dtype, requires_grad=True)
     launches.clear()

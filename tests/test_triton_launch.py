@@ -9,7 +9,7 @@ import pytest
 import torch
 from triton.compiler.compiler import CompiledKernel
 
-from hf_parallel.tensor.triton_launch import CachedLaunch
+from hf_parallel.tensor.triton_launch import CachedLaunch, bind
 
 
 class Compiled(CompiledKernel):
@@ -29,7 +29,7 @@ class Kernel:
     """``kernel[grid](*arguments, **constexprs, num_warps=, num_stages=)``, as ``JITFunction.run`` is called,
     returning a compiled kernel (one per launch: a reused key launches the first one)."""
 
-    arg_names = ["x_ptr", "rows", "flag", "TILE", "SWAP"]
+    arg_names = ["x_ptr", "w_ptr", "rows", "flag", "TILE", "SWAP"]
 
     def __init__(self):
         self.calls = []
@@ -42,25 +42,30 @@ class Kernel:
         return run
 
 
+def launched(launch: CachedLaunch, grid, arguments: tuple, constexprs: dict, warps: int = 4, stages: int = 3):
+    """``arguments``' first tensor launched, the rest bound (as a kept weight's plan binds its own)."""
+    launch(bind(grid, arguments[1:], constexprs, warps, stages), arguments[0])
+
+
 def test_a_launch_reuses_the_kernel_of_its_keys_first_launch():
-    """Same dtypes, addresses modulo 256, integers, constexprs, warps and stages: the first kernel, every
-    argument in order; another integer value, a tensor 2 bytes off, ``True`` for ``1``, other constexprs or
-    warps: Triton's launch again."""
+    """Same dtypes, addresses modulo 256, integers, constexprs, warps and stages, bound or not: the first
+    kernel, every argument in order; another integer value, a tensor 2 bytes off (launched or bound), ``True``
+    for ``1``, other constexprs or warps: Triton's launch again."""
     kernel = Kernel()
     launch = CachedLaunch(kernel)
     memory = torch.zeros(1024, dtype=torch.bfloat16)
-    x, other = memory[:64], memory[128:192]  # another tensor 256 bytes on
-    grid = (1, 2, 1)
-    launch(grid, (x, 3, 1), {"TILE": 16, "SWAP": False}, 4, 3)
-    launch((5, 2, 1), (other, 3, 1), {"TILE": 16, "SWAP": False}, 4, 3)
+    x, other, w, other_w = memory[:64], memory[128:192], memory[256:320], memory[384:448]  # each 256 bytes on
+    grid, constexprs = (1, 2, 1), {"TILE": 16, "SWAP": False}
+    launched(launch, grid, (x, w, 3, 1), constexprs)
+    launched(launch, (5, 2, 1), (other, other_w, 3, 1), constexprs)
     assert [call[0] for call in kernel.calls] == ["jit", "compiled"]
-    assert kernel.calls[1][1:] == ((5, 2, 1), (other, 3, 1, 16, False))
+    assert kernel.calls[1][1:] == ((5, 2, 1), (other, other_w, 3, 1, 16, False))
     assert kernel.calls[0][3] == {"TILE": 16, "SWAP": False, "num_warps": 4, "num_stages": 3}
-    others = [((x, 4, 1), 16, 4), ((x[1:], 3, 1), 16, 4), ((x, 3, True), 16, 4), ((x, 3, 1), 32, 4),
-              ((x, 3, 1), 16, 8), ((x.float(), 3, 1), 16, 4)]  # fmt: skip
+    others = [((x, w, 4, 1), 16, 4), ((x[1:], w, 3, 1), 16, 4), ((x, w[1:], 3, 1), 16, 4), ((x, w, 3, True), 16, 4),
+              ((x, w, 3, 1), 32, 4), ((x, w, 3, 1), 16, 8), ((x.float(), w, 3, 1), 16, 4)]  # fmt: skip
     for arguments, tile, warps in others:
         kernel.calls.clear()
-        launch(grid, arguments, {"TILE": tile, "SWAP": False}, warps, 3)
+        launched(launch, grid, arguments, {"TILE": tile, "SWAP": False}, warps)
         assert [call[0] for call in kernel.calls] == ["jit"], (arguments[1:], tile, warps)
 
 
@@ -78,29 +83,34 @@ def test_a_kept_kernel_that_refuses_its_arguments_turns_keeping_off():
     """The launch goes through Triton's ``run`` instead, then and from then on, with one warning."""
     kernel, x = Kernel(), torch.zeros(8)
     launch = CachedLaunch(kernel)
-    launch((1, 1, 1), (x, 1, 1), {"TILE": 16, "SWAP": False}, 4, 3)
+    launched(launch, (1, 1, 1), (x, x, 1, 1), {"TILE": 16, "SWAP": False})
     (key,) = launch.kernels
     launch.kernels[key] = Refusing(kernel.calls)
     with pytest.warns(UserWarning, match="a kept kernel refused its arguments"):
-        launch((1, 1, 1), (x, 1, 1), {"TILE": 16, "SWAP": False}, 4, 3)
-    launch((1, 1, 1), (x, 1, 1), {"TILE": 16, "SWAP": False}, 4, 3)
+        launched(launch, (1, 1, 1), (x, x, 1, 1), {"TILE": 16, "SWAP": False})
+    launched(launch, (1, 1, 1), (x, x, 1, 1), {"TILE": 16, "SWAP": False})
     assert [call[0] for call in kernel.calls] == ["jit"] * 3 and launch.off and launch.kernels == {}
 
 
 def test_a_compiled_step_and_a_caller_out_of_order_take_no_kept_kernel(monkeypatch):
-    """Inside a compiled step every launch is Triton's own (the graph captures it); constexprs passed out of
-    the kernel's order, or a grid of fewer than three sizes, are refused before any launch."""
+    """Inside a compiled step every launch is Triton's own (the graph captures it), and nothing is bound there
+    (a traced tensor has no address); constexprs passed out of the kernel's order, a grid of fewer than three
+    sizes, or a launch bound in a compiled step launched in eager, are refused before any launch."""
     kernel, x = Kernel(), torch.zeros(8)
     launch = CachedLaunch(kernel)
     with pytest.raises(TypeError, match="constexprs last, in this order"):
-        launch((1, 1, 1), (x, 1, 1), {"SWAP": False, "TILE": 16}, 4, 3)
+        launched(launch, (1, 1, 1), (x, x, 1, 1), {"SWAP": False, "TILE": 16})
     with pytest.raises(TypeError, match="a grid of three sizes"):
-        launch((1,), (x, 1, 1), {"TILE": 16, "SWAP": False}, 4, 3)
+        launched(launch, (1,), (x, x, 1, 1), {"TILE": 16, "SWAP": False})
     assert kernel.calls == []
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    bound = bind((1, 1, 1), (x, 1, 1), {"TILE": 16, "SWAP": False}, 4, 3)
     for _ in range(2):
-        launch((1, 1, 1), (x, 1, 1), {"TILE": 16, "SWAP": False}, 4, 3)
-    assert [call[0] for call in kernel.calls] == ["jit", "jit"] and launch.kernels == {}
+        launch(bound, x)
+    assert [call[0] for call in kernel.calls] == ["jit", "jit"] and launch.kernels == {} and bound.key is None
+    monkeypatch.undo()
+    with pytest.raises(TypeError, match="a key bound in eager"):
+        launch(bound, x)
 
 
 def test_a_compiled_step_captures_the_fp8_kernels_whole_split_and_summed(monkeypatch):
@@ -125,8 +135,10 @@ def test_a_compiled_step_captures_the_fp8_kernels_whole_split_and_summed(monkeyp
         graphs.append(graph)
         return lambda *inputs: [None]  # the graph's one output, never computed
 
-    products = {"plain": lambda x: fp8_kernel.weight_only_fp8(x, kept),
-                "gathered": lambda x: fp8_kernel.gathered_weight_only_fp8(x, torch.tensor([3]), stacked)}  # fmt: skip
+    plans = fp8_kernel.Plans()  # not kept inside a compiled step: its graph traces the plan
+    ids = torch.tensor([3])
+    products = {"plain": lambda x: fp8_kernel.weight_only_fp8(x, kept, plans=plans),
+                "gathered": lambda x: fp8_kernel.gathered_weight_only_fp8(x, ids, stacked, plans=plans)}  # fmt: skip
     try:
         for product in products.values():
             torch.compile(product, backend=kept_graph, fullgraph=True)(torch.zeros(1, 4096, dtype=torch.bfloat16))
@@ -136,7 +148,7 @@ def test_a_compiled_step_captures_the_fp8_kernels_whole_split_and_summed(monkeyp
         importlib.reload(fp8_triton)
     split = fp8_kernel.split_for(1536 // 16, 4096, 128)
     assert split > 1
-    assert len(graphs) == 2
+    assert len(graphs) == 2 and plans == {}
     for graph in graphs:  # one row; one pair
         kernels = [node for node in graph.graph.nodes if "triton_kernel_wrapper" in str(node.target)]
         assert len(kernels) == 1 and kernels[0].kwargs["grid"] == [(1, 1536 // 16, split)], graph.code

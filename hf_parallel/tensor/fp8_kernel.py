@@ -20,7 +20,8 @@ pairs by its own expert's weight from a stack of experts' FP8 boxes (``kept_expe
 
 Launched through ``triton_launch``: the kernel Triton returns for a key's first launch is called again for
 the next ones, without ``JITFunction.run``'s work each call (the host's time, which an eager decode step
-waits on).
+waits on); and a kept module's launch for an input shape is worked out once (``Plans``), so a decode step's
+launch again computes no more than its input's and output's part of the key.
 
 Checked on each device before use (``runs_on``: small products against the dequantized product in float32,
 each launched twice, the second through the kept kernel and bit for bit the first, once per device and
@@ -46,6 +47,7 @@ from typing import NamedTuple
 import torch
 
 from ..checkpoint.quantized import KeptFP8
+from . import triton_launch
 from .kernel_checks import wrong_cases
 
 KERNEL_ROWS = 64  # the largest batch this kernel takes; more rows take the dequantized product
@@ -105,39 +107,84 @@ def _scales(kept: KeptFP8) -> torch.Tensor:
     return kept.scales.reshape(1, 1) if kept.scales.dim() != 2 else kept.scales
 
 
-def weight_only_fp8(x: torch.Tensor, kept: KeptFP8, launch: Launch = PLAIN) -> torch.Tensor:
+def weight_only_fp8(x: torch.Tensor, kept: KeptFP8, launch: Launch = PLAIN, plans: Plans | None = None) -> torch.Tensor:
     """``F.linear(x, kept.dequantize(x.dtype))`` from the stored bytes, in one launch (and split-K's sum where
     it splits: ``_split``; ``x``: at most ``KERNEL_ROWS`` rows once flattened; ``runs_on`` has said the kernel
-    runs on its device)."""
+    runs on its device). ``plans``: where the caller keeps this weight's launches (``Plans``)."""
     source = _loaded(x.device)
     x = x if x.is_contiguous() else x.contiguous()  # its rows a stride of ``inputs`` apart: no reshape (host time)
+    plan = _planned(plans, (x.shape, x.dtype, launch), kept, lambda: _plain_plan(x, kept, launch, source))
+    return _launched(source.launch_weight_only_fp8, plan, x)
+
+
+def _plain_plan(x: torch.Tensor, kept: KeptFP8, launch: Launch, source) -> Plan:
     (outputs, inputs), rows = kept.weight.shape, math.prod(x.shape[:-1])
     scales = _scales(kept)
     block_rows, block_columns, tile = _launch_blocks(kept.block, scales.shape)
     tile_m = 16 if rows <= 16 else 32 if rows <= 32 else 64  # comparisons: a compiled step guards them
     grid = (-(-rows // tile_m), -(-outputs // launch.tile_n))
-    out, grid = _output(launch, grid, inputs + kept.offset[1] % tile, tile, (*x.shape[:-1], outputs), x)
-    arguments = (x, kept.weight, scales, out, rows, outputs, inputs, inputs, kept.weight.stride(0),
-                 scales.stride(0), outputs, kept.offset[0], kept.offset[1], block_rows, block_columns)
+    grid, dtype = _split_grid(launch, grid, inputs + kept.offset[1] % tile, tile, x.dtype)
+    fixed = (kept.weight, scales, rows, outputs, inputs, inputs, kept.weight.stride(0), scales.stride(0), outputs,
+             kept.offset[0], kept.offset[1], block_rows, block_columns)  # fmt: skip
     constexprs = dict(TILE_M=tile_m, TILE_N=launch.tile_n, TILE_K=tile,
                       DOT_FP32=x.dtype == torch.float32 or source.INTERPRETED, SWAP=launch.swap, UNROLL=launch.unroll)
-    source.launch_weight_only_fp8(grid, arguments, constexprs, launch.warps, launch.stages)
-    return _summed(out, grid, x.dtype)
+    bound = triton_launch.bind(grid, fixed, constexprs, launch.warps, launch.stages)
+    return Plan(kept, _runs_shape(grid, (*x.shape[:-1], outputs)), dtype, bound)
 
 
-def _output(launch: Launch, grid: tuple, columns: int, tile: int, shape: tuple, x: torch.Tensor):
-    """A launch's output and its grid of three: the product's output of ``shape``, or split-K's float32 runs
-    of it, ``[split, *shape]``, where the launch splits (``_split``; ``columns``: from the first tile's start)."""
+class Plan(NamedTuple):
+    """A kept weight's product for inputs of one shape and dtype, all but its input and output worked out:
+    its output's shape and dtype (split-K's runs: float32) and its launch, bound (``triton_launch.bind``)."""
+
+    kept: KeptFP8
+    shape: tuple
+    dtype: torch.dtype
+    bound: triton_launch.Bound
+
+
+class Plans(dict):
+    """A kept weight's ``Plan`` per input shape, dtype and launch, worked out at its first product in eager
+    and reused after (the host's time: a decode step's product repeats one shape); a module holding kept
+    weights keeps one. A copy starts empty: a plan holds the tensors and addresses it was worked out for."""
+
+    def __deepcopy__(self, memo) -> Plans:
+        return Plans()
+
+    def __reduce__(self):
+        return Plans, ()
+
+
+def _planned(plans: Plans | None, key: tuple, kept: KeptFP8, plan) -> Plan:
+    """``plans[key]`` where it is ``kept``'s, else ``plan()`` (kept there, in eager); in a compiled step
+    always ``plan()``, which the graph traces once."""
+    if plans is None or torch.compiler.is_compiling():
+        return plan()
+    found = plans.get(key)
+    if found is None or found.kept is not kept:
+        found = plans[key] = plan()
+    return found
+
+
+def _launched(cached, plan: Plan, *tensors: torch.Tensor) -> torch.Tensor:
+    """``plan``'s product of ``tensors`` (the input first) launched by ``cached`` (a ``CachedLaunch``), into an
+    output of the plan's, then split-K's runs summed and rounded to the input's dtype where it splits (in eager
+    a sum and a cast, which a compiled step fuses into one kernel)."""
+    x = tensors[0]
+    out = torch.empty(plan.shape, dtype=plan.dtype, device=x.device)
+    cached(plan.bound, *tensors, out)
+    return out if plan.bound.grid[2] == 1 else out.sum(0).to(x.dtype)
+
+
+def _split_grid(launch: Launch, grid: tuple, columns: int, tile: int, dtype: torch.dtype):
+    """A launch's grid of three and its output's dtype: ``dtype``, or float32 for split-K's runs where the
+    launch splits (``_split``; ``columns``: from the first tile's start)."""
     split = _split(launch, grid[0] * grid[1], columns, tile)
-    if split == 1:
-        return torch.empty(shape, dtype=x.dtype, device=x.device), (*grid, 1)
-    return torch.empty(split, *shape, dtype=torch.float32, device=x.device), (*grid, split)
+    return (*grid, split), dtype if split == 1 else torch.float32
 
 
-def _summed(out: torch.Tensor, grid: tuple, dtype: torch.dtype) -> torch.Tensor:
-    """The product from a launch's output: itself, or split-K's runs (``grid[2]``) summed and rounded to
-    ``dtype`` (in eager a sum and a cast, which a compiled step fuses into one kernel)."""
-    return out if grid[2] == 1 else out.sum(0).to(dtype)
+def _runs_shape(grid: tuple, shape: tuple) -> tuple:
+    """The output's shape for a product of ``shape``: itself, or ``[split, *shape]`` for split-K's runs."""
+    return shape if grid[2] == 1 else (grid[2], *shape)
 
 
 def _split(launch: Launch, programs: int, columns: int, tile: int) -> int:
@@ -287,25 +334,31 @@ def gathered_takes(stacked, dtype: torch.dtype) -> bool:
     return tile is not None and gathered_runs_on(weight.device, weight.dtype, dtype, stacked.scales.dtype, tile)
 
 
-def gathered_weight_only_fp8(x: torch.Tensor, ids: torch.Tensor, stacked: KeptFP8,
-                             launch: Launch = GATHERED) -> torch.Tensor:  # fmt: skip
+def gathered_weight_only_fp8(x: torch.Tensor, ids: torch.Tensor, stacked: KeptFP8, launch: Launch = GATHERED,
+                             plans: Plans | None = None, place: int = 0) -> torch.Tensor:  # fmt: skip
     """Each row ``p`` of ``x`` ([pairs, inputs]) times expert ``ids[p]``'s weight of the stack, as
     ``F.linear(x[p], stacked[ids[p]].dequantize(x.dtype))`` computes it, in one launch (``gathered_takes``
-    has said the kernel runs here)."""
+    has said the kernel runs here). ``plans``: where the caller keeps the stack's launches, ``place`` telling
+    its stacks apart there."""
     source = _loaded(x.device)
     x = x if x.stride(-1) == 1 else x.contiguous()
+    key = (place, x.shape, x.stride(0), x.dtype, launch)
+    plan = _planned(plans, key, stacked, lambda: _gathered_plan(x, stacked, launch, source))
+    return _launched(source.launch_gathered_weight_only_fp8, plan, x, ids)
+
+
+def _gathered_plan(x: torch.Tensor, stacked: KeptFP8, launch: Launch, source) -> Plan:
     weight, scales = stacked.weight, _expert_scales(stacked)
     (pairs, _), (_, outputs, inputs) = x.shape, weight.shape
     block_rows, block_columns, tile = _launch_blocks(stacked.block, scales.shape[1:])
     grid = (pairs, -(-outputs // launch.tile_n))
-    out, grid = _output(launch, grid, inputs + stacked.offset[1] % tile, tile, (pairs, outputs), x)
-    arguments = (x, ids, weight, scales, out, outputs, inputs, x.stride(0), weight.stride(0), weight.stride(1),
-                 scales.stride(0), scales.stride(1), outputs, stacked.offset[0], stacked.offset[1], block_rows,
-                 block_columns)  # fmt: skip
+    grid, dtype = _split_grid(launch, grid, inputs + stacked.offset[1] % tile, tile, x.dtype)
+    fixed = (weight, scales, outputs, inputs, x.stride(0), weight.stride(0), weight.stride(1), scales.stride(0),
+             scales.stride(1), outputs, stacked.offset[0], stacked.offset[1], block_rows, block_columns)  # fmt: skip
     constexprs = dict(TILE_N=launch.tile_n, TILE_K=tile, DOT_FP32=x.dtype == torch.float32 or source.INTERPRETED,
                       SWAP=launch.swap, UNROLL=launch.unroll)  # fmt: skip
-    source.launch_gathered_weight_only_fp8(grid, arguments, constexprs, launch.warps, launch.stages)
-    return _summed(out, grid, x.dtype)
+    bound = triton_launch.bind(grid, fixed, constexprs, launch.warps, launch.stages)
+    return Plan(stacked, _runs_shape(grid, (pairs, outputs)), dtype, bound)
 
 
 @functools.cache

@@ -76,7 +76,7 @@ def _chunk(inputs, column_offset, TILE_K: tl.constexpr):
 
 
 @triton.jit
-def weight_only_fp8(x_ptr, w_ptr, s_ptr, out_ptr, rows, outputs, inputs, x_stride, w_stride, s_stride,
+def weight_only_fp8(x_ptr, out_ptr, w_ptr, s_ptr, rows, outputs, inputs, x_stride, w_stride, s_stride,
                      out_stride, row_offset, column_offset, block_rows, block_columns,
                      TILE_M: tl.constexpr, TILE_N: tl.constexpr, TILE_K: tl.constexpr, DOT_FP32: tl.constexpr,
                      SWAP: tl.constexpr, UNROLL: tl.constexpr):  # fmt: skip
@@ -107,7 +107,7 @@ def weight_only_fp8(x_ptr, w_ptr, s_ptr, out_ptr, rows, outputs, inputs, x_strid
 
 
 @triton.jit
-def gathered_weight_only_fp8(x_ptr, ids_ptr, w_ptr, s_ptr, out_ptr, outputs, inputs, x_stride, w_expert_stride,
+def gathered_weight_only_fp8(x_ptr, ids_ptr, out_ptr, w_ptr, s_ptr, outputs, inputs, x_stride, w_expert_stride,
                              w_stride, s_expert_stride, s_stride, out_stride, row_offset, column_offset, block_rows,
                              block_columns, TILE_N: tl.constexpr, TILE_K: tl.constexpr, DOT_FP32: tl.constexpr,
                              SWAP: tl.constexpr, UNROLL: tl.constexpr):  # fmt: skip
@@ -137,6 +137,7 @@ def gathered_weight_only_fp8(x_ptr, ids_ptr, w_ptr, s_ptr, out_ptr, outputs, inp
     _store(out_ptr, total, row * 0, n, 0, row == 0, n < outputs, SWAP)
 
 
-# the launches ``fp8_kernel`` makes: each kernel kept after its first launch of a key (``triton_launch``)
+# the launches ``fp8_kernel`` makes: each kernel kept after its first launch of a key (``triton_launch``); each
+# kernel's leading parameters are the tensors that change from one launch of a product to the next
 launch_weight_only_fp8 = CachedLaunch(weight_only_fp8)
 launch_gathered_weight_only_fp8 = CachedLaunch(gathered_weight_only_fp8)

@@ -50,6 +50,7 @@ class ExpertRows:
 
     def __init__(self, weight, stacks: list[tuple[tuple, Kept, bool]]):
         self.weight, self.stacks = weight, stacks  # (place in an expert's slice, stacked box, box holds E)
+        self.kernel_plans = fp8_kernel.Plans()  # the gathered kernel's launches, worked out once a shape
 
     @classmethod
     def of(cls, weight) -> ExpertRows | None:
@@ -108,8 +109,8 @@ class ExpertRows:
     def product(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Each row ``p`` of ``x`` times expert ``ids[p]``'s weight as stored (``multiplies_as_stored``)."""
         out = torch.empty(x.shape[0], self.weight.shape[1], dtype=x.dtype, device=x.device)
-        for (rows, _), stacked, _ in self.stacks:
-            out[:, rows] = fp8_kernel.gathered_weight_only_fp8(x, ids, stacked)
+        for place, ((rows, _), stacked, _) in enumerate(self.stacks):
+            out[:, rows] = fp8_kernel.gathered_weight_only_fp8(x, ids, stacked, plans=self.kernel_plans, place=place)
         return out
 
 

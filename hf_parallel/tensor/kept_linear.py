@@ -57,12 +57,13 @@ class KeptKernelLinear(KeptLinear):
 
 
 class KeptFP8KernelLinear(KeptKernelLinear):
-    """A kept FP8 weight in one box (``kept_weight.whole``), multiplied as stored by ``fp8_kernel``."""
+    """A kept FP8 weight in one box (``kept_weight.whole``), multiplied as stored by ``fp8_kernel``, its
+    launches for each input shape worked out once (``kernel_plans``)."""
 
     KERNEL_ROWS = fp8_kernel.KERNEL_ROWS
 
     def kernel_product(self, x: torch.Tensor) -> torch.Tensor:
-        return fp8_kernel.weight_only_fp8(x, self.kept_weight.whole)
+        return fp8_kernel.weight_only_fp8(x, self.kept_weight.whole, plans=self.kernel_plans)
 
 
 class KeptInt4Linear(KeptKernelLinear):
@@ -91,6 +92,7 @@ def hold_linear(module: nn.Module, weights: dict, fp8_products: bool, int4_kerne
     module.__class__ = (KeptFP8Linear if recipe is not None else KeptFP8KernelLinear if kernel else
                         KeptInt4Linear if pack is not None else KeptLinear)  # fmt: skip
     module.kept_weight, module.int4_pack = weight, pack
+    module.kernel_plans = fp8_kernel.Plans() if kernel else None
     if recipe is not None:
         kept = weight.whole
         module.fp8_weight, module.fp8_recipe = kept.weight, recipe

@@ -9,6 +9,11 @@ integer's value (Triton: whether it is 1, or divisible by 16), each tensor's dty
 with one key therefore get the kernel ``kernel[grid]`` would launch for them. A changed Triton setting
 (``knobs``: debug, instrumentation) after a key's first launch is not seen by that key.
 
+A launch comes ``Bound``: its grid and the arguments after its leading tensors (a kept weight, its scales,
+sizes, constexprs) worked out once with their part of the key, so a kept weight's product launched again
+computes the key of its input and output only (the host's time again). A bound tensor's address is the one
+it had when bound: a kept weight's storage is never swapped.
+
 Inside a compiled step every launch is ``kernel[grid](...)``, which the graph captures as a kernel of its own;
 on ROCm too, where Triton also specializes a tensor on whether its storage spans under 2 GB. Under
 Triton's interpreter, ``kernel[grid]`` returns no kernel, so every launch goes through it. Where Triton no
@@ -21,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import warnings
+from typing import NamedTuple
 
 import torch
 
@@ -28,34 +34,65 @@ from ..compat import DependencyChanged
 from ..compat import triton as triton_seams
 
 
+class Bound(NamedTuple):
+    """A launch's grid and every argument after its leading tensors (``fixed``: the kernel's next parameters,
+    then its ``constexprs`` in its order), worked out once for every launch that shares them (``bind``: a
+    kept weight's product for inputs of one shape). ``key``: what a kept kernel's key holds of them, None
+    inside a compiled step (a traced tensor has no address)."""
+
+    grid: tuple  # three sizes
+    fixed: tuple
+    constexprs: dict
+    warps: int
+    stages: int
+    key: tuple | None
+
+
+def bind(grid: tuple, fixed: tuple, constexprs: dict, warps: int, stages: int) -> Bound:
+    """``Bound``, its key worked out here (in eager) rather than at each launch, and numbered (``_BOUND_KEYS``:
+    a launch's key then hashes one number for them, not twenty-odd values)."""
+    key = None
+    if not torch.compiler.is_compiling():
+        key = (*map(_specialized, fixed), *map(_specialized, constexprs.values()), warps, stages)
+        key = _BOUND_KEYS.setdefault(key, len(_BOUND_KEYS))
+    return Bound(grid, fixed, constexprs, warps, stages, key)
+
+
+_BOUND_KEYS: dict[tuple, int] = {}  # every bound key seen, numbered: a process binds a few per kept weight shape
+
+
 class CachedLaunch:
-    """``kernel[grid](*arguments, **constexprs, num_warps=warps, num_stages=stages)``, the kernel kept per key
-    after its first launch (``kernels``). ``grid``: three sizes; ``constexprs``: the kernel's last parameters,
-    in its order."""
+    """``kernel[grid](*tensors, *fixed, **constexprs, num_warps=warps, num_stages=stages)`` for a ``Bound``
+    launch, the kernel kept per key after its first launch (``kernels``): the bound part's key, the current
+    device, and each leading tensor's dtype and address modulo 256."""
 
     def __init__(self, kernel):
         self.kernel, self.kernels, self.off = kernel, {}, False
 
-    def __call__(self, grid: tuple, arguments: tuple, constexprs: dict, warps: int, stages: int) -> None:
+    def __call__(self, bound: Bound, *tensors: torch.Tensor) -> None:
         if torch.compiler.is_compiling() or torch.version.hip or self.off or _compiled_kernel() is None:
-            self.kernel[grid](*arguments, **constexprs, num_warps=warps, num_stages=stages)
+            self.kernel[bound.grid](*tensors, *bound.fixed, **bound.constexprs, num_warps=bound.warps,
+                                    num_stages=bound.stages)  # fmt: skip
             return
-        device = torch.cuda.current_device() if arguments[0].is_cuda else -1
-        key = (device, *map(_specialized, arguments), *map(_specialized, constexprs.values()), warps, stages)
+        device = torch.cuda.current_device() if tensors[0].is_cuda else -1
+        key = (bound.key, device, *[(t.dtype, t.data_ptr() % 256) for t in tensors])
         compiled = self.kernels.get(key)
         if compiled is not None:
             try:
-                compiled[grid](*arguments, *constexprs.values())
+                compiled[bound.grid](*tensors, *bound.fixed, *bound.constexprs.values())
                 return
             except TypeError as error:  # its launcher parses other arguments (before launching): run's from now on
                 self.off, self.kernels = True, {}
                 warnings.warn(f"hf_parallel: {self.kernel} launches through JITFunction.run each time: a kept "
                               f"kernel refused its arguments ({error})", stacklevel=3)  # fmt: skip
-                return self(grid, arguments, constexprs, warps, stages)
-        if self.kernel.arg_names[len(arguments):] != list(constexprs) or len(grid) != 3:  # a caller's mistake
+                return self(bound, *tensors)
+        names, given = self.kernel.arg_names[len(tensors) + len(bound.fixed):], list(bound.constexprs)
+        if names != given or len(bound.grid) != 3 or bound.key is None:  # a caller's mistake
             raise TypeError(f"{self.kernel.arg_names}: a cached launch passes the constexprs last, in this order, "
-                            f"and a grid of three sizes; given {list(constexprs)}, grid {grid}")  # fmt: skip
-        compiled = self.kernel[grid](*arguments, **constexprs, num_warps=warps, num_stages=stages)
+                            f"a grid of three sizes and a key bound in eager; given {given}, grid {bound.grid}, "
+                            f"key {bound.key}")  # fmt: skip
+        compiled = self.kernel[bound.grid](*tensors, *bound.fixed, **bound.constexprs, num_warps=bound.warps,
+                                           num_stages=bound.stages)  # fmt: skip
         if isinstance(compiled, _compiled_kernel()):
             self.kernels[key] = compiled
 
