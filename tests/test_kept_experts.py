@@ -98,7 +98,9 @@ def test_fp8_experts_multiply_as_stored_by_the_gathered_kernel(interpreted, tiny
     """Where the gathered FP8 kernel runs (here Triton's interpreter), a gated Qwen3-MoE step (two tokens: four
     pairs) multiplies its pairs' experts as stored: three launches a layer (gate, up, down), the logits of the
     checkpoint dequantized as read (float32 within 1e-5, bfloat16 within its rounding); a prefill and an
-    input that needs a gradient take the dequantized experts; GPT-OSS (biases, its own gate) never takes it."""
+    input that needs a gradient take the dequantized experts; GPT-OSS (biases, its own gate) never takes it.
+    Each stack's launch is worked out once a shape: a step of other tokens reuses it, bit for bit the product
+    its plan worked out afresh gives."""
     import hf_parallel
 
     path = _paths(tiny_root)["qwen3_moe_fp8"]
@@ -120,14 +122,16 @@ def test_fp8_experts_multiply_as_stored_by_the_gathered_kernel(interpreted, tiny
                 got = kept(ids).logits.float()
             torch.testing.assert_close(got, want, rtol=0, atol=within * want.abs().max().item())
             assert launches == [pairs] * (6 if pairs else 0), (dtype, ids.shape, launches)
-            if pairs:
-                step = got
     plans = [rows.kernel_plans for m in kept.modules() if isinstance(m, kept_experts.KeptExperts)
              for rows in m.kept_rows.values()]  # fmt: skip
     made = [list(p.values()) for p in plans]  # a plan a stack (gate, up; down) for the step's four pairs
-    with torch.no_grad():  # the step again: each stack's plan reused, the logits bit for bit
-        assert torch.equal(kept(torch.tensor([[5], [9]])).logits.float(), step)
-    again = [list(p.values()) for p in plans]
+    other = torch.tensor([[7], [2]])  # a step of other tokens, to other experts: each stack's plan reused
+    with torch.no_grad():
+        planned = kept(other).logits
+        again = [list(p.values()) for p in plans]
+        for p in plans:
+            p.clear()
+        assert torch.equal(planned, kept(other).logits)  # bit for bit its plans worked out afresh
     assert [len(p) for p in made] == [2, 1] * 2 and all(map(operator.is_, sum(again, []), sum(made, [])))
     experts = next(m for m in kept.modules() if isinstance(m, kept_experts.KeptExperts))
     hidden = torch.randn(1, experts.hidden_dim, dtype=dtype, requires_grad=True)

@@ -114,15 +114,21 @@ def test_a_compiled_step_and_a_caller_out_of_order_take_no_kept_kernel(monkeypat
 
 
 def test_a_compiled_step_captures_the_fp8_kernels_whole_split_and_summed(monkeypatch):
-    """``torch.compile(fullgraph=True)`` of both FP8 products (traced only: the graph is kept, not run, as no
-    card is here; dynamo told Triton can launch, as on a card): each launch through ``CachedLaunch`` is one
-    captured Triton kernel, split into ``split_for``'s runs, then summed and rounded to the input's dtype."""
+    """``torch.compile(fullgraph=True)`` of both FP8 products as kept modules call them (a kept linear's,
+    kept experts' rows; traced only: the graph is kept, not run, as no card is here; dynamo told Triton can
+    launch, as on a card): each launch through ``CachedLaunch`` is one captured Triton kernel, split into
+    ``split_for``'s runs, then summed and rounded to the input's dtype. No plan is kept in the trace, and a plan
+    an eager call keeps after (a prefill's shape) does not make the compiled step compile again."""
     import importlib
+    from types import SimpleNamespace
 
     import torch.utils._triton
+    from torch import nn
 
     from hf_parallel.checkpoint.quantized import KeptFP8
     from hf_parallel.tensor import fp8_kernel, fp8_triton
+    from hf_parallel.tensor.kept_experts import ExpertRows
+    from hf_parallel.tensor.kept_linear import KeptFP8KernelLinear
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setattr(fp8_kernel, "_source", importlib.reload(fp8_triton))  # the kernels made for a card
@@ -135,20 +141,26 @@ def test_a_compiled_step_captures_the_fp8_kernels_whole_split_and_summed(monkeyp
         graphs.append(graph)
         return lambda *inputs: [None]  # the graph's one output, never computed
 
-    plans = fp8_kernel.Plans()  # not kept inside a compiled step: its graph traces the plan
-    ids = torch.tensor([3])
-    products = {"plain": lambda x: fp8_kernel.weight_only_fp8(x, kept, plans=plans),
-                "gathered": lambda x: fp8_kernel.gathered_weight_only_fp8(x, ids, stacked, plans=plans)}  # fmt: skip
+    linear = nn.Linear(4096, 1536, bias=False, device="meta")
+    linear.__class__ = KeptFP8KernelLinear
+    linear.kept_weight, linear.kernel_plans = SimpleNamespace(whole=kept, dtype=torch.bfloat16), fp8_kernel.Plans()
+    rows = ExpertRows(SimpleNamespace(shape=stacked.weight.shape), [((slice(0, 1536), slice(0, 4096)), stacked, False)])
+    ids, x = torch.tensor([3]), torch.zeros(1, 4096, dtype=torch.bfloat16)
+    products = [(linear.kernel_product, linear.kernel_plans), (lambda x: rows.product(x, ids), rows.kernel_plans)]
     try:
-        for product in products.values():
-            torch.compile(product, backend=kept_graph, fullgraph=True)(torch.zeros(1, 4096, dtype=torch.bfloat16))
+        for product, plans in products:
+            compiled = torch.compile(product, backend=kept_graph, fullgraph=True)
+            compiled(x)
+            assert plans == {}
+            plans["an eager call's"] = None  # what an eager call of another shape keeps
+            compiled(x)  # guarded by nothing of the plans: the same graph
     finally:
         torch._dynamo.reset()
         monkeypatch.undo()  # the variable back before the module is made again
         importlib.reload(fp8_triton)
     split = fp8_kernel.split_for(1536 // 16, 4096, 128)
     assert split > 1
-    assert len(graphs) == 2 and plans == {}
+    assert len(graphs) == 2
     for graph in graphs:  # one row; one pair
         kernels = [node for node in graph.graph.nodes if "triton_kernel_wrapper" in str(node.target)]
         assert len(kernels) == 1 and kernels[0].kwargs["grid"] == [(1, 1536 // 16, split)], graph.code

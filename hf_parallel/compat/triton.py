@@ -12,6 +12,11 @@ launch the package's kernel seven times a layer. Triton's maintainers advise kee
   kernel's order, constexprs too, as ``run`` passes them (since Triton 3.3; ``triton_launch`` checks the
   version);
 - ``JITFunction.arg_names``: that order.
+
+And one the FP8 kernels' GEMV launch (``fp8_triton._add``) sums with: ``tl.standard._sum_combine``, ``tl.sum``'s
+combine. ``tl.reduce`` with it is ``tl.sum`` on a card; Triton's interpreter sums it with numpy, where any
+other combine is called element by element (minutes for the tests' products), and ``tl.sum`` itself, jitted
+when Triton was imported, cannot run in the interpreter of a process that imported Triton before asking for it.
 """
 
 from __future__ import annotations
@@ -24,5 +29,7 @@ COMPILED_KERNEL = Seam("triton", "triton.compiler.compiler:CompiledKernel", "(a 
 LAUNCH = Seam("triton", "triton.compiler.compiler:CompiledKernel.__getitem__",
               "(launches it again: the grid, then every argument in order)",
               reads=("run", "packed_metadata"))  # fmt: skip
+SUM_COMBINE = Seam("triton", "triton.language.standard:_sum_combine",
+                   "(tl.sum's combine: a GEMV's sum, numpy's in Triton's interpreter)")
 ARG_NAMES = Seam("triton", "triton.runtime.jit:JITFunction.__init__", "(the arguments' order, constexprs too)",
                  reads=("arg_names",))  # fmt: skip

@@ -47,6 +47,7 @@ from typing import NamedTuple
 import torch
 
 from ..checkpoint.quantized import KeptFP8
+from ..compat import DependencyChanged
 from . import triton_launch
 from .kernel_checks import wrong_cases
 
@@ -60,10 +61,12 @@ class Launch(NamedTuple):
     flight, where stages were seen to change nothing), and the runs of columns the product is split into
     (``split``, split-K: as many times the programs, each summing its run in float32 into its own output,
     summed and rounded after by torch: in eager two launches more, which a compiled step fuses into one; 0: as
-    ``_split`` chooses). A decode step's product on a large
+    ``_split`` chooses), and whether the tile products go through ``tl.dot`` (``dot``; else a GEMV: each of
+    a program's few rows, ``GEMV_ROWS`` at most, multiplied and summed in registers, as Triton GEMV kernels
+    for one-row decode do, e.g. GemLite's). A decode step's product on a large
     card has fewer programs than the card runs at once (1536 outputs at 16 a program: 96 programs on an H200's
-    132 multiprocessors), each walking every column in turn: latency-bound. ``swap``, ``unroll`` and ``split``
-    are not yet timed on a card."""
+    132 multiprocessors), each walking every column in turn: latency-bound. ``swap``, ``unroll``, ``split``
+    and ``dot=False`` are not yet timed on a card."""
 
     tile_n: int
     warps: int
@@ -71,6 +74,7 @@ class Launch(NamedTuple):
     swap: bool = False
     unroll: int = 1
     split: int = 1
+    dot: bool = True
 
 
 # the fastest of 24 launches (tile_n 16-128, 4 or 8 warps, 2-4 stages) on an NVIDIA H200 at decode shapes, timed
@@ -83,6 +87,7 @@ GATHERED = Launch(tile_n=16, warps=4, stages=2, split=0)  # 8.7 us where tile_n=
 # two programs a multiprocessor at its smaller products' time a tile. A constant, as a compiled step cannot ask
 # the card (L40S 142, B200 148 multiprocessors); the sweep times splits on the card
 PROGRAMS = 256
+GEMV_ROWS = 4  # the rows of a program whose products do not go through ``tl.dot`` (its sums: a tile per row)
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 COMPUTE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 WHOLE = 1 << 30  # a "block" spanning any weight: one scale along that dim
@@ -121,15 +126,30 @@ def _plain_plan(x: torch.Tensor, kept: KeptFP8, launch: Launch, source) -> Plan:
     (outputs, inputs), rows = kept.weight.shape, math.prod(x.shape[:-1])
     scales = _scales(kept)
     block_rows, block_columns, tile = _launch_blocks(kept.block, scales.shape)
-    tile_m = 16 if rows <= 16 else 32 if rows <= 32 else 64  # comparisons: a compiled step guards them
+    tile_m = _tile_rows(rows, launch)
     grid = (-(-rows // tile_m), -(-outputs // launch.tile_n))
     grid, dtype = _split_grid(launch, grid, inputs + kept.offset[1] % tile, tile, x.dtype)
     fixed = (kept.weight, scales, rows, outputs, inputs, inputs, kept.weight.stride(0), scales.stride(0), outputs,
              kept.offset[0], kept.offset[1], block_rows, block_columns)  # fmt: skip
-    constexprs = dict(TILE_M=tile_m, TILE_N=launch.tile_n, TILE_K=tile,
-                      DOT_FP32=x.dtype == torch.float32 or source.INTERPRETED, SWAP=launch.swap, UNROLL=launch.unroll)
-    bound = triton_launch.bind(grid, fixed, constexprs, launch.warps, launch.stages)
+    bound = triton_launch.bind(grid, fixed, _constexprs(launch, tile_m, tile, x, source), launch.warps, launch.stages)
     return Plan(kept, _runs_shape(grid, (*x.shape[:-1], outputs)), dtype, bound)
+
+
+def _constexprs(launch: Launch, tile_m: int, tile: int, x: torch.Tensor, source) -> dict:
+    """Both kernels' constexprs, in their order: the dot taken in float32 for float32 inputs and under the
+    interpreter (which multiplies bfloat16 as its integer storage)."""
+    return dict(TILE_M=tile_m, TILE_N=launch.tile_n, TILE_K=tile, DOT_FP32=x.dtype == torch.float32 or
+                source.INTERPRETED, SWAP=launch.swap, UNROLL=launch.unroll, DOT=launch.dot)  # fmt: skip
+
+
+def _tile_rows(rows: int, launch: Launch) -> int:
+    """A program's rows for a product of ``rows``: through ``tl.dot``, 16, 32 or 64 (its least is 16); as a
+    GEMV, the power of two up to ``GEMV_ROWS`` that holds them (comparisons: a compiled step guards them)."""
+    if launch.dot:
+        return 16 if rows <= 16 else 32 if rows <= 32 else 64
+    if launch.swap:
+        raise ValueError(f"{launch}: swap orders tl.dot's operands, and this launch takes no tl.dot")
+    return 1 if rows <= 1 else 2 if rows <= 2 else GEMV_ROWS
 
 
 class Plan(NamedTuple):
@@ -155,12 +175,15 @@ class Plans(dict):
 
 
 def _planned(plans: Plans | None, key: tuple, kept: KeptFP8, plan) -> Plan:
-    """``plans[key]`` where it is ``kept``'s, else ``plan()`` (kept there, in eager); in a compiled step
-    always ``plan()``, which the graph traces once."""
+    """``plans[key]`` where it is ``kept``'s, else ``plan()`` (kept there, in eager: plans of a weight no
+    longer held are dropped); in a compiled step always ``plan()``, which the graph traces once (the caller
+    passes no plans there: dynamo would guard on their count, and recompile after each eager plan)."""
     if plans is None or torch.compiler.is_compiling():
         return plan()
     found = plans.get(key)
     if found is None or found.kept is not kept:
+        if found is not None:
+            plans.clear()
         found = plans[key] = plan()
     return found
 
@@ -245,6 +268,10 @@ def _import_source(device: torch.device):
         from . import fp8_triton
     except ImportError:  # a Triton that does not import: the dequantized product
         return None
+    except DependencyChanged as error:  # a Triton without what the kernels use: the same, said
+        warnings.warn(f"hf_parallel: the weight-only FP8 kernels do not run: {error}; kept FP8 weights are "
+                      f"dequantized for each product", stacklevel=2)  # fmt: skip
+        return None
 
     if device.type == "cpu" and not fp8_triton.INTERPRETED:  # made for the card before the variable was set
         return None
@@ -298,17 +325,17 @@ def _computes_right(device, fp8, dtype, scales, rows: int, offset: tuple, block:
     kept = _random_box(generator, (), shape, offset, block, fp8, scales)
     x = torch.randn(rows, shape[1], device=device, generator=generator, dtype=dtype)
     want = x.float() @ kept.dequantize(dtype).float().T
-    launch = PLAIN._replace(split=split)
-    got = weight_only_fp8(x, kept, launch).float()
+    launch, plans = PLAIN._replace(split=split), Plans()  # launched again as a kept module does: planned
+    got = weight_only_fp8(x, kept, launch, plans).float()
     # bf16's rounding of the weights and the output, with room for the interpreter's truncation; a wrong scale,
     # offset or tile is off by far more (scales differ up to 16-fold between blocks)
     return torch.allclose(got, want, rtol=0, atol=2**-6 * want.abs().max().item()) and _again(
-        got, lambda: weight_only_fp8(x, kept, launch).float())
+        got, lambda: weight_only_fp8(x, kept, launch, plans).float())
 
 
 def _again(got: torch.Tensor, product) -> bool:
-    """Whether ``product()`` launched again (the kernel its first launch returned: ``triton_launch``) gives
-    ``got`` bit for bit; under the interpreter, which keeps no kernel, not launched."""
+    """Whether ``product()`` launched again (its plan, and the kernel its first launch returned:
+    ``triton_launch``) gives ``got`` bit for bit; under the interpreter, which keeps no kernel, not launched."""
     return _source.INTERPRETED or torch.equal(product(), got)
 
 
@@ -355,8 +382,7 @@ def _gathered_plan(x: torch.Tensor, stacked: KeptFP8, launch: Launch, source) ->
     grid, dtype = _split_grid(launch, grid, inputs + stacked.offset[1] % tile, tile, x.dtype)
     fixed = (weight, scales, outputs, inputs, x.stride(0), weight.stride(0), weight.stride(1), scales.stride(0),
              scales.stride(1), outputs, stacked.offset[0], stacked.offset[1], block_rows, block_columns)  # fmt: skip
-    constexprs = dict(TILE_N=launch.tile_n, TILE_K=tile, DOT_FP32=x.dtype == torch.float32 or source.INTERPRETED,
-                      SWAP=launch.swap, UNROLL=launch.unroll)  # fmt: skip
+    constexprs = _constexprs(launch, _tile_rows(1, launch), tile, x, source)
     bound = triton_launch.bind(grid, fixed, constexprs, launch.warps, launch.stages)
     return Plan(stacked, _runs_shape(grid, (pairs, outputs)), dtype, bound)
 
@@ -380,7 +406,7 @@ def _gathers_right(device, fp8, dtype, scales, pairs: int, offset: tuple, block:
     x = torch.randn(pairs, shape[1], device=device, generator=generator, dtype=dtype)
     expert = [dataclasses.replace(stacked, weight=stacked.weight[e], scales=stacked.scales[e]) for e in range(3)]
     want = torch.stack([x[p].float() @ expert[e].dequantize(dtype).float().T for p, e in enumerate(ids.tolist())])
-    launch = GATHERED._replace(split=split)
-    got = gathered_weight_only_fp8(x, ids, stacked, launch).float()
+    launch, plans = GATHERED._replace(split=split), Plans()
+    got = gathered_weight_only_fp8(x, ids, stacked, launch, plans).float()
     return torch.allclose(got, want, rtol=0, atol=2**-6 * want.abs().max().item()) and _again(
-        got, lambda: gathered_weight_only_fp8(x, ids, stacked, launch).float())
+        got, lambda: gathered_weight_only_fp8(x, ids, stacked, launch, plans).float())

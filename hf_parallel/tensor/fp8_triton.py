@@ -5,10 +5,12 @@ interpreter), never on a plain CPU load."""
 import triton
 import triton.language as tl
 
+from ..compat import triton as triton_seams
 from .triton_launch import CachedLaunch
 
 # whether ``triton.jit`` made the kernel for Triton's interpreter: it reads TRITON_INTERPRET when it decorates
 INTERPRETED = bool(triton.knobs.runtime.interpret)
+SUM = triton_seams.SUM_COMBINE.get()  # ``tl.sum``'s combine (``compat/triton.py``: the interpreter's fast sum)
 
 
 @triton.jit
@@ -41,11 +43,15 @@ def _start(TILE_M: tl.constexpr, TILE_N: tl.constexpr, SWAP: tl.constexpr):
 
 
 @triton.jit
-def _add(total, x, w, DOT_FP32: tl.constexpr, SWAP: tl.constexpr):
+def _add(total, x, w, DOT_FP32: tl.constexpr, SWAP: tl.constexpr, DOT: tl.constexpr):
     """``total`` plus ``x @ w.T``; where ``SWAP``, its transpose ``w @ x.T``: the weight's tile the product's
     left operand, which the tensor cores read from registers (the right one goes through shared memory), and
-    a decode step's few rows the small side of the product."""
-    if SWAP:
+    a decode step's few rows the small side of the product. Without ``DOT``, each row's products with the
+    tile broadcast and summed in registers in float32 (a GEMV: no tensor cores, no shared memory, for a
+    step's row or few; the products of rounded weights are exact in float32, as ``DOT_FP32``'s)."""
+    if not DOT:
+        total += tl.reduce(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], 2, SUM)  # ``tl.sum``
+    elif SWAP:
         total += _product(w, x, DOT_FP32)
     else:
         total += _product(x, w, DOT_FP32)
@@ -79,10 +85,11 @@ def _chunk(inputs, column_offset, TILE_K: tl.constexpr):
 def weight_only_fp8(x_ptr, out_ptr, w_ptr, s_ptr, rows, outputs, inputs, x_stride, w_stride, s_stride,
                      out_stride, row_offset, column_offset, block_rows, block_columns,
                      TILE_M: tl.constexpr, TILE_N: tl.constexpr, TILE_K: tl.constexpr, DOT_FP32: tl.constexpr,
-                     SWAP: tl.constexpr, UNROLL: tl.constexpr):  # fmt: skip
+                     SWAP: tl.constexpr, UNROLL: tl.constexpr, DOT: tl.constexpr):  # fmt: skip
     """out[m, n] = sum_k x[m, k] * round(w[n, k] * s[(n + row_offset) // block_rows,
     (k + column_offset) // block_columns]): a TILE_M x TILE_N tile of the output per program, UNROLL tiles of
-    columns a step (their loads issued together: more bytes in flight). The block's sizes are runtime
+    columns a step (their loads issued together: more bytes in flight), by ``tl.dot`` or (not ``DOT``) as a
+    GEMV (``_add``). The block's sizes are runtime
     arguments, so one compiled kernel serves every block size. Split along the columns (a grid of several
     along its third axis, ``_chunk``), each program writes its float32 sums to its run's own output (``rows``
     rows after the previous run's), summed after."""
@@ -101,7 +108,7 @@ def weight_only_fp8(x_ptr, out_ptr, w_ptr, s_ptr, rows, outputs, inputs, x_strid
             column = (start + column_offset) // block_columns
             w = _weight_tile(w_ptr + n[:, None] * w_stride, scale_row, n, k, inside, outputs, column,
                              n * 0 + start < end, x)  # fmt: skip
-            total = _add(total, x, w, DOT_FP32, SWAP)
+            total = _add(total, x, w, DOT_FP32, SWAP, DOT)
     out_ptr += tl.program_id(2) * rows * out_stride
     _store(out_ptr, total, m, n, out_stride, m < rows, n < outputs, SWAP)
 
@@ -109,19 +116,21 @@ def weight_only_fp8(x_ptr, out_ptr, w_ptr, s_ptr, rows, outputs, inputs, x_strid
 @triton.jit
 def gathered_weight_only_fp8(x_ptr, ids_ptr, out_ptr, w_ptr, s_ptr, outputs, inputs, x_stride, w_expert_stride,
                              w_stride, s_expert_stride, s_stride, out_stride, row_offset, column_offset, block_rows,
-                             block_columns, TILE_N: tl.constexpr, TILE_K: tl.constexpr, DOT_FP32: tl.constexpr,
-                             SWAP: tl.constexpr, UNROLL: tl.constexpr):  # fmt: skip
+                             block_columns, TILE_M: tl.constexpr, TILE_N: tl.constexpr, TILE_K: tl.constexpr,
+                             DOT_FP32: tl.constexpr, SWAP: tl.constexpr, UNROLL: tl.constexpr,
+                             DOT: tl.constexpr):  # fmt: skip
     """out[p, n] = sum_k x[p, k] * round(w[ids[p], n, k] * s[ids[p], ...]): each row of ``x`` (a (token,
     expert) pair) times its own expert's weight, a TILE_N slice of its outputs per program. The row is the
-    first of a 16-row tile (``tl.dot``'s least; the others masked to zero): a decode step's product is bound
-    by reading the weight, not by the dot. Split along the columns as ``weight_only_fp8`` is."""
+    first of a TILE_M-row tile (with ``DOT``, ``tl.dot``'s least: 16, the others masked to zero; else 1, a
+    GEMV): a decode step's product is bound by reading the weight, not by the dot. Split along the columns as
+    ``weight_only_fp8`` is."""
     pair = tl.program_id(0)
     n = tl.program_id(1) * TILE_N + tl.arange(0, TILE_N)
-    row = tl.arange(0, 16)
+    row = tl.arange(0, TILE_M)
     expert = tl.load(ids_ptr + pair).to(tl.int64)
     weight_rows = w_ptr + expert * w_expert_stride + n[:, None] * w_stride
     scale_row = s_ptr + expert * s_expert_stride + ((n + row_offset) // block_rows) * s_stride
-    total = _start(16, TILE_N, SWAP)
+    total = _start(TILE_M, TILE_N, SWAP)
     begin, end = _chunk(inputs, column_offset, TILE_K)
     for first in range(begin, end, TILE_K * UNROLL):  # on the whole weight's tiles
         for step in tl.static_range(UNROLL):
@@ -132,7 +141,7 @@ def gathered_weight_only_fp8(x_ptr, ids_ptr, out_ptr, w_ptr, s_ptr, outputs, inp
                         mask=(row[:, None] == 0) & inside[None, :], other=0.0)  # fmt: skip
             column = (start + column_offset) // block_columns
             w = _weight_tile(weight_rows, scale_row, n, k, inside, outputs, column, n * 0 + start < end, x)
-            total = _add(total, x, w, DOT_FP32, SWAP)
+            total = _add(total, x, w, DOT_FP32, SWAP, DOT)
     out_ptr += (tl.program_id(2) * tl.num_programs(0) + pair) * out_stride  # a run's outputs: one row a pair
     _store(out_ptr, total, row * 0, n, 0, row == 0, n < outputs, SWAP)
 

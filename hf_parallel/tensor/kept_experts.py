@@ -109,8 +109,9 @@ class ExpertRows:
     def product(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Each row ``p`` of ``x`` times expert ``ids[p]``'s weight as stored (``multiplies_as_stored``)."""
         out = torch.empty(x.shape[0], self.weight.shape[1], dtype=x.dtype, device=x.device)
+        plans = None if torch.compiler.is_compiling() else self.kernel_plans  # as ``KeptFP8KernelLinear``'s
         for place, ((rows, _), stacked, _) in enumerate(self.stacks):
-            out[:, rows] = fp8_kernel.gathered_weight_only_fp8(x, ids, stacked, plans=self.kernel_plans, place=place)
+            out[:, rows] = fp8_kernel.gathered_weight_only_fp8(x, ids, stacked, plans=plans, place=place)
         return out
 
 

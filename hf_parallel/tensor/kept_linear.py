@@ -63,7 +63,8 @@ class KeptFP8KernelLinear(KeptKernelLinear):
     KERNEL_ROWS = fp8_kernel.KERNEL_ROWS
 
     def kernel_product(self, x: torch.Tensor) -> torch.Tensor:
-        return fp8_kernel.weight_only_fp8(x, self.kept_weight.whole, plans=self.kernel_plans)
+        plans = None if torch.compiler.is_compiling() else self.kernel_plans  # traced, a dict of plans is guarded
+        return fp8_kernel.weight_only_fp8(x, self.kept_weight.whole, plans=plans)  # on its length: recompiles
 
 
 class KeptInt4Linear(KeptKernelLinear):

@@ -45,20 +45,20 @@ class Bound(NamedTuple):
     constexprs: dict
     warps: int
     stages: int
-    key: tuple | None
+    key: object | None
 
 
 def bind(grid: tuple, fixed: tuple, constexprs: dict, warps: int, stages: int) -> Bound:
-    """``Bound``, its key worked out here (in eager) rather than at each launch, and numbered (``_BOUND_KEYS``:
-    a launch's key then hashes one number for them, not twenty-odd values)."""
+    """``Bound``, its key worked out here (in eager) rather than at each launch, and stood for by one object
+    (``_BOUND_KEYS``: a launch's key then hashes that object, not twenty-odd values)."""
     key = None
     if not torch.compiler.is_compiling():
         key = (*map(_specialized, fixed), *map(_specialized, constexprs.values()), warps, stages)
-        key = _BOUND_KEYS.setdefault(key, len(_BOUND_KEYS))
+        key = _BOUND_KEYS.setdefault(key, object())  # one step (the GIL's): two threads get one object
     return Bound(grid, fixed, constexprs, warps, stages, key)
 
 
-_BOUND_KEYS: dict[tuple, int] = {}  # every bound key seen, numbered: a process binds a few per kept weight shape
+_BOUND_KEYS: dict[tuple, object] = {}  # every bound key seen: a process binds a few per kept weight and shape
 
 
 class CachedLaunch:
