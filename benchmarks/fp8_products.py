@@ -10,13 +10,13 @@ card was found to take (and why others were refused), then microseconds per prod
 
 ``--sweep`` times the package's two FP8 kernels (the plain and the gathered product) at 68 launches and the
 defaults (outputs a program, warps, the weight's tile as either operand, tiles loaded at once, runs of
-columns, ``tl.dot`` or a GEMV: ``fp8_kernel.Launch``) from CUDA graphs, the GPU's time alone, and prints the fastest beside the
-launches the package uses (``fp8_kernel.PLAIN`` and ``GATHERED``: in eager, and split as a compiled step
-splits them, here with torch's sum and cast unfused: an upper bound of the compiled step's) and the host's
-cost of a launch: as a kept linear makes it (its plan worked out once, ``fp8_kernel.Plans``; the kernel kept
-from the first launch) and worked out and launched through ``JITFunction.run`` each time (the path before
-both, plus the plan's tuples: about a microsecond more on a CPU), beside ``F.linear``'s: how those defaults
-are chosen.
+columns, ``tl.dot`` or a GEMV, columns a step: ``fp8_kernel.Launch``) from CUDA graphs, the GPU's time alone,
+and prints the fastest beside the launches the package uses (``fp8_kernel.PLAIN`` and ``GATHERED``: in eager,
+and split as a compiled step splits them, here with torch's sum and cast unfused: an upper bound of the
+compiled step's) and the host's cost of a launch: as a kept linear makes it (its plan worked out once,
+``fp8_kernel.Plans``; the kernel kept from the first launch) and worked out and launched through
+``JITFunction.run`` each time (the path before both, plus the plan's tuples: about a microsecond more on a
+CPU), beside ``F.linear``'s: how those defaults are chosen.
 """
 
 from __future__ import annotations
@@ -112,15 +112,20 @@ def fp8_box(n: int, k: int, device, experts: tuple = ()):
     return weight, KeptFP8({}, stored, scales, (BLOCK, BLOCK), (0, 0))
 
 
+GEMV_TILES = [(64, 32), (64, 64), (128, 16), (128, 32), (256, 16), (256, 32)]  # outputs, columns a step
+
+
 def sweep(args, device) -> None:
     from hf_parallel.tensor import fp8_kernel
 
     # stages changed nothing on an H200 and 16 outputs a program was fastest (the loads seem not to be pipelined,
-    # the card not filled): tiles loaded together (unroll) and runs of columns (split) may; and GEMV launches
-    # (no tl.dot: wider programs, their products in registers, as one-row Triton kernels elsewhere take them)
+    # the card not filled): tiles loaded together (unroll) and runs of columns (split) may (4 warps: 8 on 16
+    # outputs a program make way for the GEMV launches); and GEMV launches (no tl.dot: wider programs, their
+    # products in registers, as one-row Triton kernels elsewhere take them), at outputs and columns a step that
+    # compile for sm_90 without spilling registers (Triton 3.9's ptxas, 4 warps: 128-234 registers a thread)
     launches = [fp8_kernel.Launch(n, 4, 3, swap, unroll, split) for n in (16, 32) for swap in (False, True)
                 for unroll in (1, 4) for split in (1, 2, 4, 8)]  # fmt: skip
-    launches += [fp8_kernel.Launch(n, w, 3, False, unroll, split, dot=False) for n in (32, 64, 128) for w in (2, 4)
+    launches += [fp8_kernel.Launch(n, 4, 3, False, unroll, split, dot=False, tile_k=k) for n, k in GEMV_TILES
                  for unroll in (1, 2) for split in (1, 4, 16)]  # fmt: skip
     print("| product | rows | bf16 us | the default launch us: eager, compiled (its split) | fastest launches (us) "
           "| host us a launch: planned and kept, through run (bf16) |\n|---|---|---|---|---|---|")  # fmt: skip

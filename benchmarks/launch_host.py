@@ -83,13 +83,13 @@ def main(argv=None) -> None:
     stacked = KeptFP8({}, weight.expand(args.experts, -1, -1), scales.expand(args.experts, -1, -1), (128, 128), (0, 0))
     x, pairs, ids = torch.zeros(1, 1, inputs, dtype=torch.bfloat16), torch.zeros(2, inputs, dtype=torch.bfloat16), \
         torch.tensor([1, 3])  # fmt: skip
-    plans = fp8_kernel.Plans()
+    plans, stack_plans = fp8_kernel.Plans(), fp8_kernel.Plans()  # each kept weight's own, as modules hold them
     rows = {
         f"plain {outputs} x {inputs}, one row": (
             lambda: fp8_kernel.weight_only_fp8(x, kept, plans=plans), lambda: fp8_kernel.weight_only_fp8(x, kept),
             (1, 1, outputs)),
         f"gathered {args.experts} experts, two pairs": (
-            lambda: fp8_kernel.gathered_weight_only_fp8(pairs, ids, stacked, plans=plans),
+            lambda: fp8_kernel.gathered_weight_only_fp8(pairs, ids, stacked, plans=stack_plans),
             lambda: fp8_kernel.gathered_weight_only_fp8(pairs, ids, stacked), (2, outputs)),
     }  # fmt: skip
     print(f"host us a kept FP8 product before Triton's launcher (torch {torch.__version__}, CPU stand-in kernel)")

@@ -103,9 +103,10 @@ def test_the_other_launches_compute_the_same_product(interpreted, box):
     """``Launch.swap`` (the weight's tile the tiles' left operand, the sums held transposed), ``unroll``
     (tiles of columns loaded together, the last past the inputs' end), ``split`` (runs of columns summed
     apart: here 3 tiles or 1 in 2 or 4 runs, some empty, some ending inside an unrolled step) and ``dot=False``
-    (GEMV: the rows' products summed in registers, up to ``GEMV_ROWS`` rows a program), plain and gathered:
-    each the dequantized weights' product, as the default launches compute it, with NaN just past each row of
-    scales (an unrolled step past the end must read none of it); a GEMV launch that asks to swap is refused."""
+    (GEMV: the rows' products summed in registers, one to ``GEMV_ROWS`` rows a program) and ``tile_k``
+    (columns a step under the weight's tile), plain and gathered: each the dequantized weights' product, as the
+    default launches compute it, with NaN just past each row of scales (an unrolled step past the end must read
+    none of it); a GEMV launch that asks to swap, or a tile_k not a power of two, is refused."""
     outputs, inputs, offset, block, fp8, rows = BOXES[box]
     experts = [kept_box(outputs, inputs, offset, block, fp8, seed=e) for e in range(3)]
     experts = [dataclasses.replace(e, scales=nan_beyond(e.scales)) for e in experts]
@@ -117,9 +118,9 @@ def test_the_other_launches_compute_the_same_product(interpreted, box):
              "gathered": torch.stack([pairs[p] @ experts[e].dequantize(torch.float32).T
                                       for p, e in enumerate(ids.tolist())])}  # fmt: skip
     launches = [interpreted.Launch(32, 4, 2, swap=True, unroll=2), interpreted.Launch(64, 4, 3, unroll=3, split=2),
-                interpreted.Launch(64, 4, 3, swap=True, split=4), interpreted.Launch(64, 4, 3, dot=False),
-                interpreted.Launch(32, 2, 2, unroll=2, split=4, dot=False)]  # wide tiles: the interpreter's cost
-    # is per program
+                interpreted.Launch(64, 4, 3, swap=True, split=4, tile_k=32), interpreted.Launch(64, 4, 3, dot=False),
+                interpreted.Launch(32, 2, 2, unroll=2, split=4, dot=False, tile_k=16)]  # wide tiles: the
+    # interpreter's cost is per program
     for launch in launches:
         gots = {"plain": interpreted.weight_only_fp8(x, experts[0], launch),
                 "gathered": interpreted.gathered_weight_only_fp8(pairs, ids, stacked, launch)}  # fmt: skip
@@ -127,8 +128,15 @@ def test_the_other_launches_compute_the_same_product(interpreted, box):
             assert gots[name].shape == want.shape and gots[name].dtype == torch.float32, (name, launch)
             torch.testing.assert_close(gots[name], want, rtol=0, atol=1e-5 * want.abs().max().item(),
                                        msg=f"{name}, {launch}")  # fmt: skip
+    gemv = launches[-1]  # a program's one or two rows
+    for rows in (1, 2):
+        got = interpreted.weight_only_fp8(x[:rows], experts[0], gemv)
+        want = wants["plain"][:rows]
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5 * want.abs().max().item(), msg=f"{rows} rows")
     with pytest.raises(ValueError, match="this launch takes no tl.dot"):
         interpreted.weight_only_fp8(x, experts[0], interpreted.Launch(64, 4, 3, swap=True, dot=False))
+    with pytest.raises(ValueError, match="a power of two of at least 16"):
+        interpreted.weight_only_fp8(x, experts[0], interpreted.Launch(64, 4, 3, tile_k=24))
     split = launches[1]  # float32 runs summed, then rounded once
     got = interpreted.weight_only_fp8(x.bfloat16(), experts[0], split)
     want = F.linear(x.bfloat16().float(), experts[0].dequantize(torch.bfloat16).float())
@@ -185,7 +193,7 @@ def test_a_kernel_that_computes_otherwise_is_refused_at_load(interpreted, monkey
 def _a_second_step_reuses_each_linears_plan(interpreted, kept, linears: list, monkeypatch):
     """Each kept linear worked out its launch for a shape once (``Plans``): a step of other tokens in that
     shape makes no plan and gives, bit for bit, the logits its plans worked out afresh give; a copy of the
-    plans is empty (a plan holds its tensors' addresses)."""
+    plans is empty (a plan holds its tensors' addresses); another weight's product drops them."""
     from tp_workers import INPUT_IDS
 
     shapes = [[(torch.Size([*INPUT_IDS.shape, m.in_features]), torch.float32, interpreted.PLAIN)] for m in linears]
@@ -201,6 +209,10 @@ def _a_second_step_reuses_each_linears_plan(interpreted, kept, linears: list, mo
             linear.kernel_plans.clear()
         afresh = kept(INPUT_IDS[:, 3:6]).logits
     assert len(made) == 2 * len(linears) and torch.equal(planned, afresh) and plans == ({}, {})
+    plans, other = linears[0].kernel_plans, dataclasses.replace(linears[0].kept_weight.whole)  # another weight
+    x = torch.randn(2, linears[0].in_features)
+    interpreted.weight_only_fp8(x, other, plans=plans)  # the first weight's plans dropped
+    assert plans.kept is other and list(plans) == [(x.shape, torch.float32, interpreted.PLAIN)]
 
 
 def test_kept_fp8_linears_take_the_kernel_up_to_its_rows(interpreted, tiny_root, monkeypatch):

@@ -113,25 +113,42 @@ def test_a_compiled_step_and_a_caller_out_of_order_take_no_kept_kernel(monkeypat
         launch(bound, x)
 
 
-def test_a_compiled_step_captures_the_fp8_kernels_whole_split_and_summed(monkeypatch):
+@pytest.fixture
+def made_for_a_card():
+    """``fp8_triton`` as a process without Triton's interpreter makes it (its kernels jitted for a card), then
+    as it was."""
+    import importlib
+    import os
+
+    from hf_parallel.tensor import fp8_triton
+
+    interpret = os.environ.pop("TRITON_INTERPRET", None)
+    try:
+        yield importlib.reload(fp8_triton)
+    finally:
+        torch._dynamo.reset()
+        if interpret is not None:
+            os.environ["TRITON_INTERPRET"] = interpret
+        importlib.reload(fp8_triton)
+
+
+def test_a_compiled_step_captures_the_fp8_kernels_whole_split_and_summed(monkeypatch, made_for_a_card):
     """``torch.compile(fullgraph=True)`` of both FP8 products as kept modules call them (a kept linear's,
     kept experts' rows; traced only: the graph is kept, not run, as no card is here; dynamo told Triton can
     launch, as on a card): each launch through ``CachedLaunch`` is one captured Triton kernel, split into
     ``split_for``'s runs, then summed and rounded to the input's dtype. No plan is kept in the trace, and a plan
     an eager call keeps after (a prefill's shape) does not make the compiled step compile again."""
-    import importlib
     from types import SimpleNamespace
 
     import torch.utils._triton
     from torch import nn
 
     from hf_parallel.checkpoint.quantized import KeptFP8
-    from hf_parallel.tensor import fp8_kernel, fp8_triton
+    from hf_parallel.tensor import fp8_kernel
     from hf_parallel.tensor.kept_experts import ExpertRows
     from hf_parallel.tensor.kept_linear import KeptFP8KernelLinear
 
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    monkeypatch.setattr(fp8_kernel, "_source", importlib.reload(fp8_triton))  # the kernels made for a card
+    monkeypatch.setattr(fp8_kernel, "_source", made_for_a_card)
     monkeypatch.setattr(torch.utils._triton, "has_triton", lambda: True)
     kept = KeptFP8({}, torch.zeros(1536, 4096, dtype=torch.float8_e4m3fn), torch.ones(12, 32), (128, 128), (0, 0))
     stacked = KeptFP8({}, kept.weight.expand(4, -1, -1), kept.scales.expand(4, -1, -1), (128, 128), (0, 0))
@@ -146,7 +163,7 @@ def test_a_compiled_step_captures_the_fp8_kernels_whole_split_and_summed(monkeyp
     linear.kept_weight, linear.kernel_plans = SimpleNamespace(whole=kept, dtype=torch.bfloat16), fp8_kernel.Plans()
     rows = ExpertRows(SimpleNamespace(shape=stacked.weight.shape), [((slice(0, 1536), slice(0, 4096)), stacked, False)])
     ids, x = torch.tensor([3]), torch.zeros(1, 4096, dtype=torch.bfloat16)
-    products = [(linear.kernel_product, linear.kernel_plans), (lambda x: rows.product(x, ids), rows.kernel_plans)]
+    products = [(linear.kernel_product, linear.kernel_plans), (lambda x: rows.product(x, ids), rows.kernel_plans[0])]
     try:
         for product, plans in products:
             compiled = torch.compile(product, backend=kept_graph, fullgraph=True)
@@ -156,8 +173,6 @@ def test_a_compiled_step_captures_the_fp8_kernels_whole_split_and_summed(monkeyp
             compiled(x)  # guarded by nothing of the plans: the same graph
     finally:
         torch._dynamo.reset()
-        monkeypatch.undo()  # the variable back before the module is made again
-        importlib.reload(fp8_triton)
     split = fp8_kernel.split_for(1536 // 16, 4096, 128)
     assert split > 1
     assert len(graphs) == 2
@@ -166,3 +181,36 @@ def test_a_compiled_step_captures_the_fp8_kernels_whole_split_and_summed(monkeyp
         assert len(kernels) == 1 and kernels[0].kwargs["grid"] == [(1, 1536 // 16, split)], graph.code
         methods = [node.target for node in graph.graph.nodes if node.op == "call_method"]
         assert methods == ["sum", "to"], graph.code
+
+
+def test_the_default_launches_compile_for_hopper_without_spilling_registers(made_for_a_card):
+    """Both FP8 kernels' default launches, compiled for sm_90 (H100 / H200) by Triton's own ptxas on this CPU:
+    no register spills (a kernel that spills reads and writes local memory each step: what a GEMV at 128
+    columns a step did). At a decode step's rows and at ``KERNEL_ROWS``."""
+    import os
+    import subprocess
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from hf_parallel.tensor import fp8_kernel
+
+    x = torch.zeros(1, dtype=torch.bfloat16)
+    pointers = {"x_ptr": "*bf16", "ids_ptr": "*i64", "out_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32"}
+    cases = [(made_for_a_card.weight_only_fp8, fp8_kernel.PLAIN, rows) for rows in (1, fp8_kernel.KERNEL_ROWS)]
+    cases.append((made_for_a_card.gathered_weight_only_fp8, fp8_kernel.GATHERED, 1))
+    dump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    for kernel, launch, rows in cases:
+        tile_m, tile = fp8_kernel._tile_rows(rows, launch), fp8_kernel._columns_a_step(launch, 128)  # 128 blocks
+        constexprs = fp8_kernel._constexprs(launch, tile_m, tile, x, made_for_a_card)
+        signature = {name: pointers.get(name, "i32") for name in kernel.arg_names[: -len(constexprs)]}
+        source = ASTSource(kernel, {**signature, **dict.fromkeys(constexprs, "constexpr")}, constexprs)
+        options = {"num_warps": launch.warps, "num_stages": launch.stages}
+        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+            cubin.write(compiled.asm["cubin"])
+            cubin.flush()
+            usage = subprocess.run([dump, "--dump-resource-usage", cubin.name], capture_output=True, text=True)
+        assert usage.returncode == 0 and " STACK:0 " in usage.stdout, (kernel.__name__, rows, usage.stdout)

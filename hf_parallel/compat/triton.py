@@ -17,6 +17,7 @@ And one the FP8 kernels' GEMV launch (``fp8_triton._add``) sums with: ``tl.stand
 combine. ``tl.reduce`` with it is ``tl.sum`` on a card; Triton's interpreter sums it with numpy, where any
 other combine is called element by element (minutes for the tests' products), and ``tl.sum`` itself, jitted
 when Triton was imported, cannot run in the interpreter of a process that imported Triton before asking for it.
+Where it is gone, the GEMV sums with ``tl.sum``: the same on a card.
 """
 
 from __future__ import annotations

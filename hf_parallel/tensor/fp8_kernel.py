@@ -47,7 +47,6 @@ from typing import NamedTuple
 import torch
 
 from ..checkpoint.quantized import KeptFP8
-from ..compat import DependencyChanged
 from . import triton_launch
 from .kernel_checks import wrong_cases
 
@@ -61,12 +60,14 @@ class Launch(NamedTuple):
     flight, where stages were seen to change nothing), and the runs of columns the product is split into
     (``split``, split-K: as many times the programs, each summing its run in float32 into its own output,
     summed and rounded after by torch: in eager two launches more, which a compiled step fuses into one; 0: as
-    ``_split`` chooses), and whether the tile products go through ``tl.dot`` (``dot``; else a GEMV: each of
+    ``_split`` chooses), whether the tile products go through ``tl.dot`` (``dot``; else a GEMV: each of
     a program's few rows, ``GEMV_ROWS`` at most, multiplied and summed in registers, as Triton GEMV kernels
-    for one-row decode do, e.g. GemLite's). A decode step's product on a large
-    card has fewer programs than the card runs at once (1536 outputs at 16 a program: 96 programs on an H200's
-    132 multiprocessors), each walking every column in turn: latency-bound. ``swap``, ``unroll``, ``split``
-    and ``dot=False`` are not yet timed on a card."""
+    for one-row decode do, e.g. GemLite's), and the columns a program takes a step (``tile_k``: 0, the
+    weight's tile, up to 128; else a power of two of at least 16 under it, one scale a row still: a GEMV holds
+    rows x ``tile_n`` x ``tile_k`` float32 products a step, which at 128 columns spill registers on sm_90).
+    A decode step's product on a large card has fewer programs than the card runs at once (1536 outputs at 16
+    a program: 96 programs on an H200's 132 multiprocessors), each walking every column in turn:
+    latency-bound. ``swap``, ``unroll``, ``split``, ``dot=False`` and ``tile_k`` are not yet timed on a card."""
 
     tile_n: int
     warps: int
@@ -75,6 +76,7 @@ class Launch(NamedTuple):
     unroll: int = 1
     split: int = 1
     dot: bool = True
+    tile_k: int = 0
 
 
 # the fastest of 24 launches (tile_n 16-128, 4 or 8 warps, 2-4 stages) on an NVIDIA H200 at decode shapes, timed
@@ -126,13 +128,14 @@ def _plain_plan(x: torch.Tensor, kept: KeptFP8, launch: Launch, source) -> Plan:
     (outputs, inputs), rows = kept.weight.shape, math.prod(x.shape[:-1])
     scales = _scales(kept)
     block_rows, block_columns, tile = _launch_blocks(kept.block, scales.shape)
+    tile = _columns_a_step(launch, tile)
     tile_m = _tile_rows(rows, launch)
     grid = (-(-rows // tile_m), -(-outputs // launch.tile_n))
     grid, dtype = _split_grid(launch, grid, inputs + kept.offset[1] % tile, tile, x.dtype)
     fixed = (kept.weight, scales, rows, outputs, inputs, inputs, kept.weight.stride(0), scales.stride(0), outputs,
              kept.offset[0], kept.offset[1], block_rows, block_columns)  # fmt: skip
     bound = triton_launch.bind(grid, fixed, _constexprs(launch, tile_m, tile, x, source), launch.warps, launch.stages)
-    return Plan(kept, _runs_shape(grid, (*x.shape[:-1], outputs)), dtype, bound)
+    return Plan(_runs_shape(grid, (*x.shape[:-1], outputs)), dtype, bound)
 
 
 def _constexprs(launch: Launch, tile_m: int, tile: int, x: torch.Tensor, source) -> dict:
@@ -140,6 +143,15 @@ def _constexprs(launch: Launch, tile_m: int, tile: int, x: torch.Tensor, source)
     interpreter (which multiplies bfloat16 as its integer storage)."""
     return dict(TILE_M=tile_m, TILE_N=launch.tile_n, TILE_K=tile, DOT_FP32=x.dtype == torch.float32 or
                 source.INTERPRETED, SWAP=launch.swap, UNROLL=launch.unroll, DOT=launch.dot)  # fmt: skip
+
+
+def _columns_a_step(launch: Launch, tile: int) -> int:
+    """The columns a program takes a step: the weight's ``tile`` or the launch's ``tile_k`` under it."""
+    if not launch.tile_k:
+        return tile
+    if launch.tile_k < 16 or launch.tile_k & (launch.tile_k - 1):
+        raise ValueError(f"{launch}: tile_k is 0 (the weight's tile) or a power of two of at least 16")
+    return min(launch.tile_k, tile)  # both powers of two: it divides the tile, so a step has one scale a row
 
 
 def _tile_rows(rows: int, launch: Launch) -> int:
@@ -156,7 +168,6 @@ class Plan(NamedTuple):
     """A kept weight's product for inputs of one shape and dtype, all but its input and output worked out:
     its output's shape and dtype (split-K's runs: float32) and its launch, bound (``triton_launch.bind``)."""
 
-    kept: KeptFP8
     shape: tuple
     dtype: torch.dtype
     bound: triton_launch.Bound
@@ -164,8 +175,11 @@ class Plan(NamedTuple):
 
 class Plans(dict):
     """A kept weight's ``Plan`` per input shape, dtype and launch, worked out at its first product in eager
-    and reused after (the host's time: a decode step's product repeats one shape); a module holding kept
-    weights keeps one. A copy starts empty: a plan holds the tensors and addresses it was worked out for."""
+    and reused after (the host's time: a decode step's product repeats one shape); a module keeps one for each
+    kept weight it multiplies by a kernel. ``kept``: the weight they are for (another weight's product drops
+    them all). A copy starts empty: a plan holds the tensors and addresses it was worked out for."""
+
+    kept: KeptFP8 | None = None
 
     def __deepcopy__(self, memo) -> Plans:
         return Plans()
@@ -175,15 +189,16 @@ class Plans(dict):
 
 
 def _planned(plans: Plans | None, key: tuple, kept: KeptFP8, plan) -> Plan:
-    """``plans[key]`` where it is ``kept``'s, else ``plan()`` (kept there, in eager: plans of a weight no
-    longer held are dropped); in a compiled step always ``plan()``, which the graph traces once (the caller
-    passes no plans there: dynamo would guard on their count, and recompile after each eager plan)."""
+    """``plans[key]``, else ``plan()`` kept there (in eager; plans of another weight dropped first: a module's
+    weight replaced); in a compiled step always ``plan()``, which the graph traces once (the caller passes no
+    plans there: dynamo would guard on their count, and recompile after each eager plan)."""
     if plans is None or torch.compiler.is_compiling():
         return plan()
+    if plans.kept is not kept:
+        plans.clear()
+        plans.kept = kept
     found = plans.get(key)
-    if found is None or found.kept is not kept:
-        if found is not None:
-            plans.clear()
+    if found is None:
         found = plans[key] = plan()
     return found
 
@@ -267,10 +282,6 @@ def _import_source(device: torch.device):
     try:
         from . import fp8_triton
     except ImportError:  # a Triton that does not import: the dequantized product
-        return None
-    except DependencyChanged as error:  # a Triton without what the kernels use: the same, said
-        warnings.warn(f"hf_parallel: the weight-only FP8 kernels do not run: {error}; kept FP8 weights are "
-                      f"dequantized for each product", stacklevel=2)  # fmt: skip
         return None
 
     if device.type == "cpu" and not fp8_triton.INTERPRETED:  # made for the card before the variable was set
@@ -362,14 +373,13 @@ def gathered_takes(stacked, dtype: torch.dtype) -> bool:
 
 
 def gathered_weight_only_fp8(x: torch.Tensor, ids: torch.Tensor, stacked: KeptFP8, launch: Launch = GATHERED,
-                             plans: Plans | None = None, place: int = 0) -> torch.Tensor:  # fmt: skip
+                             plans: Plans | None = None) -> torch.Tensor:  # fmt: skip
     """Each row ``p`` of ``x`` ([pairs, inputs]) times expert ``ids[p]``'s weight of the stack, as
     ``F.linear(x[p], stacked[ids[p]].dequantize(x.dtype))`` computes it, in one launch (``gathered_takes``
-    has said the kernel runs here). ``plans``: where the caller keeps the stack's launches, ``place`` telling
-    its stacks apart there."""
+    has said the kernel runs here). ``plans``: where the caller keeps the stack's launches (``Plans``)."""
     source = _loaded(x.device)
     x = x if x.stride(-1) == 1 else x.contiguous()
-    key = (place, x.shape, x.stride(0), x.dtype, launch)
+    key = (x.shape, x.stride(0), x.dtype, launch)
     plan = _planned(plans, key, stacked, lambda: _gathered_plan(x, stacked, launch, source))
     return _launched(source.launch_gathered_weight_only_fp8, plan, x, ids)
 
@@ -378,13 +388,14 @@ def _gathered_plan(x: torch.Tensor, stacked: KeptFP8, launch: Launch, source) ->
     weight, scales = stacked.weight, _expert_scales(stacked)
     (pairs, _), (_, outputs, inputs) = x.shape, weight.shape
     block_rows, block_columns, tile = _launch_blocks(stacked.block, scales.shape[1:])
+    tile = _columns_a_step(launch, tile)
     grid = (pairs, -(-outputs // launch.tile_n))
     grid, dtype = _split_grid(launch, grid, inputs + stacked.offset[1] % tile, tile, x.dtype)
     fixed = (weight, scales, outputs, inputs, x.stride(0), weight.stride(0), weight.stride(1), scales.stride(0),
              scales.stride(1), outputs, stacked.offset[0], stacked.offset[1], block_rows, block_columns)  # fmt: skip
     constexprs = _constexprs(launch, _tile_rows(1, launch), tile, x, source)
     bound = triton_launch.bind(grid, fixed, constexprs, launch.warps, launch.stages)
-    return Plan(stacked, _runs_shape(grid, (pairs, outputs)), dtype, bound)
+    return Plan(_runs_shape(grid, (pairs, outputs)), dtype, bound)
 
 
 @functools.cache

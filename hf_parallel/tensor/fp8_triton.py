@@ -5,12 +5,31 @@ interpreter), never on a plain CPU load."""
 import triton
 import triton.language as tl
 
+from ..compat import DependencyChanged
 from ..compat import triton as triton_seams
 from .triton_launch import CachedLaunch
 
 # whether ``triton.jit`` made the kernel for Triton's interpreter: it reads TRITON_INTERPRET when it decorates
 INTERPRETED = bool(triton.knobs.runtime.interpret)
-SUM = triton_seams.SUM_COMBINE.get()  # ``tl.sum``'s combine (``compat/triton.py``: the interpreter's fast sum)
+
+
+try:  # ``tl.sum``'s own combine: numpy's sum in the interpreter (compat/triton.py)
+    _SUM_COMBINE = triton_seams.SUM_COMBINE.get()
+except DependencyChanged:  # (the check of every seam says so in the tests)
+    _SUM_COMBINE = None
+
+if _SUM_COMBINE is not None:
+
+    @triton.jit
+    def _row_sums(products):
+        """``tl.sum(products, 2)``, as ``tl.sum`` reduces."""
+        return tl.reduce(products, 2, _SUM_COMBINE)
+
+else:  # the same on a card; in the interpreter, only where Triton was imported asked for it
+
+    @triton.jit
+    def _row_sums(products):
+        return tl.sum(products, 2)
 
 
 @triton.jit
@@ -47,10 +66,10 @@ def _add(total, x, w, DOT_FP32: tl.constexpr, SWAP: tl.constexpr, DOT: tl.conste
     """``total`` plus ``x @ w.T``; where ``SWAP``, its transpose ``w @ x.T``: the weight's tile the product's
     left operand, which the tensor cores read from registers (the right one goes through shared memory), and
     a decode step's few rows the small side of the product. Without ``DOT``, each row's products with the
-    tile broadcast and summed in registers in float32 (a GEMV: no tensor cores, no shared memory, for a
-    step's row or few; the products of rounded weights are exact in float32, as ``DOT_FP32``'s)."""
+    tile broadcast and summed in float32 in registers (a GEMV: no tensor cores, for a step's row or few; for
+    bfloat16 and float16 inputs the products of rounded weights are exact in float32, as ``tl.dot``'s)."""
     if not DOT:
-        total += tl.reduce(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], 2, SUM)  # ``tl.sum``
+        total += _row_sums(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :])
     elif SWAP:
         total += _product(w, x, DOT_FP32)
     else:

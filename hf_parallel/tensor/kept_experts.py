@@ -50,7 +50,7 @@ class ExpertRows:
 
     def __init__(self, weight, stacks: list[tuple[tuple, Kept, bool]]):
         self.weight, self.stacks = weight, stacks  # (place in an expert's slice, stacked box, box holds E)
-        self.kernel_plans = fp8_kernel.Plans()  # the gathered kernel's launches, worked out once a shape
+        self.kernel_plans = [fp8_kernel.Plans() for _ in stacks]  # each stack's launches, worked out once a shape
 
     @classmethod
     def of(cls, weight) -> ExpertRows | None:
@@ -109,9 +109,9 @@ class ExpertRows:
     def product(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Each row ``p`` of ``x`` times expert ``ids[p]``'s weight as stored (``multiplies_as_stored``)."""
         out = torch.empty(x.shape[0], self.weight.shape[1], dtype=x.dtype, device=x.device)
-        plans = None if torch.compiler.is_compiling() else self.kernel_plans  # as ``KeptFP8KernelLinear``'s
-        for place, ((rows, _), stacked, _) in enumerate(self.stacks):
-            out[:, rows] = fp8_kernel.gathered_weight_only_fp8(x, ids, stacked, plans=plans, place=place)
+        plans = [None] * len(self.stacks) if torch.compiler.is_compiling() else self.kernel_plans  # as a kept
+        for ((rows, _), stacked, _), its in zip(self.stacks, plans):  # linear's (``KeptFP8KernelLinear``)
+            out[:, rows] = fp8_kernel.gathered_weight_only_fp8(x, ids, stacked, plans=its)
         return out
 
 
