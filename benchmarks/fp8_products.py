@@ -112,20 +112,16 @@ def fp8_box(n: int, k: int, device, experts: tuple = ()):
     return weight, KeptFP8({}, stored, scales, (BLOCK, BLOCK), (0, 0))
 
 
-GEMV_TILES = [(64, 32), (64, 64), (128, 16), (128, 32), (256, 16), (256, 32)]  # outputs, columns a step
-
-
 def sweep(args, device) -> None:
     from hf_parallel.tensor import fp8_kernel
 
     # stages changed nothing on an H200 and 16 outputs a program was fastest (the loads seem not to be pipelined,
     # the card not filled): tiles loaded together (unroll) and runs of columns (split) may (4 warps: 8 on 16
     # outputs a program make way for the GEMV launches); and GEMV launches (no tl.dot: wider programs, their
-    # products in registers, as one-row Triton kernels elsewhere take them), at outputs and columns a step that
-    # compile for sm_90 without spilling registers (Triton 3.9's ptxas, 4 warps: 128-234 registers a thread)
+    # products in registers, as one-row Triton kernels elsewhere take them) at ``fp8_kernel.GEMV_TILES``
     launches = [fp8_kernel.Launch(n, 4, 3, swap, unroll, split) for n in (16, 32) for swap in (False, True)
                 for unroll in (1, 4) for split in (1, 2, 4, 8)]  # fmt: skip
-    launches += [fp8_kernel.Launch(n, 4, 3, False, unroll, split, dot=False, tile_k=k) for n, k in GEMV_TILES
+    launches += [fp8_kernel.Launch(n, 4, 3, False, unroll, split, dot=False, tile_k=k) for n, k in fp8_kernel.GEMV_TILES
                  for unroll in (1, 2) for split in (1, 4, 16)]  # fmt: skip
     print("| product | rows | bf16 us | the default launch us: eager, compiled (its split) | fastest launches (us) "
           "| host us a launch: planned and kept, through run (bf16) |\n|---|---|---|---|---|---|")  # fmt: skip

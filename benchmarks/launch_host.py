@@ -81,8 +81,8 @@ def main(argv=None) -> None:
     scales = torch.ones(outputs // 128, inputs // 128)
     kept = KeptFP8({}, weight, scales, (128, 128), (0, 0))
     stacked = KeptFP8({}, weight.expand(args.experts, -1, -1), scales.expand(args.experts, -1, -1), (128, 128), (0, 0))
-    x, pairs, ids = torch.zeros(1, 1, inputs, dtype=torch.bfloat16), torch.zeros(2, inputs, dtype=torch.bfloat16), \
-        torch.tensor([1, 3])  # fmt: skip
+    x, pairs = torch.zeros(1, 1, inputs, dtype=torch.bfloat16), torch.zeros(2, inputs, dtype=torch.bfloat16)
+    ids = torch.tensor([1, 3])
     plans, stack_plans = fp8_kernel.Plans(), fp8_kernel.Plans()  # each kept weight's own, as modules hold them
     rows = {
         f"plain {outputs} x {inputs}, one row": (

@@ -117,10 +117,10 @@ def test_the_other_launches_compute_the_same_product(interpreted, box):
     wants = {"plain": F.linear(x, experts[0].dequantize(torch.float32)),
              "gathered": torch.stack([pairs[p] @ experts[e].dequantize(torch.float32).T
                                       for p, e in enumerate(ids.tolist())])}  # fmt: skip
+    # wide tiles: the interpreter's cost is per program
     launches = [interpreted.Launch(32, 4, 2, swap=True, unroll=2), interpreted.Launch(64, 4, 3, unroll=3, split=2),
                 interpreted.Launch(64, 4, 3, swap=True, split=4, tile_k=32), interpreted.Launch(64, 4, 3, dot=False),
-                interpreted.Launch(32, 2, 2, unroll=2, split=4, dot=False, tile_k=16)]  # wide tiles: the
-    # interpreter's cost is per program
+                interpreted.Launch(32, 2, 2, unroll=2, split=4, dot=False, tile_k=16)]
     for launch in launches:
         gots = {"plain": interpreted.weight_only_fp8(x, experts[0], launch),
                 "gathered": interpreted.gathered_weight_only_fp8(pairs, ids, stacked, launch)}  # fmt: skip
@@ -212,7 +212,7 @@ def _a_second_step_reuses_each_linears_plan(interpreted, kept, linears: list, mo
     plans, other = linears[0].kernel_plans, dataclasses.replace(linears[0].kept_weight.whole)  # another weight
     x = torch.randn(2, linears[0].in_features)
     interpreted.weight_only_fp8(x, other, plans=plans)  # the first weight's plans dropped
-    assert plans.kept is other and list(plans) == [(x.shape, torch.float32, interpreted.PLAIN)]
+    assert plans.owner[0] is other and list(plans) == [(x.shape, torch.float32, interpreted.PLAIN)]
 
 
 def test_kept_fp8_linears_take_the_kernel_up_to_its_rows(interpreted, tiny_root, monkeypatch):

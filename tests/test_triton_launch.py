@@ -183,10 +183,12 @@ def test_a_compiled_step_captures_the_fp8_kernels_whole_split_and_summed(monkeyp
         assert methods == ["sum", "to"], graph.code
 
 
-def test_the_default_launches_compile_for_hopper_without_spilling_registers(made_for_a_card):
-    """Both FP8 kernels' default launches, compiled for sm_90 (H100 / H200) by Triton's own ptxas on this CPU:
-    no register spills (a kernel that spills reads and writes local memory each step: what a GEMV at 128
-    columns a step did). At a decode step's rows and at ``KERNEL_ROWS``."""
+def test_the_fp8_launches_compile_for_hopper_without_spilling_registers(made_for_a_card):
+    """Both FP8 kernels' default launches (at a decode step's rows and at ``KERNEL_ROWS``) and the GEMV launches
+    the sweep times (``GEMV_TILES``, at ``GEMV_ROWS`` rows, two tiles loaded at once), compiled for sm_90
+    (H100 / H200) in bfloat16 by Triton's own ptxas on this CPU: no register spills (a kernel that spills reads
+    and writes local memory each step: what a GEMV at 128 columns a step did). Float32 products are not
+    checked: the tiers compare them exactly, and the defaults spill there."""
     import os
     import subprocess
     import tempfile
@@ -201,6 +203,8 @@ def test_the_default_launches_compile_for_hopper_without_spilling_registers(made
     pointers = {"x_ptr": "*bf16", "ids_ptr": "*i64", "out_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32"}
     cases = [(made_for_a_card.weight_only_fp8, fp8_kernel.PLAIN, rows) for rows in (1, fp8_kernel.KERNEL_ROWS)]
     cases.append((made_for_a_card.gathered_weight_only_fp8, fp8_kernel.GATHERED, 1))
+    cases += [(made_for_a_card.weight_only_fp8, fp8_kernel.Launch(n, 4, 3, unroll=2, dot=False, tile_k=k),
+               fp8_kernel.GEMV_ROWS) for n, k in fp8_kernel.GEMV_TILES]  # fmt: skip
     dump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     for kernel, launch, rows in cases:
         tile_m, tile = fp8_kernel._tile_rows(rows, launch), fp8_kernel._columns_a_step(launch, 128)  # 128 blocks
@@ -213,4 +217,4 @@ def test_the_default_launches_compile_for_hopper_without_spilling_registers(made
             cubin.write(compiled.asm["cubin"])
             cubin.flush()
             usage = subprocess.run([dump, "--dump-resource-usage", cubin.name], capture_output=True, text=True)
-        assert usage.returncode == 0 and " STACK:0 " in usage.stdout, (kernel.__name__, rows, usage.stdout)
+        assert usage.returncode == 0 and " STACK:0 " in usage.stdout, (kernel.__name__, launch, rows, usage.stdout)

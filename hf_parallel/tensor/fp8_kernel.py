@@ -40,6 +40,7 @@ import dataclasses
 import functools
 import importlib.util
 import math
+import operator
 import os
 import warnings
 from typing import NamedTuple
@@ -90,6 +91,10 @@ GATHERED = Launch(tile_n=16, warps=4, stages=2, split=0)  # 8.7 us where tile_n=
 # the card (L40S 142, B200 148 multiprocessors); the sweep times splits on the card
 PROGRAMS = 256
 GEMV_ROWS = 4  # the rows of a program whose products do not go through ``tl.dot`` (its sums: a tile per row)
+# the GEMV launches' outputs a program and columns a step that ``fp8_products.py --sweep`` times: those that compile
+# for sm_90 without spilling registers at up to ``GEMV_ROWS`` bfloat16 rows, 4 warps, two tiles loaded at once
+# (Triton 3.9's ptxas; ``tests/test_triton_launch.py``); at 128 columns a step every GEMV tile spilled
+GEMV_TILES = ((32, 64), (64, 16), (64, 32), (128, 16), (128, 32), (256, 16))
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 COMPUTE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 WHOLE = 1 << 30  # a "block" spanning any weight: one scale along that dim
@@ -120,7 +125,7 @@ def weight_only_fp8(x: torch.Tensor, kept: KeptFP8, launch: Launch = PLAIN, plan
     runs on its device). ``plans``: where the caller keeps this weight's launches (``Plans``)."""
     source = _loaded(x.device)
     x = x if x.is_contiguous() else x.contiguous()  # its rows a stride of ``inputs`` apart: no reshape (host time)
-    plan = _planned(plans, (x.shape, x.dtype, launch), kept, lambda: _plain_plan(x, kept, launch, source))
+    plan = _planned(plans, (x.shape, x.dtype, launch), (kept, source), lambda: _plain_plan(x, kept, launch, source))
     return _launched(source.launch_weight_only_fp8, plan, x)
 
 
@@ -161,25 +166,27 @@ def _tile_rows(rows: int, launch: Launch) -> int:
         return 16 if rows <= 16 else 32 if rows <= 32 else 64
     if launch.swap:
         raise ValueError(f"{launch}: swap orders tl.dot's operands, and this launch takes no tl.dot")
-    return 1 if rows <= 1 else 2 if rows <= 2 else GEMV_ROWS
+    return min(1 << (rows - 1).bit_length(), GEMV_ROWS)
 
 
 class Plan(NamedTuple):
     """A kept weight's product for inputs of one shape and dtype, all but its input and output worked out:
     its output's shape and dtype (split-K's runs: float32) and its launch, bound (``triton_launch.bind``)."""
 
-    shape: tuple
-    dtype: torch.dtype
+    out_shape: tuple
+    out_dtype: torch.dtype
     bound: triton_launch.Bound
 
 
 class Plans(dict):
     """A kept weight's ``Plan`` per input shape, dtype and launch, worked out at its first product in eager
     and reused after (the host's time: a decode step's product repeats one shape); a module keeps one for each
-    kept weight it multiplies by a kernel. ``kept``: the weight they are for (another weight's product drops
-    them all). A copy starts empty: a plan holds the tensors and addresses it was worked out for."""
+    kept weight it multiplies by a kernel. ``owner``: the weight they are for and the kernels' module (``fp8_triton``,
+    made for a card or for Triton's interpreter): another's product drops them all. A weight's box is replaced
+    whole, never a field of it. A copy starts empty: a plan holds the tensors and addresses it was worked out
+    for."""
 
-    kept: KeptFP8 | None = None
+    owner: tuple | None = None
 
     def __deepcopy__(self, memo) -> Plans:
         return Plans()
@@ -188,15 +195,16 @@ class Plans(dict):
         return Plans, ()
 
 
-def _planned(plans: Plans | None, key: tuple, kept: KeptFP8, plan) -> Plan:
-    """``plans[key]``, else ``plan()`` kept there (in eager; plans of another weight dropped first: a module's
-    weight replaced); in a compiled step always ``plan()``, which the graph traces once (the caller passes no
-    plans there: dynamo would guard on their count, and recompile after each eager plan)."""
+def _planned(plans: Plans | None, key: tuple, owner: tuple, plan) -> Plan:
+    """``plans[key]``, else ``plan()`` kept there (in eager; plans of another owner dropped first: a module's
+    weight replaced, or the kernels' module made again); in a compiled step always ``plan()``, which the graph
+    traces once (the caller passes no plans there: dynamo would guard on their count, and recompile after
+    each eager plan)."""
     if plans is None or torch.compiler.is_compiling():
         return plan()
-    if plans.kept is not kept:
+    if plans.owner is None or any(map(operator.is_not, plans.owner, owner)):
         plans.clear()
-        plans.kept = kept
+        plans.owner = owner
     found = plans.get(key)
     if found is None:
         found = plans[key] = plan()
@@ -208,7 +216,7 @@ def _launched(cached, plan: Plan, *tensors: torch.Tensor) -> torch.Tensor:
     output of the plan's, then split-K's runs summed and rounded to the input's dtype where it splits (in eager
     a sum and a cast, which a compiled step fuses into one kernel)."""
     x = tensors[0]
-    out = torch.empty(plan.shape, dtype=plan.dtype, device=x.device)
+    out = torch.empty(plan.out_shape, dtype=plan.out_dtype, device=x.device)
     cached(plan.bound, *tensors, out)
     return out if plan.bound.grid[2] == 1 else out.sum(0).to(x.dtype)
 
@@ -380,7 +388,7 @@ def gathered_weight_only_fp8(x: torch.Tensor, ids: torch.Tensor, stacked: KeptFP
     source = _loaded(x.device)
     x = x if x.stride(-1) == 1 else x.contiguous()
     key = (x.shape, x.stride(0), x.dtype, launch)
-    plan = _planned(plans, key, stacked, lambda: _gathered_plan(x, stacked, launch, source))
+    plan = _planned(plans, key, (stacked, source), lambda: _gathered_plan(x, stacked, launch, source))
     return _launched(source.launch_gathered_weight_only_fp8, plan, x, ids)
 
 

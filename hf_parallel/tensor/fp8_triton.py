@@ -29,6 +29,7 @@ else:  # the same on a card; in the interpreter, only where Triton was imported 
 
     @triton.jit
     def _row_sums(products):
+        """``tl.sum(products, 2)``."""
         return tl.sum(products, 2)
 
 

@@ -109,9 +109,10 @@ class ExpertRows:
     def product(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Each row ``p`` of ``x`` times expert ``ids[p]``'s weight as stored (``multiplies_as_stored``)."""
         out = torch.empty(x.shape[0], self.weight.shape[1], dtype=x.dtype, device=x.device)
-        plans = [None] * len(self.stacks) if torch.compiler.is_compiling() else self.kernel_plans  # as a kept
-        for ((rows, _), stacked, _), its in zip(self.stacks, plans):  # linear's (``KeptFP8KernelLinear``)
-            out[:, rows] = fp8_kernel.gathered_weight_only_fp8(x, ids, stacked, plans=its)
+        # none while compiling, as ``KeptFP8KernelLinear``'s (dynamo would guard on their lengths)
+        plans = [None] * len(self.stacks) if torch.compiler.is_compiling() else self.kernel_plans
+        for ((rows, _), stacked, _), stack_plans in zip(self.stacks, plans):
+            out[:, rows] = fp8_kernel.gathered_weight_only_fp8(x, ids, stacked, plans=stack_plans)
         return out
 
 

@@ -63,8 +63,9 @@ class KeptFP8KernelLinear(KeptKernelLinear):
     KERNEL_ROWS = fp8_kernel.KERNEL_ROWS
 
     def kernel_product(self, x: torch.Tensor) -> torch.Tensor:
-        plans = None if torch.compiler.is_compiling() else self.kernel_plans  # traced, a dict of plans is guarded
-        return fp8_kernel.weight_only_fp8(x, self.kept_weight.whole, plans=plans)  # on its length: recompiles
+        # none while compiling: dynamo guards a dict it reads on its length, so each eager plan would recompile
+        plans = None if torch.compiler.is_compiling() else self.kernel_plans
+        return fp8_kernel.weight_only_fp8(x, self.kept_weight.whole, plans=plans)
 
 
 class KeptInt4Linear(KeptKernelLinear):
