@@ -92,8 +92,7 @@ def through_run(name: str):
     from hf_parallel.tensor import fp8_triton
 
     kept = getattr(fp8_triton, name)
-    setattr(fp8_triton, name, lambda bound, *tensors: kept.kernel[bound.grid](
-        *tensors, *bound.fixed, **bound.constexprs, num_warps=bound.warps, num_stages=bound.stages))  # fmt: skip
+    setattr(fp8_triton, name, kept.through_run)
     try:
         yield
     finally:

@@ -136,11 +136,10 @@ def _plain_plan(x: torch.Tensor, kept: KeptFP8, launch: Launch, source) -> Plan:
     tile = _columns_a_step(launch, tile)
     tile_m = _tile_rows(rows, launch)
     grid = (-(-rows // tile_m), -(-outputs // launch.tile_n))
-    grid, dtype = _split_grid(launch, grid, inputs + kept.offset[1] % tile, tile, x.dtype)
     fixed = (kept.weight, scales, rows, outputs, inputs, inputs, kept.weight.stride(0), scales.stride(0), outputs,
              kept.offset[0], kept.offset[1], block_rows, block_columns)  # fmt: skip
-    bound = triton_launch.bind(grid, fixed, _constexprs(launch, tile_m, tile, x, source), launch.warps, launch.stages)
-    return Plan(_runs_shape(grid, (*x.shape[:-1], outputs)), dtype, bound)
+    columns = inputs + kept.offset[1] % tile
+    return _plan(launch, grid, columns, tile, tile_m, fixed, (*x.shape[:-1], outputs), x, source)
 
 
 def _constexprs(launch: Launch, tile_m: int, tile: int, x: torch.Tensor, source) -> dict:
@@ -221,16 +220,15 @@ def _launched(cached, plan: Plan, *tensors: torch.Tensor) -> torch.Tensor:
     return out if plan.bound.grid[2] == 1 else out.sum(0).to(x.dtype)
 
 
-def _split_grid(launch: Launch, grid: tuple, columns: int, tile: int, dtype: torch.dtype):
-    """A launch's grid of three and its output's dtype: ``dtype``, or float32 for split-K's runs where the
-    launch splits (``_split``; ``columns``: from the first tile's start)."""
+def _plan(launch: Launch, grid: tuple, columns: int, tile: int, tile_m: int, fixed: tuple, shape: tuple,
+          x: torch.Tensor, source) -> Plan:  # fmt: skip
+    """Either kernel's ``Plan``: ``grid`` (two sizes) given its third, the runs ``_split`` cuts the columns
+    into (``columns``: from the first tile's start), and the output: ``shape`` in the input's dtype, or
+    split-K's float32 runs of it, ``[split, *shape]``; ``fixed`` and the constexprs bound."""
     split = _split(launch, grid[0] * grid[1], columns, tile)
-    return (*grid, split), dtype if split == 1 else torch.float32
-
-
-def _runs_shape(grid: tuple, shape: tuple) -> tuple:
-    """The output's shape for a product of ``shape``: itself, or ``[split, *shape]`` for split-K's runs."""
-    return shape if grid[2] == 1 else (grid[2], *shape)
+    grid = (*grid, split)
+    bound = triton_launch.bind(grid, fixed, _constexprs(launch, tile_m, tile, x, source), launch.warps, launch.stages)
+    return Plan(shape, x.dtype, bound) if split == 1 else Plan((split, *shape), torch.float32, bound)
 
 
 def _split(launch: Launch, programs: int, columns: int, tile: int) -> int:
@@ -398,12 +396,10 @@ def _gathered_plan(x: torch.Tensor, stacked: KeptFP8, launch: Launch, source) ->
     block_rows, block_columns, tile = _launch_blocks(stacked.block, scales.shape[1:])
     tile = _columns_a_step(launch, tile)
     grid = (pairs, -(-outputs // launch.tile_n))
-    grid, dtype = _split_grid(launch, grid, inputs + stacked.offset[1] % tile, tile, x.dtype)
     fixed = (weight, scales, outputs, inputs, x.stride(0), weight.stride(0), weight.stride(1), scales.stride(0),
              scales.stride(1), outputs, stacked.offset[0], stacked.offset[1], block_rows, block_columns)  # fmt: skip
-    constexprs = _constexprs(launch, _tile_rows(1, launch), tile, x, source)
-    bound = triton_launch.bind(grid, fixed, constexprs, launch.warps, launch.stages)
-    return Plan(_runs_shape(grid, (pairs, outputs)), dtype, bound)
+    columns = inputs + stacked.offset[1] % tile
+    return _plan(launch, grid, columns, tile, _tile_rows(1, launch), fixed, (pairs, outputs), x, source)
 
 
 @functools.cache

@@ -69,10 +69,14 @@ class CachedLaunch:
     def __init__(self, kernel):
         self.kernel, self.kernels, self.off = kernel, {}, False
 
+    def through_run(self, bound: Bound, *tensors: torch.Tensor):
+        """Triton's own launch (``JITFunction.run``): the compiled kernel it launched, or None (interpreter)."""
+        return self.kernel[bound.grid](*tensors, *bound.fixed, **bound.constexprs, num_warps=bound.warps,
+                                       num_stages=bound.stages)  # fmt: skip
+
     def __call__(self, bound: Bound, *tensors: torch.Tensor) -> None:
         if torch.compiler.is_compiling() or torch.version.hip or self.off or _compiled_kernel() is None:
-            self.kernel[bound.grid](*tensors, *bound.fixed, **bound.constexprs, num_warps=bound.warps,
-                                    num_stages=bound.stages)  # fmt: skip
+            self.through_run(bound, *tensors)
             return
         device = torch.cuda.current_device() if tensors[0].is_cuda else -1
         key = (bound.key, device, *[(t.dtype, t.data_ptr() % 256) for t in tensors])
@@ -91,8 +95,7 @@ class CachedLaunch:
             raise TypeError(f"{self.kernel.arg_names}: a cached launch passes the constexprs last, in this order, "
                             f"a grid of three sizes and a key bound in eager; given {given}, grid {bound.grid}, "
                             f"key {bound.key}")  # fmt: skip
-        compiled = self.kernel[bound.grid](*tensors, *bound.fixed, **bound.constexprs, num_warps=bound.warps,
-                                           num_stages=bound.stages)  # fmt: skip
+        compiled = self.through_run(bound, *tensors)
         if isinstance(compiled, _compiled_kernel()):
             self.kernels[key] = compiled
 
