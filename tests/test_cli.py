@@ -88,9 +88,10 @@ def test_generate_keeps_a_real_quantized_model_quantized(smollm2, tmp_path, form
     """SmolLM2 as FP8 releases store it (64 x 64 block scales: 576 = 9 blocks, its 3 KV heads 3 blocks) and as
     GPTQ 4-bit releases do (act-order, groups of 64: o_proj's and down_proj's inputs cut inside words' runs of
     groups), generated at TP=2 with ``--keep-quantized`` (each rank holds its slices as stored, dequantized
-    module by module): rank 0 streams the greedy text plain transformers generates in one process from the FP8
-    checkpoint (which it dequantizes) or from the GPTQ weights dequantized as floats (it reads GPTQ only through
-    GPU kernels)."""
+    module by module; GPTQ with ``--keep-quantized int4``: multiplied by torch's int4 kernel): rank 0 streams
+    the greedy text plain transformers generates in one process from the FP8 checkpoint (which it dequantizes)
+    or from the GPTQ weights dequantized as floats (it reads GPTQ only through GPU kernels), and its closing
+    line counts the linears that multiplied each way."""
     import shutil
 
     from safetensors.torch import load_file, save_file
@@ -118,5 +119,8 @@ def test_generate_keeps_a_real_quantized_model_quantized(smollm2, tmp_path, form
     save_file(quantized, path / "model.safetensors", metadata={"format": "pt"})
     want = reference_text(str(reference), 8)
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-    stdout = run(torchrun, str(path), ["--prompt", PROMPT, "--max-new-tokens", "8", "--keep-quantized"])
+    keep = ["--keep-quantized"] + (["int4"] if form == "gptq" else [])
+    stdout = run(torchrun, str(path), ["--prompt", PROMPT, "--max-new-tokens", "8", *keep])
     assert stdout.split("[8 tokens in")[0].strip() == want.strip(), stdout
+    way = "int4 kernel" if form == "gptq" else "dequantized"  # the FP8 kernel is for GPUs
+    assert f"; kept linears: {7 * 30} {way}]" in stdout, stdout  # 30 layers' seven linears, each rank's

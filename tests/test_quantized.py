@@ -309,6 +309,10 @@ def test_weights_kept_quantized_match_one_process_and_save_back_bitwise(
             line = next(line for line in plan_report(path, tp=world_size).splitlines() if "held as read" in line)
             planned = json.loads(re.search(r"held as read: (\[[\d, ]+\])", line).group(1))
             assert planned == [result["held:" + name] for result in results], name
+            int4 = re.search(r"for torch's int4 kernel \(CPU; CUDA in bfloat16\): (\[[\d, ]+\])", line)
+            packed = [result["int4:" + name] for result in results]  # 0 but where keep="int4" takes the kernel
+            if keep == "int4" and name in ("llama_gptq", "llama_awq", "llama_w4_zero_point"):
+                assert min(packed) > 0 and json.loads(int4.group(1)) == packed, (name, line, packed)
 
 
 def test_keep_quantized_is_refused_where_it_cannot_hold(quantized_paths, tiny_paths, tmp_path):

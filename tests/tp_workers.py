@@ -212,10 +212,10 @@ def quantized_logits(rank: int, world_size: int, paths: dict, save_root: str, si
     """Each checkpoint of ``paths`` (quantized) loaded at ``sizes`` (``keep``: its weights kept quantized):
     its logits on INPUT_IDS, and a gathered save under ``save_root/<name>``; kept, "held:<name>" the bytes
     this rank holds (kept parts, and the parameters that are not placeholders), "kinds:<name>" the classes of
-    its kept linears, a per-rank save under ``save_root/<name>_per_rank``, "step:<name>" the logits of
-    INPUT_IDS' first token alone (a decode step's size: fused experts dequantize only the experts it goes to)
-    and "experts:<name>" each kept expert weight gathered by expert id in that step ("dequantized", or "as
-    stored": multiplied by the gathered FP8 kernel)."""
+    its kept linears, "int4:<name>" the bytes of their packs for torch's int4 kernel, a per-rank save under
+    ``save_root/<name>_per_rank``, "step:<name>" the logits of INPUT_IDS' first token alone (a decode step's
+    size: fused experts dequantize only the experts it goes to) and "experts:<name>" each kept expert weight
+    gathered by expert id in that step ("dequantized", or "as stored": multiplied by the gathered FP8 kernel)."""
     import hf_parallel
     from hf_parallel.tensor.kept_experts import ExpertRows
 
@@ -231,6 +231,8 @@ def quantized_logits(rank: int, world_size: int, paths: dict, save_root: str, si
             out["held:" + name] = sum(p.numel() * p.element_size() for p in params) + sum(w.nbytes for w in kept)
             linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and hasattr(m, "kept_weight")]
             out["kinds:" + name] = sorted({type(m).__name__ for m in linears})
+            packs = [m.int4_pack for m in linears if getattr(m, "int4_pack", None) is not None]
+            out["int4:" + name] = sum(t.nbytes for pack in packs for t in pack if isinstance(t, torch.Tensor))
             gathered, rows, product = [], ExpertRows.rows, ExpertRows.product
             ExpertRows.rows = lambda self, ids: gathered.append("dequantized") or rows(self, ids)
             ExpertRows.product = lambda self, x, ids: gathered.append("as stored") or product(self, x, ids)

@@ -377,12 +377,16 @@ class KeptIntegers(Kept):
     def shape(self) -> tuple[int, int]:
         return (self.words.shape[0], self.columns)
 
+    def groups(self, device=None) -> torch.Tensor:
+        """Each of the box's inputs' column in ``scales``, int64 (on ``device``, else the words')."""
+        return (torch.arange(self.columns, device=device or self.words.device) + self.offset[2]) // self.group
+
     def grouped_values(self) -> GroupedValues:
         """Unsigned as stored (the values offset by ``2 ** (bits - 1)``, and so the zero points; symmetric: the
         offset alone), so ``q - z`` is the format's."""
-        (row, column, in_group), rows = self.offset, self.words.shape[0]
+        (row, column, _), rows = self.offset, self.words.shape[0]
         values = _codes(self.words, self.bits, 1).narrow(1, column, self.columns)
-        groups = (torch.arange(self.columns, device=values.device) + in_group) // self.group
+        groups = self.groups()
         if self.zero is None:
             zero = torch.full(self.scales.shape, float(1 << (self.bits - 1)), device=values.device)
         else:
@@ -448,12 +452,13 @@ class KeptGrouped(Kept):
         zero = _codes(self.zero, form.bits, 1, form.order).narrow(1, out_word, outputs).float() + form.zero_offset
         return values, zero
 
-    def groups(self) -> torch.Tensor:
-        """Each of the box's inputs' row in ``scales`` (and in ``integers``' zero points), int64."""
+    def groups(self, device=None) -> torch.Tensor:
+        """Each of the box's inputs' row in ``scales`` (and in ``integers``' zero points), int64 (on ``device``,
+        else the words'; a box kept with ``meta`` holds its act-order ``g_idx`` as read)."""
         inputs, in_group = self.shape[1], self.offset[1]
         if not self.ordered:  # act-order: each input its own group
-            return self.g_idx.long() - self.first_group
-        return (torch.arange(inputs, device=self.words.device) + in_group) // self.group
+            return self.g_idx.to(device or self.g_idx.device).long() - self.first_group
+        return (torch.arange(inputs, device=device or self.words.device) + in_group) // self.group
 
     def grouped_values(self) -> GroupedValues:
         values, zero = self.integers()
@@ -701,7 +706,8 @@ class DequantizedGrouped(Dequantized):
               "zero": (self.keys["qzeros"], (groups, _span(o0, o1, self.per)))}  # fmt: skip
         if self.g_idx is not None:
             at["g_idx"] = (self.keys["g_idx"], (slice(i0, i1),))
-        taken = {field: _take(self.parts[key], index, meta) for field, (key, index) in at.items()}
+        # the groups read even for ``meta`` (4 bytes an input, read already by ``_groups``): a plan's int4 figure
+        taken = {field: _take(self.parts[key], index, meta and field != "g_idx") for field, (key, index) in at.items()}
         offset = (i0 % self.per, i0 % self.group, o0 % self.per)
         return KeptGrouped(at, taken["words"], taken["scales"], taken["zero"], taken.get("g_idx"), ordered,
                            self.form, self.group, offset, groups.start, (o1 - o0, i1 - i0))  # fmt: skip

@@ -47,17 +47,20 @@ def cmd_generate(args) -> None:
     import transformers
 
     from ..api import AutoModelForCausalLM
-    from .default_model import default_checkpoint
     from ..distributed.mesh import shutdown
     from ..state import parallel_state
+    from ..tensor.kept_linear import kept_products
+    from .default_model import default_checkpoint
 
     path = args.model or default_checkpoint()
     start = time.perf_counter()
-    kept = dict(keep_quantized=True) if args.keep_quantized else {}
+    kept = dict(keep_quantized=args.keep_quantized) if args.keep_quantized else {}
     model = AutoModelForCausalLM.from_pretrained(path, tp_plan="auto", dtype=args.dtype, **pipeline_kwargs(args),
                                                  **kept)  # fmt: skip
     load_seconds = time.perf_counter() - start
     mesh = parallel_state(model).mesh
+    ways = ", ".join(f"{n} {way}" for way, n in sorted(kept_products(model).items())) if args.keep_quantized else ""
+    how = f"; kept linears: {ways}" if ways else ""  # which took a kernel, which dequantize
     main, layout = mesh.is_main, str(mesh.shape)
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)
     chat = bool(tokenizer.chat_template) and not args.no_chat_template
@@ -95,7 +98,7 @@ def cmd_generate(args) -> None:
         total = sum(lengths)
         what = f"{total} tokens" if stream else f"{total} tokens for {len(batch)} prompt{'s' * (len(batch) > 1)}"
         print(
-            f"[{what} in {seconds:.2f}s: {total / seconds:.1f} tokens/s; load {load_seconds:.2f}s; {layout}]",
+            f"[{what} in {seconds:.2f}s: {total / seconds:.1f} tokens/s; load {load_seconds:.2f}s; {layout}{how}]",
             flush=True,
         )
     shutdown()
@@ -246,8 +249,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--dtype", default="float32")
     gen.add_argument("--no-chat-template", action="store_true")
-    gen.add_argument("--keep-quantized", action="store_true",
-                     help="a quantized checkpoint's weights held as stored, dequantized module by module")  # fmt: skip
+    gen.add_argument("--keep-quantized", nargs="?", const=True, default=False, choices=["fp8", "int4"],
+                     help="a quantized checkpoint's weights held as stored, dequantized module by module; 'fp8': "
+                     "FP8 multiplied as stored on Hopper; 'int4': GPTQ / AWQ int4 through torch's int4 kernel "
+                     "(from_pretrained's keep_quantized)")  # fmt: skip
     add_pipeline_args(gen)
     gen.add_argument(
         "--micro-batches", type=int, help="with --pp/--stage-tp: micro-batches per forward (default: stages)"

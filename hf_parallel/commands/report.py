@@ -158,7 +158,7 @@ def plan_facts(
         ))  # fmt: skip
     details = [f"left replicated by discovery: {note}" for note in shard.plan.notes]
     if built.quantization is not None:
-        details += quantized_lines(path, model, shard, tp, built.quantization, itemsize)
+        details += quantized_lines(path, model, shard, tp, built.quantization, dtype)
     if lora is not None:
         details += lora_lines(model, shard, tp, lora, dtype)
     if sp * cp > 1:
@@ -171,22 +171,28 @@ def plan_facts(
                      heads, rows, details, totals, full_bytes, at_rest, fsdp)  # fmt: skip
 
 
-def quantized_lines(path: str, model, shard, tp: int, quantization, itemsize: int) -> list[str]:
+def quantized_lines(path: str, model, shard, tp: int, quantization, dtype) -> list[str]:
     """What each rank reads of a quantized checkpoint (its slices of the quantized weights, and of their
-    scales and zero points), from the files' headers (``placed_boxes``, as the load places them); and what
-    it holds with ``keep_quantized=True``."""
+    scales and zero points), from the files' headers (``placed_boxes``, as the load places them); what it
+    holds with ``keep_quantized=True``; and what ``keep_quantized="int4"`` holds besides (a plain linear's
+    int4 weight in one box repacked for torch's int4 kernel, as ``hold_linear`` takes it: from each box's
+    groups, act-order's ``g_idx`` read)."""
     from contextlib import ExitStack
 
     from safetensors import safe_open
+    from torch import nn
 
     from ..checkpoint.keys import FusedSource, checkpoint_sources
     from ..checkpoint.loading import checkpoint_files
     from ..checkpoint.quantized import Dequantized, readable, with_stored_keys
+    from ..tensor.int4_kernel import pack_nbytes
     from ..tensor.kept import placed_boxes
 
     files = with_stored_keys(checkpoint_files(path), quantization)
     direct, fused = checkpoint_sources(model, files)
-    read, scales, kept = [0] * tp, [0] * tp, [0] * tp  # quantized bytes read, of them scales; held if kept
+    itemsize = dtype.itemsize
+    read, scales, kept, int4 = [0] * tp, [0] * tp, [0] * tp, [0] * tp  # quantized bytes read, of them scales;
+    # held if kept; held besides for torch's int4 kernel
     with ExitStack() as stack:
         handles = {}
 
@@ -198,19 +204,30 @@ def quantized_lines(path: str, model, shard, tp: int, quantization, itemsize: in
             whole = tuple((0, n) for n in entry.full_shape)
             boxes = source.boxes(entry.full_shape) if isinstance(source, FusedSource) else [(source, whole)]
             tiles = [(key, box, readable(handle, files, key, quantization)) for key, box in boxes]
+            module, _, attr = entry.name.rpartition(".")
+            plain = attr == "weight" and type(model.get_submodule(module)) is nn.Linear
             for rank in range(tp):
+                local = tuple(entry.layout.local_shape(entry.full_shape, rank))
                 if not isinstance(tiles[0][2], Dequantized):
-                    kept[rank] += math.prod(entry.layout.local_shape(entry.full_shape, rank)) * itemsize
+                    kept[rank] += math.prod(local) * itemsize
                     continue
-                for _, weight, box, _ in placed_boxes(tiles, entry.layout, rank, entry.full_shape):
-                    held = weight.keep(box, meta=True).tensors()
+                placed = [weight.keep(box, meta=True) for _, weight, box, _ in
+                          placed_boxes(tiles, entry.layout, rank, entry.full_shape)]  # fmt: skip
+                for box in placed:
+                    held = box.tensors()
                     read[rank] += sum(t.nbytes for t in held.values())
                     scales[rank] += sum(held[f].nbytes for f in ("scales", "zero") if f in held)
+                if plain and len(placed) == 1:
+                    int4[rank] += pack_nbytes(placed[0], local, dtype)
     kept = [k + r for k, r in zip(kept, read)]
+    besides = ""
+    if any(int4):
+        besides = (f"; keep_quantized='int4' holds besides, for torch's int4 kernel (CPU; CUDA in bfloat16): "
+                   f"{int4} bytes per rank")
     return [
         f"quantized ({type(quantization).__name__}): each rank reads {read} bytes of quantized weights, of which "
         f"scales and zero points {scales}; dequantized into the dtype as read (the bytes per rank below); with "
-        f"keep_quantized=True held as read: {kept} bytes per rank"
+        f"keep_quantized=True held as read: {kept} bytes per rank{besides}"
     ]
 
 

@@ -60,43 +60,75 @@ def int4_pack(kept, shape: tuple, dtype: torch.dtype) -> Int4Pack | None:
     """The kernel's form of a kept box that is a weight of ``shape`` in ``dtype``, or None where the kernels do
     not take it (8 bits, groups of fewer than 32 inputs, a dtype or device without the kernel, the device's
     check failed)."""
-    if not isinstance(kept, (KeptGrouped, KeptIntegers)) or kept.bits != 4 or kept.group < CHUNK:
-        return None
-    device = kept.words.device
-    if tuple(kept.shape) != tuple(shape) or dtype not in COMPUTE_DTYPES.get(device.type, ()) or 0 in shape:
-        return None
-    if not runs_on(device, dtype):
+    if not _takes(kept, shape, dtype, kept.words.device.type) or not runs_on(kept.words.device, dtype):
         return None
     values, zero, scales, groups, group, _ = kept.grouped_values()
     return _packed(values, zero, scales, groups, group, dtype)
 
 
-def _packed(values, zero, scales, groups, group: int, dtype) -> Int4Pack | None:
-    """``values`` [outputs, inputs] (unsigned), ``zero`` / ``scales`` [groups, outputs], ``groups``: each
-    input's row in them. The kernel's group is the largest of ``GROUPS`` that divides the box's count of inputs
-    in every group (a format's whole groups of 128 stay 128; a scale per output row, or a shard starting inside
-    a group, take the largest that fits); where none does (act-order shards touch most groups with a few
-    inputs each) each group's inputs fill chunks of ``CHUNK`` slots, each chunk with its group's scale and
-    zero, so the contraction stays about the shard's own width."""
-    (outputs, inputs), device = values.shape, values.device
+def _takes(kept, shape: tuple, dtype: torch.dtype, device_type: str) -> bool:
+    """Whether the kernels on ``device_type`` take ``kept`` as a weight of ``shape`` in ``dtype`` (before the
+    device's check)."""
+    if not isinstance(kept, (KeptGrouped, KeptIntegers)) or kept.bits != 4 or kept.group < CHUNK:
+        return False
+    return tuple(kept.shape) == tuple(shape) and dtype in COMPUTE_DTYPES.get(device_type, ()) and 0 not in shape
+
+
+def pack_nbytes(kept, shape: tuple, dtype: torch.dtype) -> int:
+    """The bytes ``int4_pack`` holds for ``kept`` beside its stored parts (its layout, the scales and zeros in
+    ``dtype``, the slots), from the box's groups alone: a box kept with ``meta`` (no weight read) gives a
+    plan's figure. 0 where the CPU's kernel does not take it (CUDA's takes bfloat16 only; the same bytes)."""
+    if not _takes(kept, shape, dtype, "cpu"):
+        return 0
+    groups = kept.groups("cpu")
+    contraction = _contraction(groups, kept.group)
+    if contraction is None:
+        return 0
+    step, _, slots, width, in_place = contraction
+    rows = -(-shape[0] // PAD) * PAD
+    return rows * width // 2 + width // step * rows * 2 * dtype.itemsize + (0 if in_place else slots.nbytes)
+
+
+def _contraction(groups: torch.Tensor, group: int):
+    """The kernel's contraction of a box whose inputs are in ``groups`` (each input's group, from 0): the
+    kernel's group, each of the box's groups' chunks of it, each input's slot and the width; None where a group
+    has more inputs than the format's ``group`` (not this format); and whether every slot is its input's own
+    (in place: no activations spread). The kernel's group is the largest of
+    ``GROUPS`` that divides the box's count of inputs in every group (a format's whole groups of 128 stay 128;
+    a scale per output row, or a shard starting inside a group, take the largest that fits); where none does
+    (act-order shards touch most groups with a few inputs each) each group's inputs fill chunks of ``CHUNK``
+    slots, each chunk with its group's scale and zero, so the contraction stays about the shard's own width."""
+    inputs, device = len(groups), groups.device
     order = torch.argsort(groups, stable=True)
     ranked = groups[order]
     within = torch.arange(inputs, device=device) - torch.searchsorted(ranked, ranked)  # rank inside its group
-    counts = torch.bincount(groups, minlength=scales.shape[0])
-    if inputs and int(counts.max()) > group:  # more inputs in a group than it has: not this format
+    counts = torch.bincount(groups)
+    if inputs and int(counts.max()) > group:
         return None
     step = next((size for size in reversed(GROUPS) if not bool((counts % size).any())), CHUNK)
     chunks = -(-counts // step)
     starts = (torch.cumsum(chunks, 0) - chunks) * step  # each group's first slot
     slots = torch.empty_like(order)
     slots[order] = starts[ranked] + within
-    width, rows = int(chunks.sum()) * step, -(-outputs // PAD) * PAD
+    width = int(chunks.sum()) * step
+    return step, chunks, slots, width, width == inputs and torch.equal(slots, torch.arange(inputs, device=device))
+
+
+def _packed(values, zero, scales, groups, group: int, dtype) -> Int4Pack | None:
+    """``values`` [outputs, inputs] (unsigned), ``zero`` / ``scales`` [groups, outputs], ``groups``: each
+    input's row in them; in the kernel's contraction (``_contraction``)."""
+    outputs, device = values.shape[0], values.device
+    contraction = _contraction(groups, group)
+    if contraction is None:
+        return None
+    step, chunks, slots, width, in_place = contraction
+    chunks = torch.nn.functional.pad(chunks, (0, scales.shape[0] - len(chunks)))  # groups past the last input's
+    rows = -(-outputs // PAD) * PAD
     codes = torch.full((rows, width), 8, dtype=torch.int32, device=device)  # unused slots: zero activations
     codes[:outputs].index_copy_(1, slots, values.to(torch.int32))
     scale_zero = torch.zeros(width // step, rows, 2, device=device)
     scale_zero[:, :outputs, 0] = scales.repeat_interleave(chunks, 0)
     scale_zero[:, :outputs, 1] = ((8 - zero) * scales).repeat_interleave(chunks, 0)
-    in_place = width == inputs and torch.equal(slots, torch.arange(inputs, device=device))
     packed = _kernel_layout(codes)
     return Int4Pack(packed, scale_zero.to(dtype), step, width, None if in_place else slots, outputs)
 

@@ -11,6 +11,8 @@ over TP before the bias is added once.
 
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -114,3 +116,11 @@ def _fp8_recipe(weight):
         return None
     recipe = supports_block_fp8(kept.weight.device)
     return recipe if recipe is not None and recipe.takes(columns) else None
+
+
+def kept_products(model: nn.Module) -> dict[str, int]:
+    """How ``model``'s kept plain linears multiply: a count per way (``"int4 kernel": 210``), so a run can say
+    whether its kept weights took a kernel or fell back to dequantizing (a refused kernel warns once)."""
+    ways = {KeptLinear: "dequantized", KeptFP8Linear: "W8A8 FP8", KeptFP8KernelLinear: "FP8 kernel",
+            KeptInt4Linear: "int4 kernel"}  # fmt: skip
+    return dict(Counter(ways[type(m)] for m in model.modules() if type(m) in ways))
