@@ -42,7 +42,7 @@ def local_param_bytes(model) -> int:
     seen, total = set(), 0
     if "hf_parallel" in sys.modules:
         total = sum(w.nbytes for w in sys.modules["hf_parallel"].parallel_state(model).kept.values())
-        packs = [m.int4_pack for m in model.modules() if getattr(m, "int4_pack", None) is not None]
+        packs = [pack for m in model.modules() for pack in getattr(m, "int4_packs", None) or []]
         total += sum(t.nbytes for pack in packs for t in pack if isinstance(t, torch.Tensor))
     for param in model.parameters():
         if id(param) in seen or param.device.type == "meta":

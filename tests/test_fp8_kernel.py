@@ -197,19 +197,19 @@ def _a_second_step_reuses_each_linears_plan(interpreted, kept, linears: list, mo
     from tp_workers import INPUT_IDS
 
     shapes = [[(torch.Size([*INPUT_IDS.shape, m.in_features]), torch.float32, interpreted.PLAIN)] for m in linears]
-    assert [list(m.kernel_plans) for m in linears] == shapes
+    assert [[list(plans) for plans in m.kernel_plans] for m in linears] == [[shape] for shape in shapes]
     made, plan = [], interpreted._plain_plan
     monkeypatch.setattr(interpreted, "_plain_plan", lambda *arguments: made.append(1) or plan(*arguments))
     with torch.no_grad():
         kept(INPUT_IDS[:, :3])
         planned = kept(INPUT_IDS[:, 3:6]).logits
-        assert len(made) == len(linears) and [len(m.kernel_plans) for m in linears] == [2] * len(linears)
-        plans = copy.deepcopy(linears[0].kernel_plans), pickle.loads(pickle.dumps(linears[0].kernel_plans))
+        assert len(made) == len(linears) and [len(m.kernel_plans[0]) for m in linears] == [2] * len(linears)
+        plans = copy.deepcopy(linears[0].kernel_plans[0]), pickle.loads(pickle.dumps(linears[0].kernel_plans[0]))
         for linear in linears:
-            linear.kernel_plans.clear()
+            linear.kernel_plans[0].clear()
         afresh = kept(INPUT_IDS[:, 3:6]).logits
     assert len(made) == 2 * len(linears) and torch.equal(planned, afresh) and plans == ({}, {})
-    plans, other = linears[0].kernel_plans, dataclasses.replace(linears[0].kept_weight.whole)  # another weight
+    plans, other = linears[0].kernel_plans[0], dataclasses.replace(linears[0].kernel_boxes[0])  # another weight
     x = torch.randn(2, linears[0].in_features)
     interpreted.weight_only_fp8(x, other, plans=plans)  # the first weight's plans dropped
     assert plans.owner[0] is other and list(plans) == [(x.shape, torch.float32, interpreted.PLAIN)]
@@ -220,7 +220,7 @@ def test_kept_fp8_linears_take_the_kernel_up_to_its_rows(interpreted, tiny_root,
     linear takes the kernel (``KeptFP8KernelLinear``) and gives the logits of the checkpoint dequantized as
     read; a batch of more than ``KERNEL_ROWS`` rows takes the dequantized product, and so do an input
     that needs a gradient and one of another dtype; ue8m0 scales (``llama_fp8_ue8m0``) stay dequantized
-    (``KeptLinear``)."""
+    (``KeptLinear``). Phi-3's packed q|k|v and gate|up (a box a part) take it a part each, joined."""
     from tiny_models import make_fp8_checkpoint
     from tp_workers import INPUT_IDS
 
@@ -252,3 +252,12 @@ def test_kept_fp8_linears_take_the_kernel_up_to_its_rows(interpreted, tiny_root,
     ue8m0 = hf_parallel.AutoModelForCausalLM.from_pretrained(make_fp8_checkpoint("llama_fp8_ue8m0", tiny_root),
                                                              dtype=torch.bfloat16, keep_quantized=True)  # fmt: skip
     assert {type(m).__name__ for m in ue8m0.model.layers.modules() if isinstance(m, nn.Linear)} == {"KeptLinear"}
+    phi3 = make_fp8_checkpoint("phi3_fp8", tiny_root)
+    kept = hf_parallel.AutoModelForCausalLM.from_pretrained(phi3, dtype=torch.float32, keep_quantized=True)
+    read = hf_parallel.AutoModelForCausalLM.from_pretrained(phi3, dtype=torch.float32)
+    boxes = {name: len(m.kernel_boxes) for name, m in kept.model.layers[0].named_modules() if isinstance(m, nn.Linear)}
+    assert boxes == {"self_attn.qkv_proj": 3, "self_attn.o_proj": 1, "mlp.gate_up_proj": 2, "mlp.down_proj": 1}
+    calls.clear()
+    with torch.no_grad():
+        torch.testing.assert_close(kept(INPUT_IDS).logits, read(INPUT_IDS).logits, rtol=1e-5, atol=1e-5)
+    assert len(calls) == 7 * kept.config.num_hidden_layers  # a product a box

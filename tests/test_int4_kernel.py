@@ -101,17 +101,18 @@ def test_a_kernel_that_computes_otherwise_is_refused_at_load(monkeypatch):
 
 def test_kept_int4_linears_take_the_int4_kernel(tiny_root, monkeypatch):
     """One process, ``keep_quantized="int4"``: act-order GPTQ (``llama_gptq``), GPTQ with one group of all the
-    inputs (``phi3_gptq``: groups of 96 and 160 inputs; its packed q|k|v and gate|up are a box per part, which
-    stay dequantized), AWQ with partial groups and 80 outputs (``llama_awq``), and compressed-tensors' W4A16
-    (groups of 32; zero points packed along the rows with partial groups; a scale and zero point per output
-    row) kept: every other kept decoder linear takes the kernel and gives
-    the logits of the checkpoint dequantized as read (float32 within 1e-5, bfloat16 within its rounding); a
+    inputs (``phi3_gptq``: groups of 96 and 160 inputs; its packed q|k|v and gate|up are a box per part, each
+    through the kernel, the products joined), AWQ with partial groups and 80 outputs (``llama_awq``), and
+    compressed-tensors' W4A16 (groups of 32; zero points packed along the rows with partial groups; a scale and
+    zero point per output row) kept: every kept decoder linear takes the kernel and gives the logits of the checkpoint dequantized as read (float32 within 1e-5, bfloat16 within its rounding), its
+    copies' bytes as ``hf-parallel plan`` gives them; a
     batch over ``KERNEL_ROWS`` rows takes the dequantized product; ``keep_quantized=True`` holds the stored
     bytes alone (dequantized per module), and so does 8-bit GPTQ, with a warning."""
     from tiny_models import make_grouped_checkpoint, make_packed_checkpoint
     from tp_workers import INPUT_IDS
 
     import hf_parallel
+    from hf_parallel.commands.report import plan_report
 
     calls = []
     product = int4_kernel.int4_product
@@ -125,17 +126,23 @@ def test_kept_int4_linears_take_the_int4_kernel(tiny_root, monkeypatch):
             kept = hf_parallel.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, keep_quantized="int4")
             read = hf_parallel.AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
             linears = {n: m for n, m in kept.model.layers.named_modules() if hasattr(m, "kept_weight")}
-            for module_name, module in linears.items():  # Phi-3's packed parts: a box each, dequantized
-                several = name == "phi3_gptq" and module_name.endswith(("qkv_proj", "gate_up_proj"))
-                assert type(module).__name__ == ("KeptLinear" if several else "KeptInt4Linear"), (name, module_name)
-            taking = [m for m in linears.values() if type(m).__name__ == "KeptInt4Linear"]
+            for module_name, module in linears.items():  # Phi-3's packed parts: a box each, a product each
+                parts = {"qkv_proj": 3, "gate_up_proj": 2}.get(module_name.rpartition(".")[2], 1)
+                parts = parts if name == "phi3_gptq" else 1
+                assert type(module).__name__ == "KeptInt4Linear", (name, module_name)
+                assert len(module.int4_packs) == parts, (name, module_name)
+            held = sum(t.nbytes for m in linears.values() for pack in m.int4_packs for t in pack
+                       if isinstance(t, torch.Tensor))
+            line = next(line for line in plan_report(path, tp=1, dtype=dtype).splitlines() if "int4 kernel" in line)
+            assert f"(CPU; CUDA in bfloat16): [{held}] bytes" in line, (name, dtype, held, line)  # the plan's figure
+            packs = sum(len(m.int4_packs) for m in linears.values())
             calls.clear()
             with torch.no_grad():
                 for ids in (INPUT_IDS, INPUT_IDS.repeat(1, 5)):  # 14 rows: the kernel; 70: dequantized
                     want = read(ids).logits.float()
                     got = kept(ids).logits.float()
                     torch.testing.assert_close(got, want, rtol=0, atol=within * want.abs().max().item())
-            assert calls == [INPUT_IDS.numel()] * len(taking), (name, calls)
+            assert calls == [INPUT_IDS.numel()] * packs, (name, calls)
     path = make_grouped_checkpoint("llama_gptq", tiny_root)[0]  # keep_quantized=True: the stored bytes alone
     kept = hf_parallel.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, keep_quantized=True)
     assert {type(m).__name__ for m in kept.model.layers.modules() if hasattr(m, "kept_weight")} == {"KeptLinear"}

@@ -160,10 +160,11 @@ def test_a_compiled_step_captures_the_fp8_kernels_whole_split_and_summed(monkeyp
 
     linear = nn.Linear(4096, 1536, bias=False, device="meta")
     linear.__class__ = KeptFP8KernelLinear
-    linear.kept_weight, linear.kernel_plans = SimpleNamespace(whole=kept, dtype=torch.bfloat16), fp8_kernel.Plans()
+    linear.kept_weight, linear.kernel_boxes = SimpleNamespace(dtype=torch.bfloat16), [kept]
+    linear.kernel_plans = [fp8_kernel.Plans()]
     rows = ExpertRows(SimpleNamespace(shape=stacked.weight.shape), [((slice(0, 1536), slice(0, 4096)), stacked, False)])
     ids, x = torch.tensor([3]), torch.zeros(1, 4096, dtype=torch.bfloat16)
-    products = [(linear.kernel_product, linear.kernel_plans), (lambda x: rows.product(x, ids), rows.kernel_plans[0])]
+    products = [(linear.kernel_product, linear.kernel_plans[0]), (lambda x: rows.product(x, ids), rows.kernel_plans[0])]
     try:
         for product, plans in products:
             compiled = torch.compile(product, backend=kept_graph, fullgraph=True)

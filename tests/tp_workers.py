@@ -231,7 +231,7 @@ def quantized_logits(rank: int, world_size: int, paths: dict, save_root: str, si
             out["held:" + name] = sum(p.numel() * p.element_size() for p in params) + sum(w.nbytes for w in kept)
             linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and hasattr(m, "kept_weight")]
             out["kinds:" + name] = sorted({type(m).__name__ for m in linears})
-            packs = [m.int4_pack for m in linears if getattr(m, "int4_pack", None) is not None]
+            packs = [pack for m in linears for pack in getattr(m, "int4_packs", None) or []]
             out["int4:" + name] = sum(t.nbytes for pack in packs for t in pack if isinstance(t, torch.Tensor))
             gathered, rows, product = [], ExpertRows.rows, ExpertRows.product
             ExpertRows.rows = lambda self, ids: gathered.append("dequantized") or rows(self, ids)

@@ -175,8 +175,8 @@ def quantized_lines(path: str, model, shard, tp: int, quantization, dtype) -> li
     """What each rank reads of a quantized checkpoint (its slices of the quantized weights, and of their
     scales and zero points), from the files' headers (``placed_boxes``, as the load places them); what it
     holds with ``keep_quantized=True``; and what ``keep_quantized="int4"`` holds besides (a plain linear's
-    int4 weight in one box repacked for torch's int4 kernel, as ``hold_linear`` takes it: from each box's
-    groups, act-order's ``g_idx`` read)."""
+    int4 weight in boxes of whole rows repacked for torch's int4 kernel, as ``hold_linear`` takes it: from
+    each box's groups, act-order's ``g_idx`` read)."""
     from contextlib import ExitStack
 
     from safetensors import safe_open
@@ -186,7 +186,7 @@ def quantized_lines(path: str, model, shard, tp: int, quantization, dtype) -> li
     from ..checkpoint.loading import checkpoint_files
     from ..checkpoint.quantized import Dequantized, readable, with_stored_keys
     from ..tensor.int4_kernel import pack_nbytes
-    from ..tensor.kept import placed_boxes
+    from ..tensor.kept import placed_boxes, rows_in_order
 
     files = with_stored_keys(checkpoint_files(path), quantization)
     direct, fused = checkpoint_sources(model, files)
@@ -211,14 +211,15 @@ def quantized_lines(path: str, model, shard, tp: int, quantization, dtype) -> li
                 if not isinstance(tiles[0][2], Dequantized):
                     kept[rank] += math.prod(local) * itemsize
                     continue
-                placed = [weight.keep(box, meta=True) for _, weight, box, _ in
+                placed = [(weight.keep(box, meta=True), at) for _, weight, box, at in
                           placed_boxes(tiles, entry.layout, rank, entry.full_shape)]  # fmt: skip
-                for box in placed:
+                for box, _ in placed:
                     held = box.tensors()
                     read[rank] += sum(t.nbytes for t in held.values())
                     scales[rank] += sum(held[f].nbytes for f in ("scales", "zero") if f in held)
-                if plain and len(placed) == 1:
-                    int4[rank] += pack_nbytes(placed[0], local, dtype)
+                if plain and rows_in_order([at for _, at in placed], local) is not None:
+                    packed = [pack_nbytes(box, tuple(s.stop - s.start for s in at), dtype) for box, at in placed]
+                    int4[rank] += sum(packed) if all(packed) else 0  # every box through the kernel, or none
     kept = [k + r for k, r in zip(kept, read)]
     besides = ""
     if any(int4):

@@ -60,18 +60,19 @@ def int4_pack(kept, shape: tuple, dtype: torch.dtype) -> Int4Pack | None:
     """The kernel's form of a kept box that is a weight of ``shape`` in ``dtype``, or None where the kernels do
     not take it (8 bits, groups of fewer than 32 inputs, a dtype or device without the kernel, the device's
     check failed)."""
-    if not _takes(kept, shape, dtype, kept.words.device.type) or not runs_on(kept.words.device, dtype):
+    if not _takes(kept, shape, dtype) or not runs_on(kept.words.device, dtype):
         return None
     values, zero, scales, groups, group, _ = kept.grouped_values()
     return _packed(values, zero, scales, groups, group, dtype)
 
 
-def _takes(kept, shape: tuple, dtype: torch.dtype, device_type: str) -> bool:
-    """Whether the kernels on ``device_type`` take ``kept`` as a weight of ``shape`` in ``dtype`` (before the
-    device's check)."""
+def _takes(kept, shape: tuple, dtype: torch.dtype, device_type: str | None = None) -> bool:
+    """Whether the kernels on ``device_type`` (else the box's device) take ``kept`` as a weight of ``shape`` in
+    ``dtype`` (before the device's check)."""
     if not isinstance(kept, (KeptGrouped, KeptIntegers)) or kept.bits != 4 or kept.group < CHUNK:
         return False
-    return tuple(kept.shape) == tuple(shape) and dtype in COMPUTE_DTYPES.get(device_type, ()) and 0 not in shape
+    computes = COMPUTE_DTYPES.get(device_type or kept.words.device.type, ())
+    return tuple(kept.shape) == tuple(shape) and dtype in computes and 0 not in shape
 
 
 def pack_nbytes(kept, shape: tuple, dtype: torch.dtype) -> int:

@@ -95,6 +95,16 @@ class KeptWeight:
         first = self.pieces[0]
         return first.kept if len(self.pieces) == 1 and _covers(first.at, self.shape) else None
 
+    @property
+    def row_boxes(self) -> list[tuple[Kept, tuple[int, int]]] | None:
+        """A 2-d shard's stored boxes and their shapes in order of their rows, where each holds all its columns
+        (one box, ``whole``; or a packed q|k|v's or gate|up's parts, a box each), so that a kernel's products
+        of the boxes concatenate to the shard's; else None."""
+        order = rows_in_order([piece.at for piece in self.pieces], self.shape)
+        if order is None:
+            return None
+        return [(self.pieces[i].kept, tuple(s.stop - s.start for s in self.pieces[i].at)) for i in order]
+
     def dequantize(self) -> torch.Tensor:
         if self.whole is not None:  # its one run: no copy
             return self.whole.dequantize(self.dtype).reshape(self.shape)
@@ -111,6 +121,14 @@ class KeptWeight:
 
 def _covers(at: tuple, shape) -> bool:
     return all(s.start == 0 and s.stop == n for s, n in zip(at, shape))
+
+
+def rows_in_order(places: list[tuple], shape) -> list[int] | None:
+    """The boxes at ``places`` (which tile a 2-d shard of ``shape``) in order of their rows, where each holds
+    all the shard's columns; else None."""
+    if len(shape) != 2 or not all(_covers(at[1:], shape[1:]) for at in places):
+        return None
+    return sorted(range(len(places)), key=lambda i: places[i][0].start)
 
 
 class KeptPlaceholder(nn.Parameter):
@@ -171,8 +189,8 @@ def hold_quantized(model: nn.Module, kept: dict[str, KeptWeight], fp8_products: 
                       f"they take the weight-only FP8 kernel where it runs, else are dequantized")  # fmt: skip
     if int4_kernels and kept and not any(isinstance(module, KeptInt4Linear) for module in model.modules()):
         warnings.warn("keep_quantized='int4': no kept weight is multiplied by torch's int4 kernel on this rank (none "
-                      "GPTQ / AWQ / compressed-tensors 4-bit in groups of 32 inputs or more held in one box by a "
-                      "plain linear, or no kernel for this device and dtype); they are held as with "
+                      "GPTQ / AWQ / compressed-tensors 4-bit in groups of 32 inputs or more held in boxes of whole "
+                      "rows by a plain linear, or no kernel for this device and dtype); they are held as with "
                       "keep_quantized=True")  # fmt: skip
     return handles
 

@@ -59,25 +59,31 @@ class KeptKernelLinear(KeptLinear):
 
 
 class KeptFP8KernelLinear(KeptKernelLinear):
-    """A kept FP8 weight in one box (``kept_weight.whole``), multiplied as stored by ``fp8_kernel``, its
-    launches for each input shape worked out once (``kernel_plans``)."""
+    """A kept FP8 weight in boxes of whole rows (``kernel_boxes``: one, or a packed weight's parts), each
+    multiplied as stored by ``fp8_kernel``, its launches for each input shape worked out once
+    (``kernel_plans``: a box's each)."""
 
     KERNEL_ROWS = fp8_kernel.KERNEL_ROWS
 
     def kernel_product(self, x: torch.Tensor) -> torch.Tensor:
         # none while compiling: dynamo guards a dict it reads on its length, so each eager plan would recompile
-        plans = None if torch.compiler.is_compiling() else self.kernel_plans
-        return fp8_kernel.weight_only_fp8(x, self.kept_weight.whole, plans=plans)
+        plans = [None] * len(self.kernel_boxes) if torch.compiler.is_compiling() else self.kernel_plans
+        return _joined([fp8_kernel.weight_only_fp8(x, box, plans=p) for box, p in zip(self.kernel_boxes, plans)])
 
 
 class KeptInt4Linear(KeptKernelLinear):
-    """A kept GPTQ / AWQ / compressed-tensors int4 weight in one box, multiplied by torch's int4 kernel from
-    ``int4_pack``."""
+    """A kept GPTQ / AWQ / compressed-tensors int4 weight in boxes of whole rows, each multiplied by torch's
+    int4 kernel from its ``int4_packs``."""
 
     KERNEL_ROWS = int4_kernel.KERNEL_ROWS
 
     def kernel_product(self, x: torch.Tensor) -> torch.Tensor:
-        return int4_kernel.int4_product(x, self.int4_pack)
+        return _joined([int4_kernel.int4_product(x, pack) for pack in self.int4_packs])
+
+
+def _joined(products: list[torch.Tensor]) -> torch.Tensor:
+    """The products of a weight's boxes of rows, in their order: the weight's."""
+    return products[0] if len(products) == 1 else torch.cat(products, -1)
 
 
 def hold_linear(module: nn.Module, weights: dict, fp8_products: bool, int4_kernels: bool = False) -> bool:
@@ -89,14 +95,16 @@ def hold_linear(module: nn.Module, weights: dict, fp8_products: bool, int4_kerne
         return False
     weight = weights["weight"]
     recipe = _fp8_recipe(weight) if fp8_products else None
-    whole = weight.whole if recipe is None else None
-    kernel = whole is not None and fp8_kernel.takes(whole, weight.shape, weight.dtype)
-    int4 = int4_kernels and whole is not None and not kernel
-    pack = int4_kernel.int4_pack(whole, weight.shape, weight.dtype) if int4 else None
+    boxes = (weight.row_boxes or []) if recipe is None else []  # a kernel's product a box, joined
+    kernel = bool(boxes) and all(fp8_kernel.takes(box, shape, weight.dtype) for box, shape in boxes)
+    int4_kernels = int4_kernels and not kernel
+    packs = [int4_kernel.int4_pack(box, shape, weight.dtype) for box, shape in boxes] if int4_kernels else []
+    packs = packs if packs and not kernel and None not in packs else None  # every box through the kernel, or none
     module.__class__ = (KeptFP8Linear if recipe is not None else KeptFP8KernelLinear if kernel else
-                        KeptInt4Linear if pack is not None else KeptLinear)  # fmt: skip
-    module.kept_weight, module.int4_pack = weight, pack
-    module.kernel_plans = fp8_kernel.Plans() if kernel else None
+                        KeptInt4Linear if packs else KeptLinear)  # fmt: skip
+    module.kept_weight, module.int4_packs = weight, packs
+    module.kernel_boxes = [box for box, _ in boxes] if kernel else None
+    module.kernel_plans = [fp8_kernel.Plans() for _ in boxes] if kernel else None
     if recipe is not None:
         kept = weight.whole
         module.fp8_weight, module.fp8_recipe = kept.weight, recipe
