@@ -101,17 +101,21 @@ def gptq_llama(group: int = 128) -> str:
     """The 1 GB Llama as GPTQ int4 releases store it (act-order, groups of 128, symmetric, the v1 format; the
     tests' packer, ``tests/tiny_models.py``), and beside it (``DEQUANTIZED``) the same weights dequantized as
     floats in bf16: what one process and transformers run on, as they cannot read GPTQ on a CPU."""
+    path = os.path.join(cache_root(), "bench-llama-1gb-gptq")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        _write_gptq(path, *_llama_tensors(), ("gptq", 4, "gptq", group, True, True))
+    return path
+
+
+def _write_gptq(path: str, source: str, tensors: dict, form: tuple) -> None:
+    """``tensors`` (of the checkpoint at ``source``) quantized in GPTQ ``form`` (``quantize_grouped_checkpoint``'s
+    arguments) at ``path``, and their dequantized floats in bf16 at ``path + DEQUANTIZED``."""
     from safetensors.torch import save_file
 
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
     from tiny_models import grouped_config, quantize_grouped_checkpoint
 
-    path = os.path.join(cache_root(), "bench-llama-1gb-gptq")
-    if os.path.isfile(os.path.join(path, "config.json")):
-        return path
-    source, tensors = _llama_tensors()
     torch.manual_seed(0)
-    form = ("gptq", 4, "gptq", group, True, True)
     quantized, dequantized = quantize_grouped_checkpoint(tensors, *form)
     for target, written in ((path + DEQUANTIZED, dequantized), (path, quantized)):  # the quantized one last
         shutil.copytree(source, target + ".tmp", ignore=shutil.ignore_patterns("*.safetensors*"), dirs_exist_ok=True)
@@ -121,13 +125,24 @@ def gptq_llama(group: int = 128) -> str:
         if target == path:
             grouped_config(target + ".tmp", *form)
         os.replace(target + ".tmp", target)
-    return path
 
 
 # ~0.4 B parameters, 0.1 B of them active a token: 8 layers of 32 experts (MLP 512), 4 of them a token
 QWEN3_MOE = dict(vocab_size=32000, hidden_size=1024, intermediate_size=2048, moe_intermediate_size=512, num_experts=32,
                  num_experts_per_tok=4, num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4, head_dim=64,
                  max_position_embeddings=2048, tie_word_embeddings=False)  # fmt: skip
+
+
+def qwen3_moe() -> str:
+    """A random Qwen3-MoE (``QWEN3_MOE``) in bf16, one key per expert as transformers saves it."""
+    path = os.path.join(cache_root(), "bench-qwen3-moe")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(transformers.Qwen3MoeConfig(**QWEN3_MOE),
+                                                              dtype=torch.bfloat16)  # fmt: skip
+        model.save_pretrained(path + ".tmp", max_shard_size="100GB")
+        os.replace(path + ".tmp", path)
+    return path
 
 
 def fp8_qwen3_moe() -> str:
@@ -141,10 +156,7 @@ def fp8_qwen3_moe() -> str:
     path = os.path.join(cache_root(), "bench-qwen3-moe-fp8")
     if os.path.isfile(os.path.join(path, "config.json")):
         return path
-    torch.manual_seed(0)
-    config = transformers.Qwen3MoeConfig(**QWEN3_MOE)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    model.save_pretrained(path + ".tmp", max_shard_size="100GB")
+    shutil.copytree(qwen3_moe(), path + ".tmp", dirs_exist_ok=True)
     file = os.path.join(path + ".tmp", "model.safetensors")
     quantized = quantize_fp8({k: v.float() for k, v in load_file(file).items()}, block=(128, 128))[0]
     save_file({k: v if v.dtype != torch.float32 or k.endswith("_scale_inv") else v.to(torch.bfloat16)
@@ -154,5 +166,19 @@ def fp8_qwen3_moe() -> str:
     return path
 
 
+def gptq_qwen3_moe(group: int = 128) -> str:
+    """The random Qwen3-MoE as its GPTQ int4 releases store it (groups of 128 in order, symmetric, the v1 format;
+    one key per expert), and beside it (``DEQUANTIZED``) the same weights dequantized in bf16."""
+    from safetensors.torch import load_file
+
+    path = os.path.join(cache_root(), "bench-qwen3-moe-gptq")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        source = qwen3_moe()
+        tensors = load_file(os.path.join(source, "model.safetensors"))
+        _write_gptq(path, source, tensors, ("gptq", 4, "gptq", group, False, True))
+    return path
+
+
 CHECKPOINTS = {"smollm2-135m": default_checkpoint, "llama-1gb": random_llama, "llama-1gb-fp8": fp8_llama,
-               "llama-1gb-gptq": gptq_llama, "qwen3-moe-fp8": fp8_qwen3_moe}  # fmt: skip
+               "llama-1gb-gptq": gptq_llama, "qwen3-moe-fp8": fp8_qwen3_moe,
+               "qwen3-moe-gptq": gptq_qwen3_moe}  # fmt: skip

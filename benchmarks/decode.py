@@ -57,7 +57,10 @@ def worker(args) -> None:
     kinds = {type(m).__name__ for m in model.modules()}  # which product kept FP8 took
     result["fp8_products"], result["fp8_kernel"] = "KeptFP8Linear" in kinds, "KeptFP8KernelLinear" in kinds
     result["int4_kernel"] = "KeptInt4Linear" in kinds
-    result["fp8_experts"] = any(getattr(m, "fp8_products", False) is True for m in model.modules())  # kept_experts
+    experts = [rows for m in model.modules() if getattr(m, "kernel_products", False) is True  # kept_experts
+               for rows in m.kept_rows.values()]  # fmt: skip
+    result["fp8_experts"] = any(rows.int4_stacks is None for rows in experts)
+    result["int4_experts"] = any(rows.int4_stacks is not None for rows in experts)
     if args.impl.startswith("hf_parallel"):
         from worker import local_param_bytes  # this directory: run.py's measure of the weights a rank holds
 
@@ -198,6 +201,7 @@ def table(name: str, rows: dict, tp: int, dtype: str) -> str:
         label = f"{label} (FP8 kernel)" if row.get("fp8_kernel") else label
         label = f"{label} (int4 kernel)" if row.get("int4_kernel") else label
         label = f"{label} (FP8 experts kernel)" if row.get("fp8_experts") else label
+        label = f"{label} (int4 experts kernel)" if row.get("int4_experts") else label
         held = f"{row['held_mb']:.0f}" if "held_mb" in row else "-"
         lines.append(f"| {label} | {row['s_per_token'] * 1e3:.1f} | {1 / row['s_per_token']:.1f} | {speed(base)} | "
                      f"{speed(compiled)} | {same} | {held} |")  # fmt: skip

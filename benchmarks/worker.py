@@ -41,9 +41,10 @@ def local_param_bytes(model) -> int:
     repacked for torch's int4 kernel beside them)."""
     seen, total = set(), 0
     if "hf_parallel" in sys.modules:
+        from hf_parallel.tensor.kept import int4_copy_nbytes
+
         total = sum(w.nbytes for w in sys.modules["hf_parallel"].parallel_state(model).kept.values())
-        packs = [pack for m in model.modules() for pack in getattr(m, "int4_packs", None) or []]
-        total += sum(t.nbytes for pack in packs for t in pack if isinstance(t, torch.Tensor))
+        total += int4_copy_nbytes(model)
     for param in model.parameters():
         if id(param) in seen or param.device.type == "meta":
             continue

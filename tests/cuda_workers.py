@@ -136,7 +136,7 @@ def kept_experts(rank: int, world_size: int, path: str, save_root: str, sizes: d
         compiled = torch.compile(models[True].forward, fullgraph=True)(step).logits.float()
         out["compiled"] = gap(compiled, models[True](step).logits.float())
     experts = [m for m in models[True].modules() if isinstance(m, KeptExperts)]
-    out["experts"], out["as_stored"] = len(experts), [m.fp8_products for m in experts]
+    out["experts"], out["as_stored"] = len(experts), [m.kernel_products for m in experts]
     out["capability"] = list(torch.cuda.get_device_capability(device))
     models[True].save_pretrained(os.path.join(save_root, "gathered"))
     return out

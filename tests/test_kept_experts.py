@@ -114,7 +114,7 @@ def test_fp8_experts_multiply_as_stored_by_the_gathered_kernel(interpreted, tiny
     for dtype, within in ((torch.float32, 1e-5), (torch.bfloat16, 2**-6)):
         kept = hf_parallel.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, keep_quantized=True)
         read = hf_parallel.AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-        assert [m.fp8_products for m in kept.modules() if isinstance(m, kept_experts.KeptExperts)] == [True] * 2
+        assert [m.kernel_products for m in kept.modules() if isinstance(m, kept_experts.KeptExperts)] == [True] * 2
         for ids, pairs in ((torch.tensor([[5], [9]]), 4), (torch.tensor([[5, 9, 3]]), 0)):
             launches.clear()
             with torch.no_grad():
@@ -139,4 +139,45 @@ def test_fp8_experts_multiply_as_stored_by_the_gathered_kernel(interpreted, tiny
     experts(hidden, torch.tensor([[1, 3]]), torch.tensor([[0.5, 0.5]], dtype=dtype)).sum().backward()
     assert launches == [] and hidden.grad is not None
     mxfp4 = hf_parallel.AutoModelForCausalLM.from_pretrained(_paths(tiny_root)["gpt_oss_mxfp4"], keep_quantized=True)
-    assert not any(m.fp8_products for m in mxfp4.modules() if isinstance(m, kept_experts.KeptExperts))
+    assert not any(m.kernel_products for m in mxfp4.modules() if isinstance(m, kept_experts.KeptExperts))
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe_w4_group", "qwen3_moe_awq", "qwen3_moe_gptq"])
+def test_int4_experts_on_cpu_multiply_through_torchs_int4_kernel(tiny_root, monkeypatch, name):
+    """``keep_quantized="int4"`` on CPU: a gated Qwen3-MoE's int4 experts (compressed-tensors' W4A16, AWQ, and
+    act-order GPTQ: each expert's inputs spread its own way, stacked slots; a key per expert) are repacked at
+    load for torch's int4 kernel, and a step's pairs (two tokens: four) multiply their experts through it: a
+    call a stack (gate, up, down) and layer, the logits of the checkpoint dequantized as read (float32 within
+    1e-5, bfloat16 within its rounding), traced whole by ``torch.compile`` the same (``fullgraph``, AOT
+    autograd's eager backend: inductor would add seconds; one format, float32); a prefill dequantizes;
+    ``hf-parallel plan`` gives the packs' bytes."""
+    from tiny_models import make_grouped_checkpoint
+
+    import hf_parallel
+    from hf_parallel.commands.report import plan_report
+    from hf_parallel.tensor import int4_kernel
+    from hf_parallel.tensor.kept import int4_copy_nbytes
+
+    path = _paths(tiny_root)[name] if name in MODELS else make_grouped_checkpoint(name, tiny_root)[0]
+    calls, gathered = [], int4_kernel.gathered_int4_product
+    monkeypatch.setattr(int4_kernel, "gathered_int4_product",
+                        lambda x, ids, stack: calls.append(len(ids)) or gathered(x, ids, stack))  # fmt: skip
+    for dtype, within in ((torch.float32, 1e-5), (torch.bfloat16, 2**-6)):
+        kept = hf_parallel.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, keep_quantized="int4")
+        read = hf_parallel.AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        experts = [m for m in kept.modules() if isinstance(m, kept_experts.KeptExperts)]
+        assert [m.kernel_products for m in experts] == [True] * 2, name
+        for ids, pairs in ((torch.tensor([[5], [9]]), 4), (torch.tensor([[5, 9, 3]]), 0)):
+            calls.clear()
+            with torch.no_grad():
+                want = read(ids).logits.float()
+                got = kept(ids).logits.float()
+            torch.testing.assert_close(got, want, rtol=0, atol=within * want.abs().max().item())
+            assert calls == [pairs] * (6 if pairs else 0), (name, dtype, ids.shape, calls)
+        if name == "qwen3_moe_w4_group" and dtype == torch.float32:  # traced whole once (inductor: the slow part)
+            step = torch.tensor([[5], [9]])
+            with torch.no_grad():
+                compiled = torch.compile(kept.forward, fullgraph=True, backend="aot_eager")(step).logits
+                torch.testing.assert_close(compiled, kept(step).logits, rtol=0, atol=1e-5 * compiled.abs().max().item())
+        line = next(line for line in plan_report(path, tp=1, dtype=dtype).splitlines() if "int4 kernel" in line)
+        assert f"int4 kernel: [{int4_copy_nbytes(kept)}] bytes per rank on CPU" in line, (name, dtype, line)

@@ -273,7 +273,7 @@ def test_weights_kept_quantized_match_one_process_and_save_back_bitwise(
     paths = {name: path for name, path in quantized_paths.items() if name in MOE or "ep_plan" not in sizes}
     if world_size == 4:  # one of each format: 6 / 2 heads replicated unevenly, 32-row blocks cut 40 / 40 / 40 / 40
         paths = {name: paths[name] for name in ("llama_fp8", "llama_w4_zero_point", "gpt_oss_mxfp4", "llama_gptq",
-                                                "llama_awq", "qwen3_moe_fp8")}
+                                                "llama_awq", "qwen3_moe_fp8", "qwen3_moe_gptq")}
         monkeypatch.setenv("TRITON_INTERPRET", "1")  # FP8 linears multiply through the package's kernel
     if "ep_plan" in sizes:  # FP8 experts through the gathered kernel, other ranks' experts as EP's sentinel
         monkeypatch.setenv("TRITON_INTERPRET", "1")
@@ -287,6 +287,7 @@ def test_weights_kept_quantized_match_one_process_and_save_back_bitwise(
             assert_close(result["step:" + name], step, atol=TOLERANCE, rtol=TOLERANCE, what=f"{name} step {rank}")
             if name in MOE and "pp_size" not in sizes:  # every expert weight: its two experts gathered by id
                 kernel = (world_size == 4 or "ep_plan" in sizes) and "fp8" in name  # under Triton's interpreter
+                kernel = kernel or (keep == "int4" and "qwen3" in name)  # torch's int4 kernel (CPU; gated experts)
                 how = "as stored" if kernel else "dequantized"
                 assert result["experts:" + name] == [how] * 4, (name, rank, result["experts:" + name])
     if world_size == 4:  # every kept FP8 linear through the kernel (Triton's interpreter), its shards inside blocks;
@@ -309,9 +310,9 @@ def test_weights_kept_quantized_match_one_process_and_save_back_bitwise(
             line = next(line for line in plan_report(path, tp=world_size).splitlines() if "held as read" in line)
             planned = json.loads(re.search(r"held as read: (\[[\d, ]+\])", line).group(1))
             assert planned == [result["held:" + name] for result in results], name
-            int4 = re.search(r"for torch's int4 kernel \(CPU; CUDA in bfloat16\): (\[[\d, ]+\])", line)
+            int4 = re.search(r"for torch's int4 kernel: (\[[\d, ]+\]) bytes per rank on CPU", line)
             packed = [result["int4:" + name] for result in results]  # 0 but where keep="int4" takes the kernel
-            if keep == "int4" and name in ("llama_gptq", "llama_awq", "llama_w4_zero_point"):
+            if keep == "int4" and name in ("llama_gptq", "llama_awq", "llama_w4_zero_point", "qwen3_moe_gptq"):
                 assert min(packed) > 0 and json.loads(int4.group(1)) == packed, (name, line, packed)
 
 

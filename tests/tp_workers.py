@@ -217,6 +217,7 @@ def quantized_logits(rank: int, world_size: int, paths: dict, save_root: str, si
     size: fused experts dequantize only the experts it goes to) and "experts:<name>" each kept expert weight
     gathered by expert id in that step ("dequantized", or "as stored": multiplied by the gathered FP8 kernel)."""
     import hf_parallel
+    from hf_parallel.tensor.kept import int4_copy_nbytes
     from hf_parallel.tensor.kept_experts import ExpertRows
 
     out = {}
@@ -231,8 +232,7 @@ def quantized_logits(rank: int, world_size: int, paths: dict, save_root: str, si
             out["held:" + name] = sum(p.numel() * p.element_size() for p in params) + sum(w.nbytes for w in kept)
             linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and hasattr(m, "kept_weight")]
             out["kinds:" + name] = sorted({type(m).__name__ for m in linears})
-            packs = [pack for m in linears for pack in getattr(m, "int4_packs", None) or []]
-            out["int4:" + name] = sum(t.nbytes for pack in packs for t in pack if isinstance(t, torch.Tensor))
+            out["int4:" + name] = int4_copy_nbytes(model)
             gathered, rows, product = [], ExpertRows.rows, ExpertRows.product
             ExpertRows.rows = lambda self, ids: gathered.append("dequantized") or rows(self, ids)
             ExpertRows.product = lambda self, x, ids: gathered.append("as stored") or product(self, x, ids)

@@ -175,8 +175,9 @@ def quantized_lines(path: str, model, shard, tp: int, quantization, dtype) -> li
     """What each rank reads of a quantized checkpoint (its slices of the quantized weights, and of their
     scales and zero points), from the files' headers (``placed_boxes``, as the load places them); what it
     holds with ``keep_quantized=True``; and what ``keep_quantized="int4"`` holds besides (a plain linear's
-    int4 weight in boxes of whole rows repacked for torch's int4 kernel, as ``hold_linear`` takes it: from
-    each box's groups, act-order's ``g_idx`` read)."""
+    int4 weight in boxes of whole rows, and on CPU gated experts' two weights, repacked for torch's int4
+    kernel as ``hold_linear`` and ``hold_experts`` take them: from each box's groups, act-order's ``g_idx``
+    read)."""
     from contextlib import ExitStack
 
     from safetensors import safe_open
@@ -185,14 +186,16 @@ def quantized_lines(path: str, model, shard, tp: int, quantization, dtype) -> li
     from ..checkpoint.keys import FusedSource, checkpoint_sources
     from ..checkpoint.loading import checkpoint_files
     from ..checkpoint.quantized import Dequantized, readable, with_stored_keys
-    from ..tensor.int4_kernel import pack_nbytes
+    from ..tensor.int4_kernel import pack_form
     from ..tensor.kept import placed_boxes, rows_in_order
+    from ..tensor.kept_experts import gated_experts, int4_stack_nbytes
 
     files = with_stored_keys(checkpoint_files(path), quantization)
     direct, fused = checkpoint_sources(model, files)
     itemsize = dtype.itemsize
     read, scales, kept, int4 = [0] * tp, [0] * tp, [0] * tp, [0] * tp  # quantized bytes read, of them scales;
-    # held if kept; held besides for torch's int4 kernel
+    # held if kept; held besides for torch's int4 kernel (experts' on CPU: per module and rank, each weight's)
+    experts: dict[tuple[str, int], dict[str, int | None]] = {}
     with ExitStack() as stack:
         handles = {}
 
@@ -206,6 +209,7 @@ def quantized_lines(path: str, model, shard, tp: int, quantization, dtype) -> li
             tiles = [(key, box, readable(handle, files, key, quantization)) for key, box in boxes]
             module, _, attr = entry.name.rpartition(".")
             plain = attr == "weight" and type(model.get_submodule(module)) is nn.Linear
+            gated = attr in ("gate_up_proj", "down_proj") and gated_experts(model.get_submodule(module))
             for rank in range(tp):
                 local = tuple(entry.layout.local_shape(entry.full_shape, rank))
                 if not isinstance(tiles[0][2], Dequantized):
@@ -218,13 +222,19 @@ def quantized_lines(path: str, model, shard, tp: int, quantization, dtype) -> li
                     read[rank] += sum(t.nbytes for t in held.values())
                     scales[rank] += sum(held[f].nbytes for f in ("scales", "zero") if f in held)
                 if plain and rows_in_order([at for _, at in placed], local) is not None:
-                    packed = [pack_nbytes(box, tuple(s.stop - s.start for s in at), dtype) for box, at in placed]
-                    int4[rank] += sum(packed) if all(packed) else 0  # every box through the kernel, or none
+                    forms = [pack_form(box, tuple(s.stop - s.start for s in at), dtype) for box, at in placed]
+                    int4[rank] += 0 if None in forms else sum(form.nbytes for form in forms)  # every box or none
+                if gated:
+                    experts.setdefault((module, rank), {})[attr] = int4_stack_nbytes(placed, local, dtype)
     kept = [k + r for k, r in zip(kept, read)]
+    on_cpu = list(int4)
+    for (_, rank), parts in experts.items():  # both weights through the kernel, or neither
+        both = set(parts) == {"gate_up_proj", "down_proj"} and None not in parts.values()
+        on_cpu[rank] += sum(parts.values()) if both else 0
     besides = ""
-    if any(int4):
-        besides = (f"; keep_quantized='int4' holds besides, for torch's int4 kernel (CPU; CUDA in bfloat16): "
-                   f"{int4} bytes per rank")
+    if any(on_cpu):
+        besides = (f"; keep_quantized='int4' holds besides, for torch's int4 kernel: {on_cpu} bytes per rank on CPU "
+                   f"({int4} on CUDA, in bfloat16, where experts are dequantized)")
     return [
         f"quantized ({type(quantization).__name__}): each rank reads {read} bytes of quantized weights, of which "
         f"scales and zero points {scales}; dequantized into the dtype as read (the bytes per rank below); with "

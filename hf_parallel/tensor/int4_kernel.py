@@ -75,19 +75,30 @@ def _takes(kept, shape: tuple, dtype: torch.dtype, device_type: str | None = Non
     return tuple(kept.shape) == tuple(shape) and dtype in computes and 0 not in shape
 
 
-def pack_nbytes(kept, shape: tuple, dtype: torch.dtype) -> int:
-    """The bytes ``int4_pack`` holds for ``kept`` beside its stored parts (its layout, the scales and zeros in
-    ``dtype``, the slots), from the box's groups alone: a box kept with ``meta`` (no weight read) gives a
-    plan's figure. 0 where the CPU's kernel does not take it (CUDA's takes bfloat16 only; the same bytes)."""
+class PackForm(NamedTuple):
+    """What ``int4_pack`` makes of a box, its tensors aside: experts' packs stack where their forms are one."""
+
+    group: int
+    width: int
+    outputs: int
+    in_place: bool
+    nbytes: int  # its tensors' bytes: the layout, the scales and zeros, the slots
+
+
+def pack_form(kept, shape: tuple, dtype: torch.dtype) -> PackForm | None:
+    """``int4_pack``'s form of ``kept`` as a weight of ``shape`` in ``dtype``, from the box's groups alone: a
+    box kept with ``meta`` (no weight read) gives a plan's figure. None where the CPU's kernel does not take
+    it (CUDA's takes bfloat16 only; the same bytes)."""
     if not _takes(kept, shape, dtype, "cpu"):
-        return 0
+        return None
     groups = kept.groups("cpu")
     contraction = _contraction(groups, kept.group)
     if contraction is None:
-        return 0
+        return None
     step, _, slots, width, in_place = contraction
     rows = -(-shape[0] // PAD) * PAD
-    return rows * width // 2 + width // step * rows * 2 * dtype.itemsize + (0 if in_place else slots.nbytes)
+    nbytes = rows * width // 2 + width // step * rows * 2 * dtype.itemsize + (0 if in_place else slots.nbytes)
+    return PackForm(step, width, shape[0], in_place, nbytes)
 
 
 def _contraction(groups: torch.Tensor, group: int):
@@ -132,6 +143,35 @@ def _packed(values, zero, scales, groups, group: int, dtype) -> Int4Pack | None:
     scale_zero[:, :outputs, 1] = ((8 - zero) * scales).repeat_interleave(chunks, 0)
     packed = _kernel_layout(codes)
     return Int4Pack(packed, scale_zero.to(dtype), step, width, None if in_place else slots, outputs)
+
+
+def stacked(packs: list) -> Int4Pack | None:
+    """Experts' packs (one weight's part, an expert each) as one, each tensor stacked along a new leading dim:
+    where every expert's pack is there and in one form (the kernel's group, the contraction, the outputs, the
+    inputs in place or spread); else None (act-order experts each spread their own way: widths differ)."""
+    if not packs or None in packs:
+        return None
+    form = {(p.group, p.width, p.outputs, p.slots is None) for p in packs}
+    if len(form) != 1:
+        return None
+    slots = None if packs[0].slots is None else torch.stack([p.slots for p in packs])
+    return packs[0]._replace(packed=torch.stack([p.packed for p in packs]), slots=slots,
+                             scales_and_zeros=torch.stack([p.scales_and_zeros for p in packs]))  # fmt: skip
+
+
+def gathered_int4_product(x: torch.Tensor, ids: torch.Tensor, stack: Int4Pack) -> torch.Tensor:
+    """Each row ``p`` of ``x`` times expert ``ids[p]``'s weight, from its pack in ``stack`` (``stacked``): a
+    product a row, its expert's pack selected by ``index_select`` (no id read on the host: compiled whole). torch
+    has no grouped int4 kernel, so this is a kernel call a row; on CPU that is still far less than dequantizing
+    the rows' experts (``benchmarks/decode.py``, docs/benchmarks.md)."""
+    rows = []
+    for p in range(x.shape[0]):
+        expert = ids[p : p + 1]
+        pick = lambda t: None if t is None else t.index_select(0, expert)[0]  # noqa: E731
+        one = stack._replace(packed=pick(stack.packed), scales_and_zeros=pick(stack.scales_and_zeros),
+                             slots=pick(stack.slots))  # fmt: skip
+        rows.append(int4_product(x[p : p + 1], one))
+    return torch.cat(rows) if rows else x.new_empty(0, stack.outputs)
 
 
 def _kernel_layout(codes: torch.Tensor) -> torch.Tensor:

@@ -29,7 +29,7 @@ from ..distributed import p2p
 from ..distributed.devices import to_wire
 from ..distributed.faults import collective
 from .kept_experts import hold_experts
-from .kept_linear import KeptFP8Linear, KeptInt4Linear, hold_linear
+from .kept_linear import KeptFP8Linear, hold_linear
 
 
 def placed_boxes(tiles: list, layout, rank: int, full_shape):
@@ -171,7 +171,7 @@ def hold_quantized(model: nn.Module, kept: dict[str, KeptWeight], fp8_products: 
     handles = []
     for path, weights in by_module.items():
         module = model.get_submodule(path)
-        if hold_linear(module, weights, fp8_products, int4_kernels) or hold_experts(module, weights):
+        if hold_linear(module, weights, fp8_products, int4_kernels) or hold_experts(module, weights, int4_kernels):
             continue
         resting = {attr: module._parameters[attr] for attr in weights}
 
@@ -187,12 +187,24 @@ def hold_quantized(model: nn.Module, kept: dict[str, KeptWeight], fp8_products: 
         warnings.warn(f"keep_quantized='fp8': no kept weight multiplies in FP8 on this rank (none in whole 128 x 128 "
                       f"blocks in bfloat16, or no block-scaled FP8 product on {next(iter(kept.values())).device}); "
                       f"they take the weight-only FP8 kernel where it runs, else are dequantized")  # fmt: skip
-    if int4_kernels and kept and not any(isinstance(module, KeptInt4Linear) for module in model.modules()):
+    if int4_kernels and kept and not any(_int4_packs(module) for module in model.modules()):
         warnings.warn("keep_quantized='int4': no kept weight is multiplied by torch's int4 kernel on this rank (none "
                       "GPTQ / AWQ / compressed-tensors 4-bit in groups of 32 inputs or more held in boxes of whole "
-                      "rows by a plain linear, or no kernel for this device and dtype); they are held as with "
-                      "keep_quantized=True")  # fmt: skip
+                      "rows by a plain linear or by gated experts on CPU, or no kernel for this device and dtype); "
+                      "they are held as with keep_quantized=True")  # fmt: skip
     return handles
+
+
+def _int4_packs(module: nn.Module) -> list:
+    """The packs for torch's int4 kernel ``module`` holds (a linear's a box, experts' a part)."""
+    rows = [r for r in (getattr(module, "kept_rows", None) or {}).values() if r is not None]
+    return list(getattr(module, "int4_packs", None) or []) + [s for r in rows for s in r.int4_stacks or []]
+
+
+def int4_copy_nbytes(model: nn.Module) -> int:
+    """The bytes ``model``'s kept weights hold repacked for torch's int4 kernel, beside their stored parts."""
+    packs = [pack for module in model.modules() for pack in _int4_packs(module)]
+    return sum(t.nbytes for pack in packs for t in pack if isinstance(t, torch.Tensor))
 
 
 def _listing(weight: KeptWeight, tp) -> dict[str, list]:

@@ -15,10 +15,15 @@ experts forward (eager, grouped_mm or batched_mm: whichever the config names) ru
 module of ``pairs`` experts; the numbers are the whole weight's, each pair multiplied by the same rows.
 Larger calls (prefill) dequantize every expert into the slots, as other modules do.
 
-Where the weights are FP8 and the module is transformers' gated kind without biases (Qwen3-MoE, DeepSeek-V3,
-Mixtral), on a device where the package's gathered FP8 kernel runs, a step skips the dequantization: each
-pair's row is multiplied by its own expert's weight as stored (``fp8_kernel.gathered_weight_only_fp8``),
-and the gate, down product, routing weights and sum follow transformers' grouped_mm forward.
+Where the module is transformers' gated kind without biases (Qwen3-MoE, DeepSeek-V3, Mixtral), a step can
+skip the dequantization: each pair's row is multiplied by its own expert's weight as stored, and the gate,
+down product, routing weights and sum follow transformers' grouped_mm forward. FP8 weights take the package's
+gathered FP8 kernel where it runs (``fp8_kernel.gathered_weight_only_fp8``, one launch for all pairs). With
+``keep_quantized="int4"`` on CPU, GPTQ / AWQ / compressed-tensors int4 experts are repacked at load for
+torch's int4 kernel, an expert's pack beside its stored words (``int4_kernel.stacked``), and a step makes a
+kernel call a pair (``int4_kernel.gathered_int4_product``): on CPU dequantizing a decode step's experts costs
+far more than those calls. Not on CUDA: there the calls would be launches a pair, and dequantizing the
+step's experts is a few launches of memory-bound work.
 
 The module's class is swapped for a subclass with this forward (as FSDP2's ``fully_shard`` swaps a
 module's class) before the TP / EP hooks wrap it, so it sees the expert ids EP has made local. A kept
@@ -39,7 +44,7 @@ from torch import nn
 
 from ..checkpoint.quantized import Kept
 from ..compat.torch import MODULE_PARAMETERS, parameters_replaced
-from . import fp8_kernel
+from . import fp8_kernel, int4_kernel
 from .experts import EXPERT_ARG_ROLES, rewrite_expert_args
 
 
@@ -51,6 +56,7 @@ class ExpertRows:
     def __init__(self, weight, stacks: list[tuple[tuple, Kept, bool]]):
         self.weight, self.stacks = weight, stacks  # (place in an expert's slice, stacked box, box holds E)
         self.kernel_plans = [fp8_kernel.Plans() for _ in stacks]  # each stack's launches, worked out once a shape
+        self.int4_stacks = None  # with ``repack_int4``: each stack's experts' packs for torch's int4 kernel
 
     @classmethod
     def of(cls, weight) -> ExpertRows | None:
@@ -92,28 +98,79 @@ class ExpertRows:
             target.copy_(values.reshape(target.shape))
         return out
 
-    def multiplies_as_stored(self) -> bool:
-        """Whether every part is a stack of FP8 boxes of whole rows of an expert's slice that the gathered
-        weight-only FP8 kernel takes on their device (``fp8_kernel.gathered_takes``)."""
-        if len(self.weight.shape) != 3 or not self.stacks:
+    def _whole_rows(self) -> bool:
+        """Whether every part is a stack of per-expert boxes of whole rows of an expert's slice, tiling them."""
+        if len(self.weight.shape) != 3 or not self.stacks or any(holds_all for _, _, holds_all in self.stacks):
             return False
-        rows = sorted((place[0].start, place[0].stop) for place, _, _ in self.stacks)  # they tile the rows
-        ends = [0] + [stop for _, stop in rows]
-        tiled = [start for start, _ in rows] == ends[:-1] and ends[-1] == self.weight.shape[1]
-        return tiled and all(
-            not holds_all and (place[1].start, place[1].stop) == (0, self.weight.shape[2])
-            and fp8_kernel.gathered_takes(stacked, self.weight.dtype)
-            for place, stacked, holds_all in self.stacks
-        )
+        return _tile_rows([place for place, _, _ in self.stacks], self.weight.shape[1:])
+
+    def multiplies_as_stored(self) -> bool:
+        """Whether a step's pairs multiply by their experts as stored: every part's stack repacked for torch's
+        int4 kernel (``repack_int4``), or taken by the gathered weight-only FP8 kernel on its device
+        (``fp8_kernel.gathered_takes``)."""
+        if self.int4_stacks is not None:
+            return True
+        return self._whole_rows() and all(fp8_kernel.gathered_takes(s, self.weight.dtype) for _, s, _ in self.stacks)
+
+    def repack_int4(self) -> None:
+        """Each stack's experts repacked for torch's int4 kernel (``int4_kernel.int4_pack`` an expert, then
+        ``stacked``) into ``int4_stacks``; left None where a part is not taken (not int4, another dtype, act-order
+        experts spread each their own way)."""
+        if not self._whole_rows():
+            return
+        stacks = []
+        for (rows, columns), stacked, _ in self.stacks:
+            shape, experts = (rows.stop - rows.start, columns.stop - columns.start), self.weight.shape[0]
+            packs = [int4_kernel.int4_pack(replace(stacked, **{name: t[e] for name, t in stacked.tensors().items()}),
+                                           shape, self.weight.dtype) for e in range(experts)]  # fmt: skip
+            stacks.append(int4_kernel.stacked(packs))
+            if stacks[-1] is None:
+                return
+        self.int4_stacks = stacks
 
     def product(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Each row ``p`` of ``x`` times expert ``ids[p]``'s weight as stored (``multiplies_as_stored``)."""
         out = torch.empty(x.shape[0], self.weight.shape[1], dtype=x.dtype, device=x.device)
+        if self.int4_stacks is not None:
+            for ((rows, _), _, _), stack in zip(self.stacks, self.int4_stacks):
+                out[:, rows] = int4_kernel.gathered_int4_product(x, ids, stack)
+            return out
         # none while compiling, as ``KeptFP8KernelLinear``'s (dynamo would guard on their lengths)
         plans = [None] * len(self.stacks) if torch.compiler.is_compiling() else self.kernel_plans
         for ((rows, _), stacked, _), stack_plans in zip(self.stacks, plans):
             out[:, rows] = fp8_kernel.gathered_weight_only_fp8(x, ids, stacked, plans=stack_plans)
         return out
+
+
+def _tile_rows(places: list[tuple], shape) -> bool:
+    """Whether boxes at ``places`` in an expert's slice of ``shape`` each hold all its columns and tile its rows."""
+    rows = sorted((place[0].start, place[0].stop) for place in places)
+    ends = [0] + [stop for _, stop in rows]
+    tiled = [start for start, _ in rows] == ends[:-1] and ends[-1] == shape[0]
+    return tiled and all((place[1].start, place[1].stop) == (0, shape[1]) for place in places)
+
+
+def int4_stack_nbytes(placed: list[tuple[Kept, tuple]], shape: tuple, dtype) -> int | None:
+    """What ``ExpertRows.repack_int4`` holds for one weight of a rank's experts [E, out, in] of ``shape``, from
+    its boxes and where each goes (``placed``; boxes kept with ``meta``: a plan's figure); None where it would
+    hold none (the stacks ``ExpertRows.of`` makes, of whole rows, every expert's pack in one form)."""
+    by_place: dict = {}
+    for kept, at in placed:
+        if at[0].stop - at[0].start != 1 or kept.holds_experts:
+            return None
+        by_place.setdefault(_key(at[1:]), {})[at[0].start] = kept
+    if not by_place or not _tile_rows([tuple(slice(a, b) for a, b in key) for key in by_place], shape[1:]):
+        return None
+    total = 0
+    for ((r0, r1), (c0, c1)), boxes in by_place.items():
+        ordered = [boxes.get(e) for e in range(shape[0])]
+        if None in ordered or not _stack_together(ordered):
+            return None
+        forms = {int4_kernel.pack_form(box, (r1 - r0, c1 - c0), dtype) for box in ordered}
+        if len(forms) != 1 or None in forms:
+            return None
+        total += forms.pop().nbytes * shape[0]
+    return total
 
 
 def _dequantized(template: Kept, dtype, names: list, *tensors) -> torch.Tensor:
@@ -144,7 +201,7 @@ class KeptExperts(nn.Module):
     kept_rows: dict  # attr -> ExpertRows, or None: that weight dequantizes whole
     kept_weights: dict  # attr -> KeptWeight
     per_expert: tuple  # its other parameters (biases), gathered by id alike (the placeholders never touched)
-    fp8_products: bool  # a step's pairs multiply the FP8 experts as stored (``_products_as_stored``)
+    kernel_products: bool  # a step's pairs multiply their experts as stored (``_products_as_stored``)
 
     def forward(self, *args, **kwargs):
         hidden, ids, routing = (_argument(args, kwargs, role) for role in range(3))
@@ -153,7 +210,7 @@ class KeptExperts(nn.Module):
             whole = {attr: weight.dequantize() for attr, weight in self.kept_weights.items()}
             return self._forward_with(whole, experts, args, kwargs)
         grad = torch.is_grad_enabled() and hidden.requires_grad
-        if self.fp8_products and not grad and hidden.dtype == self.kept_weights["down_proj"].dtype:
+        if self.kernel_products and not grad and hidden.dtype == self.kept_weights["down_proj"].dtype:
             return self._products_as_stored(hidden, ids, routing)
         index = ids.reshape(-1).clamp(max=experts - 1)  # EP's sentinel (``experts``) gathers any; it is skipped
         own = torch.arange(pairs, device=ids.device).view_as(ids)
@@ -166,7 +223,7 @@ class KeptExperts(nn.Module):
     def _products_as_stored(self, hidden, ids, routing) -> torch.Tensor:
         """transformers' experts forward for a gated, bias-free, untransposed module (grouped_mm's steps: the
         gate|up product, ``_apply_gate``, the down product, weighted by the routing and summed over each
-        token's experts), each pair's products by the gathered FP8 kernel from the stored bytes."""
+        token's experts), each pair's products from the stored bytes (``ExpertRows.product``)."""
         experts, (tokens, top_k) = self.num_experts, ids.shape
         index = ids.reshape(-1).clamp(max=experts - 1)
         pairs = hidden.repeat_interleave(top_k, 0)  # pair p is token p // top_k's
@@ -192,13 +249,18 @@ def _argument(args: tuple, kwargs: dict, role: int):
     return args[role] if len(args) > role else next(v for k, v in kwargs.items() if EXPERT_ARG_ROLES.get(k) == role)
 
 
-def _takes_fp8_products(module) -> bool:
+def gated_experts(module) -> bool:
     """transformers' gated experts (``use_experts_implementation``'s flags: a gate|up weight, no biases, not
-    transposed, no norm after each expert) whose two weights the gathered FP8 kernel multiplies as stored."""
+    transposed, no norm after each expert): their forward ``_products_as_stored`` follows."""
     flags = [getattr(module, name, None) for name in ("has_gate", "has_bias", "is_transposed", "has_post_expert_norm")]
+    return flags == [True, False, False, False]
+
+
+def _takes_kernel_products(module, takes=ExpertRows.multiplies_as_stored) -> bool:
+    """Gated experts whose two weights a kernel multiplies as stored."""
     rows = module.kept_rows
-    return flags == [True, False, False, False] and set(rows) == {"gate_up_proj", "down_proj"} and all(
-        r is not None and r.multiplies_as_stored() for r in rows.values()
+    return gated_experts(module) and set(rows) == {"gate_up_proj", "down_proj"} and all(
+        r is not None and takes(r) for r in rows.values()
     )
 
 
@@ -207,10 +269,11 @@ def _kept_class(cls: type) -> type:
     return type(f"Kept{cls.__name__}", (KeptExperts, cls), {})
 
 
-def hold_experts(module: nn.Module, weights: dict) -> bool:
+def hold_experts(module: nn.Module, weights: dict, int4_kernels: bool = False) -> bool:
     """Make a fused-experts module (transformers' experts forward taking expert ids, an int ``num_experts``,
-    every parameter stacked [E, ...]) compute with
-    its kept ``weights`` (attr -> ``KeptWeight``) as this module's docstring says; False for any other."""
+    every parameter stacked [E, ...]) compute with its kept ``weights`` (attr -> ``KeptWeight``) as this
+    module's docstring says (``int4_kernels``: int4 experts on CPU through torch's int4 kernel); False for
+    any other."""
     params = dict(module.named_parameters(recurse=False))
     leading = {tuple(p.shape[:1]) for p in params.values()}
     named = inspect.signature(type(module).forward).parameters  # transformers' experts forward: (hidden, ids, ..)
@@ -226,5 +289,12 @@ def hold_experts(module: nn.Module, weights: dict) -> bool:
     module.kept_weights = weights
     module.per_expert = tuple(attr for attr in params if attr not in weights)
     module.kept_rows = {attr: ExpertRows.of(weight) for attr, weight in weights.items()}
-    module.fp8_products = _takes_fp8_products(module)
+    gated = _takes_kernel_products(module, lambda rows: rows._whole_rows())
+    if int4_kernels and gated and next(iter(weights.values())).device.type == "cpu":
+        for rows in module.kept_rows.values():
+            rows.repack_int4()
+        if any(rows.int4_stacks is None for rows in module.kept_rows.values()):  # both or neither
+            for rows in module.kept_rows.values():
+                rows.int4_stacks = None
+    module.kernel_products = _takes_kernel_products(module)
     return True
