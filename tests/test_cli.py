@@ -123,4 +123,4 @@ def test_generate_keeps_a_real_quantized_model_quantized(smollm2, tmp_path, form
     stdout = run(torchrun, str(path), ["--prompt", PROMPT, "--max-new-tokens", "8", *keep])
     assert stdout.split("[8 tokens in")[0].strip() == want.strip(), stdout
     way = "int4 kernel" if form == "gptq" else "dequantized"  # the FP8 kernel is for GPUs
-    assert f"; kept linears: {7 * 30} {way}]" in stdout, stdout  # 30 layers' seven linears, each rank's
+    assert f"; rank 0's kept modules: {7 * 30} {way}]" in stdout, stdout  # 30 layers' seven linears

@@ -62,6 +62,25 @@ def test_the_repacked_weight_multiplies_as_the_format_defines(group, shape):
             torch.testing.assert_close(got.float(), want, rtol=0, atol=within * want.abs().max().item())
 
 
+def test_experts_packs_stack_only_in_one_form_and_each_row_takes_its_experts():
+    """Three experts' packs of one form (act-order: each expert's inputs spread its own way, their slots
+    stacked) multiply each row by its own expert's weight (ids 2, 0, 2, 1: an expert twice), as each expert's
+    pack alone does, bit for bit; packs of another form (groups in place: no slots; another width) or a
+    missing one do not stack."""
+    experts = [int4_weight(24, 32, "an act-order shard, 10 inputs in each of 8 groups", seed) for seed in range(3)]
+    packs = [int4_kernel._packed(*parts, 32, torch.float32) for parts, _ in experts]
+    stack = int4_kernel.stacked(packs)
+    assert stack.packed.shape[0] == 3 and stack.slots.shape == (3, 80)
+    ids, x = torch.tensor([2, 0, 2, 1]), torch.randn(4, 80)
+    got = int4_kernel.gathered_int4_product(x, ids, stack)
+    want = torch.cat([int4_kernel.int4_product(x[p : p + 1], packs[e]) for p, e in enumerate(ids.tolist())])
+    assert torch.equal(got, want)
+    torch.testing.assert_close(got, torch.stack([x[p] @ experts[e][1].T for p, e in enumerate(ids.tolist())]),
+                               rtol=0, atol=1e-5 * got.abs().max().item())  # fmt: skip
+    in_place = int4_kernel._packed(*int4_weight(24, 32, "groups in place")[0], 32, torch.float32)
+    assert int4_kernel.stacked([*packs[:2], in_place]) is None and int4_kernel.stacked([*packs[:2], None]) is None
+
+
 @pytest.mark.parametrize("inputs", [576, 288, 160])
 def test_a_scale_per_row_is_cut_into_the_largest_kernel_groups_that_fit(inputs):
     """A format's group larger than the kernel's (compressed-tensors' scale per output row: a group of all 576
@@ -104,10 +123,11 @@ def test_kept_int4_linears_take_the_int4_kernel(tiny_root, monkeypatch):
     inputs (``phi3_gptq``: groups of 96 and 160 inputs; its packed q|k|v and gate|up are a box per part, each
     through the kernel, the products joined), AWQ with partial groups and 80 outputs (``llama_awq``), and
     compressed-tensors' W4A16 (groups of 32; zero points packed along the rows with partial groups; a scale and
-    zero point per output row) kept: every kept decoder linear takes the kernel and gives the logits of the checkpoint dequantized as read (float32 within 1e-5, bfloat16 within its rounding), its
-    copies' bytes as ``hf-parallel plan`` gives them; a
-    batch over ``KERNEL_ROWS`` rows takes the dequantized product; ``keep_quantized=True`` holds the stored
-    bytes alone (dequantized per module), and so does 8-bit GPTQ, with a warning."""
+    zero point per output row) kept: every kept decoder linear takes the kernel and gives the logits of the
+    checkpoint dequantized as read (float32 within 1e-5, bfloat16 within its rounding), its copies' bytes as
+    ``hf-parallel plan`` gives them; a batch over ``KERNEL_ROWS`` rows takes the dequantized product;
+    ``keep_quantized=True`` holds the stored bytes alone (dequantized per module), and so does 8-bit GPTQ, with
+    a warning."""
     from tiny_models import make_grouped_checkpoint, make_packed_checkpoint
     from tp_workers import INPUT_IDS
 
@@ -134,7 +154,8 @@ def test_kept_int4_linears_take_the_int4_kernel(tiny_root, monkeypatch):
             held = sum(t.nbytes for m in linears.values() for pack in m.int4_packs for t in pack
                        if isinstance(t, torch.Tensor))
             line = next(line for line in plan_report(path, tp=1, dtype=dtype).splitlines() if "int4 kernel" in line)
-            assert f"int4 kernel: [{held}] bytes per rank on CPU ([{held}] on CUDA" in line, (name, dtype, line)
+            cuda = held if dtype == torch.bfloat16 else 0  # CUDA's kernel takes bfloat16 only
+            assert f"check): [{held}] bytes per rank on CPU ([{cuda}] on CUDA" in line, (name, dtype, line)
             packs = sum(len(m.int4_packs) for m in linears.values())
             calls.clear()
             with torch.no_grad():

@@ -180,4 +180,4 @@ def test_int4_experts_on_cpu_multiply_through_torchs_int4_kernel(tiny_root, monk
                 compiled = torch.compile(kept.forward, fullgraph=True, backend="aot_eager")(step).logits
                 torch.testing.assert_close(compiled, kept(step).logits, rtol=0, atol=1e-5 * compiled.abs().max().item())
         line = next(line for line in plan_report(path, tp=1, dtype=dtype).splitlines() if "int4 kernel" in line)
-        assert f"int4 kernel: [{int4_copy_nbytes(kept)}] bytes per rank on CPU" in line, (name, dtype, line)
+        assert f"check): [{int4_copy_nbytes(kept)}] bytes per rank on CPU" in line, (name, dtype, line)

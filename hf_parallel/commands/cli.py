@@ -49,7 +49,7 @@ def cmd_generate(args) -> None:
     from ..api import AutoModelForCausalLM
     from ..distributed.mesh import shutdown
     from ..state import parallel_state
-    from ..tensor.kept_linear import kept_products
+    from ..tensor.kept import kept_products
     from .default_model import default_checkpoint
 
     path = args.model or default_checkpoint()
@@ -60,7 +60,7 @@ def cmd_generate(args) -> None:
     load_seconds = time.perf_counter() - start
     mesh = parallel_state(model).mesh
     ways = ", ".join(f"{n} {way}" for way, n in sorted(kept_products(model).items())) if args.keep_quantized else ""
-    how = f"; kept linears: {ways}" if ways else ""  # which took a kernel, which dequantize
+    how = f"; rank 0's kept modules: {ways}" if ways else ""  # which took a kernel, which dequantize
     main, layout = mesh.is_main, str(mesh.shape)
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)
     chat = bool(tokenizer.chat_template) and not args.no_chat_template
@@ -250,9 +250,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--dtype", default="float32")
     gen.add_argument("--no-chat-template", action="store_true")
     gen.add_argument("--keep-quantized", nargs="?", const=True, default=False, choices=["fp8", "int4"],
-                     help="a quantized checkpoint's weights held as stored, dequantized module by module; 'fp8': "
-                     "FP8 multiplied as stored on Hopper; 'int4': GPTQ / AWQ int4 through torch's int4 kernel "
-                     "(from_pretrained's keep_quantized)")  # fmt: skip
+                     help="a quantized checkpoint's weights held as stored (from_pretrained's keep_quantized): "
+                     "dequantized module by module, FP8 through the package's kernel on a GPU; 'fp8': besides, "
+                     "W8A8 products on Hopper (torch._scaled_mm); 'int4': GPTQ / AWQ / W4A16 through torch's int4 "
+                     "kernel")  # fmt: skip
     add_pipeline_args(gen)
     gen.add_argument(
         "--micro-batches", type=int, help="with --pp/--stage-tp: micro-batches per forward (default: stages)"

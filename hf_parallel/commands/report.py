@@ -209,6 +209,7 @@ def quantized_lines(path: str, model, shard, tp: int, quantization, dtype) -> li
             tiles = [(key, box, readable(handle, files, key, quantization)) for key, box in boxes]
             module, _, attr = entry.name.rpartition(".")
             plain = attr == "weight" and type(model.get_submodule(module)) is nn.Linear
+            # transformers' gated experts (hold_experts' other conditions hold for its experts modules)
             gated = attr in ("gate_up_proj", "down_proj") and gated_experts(model.get_submodule(module))
             for rank in range(tp):
                 local = tuple(entry.layout.local_shape(entry.full_shape, rank))
@@ -233,8 +234,10 @@ def quantized_lines(path: str, model, shard, tp: int, quantization, dtype) -> li
         on_cpu[rank] += sum(parts.values()) if both else 0
     besides = ""
     if any(on_cpu):
-        besides = (f"; keep_quantized='int4' holds besides, for torch's int4 kernel: {on_cpu} bytes per rank on CPU "
-                   f"({int4} on CUDA, in bfloat16, where experts are dequantized)")
+        on_cuda = int4 if dtype == torch.bfloat16 else [0] * tp  # CUDA's kernel: bfloat16 only, no experts
+        besides = (f"; keep_quantized='int4' holds besides, for torch's int4 kernel (where it passes its load "
+                   f"check): {on_cpu} bytes per rank on CPU ({on_cuda} on CUDA: bfloat16 only, experts dequantized "
+                   f"there)")
     return [
         f"quantized ({type(quantization).__name__}): each rank reads {read} bytes of quantized weights, of which "
         f"scales and zero points {scales}; dequantized into the dtype as read (the bytes per rank below); with "

@@ -27,6 +27,10 @@ rounding of the group's largest weight (as with torchao's int4 layout); in float
 batches of up to ``KERNEL_ROWS`` rows (decode steps, small batches); a prefill, an input that needs a
 gradient (no backward) or of another dtype take the dequantized product. Checked on each device and dtype
 at load (``runs_on``: small products against the same weights in float32); a refusal warns and dequantizes.
+
+Experts (``kept_experts``, on CPU): each expert's box of a part is packed so, and the experts' packs stacked
+(``stacked``: one form for all, else the experts are dequantized); a step's (token, expert) pairs, at most as
+many as the experts, each take a call with their expert's pack (``gathered_int4_product``).
 """
 
 from __future__ import annotations
@@ -134,6 +138,8 @@ def _packed(values, zero, scales, groups, group: int, dtype) -> Int4Pack | None:
     if contraction is None:
         return None
     step, chunks, slots, width, in_place = contraction
+    if len(chunks) > scales.shape[0]:  # an input in a group the scales do not have: not this format
+        return None
     chunks = torch.nn.functional.pad(chunks, (0, scales.shape[0] - len(chunks)))  # groups past the last input's
     rows = -(-outputs // PAD) * PAD
     codes = torch.full((rows, width), 8, dtype=torch.int32, device=device)  # unused slots: zero activations
@@ -161,9 +167,10 @@ def stacked(packs: list) -> Int4Pack | None:
 
 def gathered_int4_product(x: torch.Tensor, ids: torch.Tensor, stack: Int4Pack) -> torch.Tensor:
     """Each row ``p`` of ``x`` times expert ``ids[p]``'s weight, from its pack in ``stack`` (``stacked``): a
-    product a row, its expert's pack selected by ``index_select`` (no id read on the host: compiled whole). torch
-    has no grouped int4 kernel, so this is a kernel call a row; on CPU that is still far less than dequantizing
-    the rows' experts (``benchmarks/decode.py``, docs/benchmarks.md)."""
+    product a row, its expert's pack selected by ``index_select`` (no id read on the host: it traces whole, a
+    graph for each count of rows, as any compiled step is one for its shapes). torch has no grouped int4
+    kernel, so this is a kernel call a row; on CPU that is still far less than dequantizing the rows' experts
+    (``benchmarks/decode.py``, docs/benchmarks.md)."""
     rows = []
     for p in range(x.shape[0]):
         expert = ids[p : p + 1]

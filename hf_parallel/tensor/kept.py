@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -28,8 +29,8 @@ from ..checkpoint.writer import torch_dtype
 from ..distributed import p2p
 from ..distributed.devices import to_wire
 from ..distributed.faults import collective
-from .kept_experts import hold_experts
-from .kept_linear import KeptFP8Linear, hold_linear
+from .kept_experts import KeptExperts, hold_experts
+from .kept_linear import KeptFP8KernelLinear, KeptFP8Linear, KeptInt4Linear, KeptLinear, hold_linear, rows_in_order
 
 
 def placed_boxes(tiles: list, layout, rank: int, full_shape):
@@ -123,14 +124,6 @@ def _covers(at: tuple, shape) -> bool:
     return all(s.start == 0 and s.stop == n for s, n in zip(at, shape))
 
 
-def rows_in_order(places: list[tuple], shape) -> list[int] | None:
-    """The boxes at ``places`` (which tile a 2-d shard of ``shape``) in order of their rows, where each holds
-    all the shard's columns; else None."""
-    if len(shape) != 2 or not all(_covers(at[1:], shape[1:]) for at in places):
-        return None
-    return sorted(range(len(places)), key=lambda i: places[i][0].start)
-
-
 class KeptPlaceholder(nn.Parameter):
     """What a kept weight's slot holds between calls: its shape, dtype and device (meta), nothing to compute
     with: any other use raises, naming it."""
@@ -193,6 +186,20 @@ def hold_quantized(model: nn.Module, kept: dict[str, KeptWeight], fp8_products: 
                       "rows by a plain linear or by gated experts on CPU, or no kernel for this device and dtype); "
                       "they are held as with keep_quantized=True")  # fmt: skip
     return handles
+
+
+def kept_products(model: nn.Module) -> dict[str, int]:
+    """How ``model``'s kept plain linears and fused experts multiply: a count per way (``"int4 kernel": 210``,
+    ``"experts int4 kernel": 48``), so a run can say whether its kept weights took a kernel or fell back to
+    dequantizing (a refused kernel warns once)."""
+    ways = {KeptLinear: "dequantized", KeptFP8Linear: "W8A8 FP8", KeptFP8KernelLinear: "FP8 kernel",
+            KeptInt4Linear: "int4 kernel"}  # fmt: skip
+    counts = Counter(ways[type(m)] for m in model.modules() if type(m) in ways)
+    for module in model.modules():
+        if isinstance(module, KeptExperts):
+            way = "int4 kernel" if _int4_packs(module) else "FP8 kernel" if module.kernel_products else "dequantized"
+            counts[f"experts {way}"] += 1
+    return dict(counts)
 
 
 def _int4_packs(module: nn.Module) -> list:

@@ -46,6 +46,7 @@ from ..checkpoint.quantized import Kept
 from ..compat.torch import MODULE_PARAMETERS, parameters_replaced
 from . import fp8_kernel, int4_kernel
 from .experts import EXPERT_ARG_ROLES, rewrite_expert_args
+from .kept_linear import rows_in_order
 
 
 class ExpertRows:
@@ -102,7 +103,7 @@ class ExpertRows:
         """Whether every part is a stack of per-expert boxes of whole rows of an expert's slice, tiling them."""
         if len(self.weight.shape) != 3 or not self.stacks or any(holds_all for _, _, holds_all in self.stacks):
             return False
-        return _tile_rows([place for place, _, _ in self.stacks], self.weight.shape[1:])
+        return rows_in_order([place for place, _, _ in self.stacks], self.weight.shape[1:]) is not None
 
     def multiplies_as_stored(self) -> bool:
         """Whether a step's pairs multiply by their experts as stored: every part's stack repacked for torch's
@@ -142,14 +143,6 @@ class ExpertRows:
         return out
 
 
-def _tile_rows(places: list[tuple], shape) -> bool:
-    """Whether boxes at ``places`` in an expert's slice of ``shape`` each hold all its columns and tile its rows."""
-    rows = sorted((place[0].start, place[0].stop) for place in places)
-    ends = [0] + [stop for _, stop in rows]
-    tiled = [start for start, _ in rows] == ends[:-1] and ends[-1] == shape[0]
-    return tiled and all((place[1].start, place[1].stop) == (0, shape[1]) for place in places)
-
-
 def int4_stack_nbytes(placed: list[tuple[Kept, tuple]], shape: tuple, dtype) -> int | None:
     """What ``ExpertRows.repack_int4`` holds for one weight of a rank's experts [E, out, in] of ``shape``, from
     its boxes and where each goes (``placed``; boxes kept with ``meta``: a plan's figure); None where it would
@@ -159,7 +152,7 @@ def int4_stack_nbytes(placed: list[tuple[Kept, tuple]], shape: tuple, dtype) -> 
         if at[0].stop - at[0].start != 1 or kept.holds_experts:
             return None
         by_place.setdefault(_key(at[1:]), {})[at[0].start] = kept
-    if not by_place or not _tile_rows([tuple(slice(a, b) for a, b in key) for key in by_place], shape[1:]):
+    if not by_place or rows_in_order([tuple(slice(a, b) for a, b in key) for key in by_place], shape[1:]) is None:
         return None
     total = 0
     for ((r0, r1), (c0, c1)), boxes in by_place.items():
@@ -289,8 +282,8 @@ def hold_experts(module: nn.Module, weights: dict, int4_kernels: bool = False) -
     module.kept_weights = weights
     module.per_expert = tuple(attr for attr in params if attr not in weights)
     module.kept_rows = {attr: ExpertRows.of(weight) for attr, weight in weights.items()}
-    gated = _takes_kernel_products(module, lambda rows: rows._whole_rows())
-    if int4_kernels and gated and next(iter(weights.values())).device.type == "cpu":
+    whole_rows = _takes_kernel_products(module, lambda rows: rows._whole_rows())
+    if int4_kernels and whole_rows and next(iter(weights.values())).device.type == "cpu":
         for rows in module.kept_rows.values():
             rows.repack_int4()
         if any(rows.int4_stacks is None for rows in module.kept_rows.values()):  # both or neither

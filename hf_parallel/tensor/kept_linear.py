@@ -11,8 +11,6 @@ over TP before the bias is added once.
 
 from __future__ import annotations
 
-from collections import Counter
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -81,6 +79,16 @@ class KeptInt4Linear(KeptKernelLinear):
         return _joined([int4_kernel.int4_product(x, pack) for pack in self.int4_packs])
 
 
+def rows_in_order(places: list[tuple], shape) -> list[int] | None:
+    """The boxes at ``places`` in a 2-d shard of ``shape`` in order of their rows, where each holds all the
+    shard's columns and together they tile its rows; else None."""
+    if len(shape) != 2 or any((at[1].start, at[1].stop) != (0, shape[1]) for at in places):
+        return None
+    order = sorted(range(len(places)), key=lambda i: places[i][0].start)
+    ends = [0] + [places[i][0].stop for i in order]
+    return order if [places[i][0].start for i in order] == ends[:-1] and ends[-1] == shape[0] else None
+
+
 def _joined(products: list[torch.Tensor]) -> torch.Tensor:
     """The products of a weight's boxes of rows, in their order: the weight's."""
     return products[0] if len(products) == 1 else torch.cat(products, -1)
@@ -97,9 +105,8 @@ def hold_linear(module: nn.Module, weights: dict, fp8_products: bool, int4_kerne
     recipe = _fp8_recipe(weight) if fp8_products else None
     boxes = (weight.row_boxes or []) if recipe is None else []  # a kernel's product a box, joined
     kernel = bool(boxes) and all(fp8_kernel.takes(box, shape, weight.dtype) for box, shape in boxes)
-    int4_kernels = int4_kernels and not kernel
-    packs = [int4_kernel.int4_pack(box, shape, weight.dtype) for box, shape in boxes] if int4_kernels else []
-    packs = packs if packs and not kernel and None not in packs else None  # every box through the kernel, or none
+    packs = None if kernel or not int4_kernels else [int4_kernel.int4_pack(b, s, weight.dtype) for b, s in boxes]
+    packs = packs if packs and None not in packs else None  # every box through the kernel, or none
     module.__class__ = (KeptFP8Linear if recipe is not None else KeptFP8KernelLinear if kernel else
                         KeptInt4Linear if packs else KeptLinear)  # fmt: skip
     module.kept_weight, module.int4_packs = weight, packs
@@ -124,11 +131,3 @@ def _fp8_recipe(weight):
         return None
     recipe = supports_block_fp8(kept.weight.device)
     return recipe if recipe is not None and recipe.takes(columns) else None
-
-
-def kept_products(model: nn.Module) -> dict[str, int]:
-    """How ``model``'s kept plain linears multiply: a count per way (``"int4 kernel": 210``), so a run can say
-    whether its kept weights took a kernel or fell back to dequantizing (a refused kernel warns once)."""
-    ways = {KeptLinear: "dequantized", KeptFP8Linear: "W8A8 FP8", KeptFP8KernelLinear: "FP8 kernel",
-            KeptInt4Linear: "int4 kernel"}  # fmt: skip
-    return dict(Counter(ways[type(m)] for m in model.modules() if type(m) in ways))
