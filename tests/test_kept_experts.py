@@ -156,7 +156,7 @@ def test_int4_experts_on_cpu_multiply_through_torchs_int4_kernel(tiny_root, monk
     import hf_parallel
     from hf_parallel.commands.report import plan_report
     from hf_parallel.tensor import int4_kernel
-    from hf_parallel.tensor.kept import int4_copy_nbytes
+    from hf_parallel.tensor.kept import int4_copy_nbytes, kept_products
 
     path = _paths(tiny_root)[name] if name in MODELS else make_grouped_checkpoint(name, tiny_root)[0]
     calls, gathered = [], int4_kernel.gathered_int4_product
@@ -167,6 +167,7 @@ def test_int4_experts_on_cpu_multiply_through_torchs_int4_kernel(tiny_root, monk
         read = hf_parallel.AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
         experts = [m for m in kept.modules() if isinstance(m, kept_experts.KeptExperts)]
         assert [m.kernel_products for m in experts] == [True] * 2, name
+        assert kept_products(kept)["experts int4 kernel"] == 2, kept_products(kept)  # the CLI's closing count
         for ids, pairs in ((torch.tensor([[5], [9]]), 4), (torch.tensor([[5, 9, 3]]), 0)):
             calls.clear()
             with torch.no_grad():
