@@ -187,8 +187,9 @@ def quantized_lines(path: str, model, shard, tp: int, quantization, dtype) -> li
     from ..checkpoint.loading import checkpoint_files
     from ..checkpoint.quantized import Dequantized, readable, with_stored_keys
     from ..tensor.int4_kernel import pack_form
-    from ..tensor.kept import placed_boxes, rows_in_order
+    from ..tensor.kept import placed_boxes
     from ..tensor.kept_experts import gated_experts, int4_stack_nbytes
+    from ..tensor.kept_linear import row_boxes
 
     files = with_stored_keys(checkpoint_files(path), quantization)
     direct, fused = checkpoint_sources(model, files)
@@ -222,8 +223,9 @@ def quantized_lines(path: str, model, shard, tp: int, quantization, dtype) -> li
                     held = box.tensors()
                     read[rank] += sum(t.nbytes for t in held.values())
                     scales[rank] += sum(held[f].nbytes for f in ("scales", "zero") if f in held)
-                if plain and rows_in_order([at for _, at in placed], local) is not None:
-                    forms = [pack_form(box, tuple(s.stop - s.start for s in at), dtype) for box, at in placed]
+                rows = row_boxes(placed, local) if plain else None  # as hold_linear takes them
+                if rows is not None:
+                    forms = [pack_form(box, shape, dtype) for box, shape in rows]
                     int4[rank] += 0 if None in forms else sum(form.nbytes for form in forms)  # every box or none
                 if gated:
                     experts.setdefault((module, rank), {})[attr] = int4_stack_nbytes(placed, local, dtype)

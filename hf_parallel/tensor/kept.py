@@ -30,7 +30,7 @@ from ..distributed import p2p
 from ..distributed.devices import to_wire
 from ..distributed.faults import collective
 from .kept_experts import KeptExperts, hold_experts
-from .kept_linear import KeptFP8KernelLinear, KeptFP8Linear, KeptInt4Linear, KeptLinear, hold_linear, rows_in_order
+from .kept_linear import KeptFP8KernelLinear, KeptFP8Linear, KeptInt4Linear, KeptLinear, hold_linear, row_boxes
 
 
 def placed_boxes(tiles: list, layout, rank: int, full_shape):
@@ -101,10 +101,7 @@ class KeptWeight:
         """A 2-d shard's stored boxes and their shapes in order of their rows, where each holds all its columns
         (one box, ``whole``; or a packed q|k|v's or gate|up's parts, a box each), so that a kernel's products
         of the boxes concatenate to the shard's; else None."""
-        order = rows_in_order([piece.at for piece in self.pieces], self.shape)
-        if order is None:
-            return None
-        return [(self.pieces[i].kept, tuple(s.stop - s.start for s in self.pieces[i].at)) for i in order]
+        return row_boxes([(piece.kept, piece.at) for piece in self.pieces], self.shape)
 
     def dequantize(self) -> torch.Tensor:
         if self.whole is not None:  # its one run: no copy

@@ -57,31 +57,29 @@ class ExpertRows:
     def __init__(self, weight, stacks: list[tuple[tuple, Kept, bool]]):
         self.weight, self.stacks = weight, stacks  # (place in an expert's slice, stacked box, box holds E)
         self.kernel_plans = [fp8_kernel.Plans() for _ in stacks]  # each stack's launches, worked out once a shape
-        self.int4_stacks = None  # with ``repack_int4``: each stack's experts' packs for torch's int4 kernel
+        self.int4_stacks = None  # each stack's experts' packs for torch's int4 kernel (``int4_packed``), or None
 
     @classmethod
     def of(cls, weight) -> ExpertRows | None:
         """Stack ``weight``'s (a ``KeptWeight`` [E, ...]) pieces, each piece then holding views of the stack;
         None where they do not stack."""
-        experts, by_place, stacks = weight.shape[0], {}, []
+        experts, one_each, stacks = weight.shape[0], [], []
         for piece in weight.pieces:
             first, place = piece.at[0], piece.at[1:]
             if piece.kept.holds_experts:  # one box of all the experts (MXFP4: [E, out, groups, 16])
                 if (first.start, first.stop) != (0, experts):
                     return None
                 stacks.append((place, piece.kept, True))
-            elif first.stop - first.start == 1:  # one expert's box: stacked with the others' of its place
-                by_place.setdefault(_key(place), {})[first.start] = piece
-            else:
-                return None
-        places = [(place, [pieces.get(e) for e in range(experts)]) for place, pieces in by_place.items()]
-        if any(None in ordered or not _stack_together([p.kept for p in ordered]) for _, ordered in places):
+            else:  # one expert's box: stacked with the others' of its place
+                one_each.append((piece.kept, piece.at, piece))
+        places = _experts_by_place(one_each, experts)
+        if places is None:
             return None
         for place, ordered in places:  # one place at a time: its pieces' bytes are held twice only meanwhile
             stacked = _stacked([p.kept for p in ordered])
             for e, piece in enumerate(ordered):  # views of the stack: the bytes once
                 piece.kept = replace(piece.kept, **{name: t[e] for name, t in stacked.tensors().items()})
-            stacks.append((tuple(slice(a, b) for a, b in place), stacked, False))
+            stacks.append((place, stacked, False))
         return cls(weight, stacks)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
@@ -107,18 +105,18 @@ class ExpertRows:
 
     def multiplies_as_stored(self) -> bool:
         """Whether a step's pairs multiply by their experts as stored: every part's stack repacked for torch's
-        int4 kernel (``repack_int4``), or taken by the gathered weight-only FP8 kernel on its device
+        int4 kernel (``int4_stacks``), or taken by the gathered weight-only FP8 kernel on its device
         (``fp8_kernel.gathered_takes``)."""
         if self.int4_stacks is not None:
             return True
         return self._whole_rows() and all(fp8_kernel.gathered_takes(s, self.weight.dtype) for _, s, _ in self.stacks)
 
-    def repack_int4(self) -> None:
+    def int4_packed(self) -> list | None:
         """Each stack's experts repacked for torch's int4 kernel (``int4_kernel.int4_pack`` an expert, then
-        ``stacked``) into ``int4_stacks``; left None where a part is not taken (not int4, another dtype, act-order
+        ``stacked``), for ``int4_stacks``; None where a part is not taken (not int4, another dtype, act-order
         experts spread each their own way)."""
         if not self._whole_rows():
-            return
+            return None
         stacks = []
         for (rows, columns), stacked, _ in self.stacks:
             shape, experts = (rows.stop - rows.start, columns.stop - columns.start), self.weight.shape[0]
@@ -126,8 +124,8 @@ class ExpertRows:
                                            shape, self.weight.dtype) for e in range(experts)]  # fmt: skip
             stacks.append(int4_kernel.stacked(packs))
             if stacks[-1] is None:
-                return
-        self.int4_stacks = stacks
+                return None
+        return stacks
 
     def product(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Each row ``p`` of ``x`` times expert ``ids[p]``'s weight as stored (``multiplies_as_stored``)."""
@@ -143,23 +141,33 @@ class ExpertRows:
         return out
 
 
-def int4_stack_nbytes(placed: list[tuple[Kept, tuple]], shape: tuple, dtype) -> int | None:
-    """What ``ExpertRows.repack_int4`` holds for one weight of a rank's experts [E, out, in] of ``shape``, from
-    its boxes and where each goes (``placed``; boxes kept with ``meta``: a plan's figure); None where it would
-    hold none (the stacks ``ExpertRows.of`` makes, of whole rows, every expert's pack in one form)."""
+def _experts_by_place(one_each: list[tuple], experts: int) -> list[tuple] | None:
+    """Boxes of one expert each (``one_each``: (box, its place in the [E, ...] shard, what to return for it)),
+    grouped by their place in an expert's slice: [(the place, a tuple of slices; its items in expert order)];
+    None where a box spans experts, a place lacks an expert or its boxes do not stack (``_stack_together``)."""
     by_place: dict = {}
-    for kept, at in placed:
+    for kept, at, item in one_each:
         if at[0].stop - at[0].start != 1 or kept.holds_experts:
             return None
-        by_place.setdefault(_key(at[1:]), {})[at[0].start] = kept
-    if not by_place or rows_in_order([tuple(slice(a, b) for a, b in key) for key in by_place], shape[1:]) is None:
+        by_place.setdefault(_key(at[1:]), {})[at[0].start] = (kept, item)
+    places = [(tuple(slice(a, b) for a, b in key), [boxes.get(e) for e in range(experts)])
+              for key, boxes in by_place.items()]  # fmt: skip
+    if any(None in ordered or not _stack_together([kept for kept, _ in ordered]) for _, ordered in places):
+        return None
+    return [(place, [item for _, item in ordered]) for place, ordered in places]
+
+
+def int4_stack_nbytes(placed: list[tuple[Kept, tuple]], shape: tuple, dtype) -> int | None:
+    """What ``ExpertRows.int4_packed`` holds for one weight of a rank's experts [E, out, in] of ``shape``, from
+    its boxes and where each goes (``placed``; boxes kept with ``meta``: a plan's figure); None where it would
+    hold none (the stacks ``ExpertRows.of`` makes, of whole rows, every expert's pack in one form)."""
+    places = _experts_by_place([(kept, at, kept) for kept, at in placed], shape[0])
+    if not places or rows_in_order([place for place, _ in places], shape[1:]) is None:
         return None
     total = 0
-    for ((r0, r1), (c0, c1)), boxes in by_place.items():
-        ordered = [boxes.get(e) for e in range(shape[0])]
-        if None in ordered or not _stack_together(ordered):
-            return None
-        forms = {int4_kernel.pack_form(box, (r1 - r0, c1 - c0), dtype) for box in ordered}
+    for (rows, columns), ordered in places:
+        forms = {int4_kernel.pack_form(box, (rows.stop - rows.start, columns.stop - columns.start), dtype)
+                 for box in ordered}  # fmt: skip
         if len(forms) != 1 or None in forms:
             return None
         total += forms.pop().nbytes * shape[0]
@@ -284,10 +292,9 @@ def hold_experts(module: nn.Module, weights: dict, int4_kernels: bool = False) -
     module.kept_rows = {attr: ExpertRows.of(weight) for attr, weight in weights.items()}
     whole_rows = _takes_kernel_products(module, lambda rows: rows._whole_rows())
     if int4_kernels and whole_rows and next(iter(weights.values())).device.type == "cpu":
-        for rows in module.kept_rows.values():
-            rows.repack_int4()
-        if any(rows.int4_stacks is None for rows in module.kept_rows.values()):  # both or neither
-            for rows in module.kept_rows.values():
-                rows.int4_stacks = None
+        packed = {attr: rows.int4_packed() for attr, rows in module.kept_rows.items()}
+        if None not in packed.values():  # both weights through the kernel, or neither
+            for attr, stacks in packed.items():
+                module.kept_rows[attr].int4_stacks = stacks
     module.kernel_products = _takes_kernel_products(module)
     return True

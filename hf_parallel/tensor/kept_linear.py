@@ -89,6 +89,14 @@ def rows_in_order(places: list[tuple], shape) -> list[int] | None:
     return order if [places[i][0].start for i in order] == ends[:-1] and ends[-1] == shape[0] else None
 
 
+def row_boxes(placed: list[tuple], shape) -> list[tuple] | None:
+    """Boxes and where each goes in a 2-d shard of ``shape`` (``placed``), in order of their rows and each with
+    its shape, where each holds all the shard's columns and together they tile its rows; else None: what a
+    kernel's products a box, joined, multiply (``hold_linear``; ``hf-parallel plan``'s int4 figure)."""
+    order = rows_in_order([at for _, at in placed], shape)
+    return None if order is None else [(placed[i][0], tuple(s.stop - s.start for s in placed[i][1])) for i in order]
+
+
 def _joined(products: list[torch.Tensor]) -> torch.Tensor:
     """The products of a weight's boxes of rows, in their order: the weight's."""
     return products[0] if len(products) == 1 else torch.cat(products, -1)
