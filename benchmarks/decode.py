@@ -55,8 +55,8 @@ def worker(args) -> None:
     prompt = prompt.to(model.device)
     result = {"impl": args.impl, "mode": args.mode, "rank": rank, "threads": torch.get_num_threads()}
     kinds = {type(m).__name__ for m in model.modules()}  # which product kept FP8 took
-    result["fp8_products"], result["fp8_kernel"] = "KeptFP8Linear" in kinds, "KeptFP8KernelLinear" in kinds
-    result["int4_kernel"] = "KeptInt4Linear" in kinds
+    result["fp8_products"], result["fp8_weight_only"] = "KeptFP8Linear" in kinds, "KeptFP8KernelLinear" in kinds
+    result["int4_torch"] = "KeptInt4Linear" in kinds
     experts = [rows for m in model.modules() if getattr(m, "kernel_products", False) is True  # kept_experts
                for rows in m.kept_rows.values()]  # fmt: skip
     result["fp8_experts"] = any(rows.int4_stacks is None for rows in experts)
@@ -198,8 +198,8 @@ def table(name: str, rows: dict, tp: int, dtype: str) -> str:
         same = "-" if "error" in base else f"{agree}/{len(base['tokens'])}"
         compiled = rows.get(f"{first} compiled", {"error": "-"})
         label = f"{key} (FP8 products)" if row.get("fp8_products") else key
-        label = f"{label} (FP8 kernel)" if row.get("fp8_kernel") else label
-        label = f"{label} (int4 kernel)" if row.get("int4_kernel") else label
+        label = f"{label} (FP8 kernel)" if row.get("fp8_weight_only") else label
+        label = f"{label} (int4 kernel)" if row.get("int4_torch") else label
         label = f"{label} (FP8 experts kernel)" if row.get("fp8_experts") else label
         label = f"{label} (int4 experts kernel)" if row.get("int4_experts") else label
         held = f"{row['held_mb']:.0f}" if "held_mb" in row else "-"

@@ -10,11 +10,11 @@ card was found to take (and why others were refused), then microseconds per prod
 
 ``--sweep`` times the package's two FP8 kernels (the plain and the gathered product) at 68 launches and the
 defaults (outputs a program, warps, the weight's tile as either operand, tiles loaded at once, runs of
-columns, ``tl.dot`` or a GEMV, columns a step: ``fp8_kernel.Launch``) from CUDA graphs, the GPU's time alone,
-and prints the fastest beside the launches the package uses (``fp8_kernel.PLAIN`` and ``GATHERED``: in eager,
+columns, ``tl.dot`` or a GEMV, columns a step: ``fp8_weight_only.Launch``) from CUDA graphs, the GPU's time alone,
+and prints the fastest beside the launches the package uses (``fp8_weight_only.PLAIN`` and ``GATHERED``: in eager,
 and split as a compiled step splits them, here with torch's sum and cast unfused: an upper bound of the
 compiled step's) and the host's cost of a launch: as a kept linear makes it (its plan worked out once,
-``fp8_kernel.Plans``; the kernel kept from the first launch) and worked out and launched through
+``fp8_weight_only.Plans``; the kernel kept from the first launch) and worked out and launched through
 ``JITFunction.run`` each time (the path before both, plus the plan's tuples: about a microsecond more on a
 CPU), beside ``F.linear``'s: how those defaults are chosen.
 """
@@ -101,8 +101,8 @@ def through_run(name: str):
 
 def fp8_box(n: int, k: int, device, experts: tuple = ()):
     """A random bf16 weight [*experts, n, k] and it kept as FP8 in 128 x 128 blocks (``KeptFP8``)."""
-    from hf_parallel.checkpoint.quantized import KeptFP8
-    from hf_parallel.tensor.fp8_matmul import BLOCK
+    from hf_parallel.quant.scaled_fp8 import KeptFP8
+    from hf_parallel.quant.kernels.fp8_scaled_mm import BLOCK
 
     weight = torch.randn(*experts, n, k, device=device, dtype=torch.bfloat16) / k**0.5
     blocks = weight.float().view(*experts, n // BLOCK, BLOCK, k // BLOCK, BLOCK)
@@ -112,15 +112,15 @@ def fp8_box(n: int, k: int, device, experts: tuple = ()):
 
 
 def sweep(args, device) -> None:
-    from hf_parallel.tensor import fp8_kernel
+    from hf_parallel.tensor import fp8_weight_only
 
     # stages changed nothing on an H200 and 16 outputs a program was fastest (the loads seem not to be pipelined,
     # the card not filled): tiles loaded together (unroll) and runs of columns (split) may (4 warps: 8 on 16
     # outputs a program make way for the GEMV launches); and GEMV launches (no tl.dot: wider programs, their
-    # products in registers, as one-row Triton kernels elsewhere take them) at ``fp8_kernel.GEMV_TILES``
-    launches = [fp8_kernel.Launch(n, 4, 3, swap, unroll, split) for n in (16, 32) for swap in (False, True)
+    # products in registers, as one-row Triton kernels elsewhere take them) at ``fp8_weight_only.GEMV_TILES``
+    launches = [fp8_weight_only.Launch(n, 4, 3, swap, unroll, split) for n in (16, 32) for swap in (False, True)
                 for unroll in (1, 4) for split in (1, 2, 4, 8)]  # fmt: skip
-    launches += [fp8_kernel.Launch(n, 4, 3, False, unroll, split, dot=False, tile_k=k) for n, k in fp8_kernel.GEMV_TILES
+    launches += [fp8_weight_only.Launch(n, 4, 3, False, unroll, split, dot=False, tile_k=k) for n, k in fp8_weight_only.GEMV_TILES
                  for unroll in (1, 2) for split in (1, 4, 16)]  # fmt: skip
     print("| product | rows | bf16 us | the default launch us: eager, compiled (its split) | fastest launches (us) "
           "| host us a launch: planned and kept, through run (bf16) |\n|---|---|---|---|---|---|")  # fmt: skip
@@ -129,16 +129,16 @@ def sweep(args, device) -> None:
         weight, kept = fp8_box(n, k, device)
         for tokens in args.tokens:
             x = torch.randn(tokens, k, device=device, dtype=torch.bfloat16)
-            compiled = fp8_kernel.PLAIN._replace(split=fp8_kernel.split_for(-(-n // fp8_kernel.PLAIN.tile_n), k, 128))
-            times = launch_times(lambda launch: fp8_kernel.weight_only_fp8(x, kept, launch),
-                                 sorted({*launches, fp8_kernel.PLAIN, compiled}), fp8_kernel.PLAIN, args)  # fmt: skip
+            compiled = fp8_weight_only.PLAIN._replace(split=fp8_weight_only.split_for(-(-n // fp8_weight_only.PLAIN.tile_n), k, 128))
+            times = launch_times(lambda launch: fp8_weight_only.weight_only_fp8(x, kept, launch),
+                                 sorted({*launches, fp8_weight_only.PLAIN, compiled}), fp8_weight_only.PLAIN, args)  # fmt: skip
             plain = graphed(lambda: F.linear(x, weight), args.calls, args.repeats)
-            plans = fp8_kernel.Plans()  # as a kept linear launches it
-            host = host_us(lambda: fp8_kernel.weight_only_fp8(x, kept, plans=plans), 10 * args.calls)
+            plans = fp8_weight_only.Plans()  # as a kept linear launches it
+            host = host_us(lambda: fp8_weight_only.weight_only_fp8(x, kept, plans=plans), 10 * args.calls)
             with through_run("launch_weight_only_fp8"):
-                run = host_us(lambda: fp8_kernel.weight_only_fp8(x, kept), 10 * args.calls)
+                run = host_us(lambda: fp8_weight_only.weight_only_fp8(x, kept), 10 * args.calls)
             host = f"{host:.1f}, {run:.1f} ({host_us(lambda: F.linear(x, weight), 10 * args.calls):.1f})"
-            defaults = f"{times[fp8_kernel.PLAIN]:.1f}, {times[compiled]:.1f} ({compiled.split})"
+            defaults = f"{times[fp8_weight_only.PLAIN]:.1f}, {times[compiled]:.1f} ({compiled.split})"
             print(f"| {n} x {k} | {tokens} | {plain:.1f} | {defaults} | {fastest(times)} | {host} |", flush=True)
     for shape in args.expert_shapes:  # the gathered product: one expert a pair
         e, n, k = map(int, shape.split("x"))
@@ -146,17 +146,17 @@ def sweep(args, device) -> None:
         for pairs in args.pairs:
             x = torch.randn(pairs, k, device=device, dtype=torch.bfloat16)
             ids = torch.randint(0, e, (pairs,), device=device)
-            programs = pairs * -(-n // fp8_kernel.GATHERED.tile_n)
-            compiled = fp8_kernel.GATHERED._replace(split=fp8_kernel.split_for(programs, k, 128))
-            times = launch_times(lambda launch: fp8_kernel.gathered_weight_only_fp8(x, ids, kept, launch),
-                                 sorted({*launches, fp8_kernel.GATHERED, compiled}), fp8_kernel.GATHERED,
+            programs = pairs * -(-n // fp8_weight_only.GATHERED.tile_n)
+            compiled = fp8_weight_only.GATHERED._replace(split=fp8_weight_only.split_for(programs, k, 128))
+            times = launch_times(lambda launch: fp8_weight_only.gathered_weight_only_fp8(x, ids, kept, launch),
+                                 sorted({*launches, fp8_weight_only.GATHERED, compiled}), fp8_weight_only.GATHERED,
                                  args)  # fmt: skip
             plain = graphed(lambda: torch.bmm(weight[ids], x[:, :, None]), args.calls, args.repeats)
-            plans = fp8_kernel.Plans()  # as kept experts launch it
-            host = host_us(lambda: fp8_kernel.gathered_weight_only_fp8(x, ids, kept, plans=plans), 10 * args.calls)
+            plans = fp8_weight_only.Plans()  # as kept experts launch it
+            host = host_us(lambda: fp8_weight_only.gathered_weight_only_fp8(x, ids, kept, plans=plans), 10 * args.calls)
             with through_run("launch_gathered_weight_only_fp8"):
-                run = host_us(lambda: fp8_kernel.gathered_weight_only_fp8(x, ids, kept), 10 * args.calls)
-            defaults = f"{times[fp8_kernel.GATHERED]:.1f}, {times[compiled]:.1f} ({compiled.split})"
+                run = host_us(lambda: fp8_weight_only.gathered_weight_only_fp8(x, ids, kept), 10 * args.calls)
+            defaults = f"{times[fp8_weight_only.GATHERED]:.1f}, {times[compiled]:.1f} ({compiled.split})"
             print(f"| {e} experts {n} x {k} | {pairs} pairs | {plain:.1f} (bf16: gather, bmm) | {defaults} | "
                   f"{fastest(times)} | {host:.1f}, {run:.1f} |", flush=True)  # fmt: skip
 
@@ -181,8 +181,8 @@ def fastest(times: dict) -> str:
 
 
 def main() -> None:
-    from hf_parallel.tensor import fp8_kernel
-    from hf_parallel.tensor.fp8_matmul import block_scales, fp8_product, supports_block_fp8
+    from hf_parallel.tensor import fp8_weight_only
+    from hf_parallel.quant.kernels.fp8_scaled_mm import block_scales, fp8_product, supports_block_fp8
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 16])
@@ -198,7 +198,7 @@ def main() -> None:
     if args.sweep:
         return sweep(args, device)
     recipe = supports_block_fp8(device)
-    kernel = fp8_kernel.runs_on(device)
+    kernel = fp8_weight_only.runs_on(device)
     print(f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}, CUDA {torch.version.cuda}: {recipe}, "
           f"weight-only kernel: {kernel}")  # fmt: skip
     print("| N x K | tokens | bf16 us | kept, dequantized us | kept, kernel us | kept, FP8 products us | kernel x bf16 "
@@ -213,7 +213,7 @@ def main() -> None:
             dequantized = timed(lambda: F.linear(x, kept.dequantize(torch.bfloat16)), args.calls, args.repeats)
             fp8 = weight_only = "-"
             if kernel:
-                weight_only = timed(lambda: fp8_kernel.weight_only_fp8(x, kept), args.calls, args.repeats)
+                weight_only = timed(lambda: fp8_weight_only.weight_only_fp8(x, kept), args.calls, args.repeats)
             if recipe is not None and recipe.takes(k):
                 scale_b = block_scales(scales, recipe.padded_scales)
                 fp8 = timed(lambda: fp8_product(x, stored, scale_b, torch.bfloat16, recipe.rows), args.calls,

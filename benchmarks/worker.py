@@ -41,7 +41,7 @@ def local_param_bytes(model) -> int:
     repacked for torch's int4 kernel beside them)."""
     seen, total = set(), 0
     if "hf_parallel" in sys.modules:
-        from hf_parallel.tensor.kept import int4_copy_nbytes
+        from hf_parallel.quant.kept import int4_copy_nbytes
 
         total = sum(w.nbytes for w in sys.modules["hf_parallel"].parallel_state(model).kept.values())
         total += int4_copy_nbytes(model)

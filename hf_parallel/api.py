@@ -17,16 +17,16 @@ from .build import build_rank_model, resolve_dtype
 from .checkpoint.distributed_save import save_distributed
 from .checkpoint.loading import checkpoint_files, load_weights
 from .checkpoint.saving import save_sharded
-from .distributed.devices import check_on_device, move_module_state
+from .on_device import check_on_device, move_module_state
 from .distributed.mesh import get_mesh
 from .pipeline.stage import install_stage
 from .runtime import Runtime
 from .sequence.shard import install_sequence
 from .state import ParallelState, attach, parallel_state
 from .tensor.gradients import GradientSums
-from .tensor.kept import hold_quantized
+from .quant.kept import hold_quantized
 from .tensor.parallelize import install
-from .training.data_parallel import return_freed_blocks_to_the_os, shard_data_parallel
+from .distributed.fsdp import return_freed_blocks_to_the_os, shard_data_parallel
 from .training.trainer import from_distributed_config, install_trainer_seams
 
 

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from .checkpoint.keys import FusedSource, checkpoint_sources
-from .checkpoint.quantized import Quantization, read_quantization, with_stored_keys
+from .quant.formats import Quantization, read_quantization, with_stored_keys
 from .compat.accelerate import init_empty_weights
 from .distributed.mesh import Mesh
 from .pipeline.split import StageSplit, split_stages
@@ -20,7 +20,7 @@ from .sequence.shard import check_sequence_parallel
 from .tensor.mixers import recurrent_mixers
 from .tensor.parallelize import ModelLayout, model_layout
 from .tensor.plan import resolve_plan
-from .training.data_parallel import layers_to_shard, return_freed_blocks_to_the_os
+from .distributed.fsdp import layers_to_shard, return_freed_blocks_to_the_os
 
 
 @dataclass

@@ -18,7 +18,7 @@ import weakref
 
 from torch import nn
 
-from .context import Call, StepRecord, batch_inputs, calling
+from .core.context import Call, StepRecord, batch_inputs, calling
 from .pipeline.forward import pipelined
 from .pipeline.stage import Stage, StageDone
 from .sequence.shard import SequenceSplit, sequence_inputs, sequence_loss

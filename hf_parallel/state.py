@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from .runtime import Runtime
     from .sequence.shard import SequenceSplit
     from .tensor.gradients import GradientSums
-    from .tensor.kept import KeptWeight
+    from .quant.kept import KeptWeight
     from .tensor.parallelize import ModelLayout, ShardedParam
     from .tensor.styles import Hooks
 

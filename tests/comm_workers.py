@@ -120,7 +120,7 @@ def sequence_comm_properties(rank: int, world_size: int, transport: str = "shm")
 
     from hf_parallel.distributed import comm, shm
     from hf_parallel.distributed.mesh import get_mesh
-    from hf_parallel.tensor.layout import even_sizes, sizes_to_ranges
+    from hf_parallel.core.layout import even_sizes, sizes_to_ranges
 
     group = get_mesh().tp.group
     if transport == "gloo":
@@ -252,7 +252,7 @@ def collective_buffers(rank: int, world_size: int) -> dict:
     from hf_parallel.distributed.mesh import get_mesh
     from hf_parallel.pipeline.p2p import StageLink
     from hf_parallel.pipeline.tied import full_tensor
-    from hf_parallel.tensor.layout import per_rank
+    from hf_parallel.core.layout import per_rank
 
     class Devices(TorchDispatchMode):
         """The devices of the tensors each torch.distributed op is given (the op still runs)."""

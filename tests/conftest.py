@@ -37,20 +37,20 @@ def once_per_world_size(compute):
 
 @pytest.fixture(scope="module")
 def interpreted():
-    """``tensor/fp8_kernel`` with its Triton source (``fp8_triton``) made for Triton's interpreter, which
+    """``tensor/fp8_weight_only`` with its Triton source (``fp8_triton``) made for Triton's interpreter, which
     ``triton.jit`` reads when it decorates: both modules reloaded under ``TRITON_INTERPRET=1``, and after. One
     test file shares it, so its load-time checks (``runs_on``, interpreted: seconds each) run once a file; the
     file's tests after its first use run under it too, so those that use it come last."""
     import importlib
 
-    from hf_parallel.tensor import fp8_kernel
+    from hf_parallel.quant.kernels import fp8_weight_only
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("TRITON_INTERPRET", "1")
-        importlib.reload(importlib.import_module("hf_parallel.tensor.fp8_triton"))
-        yield importlib.reload(fp8_kernel)
-    importlib.reload(importlib.import_module("hf_parallel.tensor.fp8_triton"))
-    importlib.reload(fp8_kernel)
+        importlib.reload(importlib.import_module("hf_parallel.quant.kernels.fp8_triton"))
+        yield importlib.reload(fp8_weight_only)
+    importlib.reload(importlib.import_module("hf_parallel.quant.kernels.fp8_triton"))
+    importlib.reload(fp8_weight_only)
 
 
 @pytest.fixture(scope="session")

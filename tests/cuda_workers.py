@@ -31,7 +31,7 @@ def on_gpu(rank: int, world_size: int, cases: dict, save_root: str) -> dict:
     import transformers
 
     import hf_parallel
-    from hf_parallel.distributed.devices import left_behind
+    from hf_parallel.on_device import left_behind
 
     results = {}
     for name, (path, kwargs, runs) in cases.items():
@@ -79,7 +79,7 @@ def kept_fp8(rank: int, world_size: int, path: str, save_root: str, sizes: dict)
     and bfloat16: logits (eager, eager again: through the kernels kept from the first launches, and compiled
     whole), the classes of the kept linears (the package's kernel where the card runs it), the kernels kept for
     launching again, and each load saved back (gathered; the float32 one per rank too)."""
-    from hf_parallel.tensor import fp8_kernel
+    from hf_parallel.quant.kernels import fp8_weight_only
 
     out = {}
     for dtype in (torch.float32, torch.bfloat16):
@@ -93,8 +93,8 @@ def kept_fp8(rank: int, world_size: int, path: str, save_root: str, sizes: dict)
         model.save_pretrained(os.path.join(save_root, str(dtype).removeprefix("torch."), "gathered"))
         if dtype == torch.float32:  # the checkpoint's floats: every tensor saved bit for bit, per rank too
             model.save_pretrained(os.path.join(save_root, "float32", "per_rank"), distributed=True)
-    out["kernel"], out["capability"] = fp8_kernel.runs_on(device), list(torch.cuda.get_device_capability(device))
-    out["kept kernels"] = len(fp8_kernel._source.launch_weight_only_fp8.kernels) if out["kernel"] else 0
+    out["kernel"], out["capability"] = fp8_weight_only.runs_on(device), list(torch.cuda.get_device_capability(device))
+    out["kept kernels"] = len(fp8_weight_only._source.launch_weight_only_fp8.kernels) if out["kernel"] else 0
     return out
 
 
@@ -118,16 +118,16 @@ def kept_experts(rank: int, world_size: int, path: str, save_root: str, sizes: d
     compiled whole against eager, how many experts modules compute with their kept weights, and the kept
     weights saved back."""
     import hf_parallel
-    from hf_parallel.tensor.kept_experts import KeptExperts
+    from hf_parallel.quant.kept_experts import KeptExperts
 
     models = {keep: hf_parallel.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, keep_quantized=keep,
                                                                      **sizes) for keep in (False, True)}  # fmt: skip
-    from hf_parallel.tensor import fp8_kernel
+    from hf_parallel.quant.kernels import fp8_weight_only
 
     device, out = hf_parallel.parallel_state(models[True]).mesh.device, {}
     step = INPUT_IDS[:1, :1].to(device)
-    launches, gathered = [], fp8_kernel.gathered_weight_only_fp8
-    fp8_kernel.gathered_weight_only_fp8 = lambda x, ids, kept, *launch, **plans: launches.append(len(ids)) or gathered(
+    launches, gathered = [], fp8_weight_only.gathered_weight_only_fp8
+    fp8_weight_only.gathered_weight_only_fp8 = lambda x, ids, kept, *launch, **plans: launches.append(len(ids)) or gathered(
         x, ids, kept, *launch, **plans)  # fmt: skip
     with torch.no_grad():
         for what, ids in (("step", step), ("prefill", INPUT_IDS.to(device))):
@@ -146,7 +146,7 @@ def kept_int4(rank: int, world_size: int, path: str, save_root: str) -> dict:
     """An act-order GPTQ checkpoint at TP=2 in bfloat16, ``keep_quantized="int4"`` against dequantized as read:
     logits (eager, and compiled whole), the kept linears' classes (torch's int4 kernel where the card runs it),
     and the kept weights saved back."""
-    from hf_parallel.tensor import int4_kernel
+    from hf_parallel.quant.kernels import int4_torch
 
     logits, model, device = _kept_logits(path, (False, "int4"), torch.bfloat16, tp_size=2)
     with torch.no_grad():
@@ -154,7 +154,7 @@ def kept_int4(rank: int, world_size: int, path: str, save_root: str) -> dict:
     model.save_pretrained(os.path.join(save_root, "gathered"))
     return {"kept": gap(logits["int4"], logits[False]), "compiled": gap(compiled, logits["int4"]),
             "kinds": sorted({type(m).__name__ for m in model.modules() if hasattr(m, "kept_weight")}),
-            "kernel": int4_kernel.runs_on(device, torch.bfloat16),
+            "kernel": int4_torch.runs_on(device, torch.bfloat16),
             "capability": list(torch.cuda.get_device_capability(device))}  # fmt: skip
 
 
@@ -163,11 +163,12 @@ def fp8_products(rank: int, world_size: int, path: str, save_root: str) -> dict:
     one's product against the same W8A8 product in float32 (its activations quantized as it quantizes them,
     its weight dequantized), the logits against ``keep_quantized=True``'s (dequantized), compiled (fullgraph)
     against eager, and the kept weights saved back."""
-    from hf_parallel.tensor import fp8_matmul, kept_linear
+    from hf_parallel.quant import kept_linear
+    from hf_parallel.quant.kernels import fp8_scaled_mm
 
     out = {}
     logits, model, device = _kept_logits(path, (True, "fp8"), torch.bfloat16, tp_size=2)
-    recipe = fp8_matmul.supports_block_fp8(device)
+    recipe = fp8_scaled_mm.supports_block_fp8(device)
     out["supported"] = None if recipe is None else recipe._asdict()
     out["cuda"], out["capability"] = torch.version.cuda, list(torch.cuda.get_device_capability(device))
     linears = {name: m for name, m in model.named_modules() if isinstance(m, kept_linear.KeptFP8Linear)}
@@ -176,7 +177,7 @@ def fp8_products(rank: int, world_size: int, path: str, save_root: str) -> dict:
     generator = torch.Generator(device=device).manual_seed(rank)
     for name, module in linears.items():
         x = torch.randn(5, module.fp8_weight.shape[1], device=device, generator=generator, dtype=torch.bfloat16)
-        activations = fp8_matmul.act_dequant(*fp8_matmul.act_quant(x))
+        activations = fp8_scaled_mm.act_dequant(*fp8_scaled_mm.act_quant(x))
         with torch.no_grad():
             weight = module.kept_weight.whole.dequantize(torch.float32)  # exact: FP8 codes times float32 scales
             out["products"][name] = gap(module.product(x).float(), activations @ weight.T)

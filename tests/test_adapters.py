@@ -98,7 +98,7 @@ def runs(paths, references, tmp_path_factory):
 
 def rank_slices(result: dict, whole: dict[str, torch.Tensor]) -> dict:
     """``compare.gap`` of each adapter gradient a rank reported against its slice of one process's."""
-    from hf_parallel.tensor.layout import Layout
+    from hf_parallel.core.layout import Layout
 
     out = {}
     for name, item in result["adapters"].items():
@@ -109,7 +109,7 @@ def rank_slices(result: dict, whole: dict[str, torch.Tensor]) -> dict:
 
 def assembled(results: list[dict], what: str) -> dict[str, torch.Tensor]:
     """Every adapter's ``what`` (its gradient, its trained value), whole, from the slices its TP ranks reported."""
-    from hf_parallel.tensor.layout import Layout
+    from hf_parallel.core.layout import Layout
 
     pieces: dict[str, dict] = {}
     for result in results:

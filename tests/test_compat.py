@@ -132,7 +132,7 @@ def test_an_inference_load_imports_neither_the_trainer_peft_nor_the_kernel(tiny_
         model = hf_parallel.AutoModelForCausalLM.from_pretrained({path!r}, keep_quantized=True)
         model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=2, do_sample=False)
         kinds = sorted({{type(m).__name__ for m in model.modules() if hasattr(m, "kept_weight")}})
-        heavy = ("transformers.trainer", "peft", "hf_parallel.tensor.fp8_triton")
+        heavy = ("transformers.trainer", "peft", "hf_parallel.quant.kernels.fp8_triton")
         loaded = sorted(m for m in heavy if m in sys.modules)
         import hf_parallel.api, hf_parallel.training.step, hf_parallel.training.trainer, hf_parallel.commands.report
         peft_by_training = "peft" in sys.modules

@@ -48,7 +48,7 @@ def test_the_site_builds_strict_with_its_reference_generated_from_the_code(site)
     plans = _text(site / "reference" / "plans" / "index.html")
     assert all(path.name in plans for path in (ROOT / "plans").glob("*.toml"))
     errors = _text(site / "reference" / "errors" / "index.html")
-    assert "is stored quantized with no" in errors and "hf_parallel.checkpoint.quantized" in errors
+    assert "is stored quantized with no" in errors and "hf_parallel.quant.formats" in errors
     assert 'ep_plan="auto"' in _text(site / "reference" / "api" / "index.html")
     plots = sorted((site / "img").glob("benchmark-*.png"))  # one under each benchmark table, from the table
     assert len(plots) >= 8 and all(plot.name in (site / "benchmarks" / "index.html").read_text() for plot in plots)

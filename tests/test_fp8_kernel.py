@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hf_parallel.checkpoint.quantized import KeptFP8
-from hf_parallel.tensor import fp8_kernel
+from hf_parallel.quant.scaled_fp8 import KeptFP8
+from hf_parallel.quant.kernels import fp8_weight_only
 
 CPU = torch.device("cpu")
 
@@ -184,10 +184,10 @@ def test_a_kernel_that_computes_otherwise_is_refused_at_load(interpreted, monkey
     with pytest.warns(UserWarning, match=r"gathered weight-only FP8 kernel does not compute right on cpu.*\[\(1, "):
         assert not interpreted.gathered_runs_on(CPU)
     monkeypatch.delenv("TRITON_INTERPRET")
-    compiled = importlib.reload(fp8_kernel)
+    compiled = importlib.reload(fp8_weight_only)
     assert not compiled.runs_on(CPU) and not compiled.takes(kept_box(32, 32, (0, 0), (32, 32)), (32, 32), torch.float32)
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # the file's shared module as it was: interpreted, nothing refused
-    importlib.reload(fp8_kernel)
+    importlib.reload(fp8_weight_only)
 
 
 def _a_second_step_reuses_each_linears_plan(interpreted, kept, linears: list, monkeypatch):

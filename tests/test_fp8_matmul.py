@@ -10,8 +10,9 @@ import pytest
 import torch
 from torch import nn
 
-from hf_parallel.tensor import fp8_matmul, kept_linear
-from hf_parallel.tensor.fp8_matmul import BLOCK, act_quant, block_scales, fp8_product
+from hf_parallel.quant import kept_linear
+from hf_parallel.quant.kernels import fp8_scaled_mm
+from hf_parallel.quant.kernels.fp8_scaled_mm import BLOCK, act_quant, block_scales, fp8_product
 
 E4M3_STEP = 2.0**-4  # float8_e4m3fn's relative rounding (3 mantissa bits, half a step)
 E4M3_SUBNORMAL = 2.0**-9  # its smallest step, below which the rounding is absolute (times the group's scale)
@@ -83,7 +84,7 @@ def test_kept_linears_multiply_in_fp8_where_whole_blocks_and_compile_whole(tiny_
     import hf_parallel
 
     path = make_fp8_checkpoint("llama_fp8_128", tiny_root)
-    monkeypatch.setattr(kept_linear, "supports_block_fp8", lambda device: fp8_matmul.Recipe(True, 16, any_k=True))
+    monkeypatch.setattr(kept_linear, "supports_block_fp8", lambda device: fp8_scaled_mm.Recipe(True, 16, any_k=True))
     monkeypatch.setattr(torch, "_scaled_mm", block_scaled_mm(padded=True))
     logits, kinds = {}, {}
     for keep, dtype in (("fp8", torch.bfloat16), (True, torch.bfloat16), ("fp8", torch.float32)):
@@ -107,8 +108,8 @@ def test_kept_linears_multiply_in_fp8_where_whole_blocks_and_compile_whole(tiny_
 def test_a_recipe_without_any_contraction_takes_multiples_of_four_blocks():
     """torch 2.11 accepts a weight's scales unpadded where the contraction is not a multiple of 4 blocks, and
     cuBLASLt reads them otherwise (seen on an H100): such a weight stays dequantized."""
-    assert [fp8_matmul.Recipe(False, 16, any_k=False).takes(k * BLOCK) for k in (2, 4, 6, 12)] == [0, 1, 0, 1]
-    assert fp8_matmul.Recipe(True, 1, any_k=True).takes(6 * BLOCK)
+    assert [fp8_scaled_mm.Recipe(False, 16, any_k=False).takes(k * BLOCK) for k in (2, 4, 6, 12)] == [0, 1, 0, 1]
+    assert fp8_scaled_mm.Recipe(True, 1, any_k=True).takes(6 * BLOCK)
 
 
 def test_keep_quantized_takes_true_false_or_fp8(tiny_root):

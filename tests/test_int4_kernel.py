@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_parallel.tensor import int4_kernel
+from hf_parallel.quant.kernels import int4_torch
 
 CPU = torch.device("cpu")
 
@@ -51,13 +51,13 @@ def test_the_repacked_weight_multiplies_as_the_format_defines(group, shape):
     (values, zero, scales, index), weight = int4_weight(40, group, shape)
     spread, inputs = SHAPES[shape][2], values.shape[1]
     for dtype, within in ((torch.float32, 1e-5), (torch.bfloat16, 2**-6)):
-        pack = int4_kernel._packed(values, zero, scales, index, group, dtype)
+        pack = int4_torch._packed(values, zero, scales, index, group, dtype)
         assert (pack.slots is not None) == spread and pack.packed.dtype == torch.uint8
         assert pack.width == (inputs if not spread else sum(-(-int(n) // 32) * 32 for n in index.bincount()))
         for rows in (1, 7, 64):
             x = torch.randn(rows, values.shape[1]).to(dtype)
             want = x.float() @ weight.T
-            got = int4_kernel.int4_product(x, pack)
+            got = int4_torch.int4_product(x, pack)
             assert got.shape == (rows, 40) and got.dtype == dtype
             torch.testing.assert_close(got.float(), want, rtol=0, atol=within * want.abs().max().item())
 
@@ -68,17 +68,17 @@ def test_experts_packs_stack_only_in_one_form_and_each_row_takes_its_experts():
     pack alone does, bit for bit; packs of another form (groups in place: no slots; another width) or a
     missing one do not stack."""
     experts = [int4_weight(24, 32, "an act-order shard, 10 inputs in each of 8 groups", seed) for seed in range(3)]
-    packs = [int4_kernel._packed(*parts, 32, torch.float32) for parts, _ in experts]
-    stack = int4_kernel.stacked(packs)
+    packs = [int4_torch._packed(*parts, 32, torch.float32) for parts, _ in experts]
+    stack = int4_torch.stacked(packs)
     assert stack.packed.shape[0] == 3 and stack.slots.shape == (3, 80)
     ids, x = torch.tensor([2, 0, 2, 1]), torch.randn(4, 80)
-    got = int4_kernel.gathered_int4_product(x, ids, stack)
-    want = torch.cat([int4_kernel.int4_product(x[p : p + 1], packs[e]) for p, e in enumerate(ids.tolist())])
+    got = int4_torch.gathered_int4_product(x, ids, stack)
+    want = torch.cat([int4_torch.int4_product(x[p : p + 1], packs[e]) for p, e in enumerate(ids.tolist())])
     assert torch.equal(got, want)
     torch.testing.assert_close(got, torch.stack([x[p] @ experts[e][1].T for p, e in enumerate(ids.tolist())]),
                                rtol=0, atol=1e-5 * got.abs().max().item())  # fmt: skip
-    in_place = int4_kernel._packed(*int4_weight(24, 32, "groups in place")[0], 32, torch.float32)
-    assert int4_kernel.stacked([*packs[:2], in_place]) is None and int4_kernel.stacked([*packs[:2], None]) is None
+    in_place = int4_torch._packed(*int4_weight(24, 32, "groups in place")[0], 32, torch.float32)
+    assert int4_torch.stacked([*packs[:2], in_place]) is None and int4_torch.stacked([*packs[:2], None]) is None
 
 
 @pytest.mark.parametrize("inputs", [576, 288, 160])
@@ -96,26 +96,26 @@ def test_a_scale_per_row_is_cut_into_the_largest_kernel_groups_that_fit(inputs):
     zero = torch.randint(0, 16, (count, 24), generator=generator).float()
     scales = torch.rand(count, 24, generator=generator) / 16 + 1e-3
     weight = (values.float() - zero.T[:, index]) * scales.T[:, index]
-    pack = int4_kernel._packed(values, zero, scales, index, group, torch.float32)
+    pack = int4_torch._packed(values, zero, scales, index, group, torch.float32)
     assert (pack.group, pack.width, pack.slots is None) == {576: (64, 576, True), 288: (32, 288, True),
                                                             160: (32, 64 + 128 + 32, False)}[inputs]  # fmt: skip
     x = torch.randn(3, inputs)
     want = x @ weight.T
-    torch.testing.assert_close(int4_kernel.int4_product(x, pack), want, rtol=0, atol=1e-5 * want.abs().max().item())
+    torch.testing.assert_close(int4_torch.int4_product(x, pack), want, rtol=0, atol=1e-5 * want.abs().max().item())
 
 
 def test_a_kernel_that_computes_otherwise_is_refused_at_load(monkeypatch):
     """The load-time check against the format's weights: a layout whose values' nibbles are swapped is refused
     with a warning naming the device and dtype, and the weights stay dequantized."""
-    assert int4_kernel.runs_on(CPU, torch.float32)
-    layout = int4_kernel._kernel_layout
-    monkeypatch.setattr(int4_kernel, "_kernel_layout", lambda codes: layout(15 - codes))
-    int4_kernel.runs_on.cache_clear()
+    assert int4_torch.runs_on(CPU, torch.float32)
+    layout = int4_torch._kernel_layout
+    monkeypatch.setattr(int4_torch, "_kernel_layout", lambda codes: layout(15 - codes))
+    int4_torch.runs_on.cache_clear()
     try:
         with pytest.warns(UserWarning, match="int4 kernel does not compute right on cpu in torch.float32"):
-            assert not int4_kernel.runs_on(CPU, torch.float32)
+            assert not int4_torch.runs_on(CPU, torch.float32)
     finally:
-        int4_kernel.runs_on.cache_clear()
+        int4_torch.runs_on.cache_clear()
 
 
 def test_kept_int4_linears_take_the_int4_kernel(tiny_root, monkeypatch):
@@ -135,8 +135,8 @@ def test_kept_int4_linears_take_the_int4_kernel(tiny_root, monkeypatch):
     from hf_parallel.commands.report import plan_report
 
     calls = []
-    product = int4_kernel.int4_product
-    monkeypatch.setattr(int4_kernel, "int4_product",
+    product = int4_torch.int4_product
+    monkeypatch.setattr(int4_torch, "int4_product",
                         lambda x, pack: calls.append(x.shape[:-1].numel()) or product(x, pack))  # fmt: skip
     grouped, packed = ("llama_gptq", "phi3_gptq", "llama_awq"), ("llama_w4_group", "llama_w4_zero_point",
                                                                  "llama_w4_channel_zero_point")  # fmt: skip

@@ -11,8 +11,8 @@ import operator
 import pytest
 import torch
 
-from hf_parallel.checkpoint.quantized import KeptFP8
-from hf_parallel.tensor import kept_experts
+from hf_parallel.quant.scaled_fp8 import KeptFP8
+from hf_parallel.quant import kept_experts
 
 MODELS = ("qwen3_moe_fp8", "qwen3_moe_w4_group", "gpt_oss_mxfp4")  # 2 layers of 4 experts, 2 a token
 
@@ -155,12 +155,12 @@ def test_int4_experts_on_cpu_multiply_through_torchs_int4_kernel(tiny_root, monk
 
     import hf_parallel
     from hf_parallel.commands.report import plan_report
-    from hf_parallel.tensor import int4_kernel
-    from hf_parallel.tensor.kept import int4_copy_nbytes, kept_products
+    from hf_parallel.quant.kernels import int4_torch
+    from hf_parallel.quant.kept import int4_copy_nbytes, kept_products
 
     path = _paths(tiny_root)[name] if name in MODELS else make_grouped_checkpoint(name, tiny_root)[0]
-    calls, gathered = [], int4_kernel.gathered_int4_product
-    monkeypatch.setattr(int4_kernel, "gathered_int4_product",
+    calls, gathered = [], int4_torch.gathered_int4_product
+    monkeypatch.setattr(int4_torch, "gathered_int4_product",
                         lambda x, ids, stack: calls.append(len(ids)) or gathered(x, ids, stack))  # fmt: skip
     for dtype, within in ((torch.float32, 1e-5), (torch.bfloat16, 2**-6)):
         kept = hf_parallel.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, keep_quantized="int4")

@@ -5,7 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hf_parallel.tensor.heads import split_heads
-from hf_parallel.tensor.layout import chunks, even_sizes, packed, per_rank, replicated, sizes_to_ranges
+from hf_parallel.core.layout import chunks, even_sizes, packed, per_rank, replicated, sizes_to_ranges
 
 
 def read(full, layout, rank):

@@ -148,7 +148,7 @@ def test_stage_split_balances_and_checks(pp_paths, monkeypatch):
         split_stages(model, 2, stage_layers=[2, 2])
     with pytest.raises(ValueError, match="fewer than the 6 pipeline stages"):
         split_stages(model, 6)
-    from hf_parallel.layers import find_layer_list
+    from hf_parallel.core.layers import find_layer_list
 
     gpt2 = transformers.AutoModelForCausalLM.from_config(transformers.GPT2Config(n_layer=3, n_embd=32, n_head=4))
     assert transformers.GPT2Config.base_model_pp_plan is None  # no plan: the module tree's list of blocks
@@ -159,7 +159,7 @@ def test_stage_split_balances_and_checks(pp_paths, monkeypatch):
         transformers.GPTNeoXConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, intermediate_size=64)
     )
     with monkeypatch.context() as patched:  # the plan alone decides: the module-tree search is not reached
-        patched.setattr("hf_parallel.layers.repeated_layers", lambda model: [])
+        patched.setattr("hf_parallel.core.layers.repeated_layers", lambda model: [])
         assert find_layer_list(neox) == "gpt_neox.layers"  # from GPTNeoXConfig.base_model_pp_plan
         with pytest.raises(ValueError, match="no list of repeated layers"):
             find_layer_list(gpt2)

@@ -72,7 +72,7 @@ def _saved_plainly(path: str, want: torch.Tensor) -> None:
     """A dequantized model saves plain floats, without quantization_config; plain transformers reads them."""
     from safetensors import safe_open
 
-    from hf_parallel.checkpoint.quantized import PARTS
+    from hf_parallel.quant.formats import PARTS
 
     with open(os.path.join(path, "config.json")) as f:
         assert "quantization_config" not in json.load(f)
@@ -377,25 +377,28 @@ def _formats(bits: int):
     from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
     from tiny_models import FP4_VALUES, quantize_grouped
 
-    from hf_parallel.checkpoint import quantized as q
+    from hf_parallel.quant.compressed_tensors import DequantizedIntegers, PackedIntegers
+    from hf_parallel.quant.gptq_awq import DequantizedGrouped, GroupedIntegers
+    from hf_parallel.quant.mxfp4 import DequantizedMXFP4
+    from hf_parallel.quant.scaled_fp8 import DequantizedFP8, ScaledFP8
 
     torch.manual_seed(bits)
     weight, scale = torch.randn(37, 50).to(torch.float8_e4m3fn), torch.rand(5, 4) + 0.5
-    fp8 = q.DequantizedFP8("w", _Stored(weight), _Stored(scale), q.ScaledFP8("block", (8, 16), "_scale_inv"))
+    fp8 = DequantizedFP8("w", _Stored(weight), _Stored(scale), ScaledFP8("block", (8, 16), "_scale_inv"))
     whole = weight.float() * scale.repeat_interleave(8, 0)[:37].repeat_interleave(16, 1)[:, :50]
     low, high = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
     values, zero = torch.randint(low, high + 1, (37, 50), dtype=torch.int8), torch.randint(low, high + 1, (37, 4))
     scales = torch.rand(37, 4).to(torch.bfloat16)
     parts = {"_packed": pack_to_int32(values, bits), "_scale": scales, "_shape": torch.tensor([37, 50]),
              "_zero_point": pack_to_int32(zero.to(torch.int8), bits, packed_dim=0)}  # fmt: skip
-    ints = q.DequantizedIntegers("w", lambda s: _Stored(parts[s]) if s in parts else None,
-                                 q.PackedIntegers(bits, "group", 16, False))  # fmt: skip
+    ints = DequantizedIntegers("w", lambda s: _Stored(parts[s]) if s in parts else None,
+                                 PackedIntegers(bits, "group", 16, False))  # fmt: skip
     spread = lambda t: t.float().repeat_interleave(16, 1)[:, :50]  # noqa: E731
     blocks, exponents = torch.randint(0, 256, (2, 5, 3, 16), dtype=torch.uint8), torch.randint(120, 130, (2, 5, 3))
     codes = torch.stack((blocks & 15, blocks >> 4), -1).flatten(-2).long()  # [E, out, group, 32]
     fp4 = torch.tensor(FP4_VALUES)[codes] * torch.exp2(exponents.float() - 127)[..., None]
-    mxfp4 = q.DequantizedMXFP4("w", _Stored(blocks), _Stored(exponents.to(torch.uint8)))
-    e8m0 = q.DequantizedMXFP4("w", _Stored(blocks), _Stored(exponents.to(torch.uint8).view(torch.float8_e8m0fnu)))
+    mxfp4 = DequantizedMXFP4("w", _Stored(blocks), _Stored(exponents.to(torch.uint8)))
+    e8m0 = DequantizedMXFP4("w", _Stored(blocks), _Stored(exponents.to(torch.uint8).view(torch.float8_e8m0fnu)))
     experts = fp4.flatten(-2).transpose(1, 2)
     grouped = []
     for method, form, shape, act_order, group, g_idx in (
@@ -407,8 +410,8 @@ def _formats(bits: int):
         stored, dense = quantize_grouped(torch.randn(shape), method, width, form, group, act_order, form == "gptq")
         if not g_idx:
             stored.pop("g_idx", None)  # GPTQ without it: consecutive groups, as without act-order
-        described = q.GroupedIntegers(method, width, group, int(form == "gptq"))
-        read = q.DequantizedGrouped("m.weight", lambda p, s=stored: _Stored(s[p]) if p in s else None, described)
+        described = GroupedIntegers(method, width, group, int(form == "gptq"))
+        read = DequantizedGrouped("m.weight", lambda p, s=stored: _Stored(s[p]) if p in s else None, described)
         grouped.append((f"{method} {form} group {group}", read, dense))
     return [("fp8", fp8, whole), ("ints", ints, (values.float() - spread(zero)) * spread(scales)),
             ("mxfp4", mxfp4, experts), ("mxfp4 e8m0", e8m0, experts), *grouped]  # fmt: skip
@@ -420,7 +423,7 @@ def test_any_box_of_a_quantized_weight_is_that_box_of_the_whole(data):
     """Every box a layout can ask for (rows and columns cut anywhere: inside a block, a group, an int32 word)
     dequantizes to that box of the whole weight, bit for bit, and the plan's count of the bytes it reads
     (no data read) is what reading it takes."""
-    from hf_parallel.checkpoint.quantized import box_of
+    from hf_parallel.quant.base import box_of
 
     for name, weight, whole in _formats(data.draw(st.sampled_from([4, 8]))):
         box = []

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from safetensors import safe_open
 
 from hf_parallel.compat.torch import fsdp_rows
-from hf_parallel.tensor.layout import as_slices, chunks, even_sizes, packed, per_rank, sizes_to_ranges
+from hf_parallel.core.layout import as_slices, chunks, even_sizes, packed, per_rank, sizes_to_ranges
 from hf_parallel.training.state_tiles import _segments
 
 
@@ -109,8 +109,7 @@ def test_what_cannot_be_resharded_is_refused_naming_both_layouts(llama, tmp_path
     from safetensors.torch import load_file, save_file
 
     from hf_parallel import load_training_state, save_training_state
-    from hf_parallel.training.resume import LAYOUT_KEY, written_layout
-    from hf_parallel.training.state_tiles import StateError
+    from hf_parallel.checkpoint.training_state import LAYOUT_KEY, StateError, written_layout
 
     model, optimizer = _trained(llama, torch.optim.Adafactor)
     save_training_state(model, optimizer, str(tmp_path))

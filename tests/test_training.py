@@ -381,7 +381,7 @@ def test_a_model_without_repeated_layers_is_refused_for_fsdp():
     from torch import nn
 
     from hf_parallel import Mesh
-    from hf_parallel.training.data_parallel import layers_to_shard
+    from hf_parallel.distributed.fsdp import layers_to_shard
 
     with pytest.raises(ValueError, match="fsdp_size=2, dp_replicate_size=1: Linear has no list of repeated layers"):
         layers_to_shard(nn.Linear(2, 2), Mesh.dry_run(fsdp_size=2))

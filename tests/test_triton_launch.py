@@ -9,7 +9,7 @@ import pytest
 import torch
 from triton.compiler.compiler import CompiledKernel
 
-from hf_parallel.tensor.triton_launch import CachedLaunch, bind
+from hf_parallel.quant.kernels.triton_launch import CachedLaunch, bind
 
 
 class Compiled(CompiledKernel):
@@ -120,7 +120,7 @@ def made_for_a_card():
     import importlib
     import os
 
-    from hf_parallel.tensor import fp8_triton
+    from hf_parallel.quant.kernels import fp8_triton
 
     interpret = os.environ.pop("TRITON_INTERPRET", None)
     try:
@@ -143,12 +143,12 @@ def test_a_compiled_step_captures_the_fp8_kernels_whole_split_and_summed(monkeyp
     import torch.utils._triton
     from torch import nn
 
-    from hf_parallel.checkpoint.quantized import KeptFP8
-    from hf_parallel.tensor import fp8_kernel
-    from hf_parallel.tensor.kept_experts import ExpertRows
-    from hf_parallel.tensor.kept_linear import KeptFP8KernelLinear
+    from hf_parallel.quant.scaled_fp8 import KeptFP8
+    from hf_parallel.quant.kernels import fp8_weight_only
+    from hf_parallel.quant.kept_experts import ExpertRows
+    from hf_parallel.quant.kept_linear import KeptFP8KernelLinear
 
-    monkeypatch.setattr(fp8_kernel, "_source", made_for_a_card)
+    monkeypatch.setattr(fp8_weight_only, "_source", made_for_a_card)
     monkeypatch.setattr(torch.utils._triton, "has_triton", lambda: True)
     kept = KeptFP8({}, torch.zeros(1536, 4096, dtype=torch.float8_e4m3fn), torch.ones(12, 32), (128, 128), (0, 0))
     stacked = KeptFP8({}, kept.weight.expand(4, -1, -1), kept.scales.expand(4, -1, -1), (128, 128), (0, 0))
@@ -161,7 +161,7 @@ def test_a_compiled_step_captures_the_fp8_kernels_whole_split_and_summed(monkeyp
     linear = nn.Linear(4096, 1536, bias=False, device="meta")
     linear.__class__ = KeptFP8KernelLinear
     linear.kept_weight, linear.kernel_boxes = SimpleNamespace(dtype=torch.bfloat16), [kept]
-    linear.kernel_plans = [fp8_kernel.Plans()]
+    linear.kernel_plans = [fp8_weight_only.Plans()]
     rows = ExpertRows(SimpleNamespace(shape=stacked.weight.shape), [((slice(0, 1536), slice(0, 4096)), stacked, False)])
     ids, x = torch.tensor([3]), torch.zeros(1, 4096, dtype=torch.bfloat16)
     products = [(linear.kernel_product, linear.kernel_plans[0]), (lambda x: rows.product(x, ids), rows.kernel_plans[0])]
@@ -174,7 +174,7 @@ def test_a_compiled_step_captures_the_fp8_kernels_whole_split_and_summed(monkeyp
             compiled(x)  # guarded by nothing of the plans: the same graph
     finally:
         torch._dynamo.reset()
-    split = fp8_kernel.split_for(1536 // 16, 4096, 128)
+    split = fp8_weight_only.split_for(1536 // 16, 4096, 128)
     assert split > 1
     assert len(graphs) == 2
     for graph in graphs:  # one row; one pair
@@ -198,18 +198,18 @@ def test_the_fp8_launches_compile_for_hopper_without_spilling_registers(made_for
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from hf_parallel.tensor import fp8_kernel
+    from hf_parallel.quant.kernels import fp8_weight_only
 
     x = torch.zeros(1, dtype=torch.bfloat16)
     pointers = {"x_ptr": "*bf16", "ids_ptr": "*i64", "out_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32"}
-    cases = [(made_for_a_card.weight_only_fp8, fp8_kernel.PLAIN, rows) for rows in (1, fp8_kernel.KERNEL_ROWS)]
-    cases.append((made_for_a_card.gathered_weight_only_fp8, fp8_kernel.GATHERED, 1))
-    cases += [(made_for_a_card.weight_only_fp8, fp8_kernel.Launch(n, 4, 3, unroll=2, dot=False, tile_k=k),
-               fp8_kernel.GEMV_ROWS) for n, k in fp8_kernel.GEMV_TILES]  # fmt: skip
+    cases = [(made_for_a_card.weight_only_fp8, fp8_weight_only.PLAIN, rows) for rows in (1, fp8_weight_only.KERNEL_ROWS)]
+    cases.append((made_for_a_card.gathered_weight_only_fp8, fp8_weight_only.GATHERED, 1))
+    cases += [(made_for_a_card.weight_only_fp8, fp8_weight_only.Launch(n, 4, 3, unroll=2, dot=False, tile_k=k),
+               fp8_weight_only.GEMV_ROWS) for n, k in fp8_weight_only.GEMV_TILES]  # fmt: skip
     dump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     for kernel, launch, rows in cases:
-        tile_m, tile = fp8_kernel._tile_rows(rows, launch), fp8_kernel._columns_a_step(launch, 128)  # 128 blocks
-        constexprs = fp8_kernel._constexprs(launch, tile_m, tile, x, made_for_a_card)
+        tile_m, tile = fp8_weight_only._tile_rows(rows, launch), fp8_weight_only._columns_a_step(launch, 128)  # 128 blocks
+        constexprs = fp8_weight_only._constexprs(launch, tile_m, tile, x, made_for_a_card)
         signature = {name: pointers.get(name, "i32") for name in kernel.arg_names[: -len(constexprs)]}
         source = ASTSource(kernel, {**signature, **dict.fromkeys(constexprs, "constexpr")}, constexprs)
         options = {"num_warps": launch.warps, "num_stages": launch.stages}

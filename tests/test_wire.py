@@ -17,14 +17,12 @@ from torch import nn
 from hf_parallel.distributed.devices import (
     Placement,
     backend_for,
-    check_on_device,
     choose_device,
     default_backend,
     group_backend,
-    left_behind,
-    move_module_state,
     wire_of,
 )
+from hf_parallel.on_device import check_on_device, left_behind, move_module_state
 from hf_parallel.pipeline.schedule import order, paired
 
 CUDA0, CUDA3 = torch.device("cuda", 0), torch.device("cuda", 3)

@@ -217,8 +217,8 @@ def quantized_logits(rank: int, world_size: int, paths: dict, save_root: str, si
     size: fused experts dequantize only the experts it goes to) and "experts:<name>" each kept expert weight
     gathered by expert id in that step ("dequantized", or "as stored": multiplied by the gathered FP8 kernel)."""
     import hf_parallel
-    from hf_parallel.tensor.kept import int4_copy_nbytes
-    from hf_parallel.tensor.kept_experts import ExpertRows
+    from hf_parallel.quant.kept import int4_copy_nbytes
+    from hf_parallel.quant.kept_experts import ExpertRows
 
     out = {}
     for name, path in paths.items():

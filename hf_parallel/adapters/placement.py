@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..distributed.faults import collective
-from ..tensor.layout import Layout, replicated
+from ..core.layout import Layout, replicated
 from ..tensor.parallelize import ShardedParam
 from ..tensor.styles import AdapterSplit, Hooks, apply_hooks
 

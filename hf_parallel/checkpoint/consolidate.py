@@ -16,20 +16,19 @@ import time
 
 from tqdm.auto import tqdm
 
-from ..tensor.layout import box_shape
+from ..core.layout import box_shape
 from .files import MANIFEST_FILE, TEMP_SUFFIX, TRAINING_STATE_PREFIX, is_weight_file
 from .keys import expert_shape
 from .manifest import DistributedCheckpoint
 from .saving import Scratch, as_written, row_blocks, write_standard
 from .staging import Staging, remove_stale
-from .writer import nbytes
+from .training_state import OPTIMIZER_FILE, write_full_optimizer, written_layout
+from ..core.dtypes import nbytes
 
 
 def consolidate(src: str, out: str, max_shard_size="50GB", progress: bool = True) -> dict:
     """Write the standard checkpoint; returns ``{"bytes": …, "seconds": …}`` of tensor data. A Trainer
     checkpoint's per-rank training state becomes transformers' ``optimizer.pt`` (whole tensors)."""
-    from ..training.resume import OPTIMIZER_FILE, write_full_optimizer, written_layout
-
     manifest = os.path.join(src, MANIFEST_FILE)
     training = written_layout(src) is not None
     if not os.path.isfile(manifest):
@@ -97,8 +96,6 @@ def _copy_the_rest(src: str, out: str, staging: Staging, copy_weights: bool) -> 
 def _consolidate_training_state(src: str, out: str) -> dict:
     """A Trainer checkpoint whose model was saved gathered: the per-rank training state as one
     ``optimizer.pt``, everything else copied."""
-    from ..training.resume import OPTIMIZER_FILE, write_full_optimizer
-
     if os.path.realpath(src) == os.path.realpath(out):
         raise ValueError(f"{src}: a Trainer checkpoint is consolidated into another directory (OUT), not in place")
     start = time.perf_counter()

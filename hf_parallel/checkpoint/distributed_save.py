@@ -16,14 +16,15 @@ import uuid
 import torch.distributed as dist
 
 from ..distributed.faults import collective
-from ..tensor.kept import saved_pieces
-from ..training.data_parallel import OneAtATime
+from .kept_saves import saved_pieces
+from ..distributed.fsdp import OneAtATime
 from .files import MANIFEST_FILE, rank_file_name
 from .keys import FusedSource
 from .manifest import FORMAT, VERSION, manifest_entry, pieces_entry
 from .saving import save_config, saved_entries, stage_owners, tensor_of
 from .staging import Staging, remove_stale
-from .writer import SAFETENSORS_DTYPES, SafetensorsWriter
+from ..core.dtypes import SAFETENSORS_DTYPES
+from .writer import SafetensorsWriter
 
 
 def _save_id(mesh) -> str:
@@ -47,7 +48,7 @@ def _fused(state, entry) -> FusedSource | None:
 def save_distributed(model, state, out_dir: str) -> None:
     """Each rank writes its local tensors (replicated ones only on its stage's first rank) plus
     rank 0's manifest; a pipeline stage's files follow the previous stage's. Weights kept quantized
-    are written as their stored parts, each rank its pieces (``kept.saved_pieces``)."""
+    are written as their stored parts, each rank its pieces (``kept_saves.saved_pieces``)."""
     mesh = state.mesh
     entries = {_manifest_key(state.source_keys[e.name], e.name): e for e in saved_entries(model, state)
                if e.name not in state.kept}  # fmt: skip

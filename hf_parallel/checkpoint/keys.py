@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from ..compat.transformers import conversion_transforms, rename_key, stack_then_concat_dim
-from ..tensor.layout import box_shape
+from ..core.layout import box_shape
 
 
 @dataclass(frozen=True)

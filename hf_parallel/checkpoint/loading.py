@@ -34,18 +34,16 @@ from tqdm.auto import tqdm
 from ..compat.transformers import unexpected_key_patterns
 from ..distributed.devices import host_staging
 from ..distributed.faults import collective
-from ..tensor.kept import KeptWeight, placeholder
-from ..tensor.layout import as_slices, replicated
+from ..quant.kept import KeptWeight, placeholder
+from ..core.layout import as_slices, replicated
 from ..tensor.parallelize import ModelLayout
 from . import hugepages
-from .errors import CheckpointError
+from ..core.errors import CheckpointError
 from .files import INDEX_FILE, MANIFEST_FILE, PICKLE_FILE, PICKLE_INDEX_FILE, SINGLE_FILE
 from .keys import FusedSource, checkpoint_sources, expert_shape
 from .manifest import DistributedCheckpoint
-from .quantized import (
+from ..quant.formats import (
     PARTS,
-    Dequantized,
-    DequantizedFP8,
     Quantization,
     activation_scale,
     companion_keys,
@@ -53,8 +51,10 @@ from .quantized import (
     readable,
     with_stored_keys,
 )
-from .tiles import Tile, TiledTensor
-from .writer import nbytes, torch_dtype
+from ..quant.base import Dequantized
+from ..quant.scaled_fp8 import DequantizedFP8
+from ..core.tiles import Tile, TiledTensor
+from ..core.dtypes import nbytes, torch_dtype
 
 BYTES_READ: Counter = Counter()  # checkpoint key -> bytes requested by this process
 

@@ -24,11 +24,11 @@ import os
 import torch
 from safetensors import SafetensorError, safe_open
 
-from ..tensor.layout import Layout, as_slices
-from .errors import CheckpointError
+from ..core.layout import Layout, as_slices
+from ..core.errors import CheckpointError
 from .keys import FusedSource
-from .tiles import Tile, TiledTensor, disjoint, union_volume
-from .writer import SAFETENSORS_DTYPES, SAFETENSORS_TO_TORCH
+from ..core.tiles import Tile, TiledTensor, disjoint, union_volume
+from ..core.dtypes import SAFETENSORS_DTYPES, SAFETENSORS_TO_TORCH
 
 FORMAT, VERSION = "hf_parallel.distributed", 1
 

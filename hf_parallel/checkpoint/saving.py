@@ -24,14 +24,16 @@ from ..compat.torch import is_persistent_buffer
 from ..distributed import p2p
 from ..distributed.devices import to_wire
 from ..distributed.mesh import Dim
-from ..tensor.kept import KeptWeight, gathered_part
-from ..tensor.layout import Box, Layout, as_slices, box_shape, replicated
+from ..quant.kept import KeptWeight
+from .kept_saves import gathered_part
+from ..core.layout import Box, Layout, as_slices, box_shape, replicated
 from ..tensor.parallelize import ShardedParam
-from ..training.data_parallel import OneAtATime
+from ..distributed.fsdp import OneAtATime
 from .files import INDEX_FILE
 from .keys import FusedSource, expert_shape
 from .staging import Staging, remove_stale
-from .writer import SafetensorsWriter, nbytes, timed
+from ..core.dtypes import nbytes
+from .writer import SafetensorsWriter, timed
 
 BLOCK_BYTES = 16 << 20  # rank 0 holds at most one block of a tensor (and one received part) at a time
 

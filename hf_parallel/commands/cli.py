@@ -49,7 +49,7 @@ def cmd_generate(args) -> None:
     from ..api import AutoModelForCausalLM
     from ..distributed.mesh import shutdown
     from ..state import parallel_state
-    from ..tensor.kept import kept_products
+    from ..quant.kept import kept_products
     from .default_model import default_checkpoint
 
     path = args.model or default_checkpoint()

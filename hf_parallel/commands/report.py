@@ -185,11 +185,12 @@ def quantized_lines(path: str, model, shard, tp: int, quantization, dtype) -> li
 
     from ..checkpoint.keys import FusedSource, checkpoint_sources
     from ..checkpoint.loading import checkpoint_files
-    from ..checkpoint.quantized import Dequantized, readable, with_stored_keys
-    from ..tensor.int4_kernel import pack_form
-    from ..tensor.kept import placed_boxes
-    from ..tensor.kept_experts import gated_experts, int4_stack_nbytes
-    from ..tensor.kept_linear import row_boxes
+    from ..quant.base import Dequantized
+    from ..quant.formats import readable, with_stored_keys
+    from ..quant.kernels.int4_torch import pack_form
+    from ..quant.kept import placed_boxes
+    from ..quant.kept_experts import gated_experts, int4_stack_nbytes
+    from ..quant.kept_linear import row_boxes
 
     files = with_stored_keys(checkpoint_files(path), quantization)
     direct, fused = checkpoint_sources(model, files)

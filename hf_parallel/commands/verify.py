@@ -91,7 +91,7 @@ def outputs_by_layer(model, batch, state=None) -> tuple[dict[str, torch.Tensor],
     """The embeddings', every repeated layer's and the logits' outputs (fp32 copies), in forward
     order, and the error if the forward failed. ``state``: the model's parallel state (under
     pipeline stages, a stage's own layers are watched, and its embeddings on the first)."""
-    from ..layers import repeated_layers
+    from ..core.layers import repeated_layers
 
     names = {module: path for path, module in model.named_modules()}
     embedding = names[model.get_input_embeddings()]
@@ -188,7 +188,7 @@ def dequantized_copy(path: str, out_dir: str) -> str:
     from safetensors.torch import save_file
 
     from ..checkpoint.loading import checkpoint_files
-    from ..checkpoint.quantized import read_quantization, readable, stored_in_parts, with_stored_keys
+    from ..quant.formats import read_quantization, readable, stored_in_parts, with_stored_keys
 
     config = transformers.AutoConfig.from_pretrained(path)
     quantization = read_quantization(config)
@@ -255,7 +255,7 @@ def verify(
     ``stage_tp_sizes``, ``stage_layers`` as ``from_pretrained`` takes them: each stage's layers
     are collected on rank 0."""
     from ..api import AutoModelForCausalLM
-    from ..checkpoint.quantized import quant_method
+    from ..quant.formats import quant_method
     from ..distributed.mesh import get_mesh
     from ..state import parallel_state
 

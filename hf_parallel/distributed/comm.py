@@ -37,7 +37,7 @@ from torch.utils._pytree import tree_map_only
 from .devices import metadata_device
 from .faults import collective
 from .headers import DTYPES, header_of
-from .ops import exchanged_shape  # (importing ops registers the collectives as torch ops)
+from .ops import exchanged_shape, group_named  # (importing ops defines the collectives as torch ops)
 from .shm import channel_for
 
 COUNTS: Counter = Counter()  # op name -> calls;  op name + ":bytes" -> payload bytes
@@ -455,3 +455,27 @@ def shift_async(x: torch.Tensor, group, step: int) -> Shifting:
 def shift(x: torch.Tensor, group, step: int) -> torch.Tensor:
     """``shift_async``, waited for."""
     return shift_async(x, group, step).wait()
+
+
+# the ops' eager implementations: the transports above (a compiled graph calls them through the dispatcher)
+@torch.library.impl("hf_parallel::all_reduce", "CompositeExplicitAutograd")
+def _all_reduce(x, group):
+    return all_reduce_now(x, group_named(group))
+
+
+@torch.library.impl("hf_parallel::all_gather", "CompositeExplicitAutograd")
+def _all_gather(x, dim, sizes, group):
+    return all_gather_now(x, dim, sizes, group_named(group))
+
+
+@torch.library.impl("hf_parallel::all_to_all", "CompositeExplicitAutograd")
+def _all_to_all(x, split_dim, cat_dim, split_sizes, cat_sizes, rank, group):
+    process_group = group_named(group)
+    if torch.distributed.get_rank(process_group) != rank:  # the rank the graph was traced (and shaped) for
+        raise RuntimeError(f"hf_parallel: an all-to-all traced for rank {rank} of group {group!r} ran elsewhere")
+    return all_to_all_now(x, split_dim, cat_dim, split_sizes, cat_sizes, process_group)
+
+
+@torch.library.impl("hf_parallel::broadcast", "CompositeExplicitAutograd")
+def _broadcast(x, group):
+    return broadcast_now(x, group_named(group))  # a new tensor: an op's output never aliases its input

@@ -6,7 +6,8 @@ and no Python branches on data inside a compiled forward (vLLM registers its cus
 same way). They are ordered effects: a compiler pass that moved two independent collectives past each
 other on one rank only (graphs differ between ranks where heads split unevenly) would pair the wrong
 tensors. Each op's implementation is the eager transport itself, chosen per call (shared memory or
-the group's backend), and its fake implementation gives the output's shape from the arguments alone.
+the group's backend), registered by ``comm`` beside those transports (this module imports none of them);
+its fake implementation here gives the output's shape from the arguments alone.
 Eager code does not go through the dispatcher (a few microseconds a call, about a hundred calls per
 decoded token): ``comm`` calls its transports directly unless ``torch.compiler.is_compiling()``.
 
@@ -40,12 +41,6 @@ def group_named(name: str):
     return group
 
 
-def _transports():
-    from . import comm  # comm imports this module: its transports are reached at call time
-
-    return comm
-
-
 torch.library.define("hf_parallel::all_reduce", "(Tensor x, str group) -> Tensor")
 torch.library.define("hf_parallel::all_gather", "(Tensor x, int dim, SymInt[] sizes, str group) -> Tensor")
 torch.library.define(
@@ -55,29 +50,6 @@ torch.library.define(
 torch.library.define("hf_parallel::broadcast", "(Tensor x, str group) -> Tensor")
 for _op in ("all_reduce", "all_gather", "all_to_all", "broadcast"):
     keep_in_order(f"hf_parallel::{_op}")  # ranks whose graphs differ (uneven heads) must not reorder them
-
-
-@torch.library.impl("hf_parallel::all_reduce", "CompositeExplicitAutograd")
-def _all_reduce(x, group):
-    return _transports().all_reduce_now(x, group_named(group))
-
-
-@torch.library.impl("hf_parallel::all_gather", "CompositeExplicitAutograd")
-def _all_gather(x, dim, sizes, group):
-    return _transports().all_gather_now(x, dim, sizes, group_named(group))
-
-
-@torch.library.impl("hf_parallel::all_to_all", "CompositeExplicitAutograd")
-def _all_to_all(x, split_dim, cat_dim, split_sizes, cat_sizes, rank, group):
-    process_group = group_named(group)
-    if torch.distributed.get_rank(process_group) != rank:  # the rank the graph was traced (and shaped) for
-        raise RuntimeError(f"hf_parallel: an all-to-all traced for rank {rank} of group {group!r} ran elsewhere")
-    return _transports().all_to_all_now(x, split_dim, cat_dim, split_sizes, cat_sizes, process_group)
-
-
-@torch.library.impl("hf_parallel::broadcast", "CompositeExplicitAutograd")
-def _broadcast(x, group):
-    return _transports().broadcast_now(x, group_named(group))  # a new tensor: an op's output never aliases its input
 
 
 @torch.library.register_fake("hf_parallel::all_reduce")

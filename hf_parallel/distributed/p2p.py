@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from .faults import RankFailure, collective, timeout_seconds
+from .strict import post_strictly
 
 RULES_ENV = "HF_PARALLEL_P2P_RULES"
 
@@ -79,9 +80,7 @@ def post(ops: list[Op], group=None) -> Posted:
     """Start ``ops`` together over ``group`` (the mesh's world group; peers are global ranks): one
     batch, so a pair that exchanges posts both directions here."""
     if strict():
-        from .strict import post_strictly
-
-        return post_strictly(ops, group)
+        return Posted(ops, post_strictly(ops, group))
     with collective(lambda: " and ".join(f"{op.what} ({op.kind} with rank {op.peer})" for op in ops)):
         if len(ops) == 1:
             op = ops[0]

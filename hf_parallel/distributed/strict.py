@@ -17,15 +17,19 @@ the ``RankFailure`` names each stuck operation, where gloo alone would have let 
 
 from __future__ import annotations
 
+import datetime
 import queue
 import threading
 from concurrent.futures import Future, wait
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from .faults import RankFailure, timeout_seconds
-from .p2p import Op, Posted, timeout
+
+if TYPE_CHECKING:
+    from .p2p import Op
 
 DATA, ACK = 0, 1  # gloo tags: the messages themselves (in order, as NCCL matches them), their receipts
 
@@ -79,7 +83,7 @@ def _run_together(ops: list[Op], peer: int, group) -> None:
 
 def _wait(work, op: Op, waiting_for: str) -> None:
     try:
-        work.wait(timeout())
+        work.wait(datetime.timedelta(seconds=timeout_seconds()))
     except RuntimeError as error:
         raise RankFailure(
             f"hf_parallel: {op.what} ({op.kind} with rank {op.peer}) did not complete within "
@@ -121,9 +125,10 @@ class _Done:
         return True
 
 
-def post_strictly(ops: list[Op], group=None) -> Posted:
+def post_strictly(ops: list[Op], group=None) -> list[_Done]:
+    """Each of ``ops`` queued on its peer's pair; returns the work ``p2p.Posted`` waits on, one per op."""
     by_peer: dict[int, list[Op]] = {}
     for op in ops:
         by_peer.setdefault(op.peer, []).append(op)
     done = {peer: _Done(_pair(peer, group).submit(mine), mine) for peer, mine in by_peer.items()}
-    return Posted(ops, [done[op.peer] for op in ops])
+    return [done[op.peer] for op in ops]

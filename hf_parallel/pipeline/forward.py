@@ -14,7 +14,7 @@ import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from ..compat.transformers import join_cache, split_cache
-from ..context import batch_inputs
+from ..core.context import batch_inputs
 from .stage import Stage
 
 BATCH_KEYS = ("input_ids", "attention_mask", "position_ids", "inputs_embeds", "labels", "token_type_ids")

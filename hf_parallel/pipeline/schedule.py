@@ -28,7 +28,7 @@ from contextlib import nullcontext
 
 import torch
 
-from ..context import StepRecord
+from ..core.context import StepRecord
 from ..distributed.tags import Tag
 from .tied import sum_tied_gradients
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from ..layers import find_layer_list
+from ..core.layers import find_layer_list
 
 
 @dataclass(frozen=True)

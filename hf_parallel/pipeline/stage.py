@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..context import current_call
+from ..core.context import current_call
 from .p2p import StageLink
 from .split import StageSplit
 

@@ -37,9 +37,9 @@ from ..compat.transformers import (
     use_attention,
     wrap_checkpointing,
 )
-from ..context import SequenceCall, current_call, keeping_the_call
+from ..core.context import SequenceCall, current_call, keeping_the_call
 from ..distributed import comm
-from ..layers import repeated_layers
+from ..core.layers import repeated_layers
 from ..tensor import attention
 from ..tensor.gradients import GradientSums
 from ..tensor.mixers import recurrent_mixers

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..tensor.layout import even_sizes, sizes_to_ranges
+from ..core.layout import even_sizes, sizes_to_ranges
 
 
 @dataclass(frozen=True)

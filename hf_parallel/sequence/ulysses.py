@@ -25,9 +25,9 @@ from functools import lru_cache
 import torch
 
 from ..compat.transformers import attention_function, register_attention
-from ..context import current_call
+from ..core.context import current_call
 from ..distributed import comm
-from ..tensor.layout import even_sizes, sizes_to_ranges
+from ..core.layout import even_sizes, sizes_to_ranges
 from .ring import ring_attention
 
 NAME = "hf_parallel_ulysses"

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from ..layers import repeated_layers
+from ..core.layers import repeated_layers
 from . import attention
 from .geometry import FUSED_QKV_NAMES, OUT_NAMES, QKV_NAMES, attention_geometry, is_conv1d, named, text_config
 from .mixers import KNOWN_MIXERS

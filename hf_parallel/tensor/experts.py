@@ -9,21 +9,10 @@ from __future__ import annotations
 
 from ..compat.torch import parameters_replaced
 from ..compat.transformers import mark_expert_parallel
+from ..core.expert_args import rewrite_expert_args
 from ..distributed import comm
-from .layout import chunks, even_sizes
+from ..core.layout import chunks, even_sizes
 from .styles import Hooks, ParallelStyle
-
-# transformers' experts forward takes (hidden states, expert ids, routing weights); GPT-OSS names them
-# (hidden_states, router_indices, routing_weights)
-EXPERT_ARG_ROLES = {"hidden_states": 0, "top_k_index": 1, "router_indices": 1, "top_k_weights": 2, "routing_weights": 2}
-
-
-def rewrite_expert_args(args: tuple, kwargs: dict, rewrite) -> tuple[tuple, dict]:
-    """Apply ``rewrite(role, value)`` to each experts-forward argument, passed by position or name."""
-    args = tuple(rewrite(role, value) if role < 3 else value for role, value in enumerate(args))
-    kwargs = {key: rewrite(EXPERT_ARG_ROLES[key], v) if key in EXPERT_ARG_ROLES else v for key, v in kwargs.items()}
-    return args, kwargs
-
 
 def _counted_once(module, attrs: list[str], rank: int):
     """Whole parameters added inside a split computation (GPT-OSS's down_proj_bias, inside each

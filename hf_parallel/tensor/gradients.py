@@ -21,7 +21,7 @@ from torch import nn
 
 from ..compat.torch import FSDP_UNSHARDED_PARAM, check_fsdp_reuses_unsharded_parameters
 from ..distributed import comm
-from .layout import Layout
+from ..core.layout import Layout
 
 
 class GradientSums:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .layout import even_sizes, sizes_to_ranges
+from ..core.layout import even_sizes, sizes_to_ranges
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from torch import nn
 
 from ..distributed import comm
 from .heads import HeadSplit, split_heads
-from .layout import Layout, Range, replicated
+from ..core.layout import Layout, Range, replicated
 from .styles import Hooks, ParallelStyle, Rowwise, apply_hooks, matmul
 
 

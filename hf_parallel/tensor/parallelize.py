@@ -19,7 +19,7 @@ from . import attention
 from .geometry import FUSED_QKV_NAMES, OUT_NAMES, QKV_ROLES, ConfigIgnoredWarning, attention_geometry, is_conv1d, named
 from .gradients import GradientSums
 from .heads import HeadSplit, split_heads
-from .layout import Layout, replicated
+from ..core.layout import Layout, replicated
 from .plan import tie_embedding_rules
 from .rules import Plan, Rule
 from .splits import ShardContext, in_dim, out_dim

@@ -13,7 +13,7 @@ from ..distributed.mesh import Mesh
 from .geometry import is_conv1d
 from .gradients import GradientSums
 from .heads import HeadSplit, in_units
-from .layout import Layout, even_sizes, packed, per_rank, sizes_to_ranges
+from ..core.layout import Layout, even_sizes, packed, per_rank, sizes_to_ranges
 
 # torch's grouped_mm (transformers' default experts kernel) needs row strides of a multiple of 16
 # bytes: stacked expert weights are split in multiples of 8 elements (Mixtral's 14336 over 3 ranks

@@ -26,8 +26,8 @@ from torch import nn
 
 from ..distributed import comm
 from .geometry import is_conv1d
-from .kept_linear import KeptLinear
-from .layout import Layout, chunks, even_sizes, per_rank
+from ..quant.kept_linear import KeptLinear
+from ..core.layout import Layout, chunks, even_sizes, per_rank
 from .splits import (
     GROUPED_MM_UNIT,
     ShardContext,

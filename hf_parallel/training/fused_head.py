@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from ..context import Call, batch_inputs, calling
+from ..core.context import Call, batch_inputs, calling
 from ..distributed import comm
 from ..sequence.shard import shifted_labels, whole_tokens
 from ..state import is_parallel, parallel_model, parallel_state

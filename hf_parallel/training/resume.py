@@ -14,50 +14,27 @@ from __future__ import annotations
 import json
 import os
 
-import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ..adapters.seams import place_and_check
 from ..checkpoint.files import TRAINING_STATE_PREFIX, training_state_file
 from ..state import parallel_model, parallel_state
-from .state_tiles import (
+from ..checkpoint.training_state import (
     LAYOUT_KEY,
     METADATA_KEY,
-    PlainOptimizerState,
+    OPTIMIZER_FILE,
     SavedState,
     StateError,
-    full_optimizer_state,
+    state_files,
+)
+from .state_tiles import (
+    PlainOptimizerState,
     optimizer_names,
     param_tiles,
     read_state,
     state_file_contents,
 )
-
-OPTIMIZER_FILE = "optimizer.pt"  # transformers' one-process optimizer state (torch.save)
-
-
-def _state_files(directory: str) -> list[str]:
-    """The per-rank files in ``directory``, in rank order (empty: there are none)."""
-    found = sorted(name for name in os.listdir(directory) if name.startswith(TRAINING_STATE_PREFIX))
-    if not found:
-        return []
-    world = int(found[0].rpartition("-of-")[2].split(".")[0])
-    files = [os.path.join(directory, training_state_file(rank, world)) for rank in range(world)]
-    absent = [os.path.basename(file) for file in files if not os.path.isfile(file)]
-    if absent:
-        raise StateError(f"{directory}: the training state of {world} ranks lacks {', '.join(absent[:4])}")
-    return files
-
-
-def written_layout(directory: str) -> str | None:
-    """The layout whose ranks wrote the training state in ``directory`` (None: hf_parallel wrote none)."""
-    files = _state_files(directory) if os.path.isdir(directory) else []
-    if not files:
-        return None
-    with safe_open(files[0], "pt") as saved:
-        return (saved.metadata() or {}).get(LAYOUT_KEY, f"{len(files)} ranks")
-
 
 def save_training_state(model, optimizer, directory: str) -> None:
     """This rank's pieces of the trainable parameters and of ``optimizer``'s state (may be None)
@@ -107,7 +84,7 @@ def load_training_state(model, optimizer, directory: str, weights: bool = True) 
     state = parallel_state(parallel_model(model))
     layout = str(state.mesh.shape)
     place_and_check(model)  # adapters added since loading: cut to this rank's slices first
-    files = _state_files(directory) if os.path.isdir(directory) else []
+    files = state_files(directory) if os.path.isdir(directory) else []
     if files:
         saved = SavedState(files)
     elif optimizer is None or os.path.isfile(os.path.join(directory, OPTIMIZER_FILE)):
@@ -118,13 +95,3 @@ def load_training_state(model, optimizer, directory: str, weights: bool = True) 
             f"transformers' {OPTIMIZER_FILE})"
         )
     read_state(model, optimizer, saved, layout, on_stages=state.stage is not None, weights=weights)
-
-
-def write_full_optimizer(src: str, out_file: str) -> bool:
-    """transformers' ``optimizer.pt`` (whole tensors, one process) from the training state in ``src``,
-    written to ``out_file``; False when ``src`` has none."""
-    files = _state_files(src)
-    if not files:
-        return False
-    torch.save(full_optimizer_state(SavedState(files)), out_file)
-    return True

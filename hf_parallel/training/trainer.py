@@ -59,7 +59,8 @@ from ..compat.transformers import (
 from ..state import is_parallel, parallel_state
 from .clipping import clip_grad_norm_
 from .fused_head import install_trl_fused_head, install_trl_token_count, note_split_head
-from .resume import load_training_state, save_training_state, written_layout
+from ..checkpoint.training_state import written_layout
+from .resume import load_training_state, save_training_state
 
 
 @dataclass(frozen=True)

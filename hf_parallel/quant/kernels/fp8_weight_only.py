@@ -6,7 +6,7 @@ product where the bf16 weight takes 15-18). This kernel reads each FP8 element o
 registers by its block's scale, rounds it to the compute dtype as the dequantized path does, and
 accumulates the product in float32: one launch, one byte read per weight. It is a weight-only (W8A16)
 product, so it computes what the dequantized path computes, up to the order of the sums; the activations
-are not quantized (``keep_quantized="fp8"``'s cuBLASLt W8A8 product is ``fp8_matmul``).
+are not quantized (``keep_quantized="fp8"``'s cuBLASLt W8A8 product is ``fp8_scaled_mm``).
 
 Any box of a block-scaled FP8 weight whose scales are float32, bfloat16 or float16: blocks whose columns are
 a multiple of 16 (or one scale across the columns), and a shard that starts inside a block (TP at 64 of 128
@@ -47,9 +47,9 @@ from typing import NamedTuple
 
 import torch
 
-from ..checkpoint.quantized import KeptFP8
+from ..scaled_fp8 import KeptFP8
 from . import triton_launch
-from .kernel_checks import wrong_cases
+from .self_check import wrong_cases
 
 KERNEL_ROWS = 64  # the largest batch this kernel takes; more rows take the dequantized product
 

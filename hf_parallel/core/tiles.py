@@ -11,7 +11,7 @@ from typing import Callable
 
 import torch
 
-from ..tensor.layout import Box, box_shape
+from .layout import Box, box_shape
 from .errors import CheckpointError
 
 

@@ -30,8 +30,8 @@ from typing import NamedTuple
 
 import torch
 
-from ..compat import DependencyChanged
-from ..compat import triton as triton_seams
+from ...compat import DependencyChanged
+from ...compat import triton as triton_seams
 
 
 class Bound(NamedTuple):

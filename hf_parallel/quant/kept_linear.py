@@ -1,8 +1,8 @@
 """A plain ``nn.Linear`` whose weight is kept quantized computes its own product (its class swapped, as FSDP2's
 ``fully_shard`` swaps a module's class): ``KeptLinear`` dequantizes the weight for the product,
-``KeptFP8KernelLinear`` multiplies an FP8 weight as stored by the package's weight-only kernel (``fp8_kernel``,
-on GPUs), ``KeptFP8Linear`` by cuBLASLt's W8A8 product (``fp8_matmul``, asked for by ``keep_quantized="fp8"``),
-``KeptInt4Linear`` a GPTQ / AWQ / compressed-tensors int4 weight by torch's int4 kernel (``int4_kernel``, CPU and CUDA).
+``KeptFP8KernelLinear`` multiplies an FP8 weight as stored by the package's weight-only kernel (``fp8_weight_only``,
+on GPUs), ``KeptFP8Linear`` by cuBLASLt's W8A8 product (``fp8_scaled_mm``, asked for by ``keep_quantized="fp8"``),
+``KeptInt4Linear`` a GPTQ / AWQ / compressed-tensors int4 weight by torch's int4 kernel (``int4_torch``, CPU and CUDA).
 The ``weight`` slot keeps its placeholder throughout, so any other use of the weight still fails loudly; and
 no parameter is built inside the forward, which ``torch.compile(fullgraph=True)`` cannot trace (the forward
 hooks of other kept modules do). ``product`` is the product without the bias: a row-parallel shard sums it
@@ -15,9 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..checkpoint.quantized import KeptFP8
-from . import fp8_kernel, int4_kernel
-from .fp8_matmul import BLOCK, PRODUCT_DTYPES, block_scales, fp8_product, supports_block_fp8
+from .scaled_fp8 import KeptFP8
+from .kernels import fp8_weight_only, int4_torch
+from .kernels.fp8_scaled_mm import BLOCK, PRODUCT_DTYPES, block_scales, fp8_product, supports_block_fp8
 
 
 class KeptLinear(nn.Linear):
@@ -58,25 +58,25 @@ class KeptKernelLinear(KeptLinear):
 
 class KeptFP8KernelLinear(KeptKernelLinear):
     """A kept FP8 weight in boxes of whole rows (``kernel_boxes``: one, or a packed weight's parts), each
-    multiplied as stored by ``fp8_kernel``, its launches for each input shape worked out once
+    multiplied as stored by ``fp8_weight_only``, its launches for each input shape worked out once
     (``kernel_plans``: a box's each)."""
 
-    KERNEL_ROWS = fp8_kernel.KERNEL_ROWS
+    KERNEL_ROWS = fp8_weight_only.KERNEL_ROWS
 
     def kernel_product(self, x: torch.Tensor) -> torch.Tensor:
         # none while compiling: dynamo guards a dict it reads on its length, so each eager plan would recompile
         plans = [None] * len(self.kernel_boxes) if torch.compiler.is_compiling() else self.kernel_plans
-        return _joined([fp8_kernel.weight_only_fp8(x, box, plans=p) for box, p in zip(self.kernel_boxes, plans)])
+        return _joined([fp8_weight_only.weight_only_fp8(x, box, plans=p) for box, p in zip(self.kernel_boxes, plans)])
 
 
 class KeptInt4Linear(KeptKernelLinear):
     """A kept GPTQ / AWQ / compressed-tensors int4 weight in boxes of whole rows, each multiplied by torch's
     int4 kernel from its ``int4_packs``."""
 
-    KERNEL_ROWS = int4_kernel.KERNEL_ROWS
+    KERNEL_ROWS = int4_torch.KERNEL_ROWS
 
     def kernel_product(self, x: torch.Tensor) -> torch.Tensor:
-        return _joined([int4_kernel.int4_product(x, pack) for pack in self.int4_packs])
+        return _joined([int4_torch.int4_product(x, pack) for pack in self.int4_packs])
 
 
 def rows_in_order(places: list[tuple], shape) -> list[int] | None:
@@ -104,22 +104,22 @@ def _joined(products: list[torch.Tensor]) -> torch.Tensor:
 
 def hold_linear(module: nn.Module, weights: dict, fp8_products: bool, int4_kernels: bool = False) -> bool:
     """Make a plain ``nn.Linear`` whose only kept parameter is its weight compute with it: W8A8 products where
-    ``fp8_products`` and ``fp8_matmul``'s conditions hold, else the weight-only FP8 kernel where ``fp8_kernel``
-    takes the weight, else, with ``int4_kernels``, torch's int4 kernel where ``int4_kernel`` packs it, else
+    ``fp8_products`` and ``fp8_scaled_mm``'s conditions hold, else the weight-only FP8 kernel where ``fp8_weight_only``
+    takes the weight, else, with ``int4_kernels``, torch's int4 kernel where ``int4_torch`` packs it, else
     dequantized; False for any other module."""
     if type(module) is not nn.Linear or set(weights) != {"weight"}:
         return False
     weight = weights["weight"]
     recipe = _fp8_recipe(weight) if fp8_products else None
     boxes = (weight.row_boxes or []) if recipe is None else []  # a kernel's product a box, joined
-    kernel = bool(boxes) and all(fp8_kernel.takes(box, shape, weight.dtype) for box, shape in boxes)
-    packs = None if kernel or not int4_kernels else [int4_kernel.int4_pack(b, s, weight.dtype) for b, s in boxes]
+    kernel = bool(boxes) and all(fp8_weight_only.takes(box, shape, weight.dtype) for box, shape in boxes)
+    packs = None if kernel or not int4_kernels else [int4_torch.int4_pack(b, s, weight.dtype) for b, s in boxes]
     packs = packs if packs and None not in packs else None  # every box through the kernel, or none
     module.__class__ = (KeptFP8Linear if recipe is not None else KeptFP8KernelLinear if kernel else
                         KeptInt4Linear if packs else KeptLinear)  # fmt: skip
     module.kept_weight, module.int4_packs = weight, packs
     module.kernel_boxes = [box for box, _ in boxes] if kernel else None
-    module.kernel_plans = [fp8_kernel.Plans() for _ in boxes] if kernel else None
+    module.kernel_plans = [fp8_weight_only.Plans() for _ in boxes] if kernel else None
     if recipe is not None:
         kept = weight.whole
         module.fp8_weight, module.fp8_recipe = kept.weight, recipe

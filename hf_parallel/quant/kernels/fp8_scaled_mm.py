@@ -30,7 +30,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..checkpoint.quantized import KeptFP8
+from ..scaled_fp8 import KeptFP8
 
 BLOCK = 128
 FP8_MAX = 448.0  # float8_e4m3fn's largest finite value

@@ -18,10 +18,10 @@ Larger calls (prefill) dequantize every expert into the slots, as other modules 
 Where the module is transformers' gated kind without biases (Qwen3-MoE, DeepSeek-V3, Mixtral), a step can
 skip the dequantization: each pair's row is multiplied by its own expert's weight as stored, and the gate,
 down product, routing weights and sum follow transformers' grouped_mm forward. FP8 weights take the package's
-gathered FP8 kernel where it runs (``fp8_kernel.gathered_weight_only_fp8``, one launch for all pairs). With
+gathered FP8 kernel where it runs (``fp8_weight_only.gathered_weight_only_fp8``, one launch for all pairs). With
 ``keep_quantized="int4"`` on CPU, GPTQ / AWQ / compressed-tensors int4 experts are repacked at load for
-torch's int4 kernel, an expert's pack beside its stored words (``int4_kernel.stacked``), and a step makes a
-kernel call a pair (``int4_kernel.gathered_int4_product``): on CPU dequantizing a decode step's experts costs
+torch's int4 kernel, an expert's pack beside its stored words (``int4_torch.stacked``), and a step makes a
+kernel call a pair (``int4_torch.gathered_int4_product``): on CPU dequantizing a decode step's experts costs
 far more than those calls. Not on CUDA: there the calls would be launches a pair, and dequantizing the
 step's experts is a few launches of memory-bound work.
 
@@ -42,10 +42,10 @@ from dataclasses import fields, replace
 import torch
 from torch import nn
 
-from ..checkpoint.quantized import Kept
+from .base import Kept
 from ..compat.torch import MODULE_PARAMETERS, parameters_replaced
-from . import fp8_kernel, int4_kernel
-from .experts import EXPERT_ARG_ROLES, rewrite_expert_args
+from .kernels import fp8_weight_only, int4_torch
+from ..core.expert_args import EXPERT_ARG_ROLES, rewrite_expert_args
 from .kept_linear import rows_in_order
 
 
@@ -56,7 +56,7 @@ class ExpertRows:
 
     def __init__(self, weight, stacks: list[tuple[tuple, Kept, bool]]):
         self.weight, self.stacks = weight, stacks  # (place in an expert's slice, stacked box, box holds E)
-        self.kernel_plans = [fp8_kernel.Plans() for _ in stacks]  # each stack's launches, worked out once a shape
+        self.kernel_plans = [fp8_weight_only.Plans() for _ in stacks]  # each stack's launches, worked out once a shape
         self.int4_stacks = None  # each stack's experts' packs for torch's int4 kernel (``int4_packed``), or None
 
     @classmethod
@@ -106,13 +106,13 @@ class ExpertRows:
     def multiplies_as_stored(self) -> bool:
         """Whether a step's pairs multiply by their experts as stored: every part's stack repacked for torch's
         int4 kernel (``int4_stacks``), or taken by the gathered weight-only FP8 kernel on its device
-        (``fp8_kernel.gathered_takes``)."""
+        (``fp8_weight_only.gathered_takes``)."""
         if self.int4_stacks is not None:
             return True
-        return self._whole_rows() and all(fp8_kernel.gathered_takes(s, self.weight.dtype) for _, s, _ in self.stacks)
+        return self._whole_rows() and all(fp8_weight_only.gathered_takes(s, self.weight.dtype) for _, s, _ in self.stacks)
 
     def int4_packed(self) -> list | None:
-        """Each stack's experts repacked for torch's int4 kernel (``int4_kernel.int4_pack`` an expert, then
+        """Each stack's experts repacked for torch's int4 kernel (``int4_torch.int4_pack`` an expert, then
         ``stacked``), for ``int4_stacks``; None where a part is not taken (not int4, another dtype, act-order
         experts spread each their own way)."""
         if not self._whole_rows():
@@ -120,9 +120,9 @@ class ExpertRows:
         stacks = []
         for (rows, columns), stacked, _ in self.stacks:
             shape, experts = (rows.stop - rows.start, columns.stop - columns.start), self.weight.shape[0]
-            packs = [int4_kernel.int4_pack(replace(stacked, **{name: t[e] for name, t in stacked.tensors().items()}),
+            packs = [int4_torch.int4_pack(replace(stacked, **{name: t[e] for name, t in stacked.tensors().items()}),
                                            shape, self.weight.dtype) for e in range(experts)]  # fmt: skip
-            stacks.append(int4_kernel.stacked(packs))
+            stacks.append(int4_torch.stacked(packs))
             if stacks[-1] is None:
                 return None
         return stacks
@@ -132,12 +132,12 @@ class ExpertRows:
         out = torch.empty(x.shape[0], self.weight.shape[1], dtype=x.dtype, device=x.device)
         if self.int4_stacks is not None:
             for ((rows, _), _, _), stack in zip(self.stacks, self.int4_stacks):
-                out[:, rows] = int4_kernel.gathered_int4_product(x, ids, stack)
+                out[:, rows] = int4_torch.gathered_int4_product(x, ids, stack)
             return out
         # none while compiling, as ``KeptFP8KernelLinear``'s (dynamo would guard on their lengths)
         plans = [None] * len(self.stacks) if torch.compiler.is_compiling() else self.kernel_plans
         for ((rows, _), stacked, _), stack_plans in zip(self.stacks, plans):
-            out[:, rows] = fp8_kernel.gathered_weight_only_fp8(x, ids, stacked, plans=stack_plans)
+            out[:, rows] = fp8_weight_only.gathered_weight_only_fp8(x, ids, stacked, plans=stack_plans)
         return out
 
 
@@ -166,7 +166,7 @@ def int4_stack_nbytes(placed: list[tuple[Kept, tuple]], shape: tuple, dtype) -> 
         return None
     total = 0
     for (rows, columns), ordered in places:
-        forms = {int4_kernel.pack_form(box, (rows.stop - rows.start, columns.stop - columns.start), dtype)
+        forms = {int4_torch.pack_form(box, (rows.stop - rows.start, columns.stop - columns.start), dtype)
                  for box in ordered}  # fmt: skip
         if len(forms) != 1 or None in forms:
             return None

@@ -1,12 +1,12 @@
-"""The Triton source of ``fp8_kernel``'s weight-only FP8 product, in its own module: importing Triton costs a
-process about 80 MiB, so ``fp8_kernel`` imports this only where the kernel may run (a GPU, or Triton's
+"""The Triton source of ``fp8_weight_only``'s weight-only FP8 product, in its own module: importing Triton costs a
+process about 80 MiB, so ``fp8_weight_only`` imports this only where the kernel may run (a GPU, or Triton's
 interpreter), never on a plain CPU load."""
 
 import triton
 import triton.language as tl
 
-from ..compat import DependencyChanged
-from ..compat import triton as triton_seams
+from ...compat import DependencyChanged
+from ...compat import triton as triton_seams
 from .triton_launch import CachedLaunch
 
 # whether ``triton.jit`` made the kernel for Triton's interpreter: it reads TRITON_INTERPRET when it decorates
@@ -166,7 +166,7 @@ def gathered_weight_only_fp8(x_ptr, ids_ptr, out_ptr, w_ptr, s_ptr, outputs, inp
     _store(out_ptr, total, row * 0, n, 0, row == 0, n < outputs, SWAP)
 
 
-# the launches ``fp8_kernel`` makes: each kernel kept after its first launch of a key (``triton_launch``); each
+# the launches ``fp8_weight_only`` makes: each kernel kept after its first launch of a key (``triton_launch``); each
 # kernel's leading parameters are the tensors that change from one launch of a product to the next
 launch_weight_only_fp8 = CachedLaunch(weight_only_fp8)
 launch_gathered_weight_only_fp8 = CachedLaunch(gathered_weight_only_fp8)

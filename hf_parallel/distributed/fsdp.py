@@ -19,7 +19,7 @@ import sys
 
 from torch import nn
 
-from ..layers import find_layer_list
+from ..core.layers import find_layer_list
 
 
 def layers_to_shard(model: nn.Module, mesh) -> nn.ModuleList:

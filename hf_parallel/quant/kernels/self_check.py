@@ -1,4 +1,4 @@
-"""What a kernel's load-time check found (``fp8_kernel.runs_on``, ``int4_kernel.runs_on``): the cases it
+"""What a kernel's load-time check found (``fp8_weight_only.runs_on``, ``int4_torch.runs_on``): the cases it
 computes wrong on a device, or the error it raised there, so that a refusal names its reason."""
 
 from __future__ import annotations

@@ -41,8 +41,9 @@ from typing import NamedTuple
 
 import torch
 
-from ..checkpoint.quantized import KeptGrouped, KeptIntegers
-from .kernel_checks import wrong_cases
+from ..compressed_tensors import KeptIntegers
+from ..gptq_awq import KeptGrouped
+from .self_check import wrong_cases
 
 GROUPS = (32, 64, 128, 256)  # the group sizes the kernels take
 CHUNK = 32  # the kernel's group where the format's groups are not all whole in the shard
