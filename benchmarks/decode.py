@@ -54,9 +54,9 @@ def worker(args) -> None:
     prompt = torch.randint(3, vocab, (1, args.prompt_len), generator=torch.Generator().manual_seed(0))
     prompt = prompt.to(model.device)
     result = {"impl": args.impl, "mode": args.mode, "rank": rank, "threads": torch.get_num_threads()}
-    kinds = {type(m).__name__ for m in model.modules()}  # which product kept FP8 took
-    result["fp8_products"], result["fp8_weight_only"] = "KeptFP8Linear" in kinds, "KeptFP8KernelLinear" in kinds
-    result["int4_torch"] = "KeptInt4Linear" in kinds
+    kinds = {type(m.kernel).__name__ for m in model.modules() if hasattr(m, "kept_weight")}  # kept linears' kernels
+    result["fp8_products"], result["fp8_weight_only"] = "FP8ScaledMMKernel" in kinds, "FP8WeightOnlyKernel" in kinds
+    result["int4_torch"] = "Int4TorchKernel" in kinds
     experts = [rows for m in model.modules() if getattr(m, "kernel_products", False) is True  # kept_experts
                for rows in m.kept_rows.values()]  # fmt: skip
     result["fp8_experts"] = any(rows.int4_stacks is None for rows in experts)

@@ -1,8 +1,8 @@
 """One linear's product at decode shapes on a GPU, four ways side by side in one run: a bf16 weight
 (``F.linear``), a weight kept FP8 and dequantized for the product (what ``keep_quantized=True`` does where the
-package's kernel does not run), kept FP8 through that weight-only Triton kernel (``tensor/fp8_kernel.py``,
+package's kernel does not run), kept FP8 through that weight-only Triton kernel (``quant/kernels/fp8_weight_only.py``,
 ``keep_quantized=True`` on a card that runs it), and kept FP8 multiplied in FP8 with the activations
-quantized (``keep_quantized="fp8"`` on Hopper: ``tensor/fp8_matmul.py``). Prints the recipe the
+quantized (``keep_quantized="fp8"`` on Hopper: ``quant/kernels/fp8_scaled_mm.py``). Prints the recipe the
 card was found to take (and why others were refused), then microseconds per product (CUDA events, median of
 ``--repeats`` timings of ``--calls`` products each) and ratios against bf16.
 
@@ -14,7 +14,7 @@ columns, ``tl.dot`` or a GEMV, columns a step: ``fp8_weight_only.Launch``) from 
 and prints the fastest beside the launches the package uses (``fp8_weight_only.PLAIN`` and ``GATHERED``: in eager,
 and split as a compiled step splits them, here with torch's sum and cast unfused: an upper bound of the
 compiled step's) and the host's cost of a launch: as a kept linear makes it (its plan worked out once,
-``fp8_weight_only.Plans``; the kernel kept from the first launch) and worked out and launched through
+``fp8_weight_only.LaunchPlans``; the kernel kept from the first launch) and worked out and launched through
 ``JITFunction.run`` each time (the path before both, plus the plan's tuples: about a microsecond more on a
 CPU), beside ``F.linear``'s: how those defaults are chosen.
 """
@@ -88,8 +88,8 @@ def host_us(fn, calls: int) -> float:
 @contextlib.contextmanager
 def through_run(name: str):
     """``fp8_triton``'s launcher ``name`` going through ``JITFunction.run`` each launch (as before
-    ``tensor/triton_launch.py``), for the host's time of both."""
-    from hf_parallel.tensor import fp8_triton
+    ``quant/kernels/triton_launch.py``), for the host's time of both."""
+    from hf_parallel.quant.kernels import fp8_triton
 
     kept = getattr(fp8_triton, name)
     setattr(fp8_triton, name, kept.through_run)
@@ -112,7 +112,7 @@ def fp8_box(n: int, k: int, device, experts: tuple = ()):
 
 
 def sweep(args, device) -> None:
-    from hf_parallel.tensor import fp8_weight_only
+    from hf_parallel.quant.kernels import fp8_weight_only
 
     # stages changed nothing on an H200 and 16 outputs a program was fastest (the loads seem not to be pipelined,
     # the card not filled): tiles loaded together (unroll) and runs of columns (split) may (4 warps: 8 on 16
@@ -130,13 +130,13 @@ def sweep(args, device) -> None:
         for tokens in args.tokens:
             x = torch.randn(tokens, k, device=device, dtype=torch.bfloat16)
             compiled = fp8_weight_only.PLAIN._replace(split=fp8_weight_only.split_for(-(-n // fp8_weight_only.PLAIN.tile_n), k, 128))
-            times = launch_times(lambda launch: fp8_weight_only.weight_only_fp8(x, kept, launch),
+            times = launch_times(lambda launch: fp8_weight_only.weight_only_product(x, kept, launch),
                                  sorted({*launches, fp8_weight_only.PLAIN, compiled}), fp8_weight_only.PLAIN, args)  # fmt: skip
             plain = graphed(lambda: F.linear(x, weight), args.calls, args.repeats)
-            plans = fp8_weight_only.Plans()  # as a kept linear launches it
-            host = host_us(lambda: fp8_weight_only.weight_only_fp8(x, kept, plans=plans), 10 * args.calls)
+            plans = fp8_weight_only.LaunchPlans()  # as a kept linear launches it
+            host = host_us(lambda: fp8_weight_only.weight_only_product(x, kept, plans=plans), 10 * args.calls)
             with through_run("launch_weight_only_fp8"):
-                run = host_us(lambda: fp8_weight_only.weight_only_fp8(x, kept), 10 * args.calls)
+                run = host_us(lambda: fp8_weight_only.weight_only_product(x, kept), 10 * args.calls)
             host = f"{host:.1f}, {run:.1f} ({host_us(lambda: F.linear(x, weight), 10 * args.calls):.1f})"
             defaults = f"{times[fp8_weight_only.PLAIN]:.1f}, {times[compiled]:.1f} ({compiled.split})"
             print(f"| {n} x {k} | {tokens} | {plain:.1f} | {defaults} | {fastest(times)} | {host} |", flush=True)
@@ -148,14 +148,14 @@ def sweep(args, device) -> None:
             ids = torch.randint(0, e, (pairs,), device=device)
             programs = pairs * -(-n // fp8_weight_only.GATHERED.tile_n)
             compiled = fp8_weight_only.GATHERED._replace(split=fp8_weight_only.split_for(programs, k, 128))
-            times = launch_times(lambda launch: fp8_weight_only.gathered_weight_only_fp8(x, ids, kept, launch),
+            times = launch_times(lambda launch: fp8_weight_only.weight_only_product(x, kept, launch, ids=ids),
                                  sorted({*launches, fp8_weight_only.GATHERED, compiled}), fp8_weight_only.GATHERED,
                                  args)  # fmt: skip
             plain = graphed(lambda: torch.bmm(weight[ids], x[:, :, None]), args.calls, args.repeats)
-            plans = fp8_weight_only.Plans()  # as kept experts launch it
-            host = host_us(lambda: fp8_weight_only.gathered_weight_only_fp8(x, ids, kept, plans=plans), 10 * args.calls)
+            plans = fp8_weight_only.LaunchPlans()  # as kept experts launch it
+            host = host_us(lambda: fp8_weight_only.weight_only_product(x, kept, plans=plans, ids=ids), 10 * args.calls)
             with through_run("launch_gathered_weight_only_fp8"):
-                run = host_us(lambda: fp8_weight_only.gathered_weight_only_fp8(x, ids, kept), 10 * args.calls)
+                run = host_us(lambda: fp8_weight_only.weight_only_product(x, kept, ids=ids), 10 * args.calls)
             defaults = f"{times[fp8_weight_only.GATHERED]:.1f}, {times[compiled]:.1f} ({compiled.split})"
             print(f"| {e} experts {n} x {k} | {pairs} pairs | {plain:.1f} (bf16: gather, bmm) | {defaults} | "
                   f"{fastest(times)} | {host:.1f}, {run:.1f} |", flush=True)  # fmt: skip
@@ -181,7 +181,7 @@ def fastest(times: dict) -> str:
 
 
 def main() -> None:
-    from hf_parallel.tensor import fp8_weight_only
+    from hf_parallel.quant.kernels import fp8_weight_only
     from hf_parallel.quant.kernels.fp8_scaled_mm import block_scales, fp8_product, supports_block_fp8
 
     parser = argparse.ArgumentParser()
@@ -213,7 +213,7 @@ def main() -> None:
             dequantized = timed(lambda: F.linear(x, kept.dequantize(torch.bfloat16)), args.calls, args.repeats)
             fp8 = weight_only = "-"
             if kernel:
-                weight_only = timed(lambda: fp8_weight_only.weight_only_fp8(x, kept), args.calls, args.repeats)
+                weight_only = timed(lambda: fp8_weight_only.weight_only_product(x, kept), args.calls, args.repeats)
             if recipe is not None and recipe.takes(k):
                 scale_b = block_scales(scales, recipe.padded_scales)
                 fp8 = timed(lambda: fp8_product(x, stored, scale_b, torch.bfloat16, recipe.rows), args.calls,

@@ -6,7 +6,7 @@ launch the kernel seven times a layer; the card's own share (Triton's launcher, 
 
     python benchmarks/launch_host.py [--shape 4096x1536] [--calls 20000]
 
-Prints microseconds per product (best of 5 rounds): as kept modules launch it (``fp8_weight_only.Plans``: the
+Prints microseconds per product (best of 5 rounds): as kept modules launch it (``fp8_weight_only.LaunchPlans``: the
 launch worked out at the first product of a shape, the kernel kept from its first launch), and worked out
 again each call (what ``runs_on``'s checks do), beside ``torch.empty`` of the output alone.
 """
@@ -25,7 +25,7 @@ def stand_in_source():
     as it keeps Triton's), which launches nothing."""
     from triton.compiler.compiler import CompiledKernel
 
-    from hf_parallel.tensor import fp8_triton
+    from hf_parallel.quant.kernels import fp8_triton
     from hf_parallel.quant.kernels.triton_launch import CachedLaunch
 
     class StandIn(CompiledKernel):
@@ -73,7 +73,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
 
     from hf_parallel.quant.scaled_fp8 import KeptFP8
-    from hf_parallel.tensor import fp8_weight_only
+    from hf_parallel.quant.kernels import fp8_weight_only
 
     fp8_weight_only._source = stand_in_source()
     outputs, inputs = map(int, args.shape.split("x"))
@@ -83,14 +83,14 @@ def main(argv=None) -> None:
     stacked = KeptFP8({}, weight.expand(args.experts, -1, -1), scales.expand(args.experts, -1, -1), (128, 128), (0, 0))
     x, pairs = torch.zeros(1, 1, inputs, dtype=torch.bfloat16), torch.zeros(2, inputs, dtype=torch.bfloat16)
     ids = torch.tensor([1, 3])
-    plans, stack_plans = fp8_weight_only.Plans(), fp8_weight_only.Plans()  # each kept weight's own, as modules hold them
+    plans, stack_plans = fp8_weight_only.LaunchPlans(), fp8_weight_only.LaunchPlans()  # each kept weight's own, as modules hold them
     rows = {
         f"plain {outputs} x {inputs}, one row": (
-            lambda: fp8_weight_only.weight_only_fp8(x, kept, plans=plans), lambda: fp8_weight_only.weight_only_fp8(x, kept),
+            lambda: fp8_weight_only.weight_only_product(x, kept, plans=plans), lambda: fp8_weight_only.weight_only_product(x, kept),
             (1, 1, outputs)),
         f"gathered {args.experts} experts, two pairs": (
-            lambda: fp8_weight_only.gathered_weight_only_fp8(pairs, ids, stacked, plans=stack_plans),
-            lambda: fp8_weight_only.gathered_weight_only_fp8(pairs, ids, stacked), (2, outputs)),
+            lambda: fp8_weight_only.weight_only_product(pairs, stacked, plans=stack_plans, ids=ids),
+            lambda: fp8_weight_only.weight_only_product(pairs, stacked, ids=ids), (2, outputs)),
     }  # fmt: skip
     print(f"host us a kept FP8 product before Triton's launcher (torch {torch.__version__}, CPU stand-in kernel)")
     print("| product | as kept modules launch it | worked out each call | torch.empty of its output |")

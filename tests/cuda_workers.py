@@ -77,7 +77,7 @@ def on_gpu(rank: int, world_size: int, cases: dict, save_root: str) -> dict:
 def kept_fp8(rank: int, world_size: int, path: str, save_root: str, sizes: dict) -> dict:
     """An FP8 checkpoint kept quantized on the GPU against the same checkpoint dequantized as read, in float32
     and bfloat16: logits (eager, eager again: through the kernels kept from the first launches, and compiled
-    whole), the classes of the kept linears (the package's kernel where the card runs it), the kernels kept for
+    whole), the kernels of the kept linears (the package's kernel where the card runs it), the kernels kept for
     launching again, and each load saved back (gathered; the float32 one per rank too)."""
     from hf_parallel.quant.kernels import fp8_weight_only
 
@@ -89,7 +89,7 @@ def kept_fp8(rank: int, world_size: int, path: str, save_root: str, sizes: dict)
             compiled = torch.compile(model.forward, fullgraph=True)(INPUT_IDS.to(device)).logits.float()
         out[str(dtype)] = {"kept": gap(logits[True], logits[False]), "compiled": gap(compiled, logits[True])}
         out[f"again {dtype}"] = torch.equal(again, logits[True])
-        out[f"kinds {dtype}"] = sorted({type(m).__name__ for m in model.modules() if hasattr(m, "kept_weight")})
+        out[f"kinds {dtype}"] = sorted({type(m.kernel).__name__ for m in model.modules() if hasattr(m, "kept_weight")})
         model.save_pretrained(os.path.join(save_root, str(dtype).removeprefix("torch."), "gathered"))
         if dtype == torch.float32:  # the checkpoint's floats: every tensor saved bit for bit, per rank too
             model.save_pretrained(os.path.join(save_root, "float32", "per_rank"), distributed=True)
@@ -126,9 +126,14 @@ def kept_experts(rank: int, world_size: int, path: str, save_root: str, sizes: d
 
     device, out = hf_parallel.parallel_state(models[True]).mesh.device, {}
     step = INPUT_IDS[:1, :1].to(device)
-    launches, gathered = [], fp8_weight_only.gathered_weight_only_fp8
-    fp8_weight_only.gathered_weight_only_fp8 = lambda x, ids, kept, *launch, **plans: launches.append(len(ids)) or gathered(
-        x, ids, kept, *launch, **plans)  # fmt: skip
+    launches, product = [], fp8_weight_only.weight_only_product
+
+    def counted(x, kept, *launch, ids=None, **plans):
+        if ids is not None:  # the experts' products (the attention's linears take none)
+            launches.append(len(ids))
+        return product(x, kept, *launch, ids=ids, **plans)
+
+    fp8_weight_only.weight_only_product = counted
     with torch.no_grad():
         for what, ids in (("step", step), ("prefill", INPUT_IDS.to(device))):
             out[what] = gap(models[True](ids).logits.float(), models[False](ids).logits.float())
@@ -144,7 +149,7 @@ def kept_experts(rank: int, world_size: int, path: str, save_root: str, sizes: d
 
 def kept_int4(rank: int, world_size: int, path: str, save_root: str) -> dict:
     """An act-order GPTQ checkpoint at TP=2 in bfloat16, ``keep_quantized="int4"`` against dequantized as read:
-    logits (eager, and compiled whole), the kept linears' classes (torch's int4 kernel where the card runs it),
+    logits (eager, and compiled whole), the kept linears' kernels (torch's int4 kernel where the card runs it),
     and the kept weights saved back."""
     from hf_parallel.quant.kernels import int4_torch
 
@@ -153,7 +158,7 @@ def kept_int4(rank: int, world_size: int, path: str, save_root: str) -> dict:
         compiled = torch.compile(model.forward, fullgraph=True)(INPUT_IDS.to(device)).logits.float()
     model.save_pretrained(os.path.join(save_root, "gathered"))
     return {"kept": gap(logits["int4"], logits[False]), "compiled": gap(compiled, logits["int4"]),
-            "kinds": sorted({type(m).__name__ for m in model.modules() if hasattr(m, "kept_weight")}),
+            "kinds": sorted({type(m.kernel).__name__ for m in model.modules() if hasattr(m, "kept_weight")}),
             "kernel": int4_torch.runs_on(device, torch.bfloat16),
             "capability": list(torch.cuda.get_device_capability(device))}  # fmt: skip
 
@@ -171,12 +176,13 @@ def fp8_products(rank: int, world_size: int, path: str, save_root: str) -> dict:
     recipe = fp8_scaled_mm.supports_block_fp8(device)
     out["supported"] = None if recipe is None else recipe._asdict()
     out["cuda"], out["capability"] = torch.version.cuda, list(torch.cuda.get_device_capability(device))
-    linears = {name: m for name, m in model.named_modules() if isinstance(m, kept_linear.KeptFP8Linear)}
+    linears = {name: m for name, m in model.named_modules()
+               if isinstance(m, kept_linear.KeptLinear) and isinstance(m.kernel, fp8_scaled_mm.FP8ScaledMMKernel)}
     out["fp8"] = sorted(linears)
     out["products"] = {}
     generator = torch.Generator(device=device).manual_seed(rank)
     for name, module in linears.items():
-        x = torch.randn(5, module.fp8_weight.shape[1], device=device, generator=generator, dtype=torch.bfloat16)
+        x = torch.randn(5, module.kernel.fp8.shape[1], device=device, generator=generator, dtype=torch.bfloat16)
         activations = fp8_scaled_mm.act_dequant(*fp8_scaled_mm.act_quant(x))
         with torch.no_grad():
             weight = module.kept_weight.whole.dequantize(torch.float32)  # exact: FP8 codes times float32 scales

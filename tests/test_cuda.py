@@ -110,7 +110,7 @@ def test_fp8_kept_quantized_on_a_gpu(tmp_path, monkeypatch):
         assert got["kernel"] or got["capability"] < [8, 9], where  # FP8 conversions: Ada, Hopper and later
         assert got["kept kernels"] or not got["kernel"], where  # the eager launches after a key's first: kept
         for dtype, within in (("torch.float32", dict(atol=1e-4, rtol=0)), ("torch.bfloat16", dict(atol=0, rtol=0.05))):
-            assert got[f"kinds {dtype}"] == ["KeptFP8KernelLinear" if got["kernel"] else "KeptLinear"], where
+            assert got[f"kinds {dtype}"] == ["FP8WeightOnlyKernel" if got["kernel"] else "DequantizedKernel"], where
             assert got[f"again {dtype}"], where  # bit for bit through the kept kernels
             assert_within(got[dtype], **within, where=f"FP8 kept and compiled, {dtype}, {where}")
     assert_same_checkpoint(path, str(tmp_path / "saved" / "float32" / "gathered"))
@@ -133,7 +133,7 @@ def test_int4_kept_through_torch_kernel_on_a_gpu(tmp_path, monkeypatch):
     for rank, got in enumerate(results):
         where = f"rank {rank}: {got}"
         assert got["kernel"] or got["capability"] < [8, 0], where
-        assert got["kinds"] == ["KeptInt4Linear" if got["kernel"] else "KeptLinear"], where
+        assert got["kinds"] == ["Int4TorchKernel" if got["kernel"] else "DequantizedKernel"], where
         assert_within({"kept": got["kept"], "compiled": got["compiled"]}, atol=0, rtol=0.05, where=where)
     assert_same_checkpoint(path, str(tmp_path / "saved" / "gathered"), held=torch.bfloat16)
 

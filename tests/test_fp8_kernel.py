@@ -1,4 +1,4 @@
-"""The package's weight-only FP8 kernel (``tensor/fp8_kernel.py``) run by Triton's interpreter on CPU
+"""The package's weight-only FP8 kernel (``quant/kernels/fp8_weight_only.py``) run by Triton's interpreter on CPU
 (``TRITON_INTERPRET=1``, which ``triton.jit`` reads when it decorates: the module is reloaded under it): the
 product of every kind of kept FP8 box (whole blocks, a box starting inside its blocks, blocks of other sizes,
 a scale per row or one for all, e5m2) against the dequantized weight's; the load-time check refusing a
@@ -51,12 +51,12 @@ def test_the_kernel_computes_the_dequantized_weights_product(interpreted, box):
     assert interpreted.takes(kept, (outputs, inputs), torch.float32)
     x = torch.randn(*rows, inputs, generator=torch.Generator().manual_seed(1))
     want = F.linear(x, kept.dequantize(torch.float32))
-    got = interpreted.weight_only_fp8(x, kept)
+    got = interpreted.weight_only_product(x, kept)
     assert got.shape == (*rows, outputs) and got.dtype == torch.float32
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5 * want.abs().max().item())
     x = x.bfloat16()
     want = F.linear(x.float(), kept.dequantize(torch.bfloat16).float())
-    got = interpreted.weight_only_fp8(x, kept)
+    got = interpreted.weight_only_product(x, kept)
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), want, rtol=0, atol=2**-6 * want.abs().max().item())
 
@@ -70,13 +70,13 @@ def test_the_gathered_kernel_multiplies_each_pair_by_its_experts_weight(interpre
     experts = [kept_box(outputs, inputs, offset, block, fp8, seed=e) for e in range(3)]
     stacked = dataclasses.replace(experts[0], weight=torch.stack([e.weight for e in experts]),
                                   scales=torch.stack([e.scales for e in experts]))  # fmt: skip
-    assert interpreted.gathered_takes(stacked, torch.float32)
+    assert interpreted.takes(stacked, None, torch.float32, experts=True)
     ids = torch.tensor([2, 0, 2, 0, 2])
     x = torch.randn(5, inputs, generator=torch.Generator().manual_seed(1))
     for dtype, within in ((torch.float32, 1e-5), (torch.bfloat16, 2**-6)):
         want = torch.stack([x[p].to(dtype).float() @ experts[e].dequantize(dtype).float().T
                             for p, e in enumerate(ids.tolist())])  # fmt: skip
-        got = interpreted.gathered_weight_only_fp8(x.to(dtype), ids, stacked)
+        got = interpreted.weight_only_product(x.to(dtype), stacked, ids=ids)
         assert got.shape == (5, outputs) and got.dtype == dtype
         torch.testing.assert_close(got.float(), want, rtol=0, atol=within * want.abs().max().item())
 
@@ -88,7 +88,7 @@ def test_an_empty_box_is_left_to_the_dequantized_product(interpreted):
         kept = KeptFP8({}, torch.zeros(shape, dtype=torch.float8_e4m3fn), torch.ones(1), (128, 128), (0, 0))
         assert not interpreted.takes(kept, shape, torch.float32), shape
         stacked = dataclasses.replace(kept, weight=kept.weight.expand(2, *shape), scales=torch.ones(2, 1, 1))
-        assert not interpreted.gathered_takes(stacked, torch.float32), shape
+        assert not interpreted.takes(stacked, None, torch.float32, experts=True), shape
 
 
 def nan_beyond(scales: torch.Tensor) -> torch.Tensor:
@@ -122,23 +122,23 @@ def test_the_other_launches_compute_the_same_product(interpreted, box):
                 interpreted.Launch(64, 4, 3, swap=True, split=4, tile_k=32), interpreted.Launch(64, 4, 3, dot=False),
                 interpreted.Launch(32, 2, 2, unroll=2, split=4, dot=False, tile_k=16)]
     for launch in launches:
-        gots = {"plain": interpreted.weight_only_fp8(x, experts[0], launch),
-                "gathered": interpreted.gathered_weight_only_fp8(pairs, ids, stacked, launch)}  # fmt: skip
+        gots = {"plain": interpreted.weight_only_product(x, experts[0], launch),
+                "gathered": interpreted.weight_only_product(pairs, stacked, launch, ids=ids)}  # fmt: skip
         for name, want in wants.items():
             assert gots[name].shape == want.shape and gots[name].dtype == torch.float32, (name, launch)
             torch.testing.assert_close(gots[name], want, rtol=0, atol=1e-5 * want.abs().max().item(),
                                        msg=f"{name}, {launch}")  # fmt: skip
     gemv = launches[-1]  # a program's one or two rows
     for rows in (1, 2):
-        got = interpreted.weight_only_fp8(x[:rows], experts[0], gemv)
+        got = interpreted.weight_only_product(x[:rows], experts[0], gemv)
         want = wants["plain"][:rows]
         torch.testing.assert_close(got, want, rtol=0, atol=1e-5 * want.abs().max().item(), msg=f"{rows} rows")
     with pytest.raises(ValueError, match="this launch takes no tl.dot"):
-        interpreted.weight_only_fp8(x, experts[0], interpreted.Launch(64, 4, 3, swap=True, dot=False))
+        interpreted.weight_only_product(x, experts[0], interpreted.Launch(64, 4, 3, swap=True, dot=False))
     with pytest.raises(ValueError, match="a power of two of at least 16"):
-        interpreted.weight_only_fp8(x, experts[0], interpreted.Launch(64, 4, 3, tile_k=24))
+        interpreted.weight_only_product(x, experts[0], interpreted.Launch(64, 4, 3, tile_k=24))
     split = launches[1]  # float32 runs summed, then rounded once
-    got = interpreted.weight_only_fp8(x.bfloat16(), experts[0], split)
+    got = interpreted.weight_only_product(x.bfloat16(), experts[0], split)
     want = F.linear(x.bfloat16().float(), experts[0].dequantize(torch.bfloat16).float())
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), want, rtol=0, atol=2**-7 * want.abs().max().item())
@@ -160,7 +160,7 @@ def test_a_compiled_step_splits_the_columns_of_a_product_with_few_programs(inter
     monkeypatch.setattr(interpreted, "_split", lambda *given: splits.append(split(*given)) or splits[-1])
     for compiling in (False, True):
         monkeypatch.setattr(torch.compiler, "is_compiling", lambda: compiling)
-        got = interpreted.weight_only_fp8(x, kept)
+        got = interpreted.weight_only_product(x, kept)
         torch.testing.assert_close(got, want, rtol=0, atol=1e-5 * want.abs().max().item())
     assert splits == [1, 4]
 
@@ -171,18 +171,17 @@ def test_a_kernel_that_computes_otherwise_is_refused_at_load(interpreted, monkey
     interpreter a CPU never takes the kernel."""
     assert interpreted.runs_on(CPU)
     interpreted.runs_on.cache_clear()
-    right = interpreted.weight_only_fp8
-    def offset_dropped(x, kept, *launch):
-        return right(x, dataclasses.replace(kept, offset=(0, 0)), *launch)
+    right = interpreted.weight_only_product
+    def offset_dropped(x, kept, *launch, **ids):
+        return right(x, dataclasses.replace(kept, offset=(0, 0)), *launch, **ids)
 
-    monkeypatch.setattr(interpreted, "weight_only_fp8", offset_dropped)
+    monkeypatch.setattr(interpreted, "weight_only_product", offset_dropped)
     with pytest.warns(UserWarning, match=r"does not compute right on cpu.*\[\(20, \(64, 64\)"):  # the case named
         assert not interpreted.runs_on(CPU)
-    gathered = interpreted.gathered_weight_only_fp8  # one expert's weight for every pair: refused
-    monkeypatch.setattr(interpreted, "gathered_weight_only_fp8",
-                        lambda x, ids, kept, *launch: gathered(x, ids * 0, kept, *launch))  # fmt: skip
+    monkeypatch.setattr(interpreted, "weight_only_product",  # one expert's weight for every pair: refused
+                        lambda x, kept, *launch, ids: right(x, kept, *launch, ids=ids * 0))  # fmt: skip
     with pytest.warns(UserWarning, match=r"gathered weight-only FP8 kernel does not compute right on cpu.*\[\(1, "):
-        assert not interpreted.gathered_runs_on(CPU)
+        assert not interpreted.runs_on(CPU, experts=True)
     monkeypatch.delenv("TRITON_INTERPRET")
     compiled = importlib.reload(fp8_weight_only)
     assert not compiled.runs_on(CPU) and not compiled.takes(kept_box(32, 32, (0, 0), (32, 32)), (32, 32), torch.float32)
@@ -191,36 +190,36 @@ def test_a_kernel_that_computes_otherwise_is_refused_at_load(interpreted, monkey
 
 
 def _a_second_step_reuses_each_linears_plan(interpreted, kept, linears: list, monkeypatch):
-    """Each kept linear worked out its launch for a shape once (``Plans``): a step of other tokens in that
+    """Each kept linear worked out its launch for a shape once (``LaunchPlans``): a step of other tokens in that
     shape makes no plan and gives, bit for bit, the logits its plans worked out afresh give; a copy of the
     plans is empty (a plan holds its tensors' addresses); another weight's product drops them."""
     from tp_workers import INPUT_IDS
 
     shapes = [[(torch.Size([*INPUT_IDS.shape, m.in_features]), torch.float32, interpreted.PLAIN)] for m in linears]
-    assert [[list(plans) for plans in m.kernel_plans] for m in linears] == [[shape] for shape in shapes]
-    made, plan = [], interpreted._plain_plan
-    monkeypatch.setattr(interpreted, "_plain_plan", lambda *arguments: made.append(1) or plan(*arguments))
+    assert [[list(plans) for plans in m.kernel.plans] for m in linears] == [[shape] for shape in shapes]
+    made, plan = [], interpreted._launch_plan
+    monkeypatch.setattr(interpreted, "_launch_plan", lambda *arguments: made.append(1) or plan(*arguments))
     with torch.no_grad():
         kept(INPUT_IDS[:, :3])
         planned = kept(INPUT_IDS[:, 3:6]).logits
-        assert len(made) == len(linears) and [len(m.kernel_plans[0]) for m in linears] == [2] * len(linears)
-        plans = copy.deepcopy(linears[0].kernel_plans[0]), pickle.loads(pickle.dumps(linears[0].kernel_plans[0]))
+        assert len(made) == len(linears) and [len(m.kernel.plans[0]) for m in linears] == [2] * len(linears)
+        plans = copy.deepcopy(linears[0].kernel.plans[0]), pickle.loads(pickle.dumps(linears[0].kernel.plans[0]))
         for linear in linears:
-            linear.kernel_plans[0].clear()
+            linear.kernel.plans[0].clear()
         afresh = kept(INPUT_IDS[:, 3:6]).logits
     assert len(made) == 2 * len(linears) and torch.equal(planned, afresh) and plans == ({}, {})
-    plans, other = linears[0].kernel_plans[0], dataclasses.replace(linears[0].kernel_boxes[0])  # another weight
+    plans, other = linears[0].kernel.plans[0], dataclasses.replace(linears[0].kernel.boxes[0])  # another weight
     x = torch.randn(2, linears[0].in_features)
-    interpreted.weight_only_fp8(x, other, plans=plans)  # the first weight's plans dropped
+    interpreted.weight_only_product(x, other, plans=plans)  # the first weight's plans dropped
     assert plans.owner[0] is other and list(plans) == [(x.shape, torch.float32, interpreted.PLAIN)]
 
 
 def test_kept_fp8_linears_take_the_kernel_up_to_its_rows(interpreted, tiny_root, monkeypatch):
     """One process, ``llama_fp8_partial`` (32 x 32 blocks, dims ending in a partial block) kept: every decoder
-    linear takes the kernel (``KeptFP8KernelLinear``) and gives the logits of the checkpoint dequantized as
+    linear takes the kernel (``FP8WeightOnlyKernel``) and gives the logits of the checkpoint dequantized as
     read; a batch of more than ``KERNEL_ROWS`` rows takes the dequantized product, and so do an input
     that needs a gradient and one of another dtype; ue8m0 scales (``llama_fp8_ue8m0``) stay dequantized
-    (``KeptLinear``). Phi-3's packed q|k|v and gate|up (a box a part) take it a part each, joined."""
+    (``DequantizedKernel``). Phi-3's packed q|k|v and gate|up (a box a part) take it a part each, joined."""
     from tiny_models import make_fp8_checkpoint
     from tp_workers import INPUT_IDS
 
@@ -230,14 +229,14 @@ def test_kept_fp8_linears_take_the_kernel_up_to_its_rows(interpreted, tiny_root,
     kept = hf_parallel.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, keep_quantized=True)
     read = hf_parallel.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     linears = [m for m in kept.model.layers.modules() if isinstance(m, nn.Linear)]
-    assert {type(m).__name__ for m in linears} == {"KeptFP8KernelLinear"}
+    assert {type(m.kernel).__name__ for m in linears} == {"FP8WeightOnlyKernel"}
     calls = []
-    right = interpreted.weight_only_fp8
+    right = interpreted.weight_only_product
     def counted(x, kept, *launch, **plans):
         calls.append(x.numel() // x.shape[-1])
         return right(x, kept, *launch, **plans)
 
-    monkeypatch.setattr(interpreted, "weight_only_fp8", counted)
+    monkeypatch.setattr(interpreted, "weight_only_product", counted)
     long = INPUT_IDS.repeat(1, 5)  # 70 rows
     with torch.no_grad():
         for ids in (INPUT_IDS, long):
@@ -251,11 +250,12 @@ def test_kept_fp8_linears_take_the_kernel_up_to_its_rows(interpreted, tiny_root,
     _a_second_step_reuses_each_linears_plan(interpreted, kept, linears, monkeypatch)
     ue8m0 = hf_parallel.AutoModelForCausalLM.from_pretrained(make_fp8_checkpoint("llama_fp8_ue8m0", tiny_root),
                                                              dtype=torch.bfloat16, keep_quantized=True)  # fmt: skip
-    assert {type(m).__name__ for m in ue8m0.model.layers.modules() if isinstance(m, nn.Linear)} == {"KeptLinear"}
+    assert {type(m.kernel).__name__ for m in ue8m0.model.layers.modules() if isinstance(m, nn.Linear)} == {
+        "DequantizedKernel"}
     phi3 = make_fp8_checkpoint("phi3_fp8", tiny_root)
     kept = hf_parallel.AutoModelForCausalLM.from_pretrained(phi3, dtype=torch.float32, keep_quantized=True)
     read = hf_parallel.AutoModelForCausalLM.from_pretrained(phi3, dtype=torch.float32)
-    boxes = {name: len(m.kernel_boxes) for name, m in kept.model.layers[0].named_modules() if isinstance(m, nn.Linear)}
+    boxes = {name: len(m.kernel.boxes) for name, m in kept.model.layers[0].named_modules() if isinstance(m, nn.Linear)}
     assert boxes == {"self_attn.qkv_proj": 3, "self_attn.o_proj": 1, "mlp.gate_up_proj": 2, "mlp.down_proj": 1}
     calls.clear()
     with torch.no_grad():

@@ -10,7 +10,6 @@ import pytest
 import torch
 from torch import nn
 
-from hf_parallel.quant import kept_linear
 from hf_parallel.quant.kernels import fp8_scaled_mm
 from hf_parallel.quant.kernels.fp8_scaled_mm import BLOCK, act_quant, block_scales, fp8_product
 
@@ -76,7 +75,7 @@ COMPILED_WITHIN = {"fp8": 0.1, True: 0.02}
 def test_kept_linears_multiply_in_fp8_where_whole_blocks_and_compile_whole(tiny_root, monkeypatch):
     """One process, ``llama_fp8_128`` (128 x 128 blocks) kept, on a card with the product (its rows padded to
     16): in bfloat16 every decoder linear multiplies in FP8 and gives the dequantized path's logits within the
-    activations' rounding; ``keep_quantized=True`` and float32 dequantize (``KeptLinear``). Both kinds
+    activations' rounding; ``keep_quantized=True`` and float32 dequantize (``DequantizedKernel``). Both kinds
     compile whole in bfloat16 (``fullgraph``: no parameter built in the forward), giving their eager logits."""
     from tiny_models import make_fp8_checkpoint
     from tp_workers import INPUT_IDS
@@ -84,21 +83,21 @@ def test_kept_linears_multiply_in_fp8_where_whole_blocks_and_compile_whole(tiny_
     import hf_parallel
 
     path = make_fp8_checkpoint("llama_fp8_128", tiny_root)
-    monkeypatch.setattr(kept_linear, "supports_block_fp8", lambda device: fp8_scaled_mm.Recipe(True, 16, any_k=True))
+    monkeypatch.setattr(fp8_scaled_mm, "supports_block_fp8", lambda device: fp8_scaled_mm.Recipe(True, 16, any_k=True))
     monkeypatch.setattr(torch, "_scaled_mm", block_scaled_mm(padded=True))
     logits, kinds = {}, {}
     for keep, dtype in (("fp8", torch.bfloat16), (True, torch.bfloat16), ("fp8", torch.float32)):
         model = hf_parallel.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, keep_quantized=keep)
-        kinds[keep, dtype] = {type(m).__name__ for m in model.model.layers.modules() if isinstance(m, nn.Linear)}
+        kinds[keep, dtype] = {type(m.kernel).__name__ for m in model.model.layers.modules() if isinstance(m, nn.Linear)}
         with torch.no_grad():
             logits[keep, dtype] = eager = model(INPUT_IDS).logits.float()
-        if dtype == torch.bfloat16:  # float32's KeptLinear: compiled as bfloat16's (a compile is seconds)
+        if dtype == torch.bfloat16:  # float32's DequantizedKernel: compiled as bfloat16's (a compile is seconds)
             with torch.no_grad():
                 compiled = torch.compile(model.forward, fullgraph=True)(INPUT_IDS).logits.float()
             within = COMPILED_WITHIN[keep] * eager.abs().max().item()
             torch.testing.assert_close(compiled, eager, atol=within, rtol=0)
-    assert kinds == {("fp8", torch.bfloat16): {"KeptFP8Linear"}, (True, torch.bfloat16): {"KeptLinear"},
-                     ("fp8", torch.float32): {"KeptLinear"}}  # fmt: skip
+    assert kinds == {("fp8", torch.bfloat16): {"FP8ScaledMMKernel"}, (True, torch.bfloat16): {"DequantizedKernel"},
+                     ("fp8", torch.float32): {"DequantizedKernel"}}  # fmt: skip
     fp8, dequantized = logits["fp8", torch.bfloat16], logits[True, torch.bfloat16]
     assert not torch.equal(fp8, dequantized)  # the activations were rounded to FP8
     within = 0.1 * dequantized.abs().max().item()  # the activations rounded to FP8 (2**-4) through two layers

@@ -72,7 +72,7 @@ def test_experts_packs_stack_only_in_one_form_and_each_row_takes_its_experts():
     stack = int4_torch.stacked(packs)
     assert stack.packed.shape[0] == 3 and stack.slots.shape == (3, 80)
     ids, x = torch.tensor([2, 0, 2, 1]), torch.randn(4, 80)
-    got = int4_torch.gathered_int4_product(x, ids, stack)
+    got = int4_torch.int4_product(x, stack, ids)
     want = torch.cat([int4_torch.int4_product(x[p : p + 1], packs[e]) for p, e in enumerate(ids.tolist())])
     assert torch.equal(got, want)
     torch.testing.assert_close(got, torch.stack([x[p] @ experts[e][1].T for p, e in enumerate(ids.tolist())]),
@@ -149,14 +149,14 @@ def test_kept_int4_linears_take_the_int4_kernel(tiny_root, monkeypatch):
             for module_name, module in linears.items():  # Phi-3's packed parts: a box each, a product each
                 parts = {"qkv_proj": 3, "gate_up_proj": 2}.get(module_name.rpartition(".")[2], 1)
                 parts = parts if name == "phi3_gptq" else 1
-                assert type(module).__name__ == "KeptInt4Linear", (name, module_name)
-                assert len(module.int4_packs) == parts, (name, module_name)
-            held = sum(t.nbytes for m in linears.values() for pack in m.int4_packs for t in pack
+                assert type(module.kernel).__name__ == "Int4TorchKernel", (name, module_name)
+                assert len(module.kernel.packs) == parts, (name, module_name)
+            held = sum(t.nbytes for m in linears.values() for pack in m.kernel.packs for t in pack
                        if isinstance(t, torch.Tensor))
             line = next(line for line in plan_report(path, tp=1, dtype=dtype).splitlines() if "int4 kernel" in line)
             cuda = held if dtype == torch.bfloat16 else 0  # CUDA's kernel takes bfloat16 only
             assert f"check): [{held}] bytes per rank on CPU ([{cuda}] on CUDA" in line, (name, dtype, line)
-            packs = sum(len(m.int4_packs) for m in linears.values())
+            packs = sum(len(m.kernel.packs) for m in linears.values())
             calls.clear()
             with torch.no_grad():
                 for ids in (INPUT_IDS, INPUT_IDS.repeat(1, 5)):  # 14 rows: the kernel; 70: dequantized
@@ -166,9 +166,11 @@ def test_kept_int4_linears_take_the_int4_kernel(tiny_root, monkeypatch):
             assert calls == [INPUT_IDS.numel()] * packs, (name, calls)
     path = make_grouped_checkpoint("llama_gptq", tiny_root)[0]  # keep_quantized=True: the stored bytes alone
     kept = hf_parallel.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, keep_quantized=True)
-    assert {type(m).__name__ for m in kept.model.layers.modules() if hasattr(m, "kept_weight")} == {"KeptLinear"}
+    assert {type(m.kernel).__name__ for m in kept.model.layers.modules() if hasattr(m, "kept_weight")} == {
+        "DequantizedKernel"}
     for name in ("llama_gptq_v2_w8",):
         path = make_grouped_checkpoint(name, tiny_root)[0]
         with pytest.warns(UserWarning, match="keep_quantized='int4': no kept weight is multiplied"):
             kept = hf_parallel.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, keep_quantized="int4")
-        assert {type(m).__name__ for m in kept.model.layers.modules() if hasattr(m, "kept_weight")} == {"KeptLinear"}
+        assert {type(m.kernel).__name__ for m in kept.model.layers.modules() if hasattr(m, "kept_weight")} == {
+            "DequantizedKernel"}

@@ -104,13 +104,14 @@ def test_fp8_experts_multiply_as_stored_by_the_gathered_kernel(interpreted, tiny
     import hf_parallel
 
     path = _paths(tiny_root)["qwen3_moe_fp8"]
-    launches, gathered = [], interpreted.gathered_weight_only_fp8
+    launches, product = [], interpreted.weight_only_product
 
-    def counted(x, ids, kept, *launch, **plans):
-        launches.append(len(ids))
-        return gathered(x, ids, kept, *launch, **plans)
+    def counted(x, kept, *launch, ids=None, **plans):
+        if ids is not None:  # the experts' products (the attention's linears take none)
+            launches.append(len(ids))
+        return product(x, kept, *launch, ids=ids, **plans)
 
-    monkeypatch.setattr(interpreted, "gathered_weight_only_fp8", counted)
+    monkeypatch.setattr(interpreted, "weight_only_product", counted)
     for dtype, within in ((torch.float32, 1e-5), (torch.bfloat16, 2**-6)):
         kept = hf_parallel.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, keep_quantized=True)
         read = hf_parallel.AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
@@ -142,6 +143,7 @@ def test_fp8_experts_multiply_as_stored_by_the_gathered_kernel(interpreted, tiny
     assert not any(m.kernel_products for m in mxfp4.modules() if isinstance(m, kept_experts.KeptExperts))
 
 
+@pytest.mark.slow  # loads whole models: outside the pure tier
 @pytest.mark.parametrize("name", ["qwen3_moe_w4_group", "qwen3_moe_awq", "qwen3_moe_gptq"])
 def test_int4_experts_on_cpu_multiply_through_torchs_int4_kernel(tiny_root, monkeypatch, name):
     """``keep_quantized="int4"`` on CPU: a gated Qwen3-MoE's int4 experts (compressed-tensors' W4A16, AWQ, and
@@ -159,9 +161,14 @@ def test_int4_experts_on_cpu_multiply_through_torchs_int4_kernel(tiny_root, monk
     from hf_parallel.quant.kept import int4_copy_nbytes, kept_products
 
     path = _paths(tiny_root)[name] if name in MODELS else make_grouped_checkpoint(name, tiny_root)[0]
-    calls, gathered = [], int4_torch.gathered_int4_product
-    monkeypatch.setattr(int4_torch, "gathered_int4_product",
-                        lambda x, ids, stack: calls.append(len(ids)) or gathered(x, ids, stack))  # fmt: skip
+    calls, product = [], int4_torch.int4_product
+
+    def counted(x, pack, ids=None):
+        if ids is not None:  # the experts' products (the attention's linears take none)
+            calls.append(len(ids))
+        return product(x, pack, ids)
+
+    monkeypatch.setattr(int4_torch, "int4_product", counted)
     for dtype, within in ((torch.float32, 1e-5), (torch.bfloat16, 2**-6)):
         kept = hf_parallel.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, keep_quantized="int4")
         read = hf_parallel.AutoModelForCausalLM.from_pretrained(path, dtype=dtype)

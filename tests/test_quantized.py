@@ -137,6 +137,7 @@ def test_the_twins_are_compressed_tensors_own_decompression(quantized_paths):
     assert sorted(checked) == sorted({*COMPRESSED, *PACKED}), checked
 
 
+@pytest.mark.slow  # loads whole models: outside the pure tier
 def test_quantized_weights_are_dequantized_as_read_in_one_process(quantized_paths, references, tmp_path):
     from tp_workers import INPUT_IDS
 
@@ -200,9 +201,9 @@ def test_quantized_weights_split_inside_a_block_match_one_process(
         # ("int4") act-order GPTQ, AWQ and compressed-tensors' W4A16 with zero points through torch's int4 kernel
         # (inputs spread to their groups' slots where a shard cuts groups)
         kinds = {name: [result["kinds:" + name] for result in results] for name in paths}
-        assert kinds["llama_fp8"] == [["KeptFP8KernelLinear"]] * 4, kinds
+        assert kinds["llama_fp8"] == [["FP8WeightOnlyKernel"]] * 4, kinds
         int4 = ("llama_gptq", "llama_awq", "llama_w4_zero_point")
-        assert [kinds[name] for name in int4] == [[["KeptInt4Linear"]] * 4] * 3, kinds
+        assert [kinds[name] for name in int4] == [[["Int4TorchKernel"]] * 4] * 3, kinds
     for name in paths:
         _saved_plainly(str(tmp_path / "saved" / name), references[name])
 
@@ -295,9 +296,9 @@ def test_weights_kept_quantized_match_one_process_and_save_back_bitwise(
         # ("int4") act-order GPTQ, AWQ and compressed-tensors' W4A16 with zero points through torch's int4 kernel
         # (inputs spread to their groups' slots where a shard cuts groups)
         kinds = {name: [result["kinds:" + name] for result in results] for name in paths}
-        assert kinds["llama_fp8"] == [["KeptFP8KernelLinear"]] * 4, kinds
+        assert kinds["llama_fp8"] == [["FP8WeightOnlyKernel"]] * 4, kinds
         int4 = ("llama_gptq", "llama_awq", "llama_w4_zero_point")
-        assert [kinds[name] for name in int4] == [[["KeptInt4Linear"]] * 4] * 3, kinds
+        assert [kinds[name] for name in int4] == [[["Int4TorchKernel"]] * 4] * 3, kinds
     for name, path in paths.items():
         _saved_as_stored(str(tmp_path / "saved" / name), path)
         per_rank = str(tmp_path / "saved" / (name + "_per_rank"))

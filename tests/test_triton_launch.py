@@ -141,12 +141,10 @@ def test_a_compiled_step_captures_the_fp8_kernels_whole_split_and_summed(monkeyp
     from types import SimpleNamespace
 
     import torch.utils._triton
-    from torch import nn
 
     from hf_parallel.quant.scaled_fp8 import KeptFP8
     from hf_parallel.quant.kernels import fp8_weight_only
     from hf_parallel.quant.kept_experts import ExpertRows
-    from hf_parallel.quant.kept_linear import KeptFP8KernelLinear
 
     monkeypatch.setattr(fp8_weight_only, "_source", made_for_a_card)
     monkeypatch.setattr(torch.utils._triton, "has_triton", lambda: True)
@@ -158,13 +156,11 @@ def test_a_compiled_step_captures_the_fp8_kernels_whole_split_and_summed(monkeyp
         graphs.append(graph)
         return lambda *inputs: [None]  # the graph's one output, never computed
 
-    linear = nn.Linear(4096, 1536, bias=False, device="meta")
-    linear.__class__ = KeptFP8KernelLinear
-    linear.kept_weight, linear.kernel_boxes = SimpleNamespace(dtype=torch.bfloat16), [kept]
-    linear.kernel_plans = [fp8_weight_only.Plans()]
+    weight = SimpleNamespace(dtype=torch.bfloat16, row_boxes=[(kept, (1536, 4096))])  # a kept linear's, as held
+    kernel = fp8_weight_only.FP8WeightOnlyKernel(weight)
     rows = ExpertRows(SimpleNamespace(shape=stacked.weight.shape), [((slice(0, 1536), slice(0, 4096)), stacked, False)])
     ids, x = torch.tensor([3]), torch.zeros(1, 4096, dtype=torch.bfloat16)
-    products = [(linear.kernel_product, linear.kernel_plans[0]), (lambda x: rows.product(x, ids), rows.kernel_plans[0])]
+    products = [(kernel.kernel_product, kernel.plans[0]), (lambda x: rows.product(x, ids), rows.kernel_plans[0])]
     try:
         for product, plans in products:
             compiled = torch.compile(product, backend=kept_graph, fullgraph=True)
@@ -199,10 +195,11 @@ def test_the_fp8_launches_compile_for_hopper_without_spilling_registers(made_for
     from triton.compiler import ASTSource
 
     from hf_parallel.quant.kernels import fp8_weight_only
+    from hf_parallel.quant.kernels.base import KERNEL_ROWS
 
     x = torch.zeros(1, dtype=torch.bfloat16)
     pointers = {"x_ptr": "*bf16", "ids_ptr": "*i64", "out_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32"}
-    cases = [(made_for_a_card.weight_only_fp8, fp8_weight_only.PLAIN, rows) for rows in (1, fp8_weight_only.KERNEL_ROWS)]
+    cases = [(made_for_a_card.weight_only_fp8, fp8_weight_only.PLAIN, rows) for rows in (1, KERNEL_ROWS)]
     cases.append((made_for_a_card.gathered_weight_only_fp8, fp8_weight_only.GATHERED, 1))
     cases += [(made_for_a_card.weight_only_fp8, fp8_weight_only.Launch(n, 4, 3, unroll=2, dot=False, tile_k=k),
                fp8_weight_only.GEMV_ROWS) for n, k in fp8_weight_only.GEMV_TILES]  # fmt: skip

@@ -211,7 +211,7 @@ def verify_with_a_broken_layer(rank: int, world_size: int, path: str) -> dict | 
 def quantized_logits(rank: int, world_size: int, paths: dict, save_root: str, sizes: dict, keep=False) -> dict:
     """Each checkpoint of ``paths`` (quantized) loaded at ``sizes`` (``keep``: its weights kept quantized):
     its logits on INPUT_IDS, and a gathered save under ``save_root/<name>``; kept, "held:<name>" the bytes
-    this rank holds (kept parts, and the parameters that are not placeholders), "kinds:<name>" the classes of
+    this rank holds (kept parts, and the parameters that are not placeholders), "kinds:<name>" the kernels of
     its kept linears, "int4:<name>" the bytes of their packs for torch's int4 kernel, a per-rank save under
     ``save_root/<name>_per_rank``, "step:<name>" the logits of INPUT_IDS' first token alone (a decode step's
     size: fused experts dequantize only the experts it goes to) and "experts:<name>" each kept expert weight
@@ -231,7 +231,7 @@ def quantized_logits(rank: int, world_size: int, paths: dict, save_root: str, si
             kept = hf_parallel.parallel_state(model).kept.values()
             out["held:" + name] = sum(p.numel() * p.element_size() for p in params) + sum(w.nbytes for w in kept)
             linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and hasattr(m, "kept_weight")]
-            out["kinds:" + name] = sorted({type(m).__name__ for m in linears})
+            out["kinds:" + name] = sorted({type(m.kernel).__name__ for m in linears})
             out["int4:" + name] = int4_copy_nbytes(model)
             gathered, rows, product = [], ExpertRows.rows, ExpertRows.product
             ExpertRows.rows = lambda self, ids: gathered.append("dequantized") or rows(self, ids)

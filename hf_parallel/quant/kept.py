@@ -26,7 +26,7 @@ from .base import Kept, box_of
 from ..core.tiles import intersect
 from ..core.dtypes import torch_dtype
 from .kept_experts import KeptExperts, hold_experts
-from .kept_linear import KeptFP8KernelLinear, KeptFP8Linear, KeptInt4Linear, KeptLinear, hold_linear, row_boxes
+from .kept_linear import KeptLinear, hold_linear, row_boxes
 
 
 def placed_boxes(tiles: list, layout, rank: int, full_shape):
@@ -146,8 +146,9 @@ def placeholder(local_shape, dtype) -> KeptPlaceholder:
 
 def hold_quantized(model: nn.Module, kept: dict[str, KeptWeight], fp8_products: bool = False,
                    int4_kernels: bool = False) -> list:  # fmt: skip
-    """A plain linear computes with its kept weight itself (``kept_linear``: FP8 products with
-    ``fp8_products`` where the card has them, torch's int4 kernel with ``int4_kernels``), a fused-experts
+    """A plain linear computes with its kept weight itself (``kept_linear``: its kernel, FP8 products with
+    ``fp8_products`` where the card has them, torch's int4 kernel with ``int4_kernels``; a warning where none
+    takes the kernel asked for names the first linear's refusals), a fused-experts
     module dequantizes the experts its tokens go to (``kept_experts``); any other module's kept weights are
     dequantized into their slots for its call only (hooks, returned)."""
     by_module: dict[str, dict[str, KeptWeight]] = {}
@@ -169,25 +170,36 @@ def hold_quantized(model: nn.Module, kept: dict[str, KeptWeight], fp8_products: 
             module._parameters.update(resting)
 
         handles += [module.register_forward_pre_hook(put), module.register_forward_hook(take_back, always_call=True)]
-    if fp8_products and kept and not any(isinstance(module, KeptFP8Linear) for module in model.modules()):
+    if fp8_products and kept and "W8A8 FP8" not in _ways(model):
         warnings.warn(f"keep_quantized='fp8': no kept weight multiplies in FP8 on this rank (none in whole 128 x 128 "
                       f"blocks in bfloat16, or no block-scaled FP8 product on {next(iter(kept.values())).device}); "
-                      f"they take the weight-only FP8 kernel where it runs, else are dequantized")  # fmt: skip
+                      f"they take the weight-only FP8 kernel where it runs, else are dequantized"
+                      f"{_first(model)}")  # fmt: skip
     if int4_kernels and kept and not any(_int4_packs(module) for module in model.modules()):
         warnings.warn("keep_quantized='int4': no kept weight is multiplied by torch's int4 kernel on this rank (none "
                       "GPTQ / AWQ / compressed-tensors 4-bit in groups of 32 inputs or more held in boxes of whole "
                       "rows by a plain linear or by gated experts on CPU, or no kernel for this device and dtype); "
-                      "they are held as with keep_quantized=True")  # fmt: skip
+                      f"they are held as with keep_quantized=True{_first(model)}")  # fmt: skip
     return handles
+
+
+def _ways(model: nn.Module) -> list[str]:
+    """How each kept plain linear of ``model`` multiplies (its kernel's ``way``)."""
+    return [module.kernel.way for module in model.modules() if isinstance(module, KeptLinear)]
+
+
+def _first(model: nn.Module) -> str:
+    """The first kept plain linear's refused kernels and why (``kept_linear.choose_kernel``), for a warning."""
+    named = ((name, m.refusals) for name, m in model.named_modules() if isinstance(m, KeptLinear) and m.refusals)
+    first = next(named, None)
+    return "" if first is None else f" ({first[0]}: {first[1]})"
 
 
 def kept_products(model: nn.Module) -> dict[str, int]:
     """How ``model``'s kept plain linears and fused experts multiply: a count per way (``"int4 kernel": 210``,
     ``"experts int4 kernel": 48``), so a run can say whether its kept weights took a kernel or fell back to
     dequantizing (a refused kernel warns once)."""
-    ways = {KeptLinear: "dequantized", KeptFP8Linear: "W8A8 FP8", KeptFP8KernelLinear: "FP8 kernel",
-            KeptInt4Linear: "int4 kernel"}  # fmt: skip
-    counts = Counter(ways[type(m)] for m in model.modules() if type(m) in ways)
+    counts = Counter(_ways(model))
     for module in model.modules():
         if isinstance(module, KeptExperts):
             way = "int4 kernel" if _int4_packs(module) else "FP8 kernel" if module.kernel_products else "dequantized"
@@ -196,9 +208,10 @@ def kept_products(model: nn.Module) -> dict[str, int]:
 
 
 def _int4_packs(module: nn.Module) -> list:
-    """The packs for torch's int4 kernel ``module`` holds (a linear's a box, experts' a part)."""
+    """The packs for torch's int4 kernel ``module`` holds (a linear's kernel's a box, experts' a part)."""
     rows = [r for r in (getattr(module, "kept_rows", None) or {}).values() if r is not None]
-    return list(getattr(module, "int4_packs", None) or []) + [s for r in rows for s in r.int4_stacks or []]
+    packs = list(module.kernel.packs) if isinstance(module, KeptLinear) else []
+    return packs + [s for r in rows for s in r.int4_stacks or []]
 
 
 def int4_copy_nbytes(model: nn.Module) -> int:

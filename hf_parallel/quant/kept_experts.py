@@ -18,18 +18,18 @@ Larger calls (prefill) dequantize every expert into the slots, as other modules 
 Where the module is transformers' gated kind without biases (Qwen3-MoE, DeepSeek-V3, Mixtral), a step can
 skip the dequantization: each pair's row is multiplied by its own expert's weight as stored, and the gate,
 down product, routing weights and sum follow transformers' grouped_mm forward. FP8 weights take the package's
-gathered FP8 kernel where it runs (``fp8_weight_only.gathered_weight_only_fp8``, one launch for all pairs). With
+FP8 kernel with expert ids where it runs (``fp8_weight_only.weight_only_product``, one launch for all pairs). With
 ``keep_quantized="int4"`` on CPU, GPTQ / AWQ / compressed-tensors int4 experts are repacked at load for
 torch's int4 kernel, an expert's pack beside its stored words (``int4_torch.stacked``), and a step makes a
-kernel call a pair (``int4_torch.gathered_int4_product``): on CPU dequantizing a decode step's experts costs
+kernel call a pair (``int4_torch.int4_product`` with expert ids): on CPU dequantizing a decode step's experts costs
 far more than those calls. Not on CUDA: there the calls would be launches a pair, and dequantizing the
 step's experts is a few launches of memory-bound work.
 
-The module's class is swapped for a subclass with this forward (as FSDP2's ``fully_shard`` swaps a
-module's class) before the TP / EP hooks wrap it, so it sees the expert ids EP has made local. A kept
-weight's per-expert pieces (one per expert key, or per expert and part) are stacked once at load into
-one tensor per part, the pieces keeping views of it (what a save reads), so the gather is one index per
-part. Pieces that cannot stack (an act-order GPTQ expert's groups start elsewhere than its neighbour's)
+The module's class is swapped for a subclass with this forward (``KeptExperts.hold``, as FSDP2's
+``fully_shard`` swaps a module's class) before the TP / EP hooks wrap it, so it sees the expert ids EP has
+made local. A kept weight's per-expert pieces (one per expert key, or per expert and part) are stacked once at
+load into one tensor per part, the pieces keeping views of it (what a save reads), so the gather is one index
+per part. Pieces that cannot stack (an act-order GPTQ expert's groups start elsewhere than its neighbour's)
 leave that module on the whole-weight path.
 """
 
@@ -56,7 +56,7 @@ class ExpertRows:
 
     def __init__(self, weight, stacks: list[tuple[tuple, Kept, bool]]):
         self.weight, self.stacks = weight, stacks  # (place in an expert's slice, stacked box, box holds E)
-        self.kernel_plans = [fp8_weight_only.Plans() for _ in stacks]  # each stack's launches, worked out once a shape
+        self.kernel_plans = [fp8_weight_only.LaunchPlans() for _ in stacks]  # each stack's launches, once a shape
         self.int4_stacks = None  # each stack's experts' packs for torch's int4 kernel (``int4_packed``), or None
 
     @classmethod
@@ -105,11 +105,12 @@ class ExpertRows:
 
     def multiplies_as_stored(self) -> bool:
         """Whether a step's pairs multiply by their experts as stored: every part's stack repacked for torch's
-        int4 kernel (``int4_stacks``), or taken by the gathered weight-only FP8 kernel on its device
-        (``fp8_weight_only.gathered_takes``)."""
+        int4 kernel (``int4_stacks``), or taken by the weight-only FP8 kernel with expert ids on its device
+        (``fp8_weight_only.takes``)."""
         if self.int4_stacks is not None:
             return True
-        return self._whole_rows() and all(fp8_weight_only.gathered_takes(s, self.weight.dtype) for _, s, _ in self.stacks)
+        takes = functools.partial(fp8_weight_only.takes, shape=None, dtype=self.weight.dtype, experts=True)
+        return self._whole_rows() and all(takes(stacked) for _, stacked, _ in self.stacks)
 
     def int4_packed(self) -> list | None:
         """Each stack's experts repacked for torch's int4 kernel (``int4_torch.int4_pack`` an expert, then
@@ -132,12 +133,12 @@ class ExpertRows:
         out = torch.empty(x.shape[0], self.weight.shape[1], dtype=x.dtype, device=x.device)
         if self.int4_stacks is not None:
             for ((rows, _), _, _), stack in zip(self.stacks, self.int4_stacks):
-                out[:, rows] = int4_torch.gathered_int4_product(x, ids, stack)
+                out[:, rows] = int4_torch.int4_product(x, stack, ids)
             return out
-        # none while compiling, as ``KeptFP8KernelLinear``'s (dynamo would guard on their lengths)
+        # none while compiling, as ``FP8WeightOnlyKernel``'s (dynamo would guard on their lengths)
         plans = [None] * len(self.stacks) if torch.compiler.is_compiling() else self.kernel_plans
         for ((rows, _), stacked, _), stack_plans in zip(self.stacks, plans):
-            out[:, rows] = fp8_weight_only.gathered_weight_only_fp8(x, ids, stacked, plans=stack_plans)
+            out[:, rows] = fp8_weight_only.weight_only_product(x, stacked, plans=stack_plans, ids=ids)
         return out
 
 
@@ -203,6 +204,29 @@ class KeptExperts(nn.Module):
     kept_weights: dict  # attr -> KeptWeight
     per_expert: tuple  # its other parameters (biases), gathered by id alike (the placeholders never touched)
     kernel_products: bool  # a step's pairs multiply their experts as stored (``_products_as_stored``)
+
+    @staticmethod
+    def hold(module: nn.Module, weights: dict, int4_kernels: bool = False) -> KeptExperts:
+        """Make ``module`` compute with its kept ``weights``: its class becomes its own with this forward mixed
+        in (the module stays the same object, as FSDP2's ``fully_shard`` swaps a module's class), then it
+        stacks its weights' experts and chooses how a step multiplies them (``_take``)."""
+        module.__class__ = _kept_class(type(module))
+        module._take(weights, int4_kernels)
+        return module
+
+    def _take(self, weights: dict, int4_kernels: bool) -> None:
+        """Its kept weights, their experts stacked (``ExpertRows``), repacked for torch's int4 kernel where asked
+        for on CPU (both weights, or neither), and whether a step multiplies them as stored."""
+        self.kept_weights = weights
+        self.per_expert = tuple(attr for attr, _ in self.named_parameters(recurse=False) if attr not in weights)
+        self.kept_rows = {attr: ExpertRows.of(weight) for attr, weight in weights.items()}
+        whole_rows = _takes_kernel_products(self, lambda rows: rows._whole_rows())
+        if int4_kernels and whole_rows and next(iter(weights.values())).device.type == "cpu":
+            packed = {attr: rows.int4_packed() for attr, rows in self.kept_rows.items()}
+            if None not in packed.values():  # both weights through the kernel, or neither
+                for attr, stacks in packed.items():
+                    self.kept_rows[attr].int4_stacks = stacks
+        self.kernel_products = _takes_kernel_products(self)
 
     def forward(self, *args, **kwargs):
         hidden, ids, routing = (_argument(args, kwargs, role) for role in range(3))
@@ -286,15 +310,5 @@ def hold_experts(module: nn.Module, weights: dict, int4_kernels: bool = False) -
     if not set(weights) <= set(params) or any(w.shape[:1] != next(iter(leading)) for w in weights.values()):
         return False
     MODULE_PARAMETERS.get()  # the forward swaps entries of the module's parameters for its call
-    module.__class__ = _kept_class(type(module))
-    module.kept_weights = weights
-    module.per_expert = tuple(attr for attr in params if attr not in weights)
-    module.kept_rows = {attr: ExpertRows.of(weight) for attr, weight in weights.items()}
-    whole_rows = _takes_kernel_products(module, lambda rows: rows._whole_rows())
-    if int4_kernels and whole_rows and next(iter(weights.values())).device.type == "cpu":
-        packed = {attr: rows.int4_packed() for attr, rows in module.kept_rows.items()}
-        if None not in packed.values():  # both weights through the kernel, or neither
-            for attr, stacks in packed.items():
-                module.kept_rows[attr].int4_stacks = stacks
-    module.kernel_products = _takes_kernel_products(module)
+    KeptExperts.hold(module, weights, int4_kernels)
     return True

@@ -1,10 +1,9 @@
 """Kept int4 weights (GPTQ, AWQ, compressed-tensors' pack-quantized W4A16) multiplied by torch's own int4
 kernels (``keep_quantized="int4"``).
 
-A kept int4 weight is otherwise unpacked and scaled module by module for every product: on this project's
-2-core CPU that made a GPTQ decode 17 times one process's. torch ships weight-only int4 kernels, the ones
-torchao's int4 layout runs on (tinygemm): ``_weight_int4pack_mm`` on CUDA and ``_weight_int4pack_mm_for_cpu``
-(vectorised; in bfloat16 a decode-sized product there takes about a third of the bf16 weight's time). They
+A kept int4 weight is otherwise unpacked and scaled module by module for every product, which costs a
+decode step far more than the product itself. torch ships weight-only int4 kernels, the ones torchao's int4
+layout runs on (tinygemm): ``_weight_int4pack_mm`` on CUDA and ``_weight_int4pack_mm_for_cpu`` (vectorised). They
 take unsigned 4-bit values in groups of 32 to 256 inputs with ``W = (q - 8) * scale + zero`` per group and
 output: GPTQ's, AWQ's and compressed-tensors' ``(q - z) * s`` (a kept box's ``grouped_values``: the values
 unsigned as stored) is that with ``scale = s``, ``zero = (8 - z) * s``. A format's group of any size
@@ -30,24 +29,25 @@ at load (``runs_on``: small products against the same weights in float32); a ref
 
 Experts (``kept_experts``, on CPU): each expert's box of a part is packed so, and the experts' packs stacked
 (``stacked``: one form for all, else the experts are dequantized); a step's (token, expert) pairs, at most as
-many as the experts, each take a call with their expert's pack (``gathered_int4_product``).
+many as the experts, each take a call with their expert's pack (``int4_product`` with expert ids).
+
+A kept linear holds ``Int4TorchKernel``: its boxes' packs, each multiplied by the kernel, the products joined.
 """
 
 from __future__ import annotations
 
 import functools
-import warnings
 from typing import NamedTuple
 
 import torch
 
 from ..compressed_tensors import KeptIntegers
 from ..gptq_awq import KeptGrouped
-from .self_check import wrong_cases
+from .base import Refused, SmallBatchKernel, joined, row_boxes_or_reason
+from .self_check import checked
 
 GROUPS = (32, 64, 128, 256)  # the group sizes the kernels take
 CHUNK = 32  # the kernel's group where the format's groups are not all whole in the shard
-KERNEL_ROWS = 64
 PAD = 16  # the kernels' outputs come in tiles of 16 (CPU) or 8 (CUDA)
 COMPUTE_DTYPES = {"cpu": (torch.bfloat16, torch.float16, torch.float32), "cuda": (torch.bfloat16,)}
 
@@ -59,6 +59,35 @@ class Int4Pack(NamedTuple):
     width: int  # the kernel's contraction: whole groups
     slots: torch.Tensor | None  # each input's place in it (None: in place)
     outputs: int
+
+
+class Int4TorchKernel(SmallBatchKernel):
+    """A kept GPTQ / AWQ / compressed-tensors int4 weight in boxes of whole rows, each multiplied by torch's
+    int4 kernel from its pack (``packs``: a box's each, repacked at load)."""
+
+    way = "int4 kernel"
+
+    @classmethod
+    def can_serve(cls, weight) -> tuple[bool, str]:
+        boxes, why = row_boxes_or_reason(weight)
+        for box, shape in boxes:  # every box through the kernel, or none
+            if not _takes(box, shape, weight.dtype):
+                why = (f"not a 4-bit GPTQ / AWQ / compressed-tensors box in groups of {CHUNK} inputs or more, or no "
+                       f"kernel on {weight.device} in {weight.dtype}")  # fmt: skip
+            elif not runs_on(box.words.device, weight.dtype):
+                why = f"the kernel does not compute right on {box.words.device} in {weight.dtype} (its check, warned)"
+            if why:
+                break
+        return not why, why
+
+    def __init__(self, weight):
+        super().__init__(weight)
+        self.packs = [int4_pack(box, shape, weight.dtype) for box, shape in weight.row_boxes]
+        if None in self.packs:
+            raise Refused("a box's groups are not its format's (no pack)")
+
+    def kernel_product(self, x: torch.Tensor) -> torch.Tensor:
+        return joined([int4_product(x, pack) for pack in self.packs])
 
 
 def int4_pack(kept, shape: tuple, dtype: torch.dtype) -> Int4Pack | None:
@@ -166,22 +195,6 @@ def stacked(packs: list) -> Int4Pack | None:
                              scales_and_zeros=torch.stack([p.scales_and_zeros for p in packs]))  # fmt: skip
 
 
-def gathered_int4_product(x: torch.Tensor, ids: torch.Tensor, stack: Int4Pack) -> torch.Tensor:
-    """Each row ``p`` of ``x`` times expert ``ids[p]``'s weight, from its pack in ``stack`` (``stacked``): a
-    product a row, its expert's pack selected by ``index_select`` (no id read on the host: it traces whole, a
-    graph for each count of rows, as any compiled step is one for its shapes). torch has no grouped int4
-    kernel, so this is a kernel call a row; on CPU that is still far less than dequantizing the rows' experts
-    (``benchmarks/decode.py``, docs/benchmarks.md)."""
-    rows = []
-    for p in range(x.shape[0]):
-        expert = ids[p : p + 1]
-        pick = lambda t: None if t is None else t.index_select(0, expert)[0]  # noqa: E731
-        one = stack._replace(packed=pick(stack.packed), scales_and_zeros=pick(stack.scales_and_zeros),
-                             slots=pick(stack.slots))  # fmt: skip
-        rows.append(int4_product(x[p : p + 1], one))
-    return torch.cat(rows) if rows else x.new_empty(0, stack.outputs)
-
-
 def _kernel_layout(codes: torch.Tensor) -> torch.Tensor:
     """[rows, width] int32 values 0-15 as the device's kernel reads them."""
     if codes.device.type == "cpu":
@@ -191,8 +204,27 @@ def _kernel_layout(codes: torch.Tensor) -> torch.Tensor:
     return torch.ops.aten._convert_weight_to_int4pack((codes[:, ::2] << 4 | codes[:, 1::2]).to(torch.uint8), tiles)
 
 
-def int4_product(x: torch.Tensor, pack: Int4Pack) -> torch.Tensor:
-    """``x @ W.T`` for the weight ``pack`` holds, ``x`` in the compute dtype it was packed for."""
+def int4_product(x: torch.Tensor, pack: Int4Pack, ids: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ W.T`` for the weight ``pack`` holds, ``x`` in the compute dtype it was packed for. With expert ids,
+    ``pack`` is experts' packs ``stacked`` and each row ``p`` of ``x`` ([pairs, inputs]) is multiplied by expert
+    ``ids[p]``'s weight: a product a row, its expert's pack selected by ``index_select`` (no id read on the
+    host: it traces whole, a graph for each count of rows, as any compiled step is one for its shapes). torch
+    has no grouped int4 kernel, so this is a kernel call a row; on CPU that is still far less than dequantizing
+    the rows' experts (``benchmarks/decode.py``, docs/benchmarks.md)."""
+    if ids is None:
+        return _product(x, pack)
+    rows = []
+    for p in range(x.shape[0]):
+        expert = ids[p : p + 1]
+        pick = lambda t: None if t is None else t.index_select(0, expert)[0]  # noqa: E731
+        one = pack._replace(packed=pick(pack.packed), scales_and_zeros=pick(pack.scales_and_zeros),
+                            slots=pick(pack.slots))  # fmt: skip
+        rows.append(_product(x[p : p + 1], one))
+    return torch.cat(rows) if rows else x.new_empty(0, pack.outputs)
+
+
+def _product(x: torch.Tensor, pack: Int4Pack) -> torch.Tensor:
+    """One pack's product by the device's kernel."""
     flat = x.reshape(-1, x.shape[-1])
     if pack.slots is not None:
         flat = flat.new_zeros(flat.shape[0], pack.width).index_copy_(1, pack.slots, flat)
@@ -213,11 +245,8 @@ def runs_on(device: torch.device, dtype: torch.dtype) -> bool:
     weights in float32 (within the compute dtype's rounding of the scales and zeros)."""
     cases = [(1, 32, 48, 3, False), (5, 128, 64, 4, True), (40, 64, 16, 2, False), (3, 128, 32, 2, False),
              (2, 256, 32, 1, False)]  # rows, the format's group, outputs, groups, spread  # fmt: skip
-    wrong = wrong_cases(cases, functools.partial(_computes_right, device, dtype))
-    if wrong:
-        warnings.warn(f"hf_parallel: torch's int4 kernel does not compute right on {device} in {dtype} (torch "
-                      f"{torch.__version__}): {wrong}; kept int4 weights are dequantized per module")  # fmt: skip
-    return not wrong
+    return checked("torch's int4 kernel", f"on {device} in {dtype} (torch {torch.__version__})", cases,
+                   functools.partial(_computes_right, device, dtype), "kept int4 weights are dequantized per module")
 
 
 def _computes_right(device, dtype, rows: int, group: int, outputs: int, count: int, spread: bool) -> bool:

@@ -1,9 +1,29 @@
-"""What a kernel's load-time check found (``fp8_weight_only.runs_on``, ``int4_torch.runs_on``): the cases it
-computes wrong on a device, or the error it raised there, so that a refusal names its reason."""
+"""The kernels' load-time checks (``fp8_weight_only.runs_on``, ``int4_torch.runs_on``,
+``fp8_scaled_mm.supports_block_fp8``): each kernel's small products on a device against the same weights in
+float32 (its ``_computes_right``), run here, so that a refusal names its reason: the cases it computes wrong,
+or the error it raised there."""
 
 from __future__ import annotations
 
+import warnings
+
 import torch
+
+
+def checked(kernel: str, where: str, cases: list[tuple], computes_right, instead: str) -> bool:
+    """Whether ``computes_right(*case)`` holds for every case; where it does not, a warning naming ``kernel``,
+    ``where`` (the device, dtypes and versions), what failed, and what is done ``instead`` (a refusal: the
+    weights are dequantized)."""
+    wrong = wrong_cases(cases, computes_right)
+    if wrong:
+        warnings.warn(f"hf_parallel: {kernel} does not compute right {where}: {wrong}; {instead}")
+    return not wrong
+
+
+def verdict(computes_right, *case) -> bool | str:
+    """``computes_right(*case)``: True or False, or the error it raised in one line (``wrong_cases``)."""
+    wrong = wrong_cases([case], computes_right)
+    return not wrong or (False if wrong == [case] else wrong[0])
 
 
 def wrong_cases(cases: list[tuple], computes_right) -> list:
