@@ -52,36 +52,54 @@ def from_pretrained(
     keep_quantized: bool | str = False,
     **config_kwargs,
 ):
-    """``tp_plan=None`` (or ``{}``): no tensor parallelism, every rank holds the whole model.
-    ``ep_plan="auto"``: experts spread whole over the ranks (attention and dense layers still
-    follow ``tp_plan``; ``tp_plan=None`` keeps them replicated). ``sp_size``: split every sequence
-    over that many ranks (Ulysses), TP groups inside SP groups; the world is tp x sp. ``cp_size``: that many
-    SP groups in a ring (context parallelism, past the head count): each group holds two zigzag chunks of
-    the sequence, and key/value blocks travel around the ring (accelerate's name).
-    ``pp_size``: that many pipeline stages of contiguous layers, each at ``tp_size`` (and ``sp_size``); or
-    ``stage_tp_sizes=[2, 1]``: one stage per entry with its own TP size (the world is their sum).
-    ``stage_layers``: layers per stage (default: balanced by parameters, embeddings and head
-    included); ``micro_batches``: rows of a batch per forward are cut into this many (default one per stage).
-    ``fsdp_size``: data-parallel replicas whose parameters, gradients and optimizer state FSDP2
-    shards between them; ``dp_replicate_size``: copies of those (HSDP). Both outermost: the world is
-    dp_replicate x fsdp x pp x cp x sp x tp. ``distributed_config``: transformers' ``DistributedConfig``
-    instead of the sizes (what it asks that hf_parallel cannot do is refused).
-    ``allow_pickle``: accept a ``pytorch_model.bin`` checkpoint (loaded with ``weights_only=True``).
-    ``keep_quantized``: a quantized checkpoint's weights stay quantized on each rank, dequantized module by
-    module in the forward (inference; saved back in the checkpoint's format). Default: dequantized as read.
-    On a GPU, a plain linear's FP8 weight is multiplied as stored by the package's Triton kernel (weight-only,
-    decode-sized batches; ``tensor/fp8_kernel.py``) where it computes right on the card (checked at load).
-    ``keep_quantized="fp8"``: besides, on a Hopper GPU in bfloat16, FP8 weights in whole 128x128 blocks are
-    multiplied as stored, the activations quantized per token and 128 columns (W8A8, as transformers' and
-    vLLM's FP8 linears), where small products on the card agree with float32 (checked once at load; torch
-    2.11 computes right only where the contraction is a multiple of 4 blocks); slower than dequantizing in
-    eager on an H100 (docs/guides/quantized.md). ``keep_quantized="int4"``: besides the stored words, GPTQ / AWQ
-    / compressed-tensors 4-bit weights are held repacked for torch's own int4 kernel (CPU and CUDA;
-    ``tensor/int4_kernel.py``) and multiplied by it in decode-sized batches: about twice the kept bytes of
-    those weights, for products faster than dequantizing (and, on CPU in bfloat16, than the bf16 weights').
+    """Load the checkpoint at ``path`` split over the ranks: each rank reads only its own slices.
 
-    The steps a model goes through after its empty build, in this order, each owning what it sets up
-    and none rewriting an earlier one's (long for its keywords; the body is one line a step)."""
+    Run it on every rank (under ``torchrun``; one process is one rank). The ranks form a mesh of
+    ``dp_replicate x fsdp x pp x cp x sp x tp``, the data-parallel dimensions outermost.
+
+    :param auto_class: the transformers class to build, e.g. ``transformers.AutoModelForCausalLM``.
+    :param path: a local checkpoint directory (safetensors, or ``pytorch_model.bin`` with ``allow_pickle``).
+    :param tp_plan: (str | dict | None, default ``"auto"``) the tensor-parallel rules: ``"auto"`` (a shipped
+        plan, else transformers', else discovered), ``"discover"``, a registered model_type, or a dict of
+        rules; ``None`` or ``{}``: no tensor parallelism, every rank holds the whole model.
+    :param ep_plan: (str | None, default None) ``ep_plan="auto"``: experts spread whole over the ranks;
+        attention and dense layers still follow ``tp_plan`` (``tp_plan=None`` keeps them replicated).
+    :param dtype: (torch.dtype | str | None, default None) the dtype to load in; None or ``"auto"``: the
+        config's, else float32.
+    :param tp_size: (int | None, default None) ranks a layer is split over; None: the ranks the other
+        sizes leave of the world.
+    :param sp_size: (int, default 1) ranks each sequence is split over (Ulysses); TP groups sit inside.
+    :param pp_size: (int, default 1) pipeline stages of contiguous layers, each at ``tp_size``.
+    :param stage_tp_sizes: (list[int] | None, default None) one pipeline stage per entry, each with its
+        own TP size (the replica is their sum); leave ``tp_size`` unset.
+    :param stage_layers: (list[int] | None, default None) layers per stage; None: balanced by parameters,
+        embeddings and head included.
+    :param micro_batches: (int | None, default None) micro-batches a pipelined forward cuts its rows into;
+        None: one per stage (one for a decode step).
+    :param fsdp_size: (int, default 1) data-parallel replicas whose parameters, gradients and optimizer
+        state FSDP2 shards between them.
+    :param dp_replicate_size: (int, default 1) copies of the FSDP group (HSDP), gradients all-reduced.
+    :param cp_size: (int, default 1) SP groups in a ring (context parallelism): each holds two zigzag
+        chunks of the sequence, key/value blocks travel around the ring.
+    :param distributed_config: (transformers ``DistributedConfig`` | None, default None) the sizes and
+        plans as transformers asks for them, instead of the keywords above.
+    :param device_map: must be None: each shard is placed on its own rank.
+    :param allow_pickle: (bool, default False) accept a ``pytorch_model.bin`` (read with ``weights_only=True``).
+    :param keep_quantized: (bool | str, default False) False: a quantized checkpoint is dequantized as read.
+        True: each rank keeps its slices as stored, dequantized (or multiplied as stored) module by module
+        in the forward; inference only, saved back in the checkpoint's format. ``"fp8"`` / ``"int4"``:
+        besides, FP8 (W8A8) products / torch's int4 kernel. Which kernel runs where:
+        docs/guides/quantized.md, "How a kept weight is multiplied".
+    :param config_kwargs: config attributes that override the checkpoint's (as in transformers).
+    :returns: the ordinary transformers model, its parameters this rank's shards: ``generate`` works as
+        is, and its ``save_pretrained`` gathers the shards back (or writes each rank's: ``distributed=True``).
+    :raises ValueError: a size, plan, layout or checkpoint that cannot be honoured, refused by name before
+        any weight is read (``CheckpointError``, a ValueError: the checkpoint's).
+    :raises FileNotFoundError: ``path`` is not a local directory.
+    :raises TypeError: a keyword neither hf_parallel nor the config takes.
+    """
+    # the steps after the empty build, in this order, each owning what it sets up and none rewriting an
+    # earlier one's (one line a step)
     if keep_quantized not in (False, True, "fp8", "int4"):
         raise ValueError(f"keep_quantized={keep_quantized!r}: one of False, True, 'fp8' and 'int4'")
     config = _read_config(path, device_map, config_kwargs)

@@ -95,3 +95,13 @@ def smollm2():
     from hf_parallel.commands.default_model import default_checkpoint
 
     return default_checkpoint()
+
+
+def pytest_collection_modifyitems(items):
+    """A ``slow`` test (a whole model loaded or compiled) and one that runs the FP8 kernel under Triton's
+    interpreter (the ``interpreted`` fixture: its load-time checks and launches take seconds each) leave the
+    pure tier for the distributed one, so the edit-test loop (``pytest -m "not distributed"``) stays under a
+    minute; CI runs both."""
+    for item in items:
+        if item.get_closest_marker("slow") or "interpreted" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.distributed)

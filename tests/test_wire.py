@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from hf_parallel.distributed.devices import (
-    Placement,
+    DeviceBackend,
     backend_for,
     choose_device,
     default_backend,
@@ -53,8 +53,8 @@ def test_the_backend_and_the_wire_follow_the_device():
     assert backend_for("cpu:gloo,cuda:nccl", "cuda") == "nccl" and backend_for("cpu:gloo,cuda:nccl", "cpu") == "gloo"
     assert backend_for("gloo", "cuda") == "gloo"
     # NCCL carries the GPU's memory; gloo the host's, so a GPU rank over gloo stages through pinned memory
-    assert Placement(CUDA3, "cpu:gloo,cuda:nccl").wire == CUDA3 and Placement(CUDA3, "nccl").wire == CUDA3
-    assert Placement(CUDA3, "gloo").wire == torch.device("cpu") == wire_of("gloo", torch.device("cpu"))
+    assert DeviceBackend(CUDA3, "cpu:gloo,cuda:nccl").wire == CUDA3 and DeviceBackend(CUDA3, "nccl").wire == CUDA3
+    assert DeviceBackend(CUDA3, "gloo").wire == torch.device("cpu") == wire_of("gloo", torch.device("cpu"))
     # two ranks on one card (a laptop, a one-GPU test machine): NCCL refuses them, so the groups are gloo's
     assert group_backend("cpu:gloo,cuda:nccl", CUDA0, ["h:cuda:GPU-a", "h:cuda:GPU-a"]) == "gloo"
     assert group_backend("cpu:gloo,cuda:nccl", CUDA0, ["h:cuda:GPU-a", "h:cuda:GPU-b"]) == "cpu:gloo,cuda:nccl"
@@ -66,9 +66,9 @@ def test_headers_travel_on_the_host_wherever_the_backend_carries_host_tensors():
     (``cpu:gloo,cuda:nccl``, the default) and over gloo it goes on the CPU; only a backend that carries the
     device's memory alone puts it on the wire."""
     cpu = torch.device("cpu")
-    assert Placement(CUDA3, "cpu:gloo,cuda:nccl").metadata == cpu and Placement(CUDA3, "gloo").metadata == cpu
-    assert Placement(cpu, "gloo").metadata == cpu
-    assert Placement(CUDA3, "nccl").metadata == CUDA3 and Placement(CUDA3, "cuda:nccl").metadata == CUDA3
+    assert DeviceBackend(CUDA3, "cpu:gloo,cuda:nccl").metadata == cpu and DeviceBackend(CUDA3, "gloo").metadata == cpu
+    assert DeviceBackend(cpu, "gloo").metadata == cpu
+    assert DeviceBackend(CUDA3, "nccl").metadata == CUDA3 and DeviceBackend(CUDA3, "cuda:nccl").metadata == CUDA3
 
 
 def test_anything_left_off_the_device_is_named():

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from ..distributed.faults import collective
 from .kept_saves import saved_pieces
-from ..distributed.fsdp import OneAtATime
+from ..distributed.fsdp import LayerwiseUnshard
 from .files import MANIFEST_FILE, rank_file_name
 from .keys import FusedSource
 from .manifest import FORMAT, VERSION, manifest_entry, pieces_entry
@@ -75,7 +75,7 @@ def save_distributed(model, state, out_dir: str) -> None:
     shapes = {key: (tuple(t.shape), t.dtype) for key, t in tensors.items()}
     shapes.update({key: (tuple(t.shape), t.dtype) for key, t in kept.items()})
     os.makedirs(out_dir, exist_ok=True)
-    with OneAtATime(model) as unsharding:  # under FSDP, one layer whole at a time, in the order written
+    with LayerwiseUnshard(model) as unsharding:  # under FSDP, one layer whole at a time, in the order written
         if mesh.holds_copy:  # a sequence- or data-parallel copy of the TP shards another rank writes
             for e in written.values():
                 unsharding.need(e.name)
@@ -93,17 +93,23 @@ def save_distributed(model, state, out_dir: str) -> None:
                 staging.commit()
     mesh.barrier()
     if mesh.is_main:
-        manifest = {
-            "format": FORMAT,
-            "version": VERSION,
-            "world_size": len(names),
-            "save_id": save_id,
-            "files": names,
-            "tensors": described,
-        }
-        with Staging(out_dir) as staging:
-            with open(staging.new_file(MANIFEST_FILE), "w") as f:
-                json.dump(manifest, f, indent=1)
-            remove_stale(out_dir, set(staging.commit()) | set(names))
-        save_config(model, out_dir, state.quantization_config if state.keep_quantized else None)
+        _write_manifest(model, state, out_dir, names, save_id, described)
     mesh.barrier()
+
+
+def _write_manifest(model, state, out_dir: str, names: list[str], save_id: str, described: dict) -> None:
+    """Rank 0's part, once every rank's file is in place: the manifest that says where each tensor's
+    pieces are, files of earlier saves removed, and the config."""
+    manifest = {
+        "format": FORMAT,
+        "version": VERSION,
+        "world_size": len(names),
+        "save_id": save_id,
+        "files": names,
+        "tensors": described,
+    }
+    with Staging(out_dir) as staging:
+        with open(staging.new_file(MANIFEST_FILE), "w") as f:
+            json.dump(manifest, f, indent=1)
+        remove_stale(out_dir, set(staging.commit()) | set(names))
+    save_config(model, out_dir, state.quantization_config if state.keep_quantized else None)

@@ -1,8 +1,8 @@
 """Owned weight copies on transparent huge pages, where the kernel offers them.
 
 A rank copies its column splits into fresh anonymous memory. Faulting that in 4 KiB at a time is
-most of the copy's cost, and several ranks faulting at once on one host slow each other down
-(measured here: 138 MiB took 0.08-0.45 s per rank, 0.02-0.04 s on huge pages). torch's allocator
+most of the copy's cost, and several ranks faulting at once on one host slow each other down; a
+huge page faults in 2 MiB at once. torch's allocator
 does the same for every allocation with ``THP_MEM_ALLOC_ENABLE=1``, but reads that once at import;
 this advises only the tensors the loader owns, before they are first touched.
 """

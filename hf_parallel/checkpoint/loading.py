@@ -404,24 +404,7 @@ def load_weights(
             fused_from = reader._shared(manifest).fused
             saved_as = {name: fused_from.get(source, source) for name, source in sources.items()}
         tiled = dequantized_sources(files, sources, lambda file: reader._shared(file), quantization)
-        quantized = {}  # parameter -> its tiles (key, box, Dequantized) where stored quantized
-        for entry in layout.unique_params():  # every header against the model before any data is read
-            source, param_dtype = sources[entry.name], model.get_parameter(entry.name).dtype
-            if isinstance(source, FusedSource):
-                tiles = [(key, box, readable(reader._shared, files, key, quantization))
-                         for key, box in source.boxes(entry.full_shape)]  # fmt: skip
-                if any(isinstance(dequantized, Dequantized) for _, _, dequantized in tiles):
-                    quantized[entry.name] = tiles  # (all of them: refused below otherwise)
-                tiled[entry.name] = reader.fused(files, entry.name, tiles, entry.full_shape, quantization)
-                reader.check(path, entry.name, entry.name, entry.full_shape, param_dtype, tiled[entry.name])
-            elif entry.name in tiled:  # quantized, read dequantized
-                reader.check(files[source], source, entry.name, entry.full_shape, param_dtype, tiled[entry.name])
-            else:
-                reader.check(files[source], source, entry.name, entry.full_shape, param_dtype)
-            if isinstance(tiled.get(entry.name), Dequantized):
-                quantized[entry.name] = [(source, tuple((0, n) for n in entry.full_shape), tiled[entry.name])]
-            if entry.name in quantized:
-                _check_quantized(entry, quantized[entry.name], files, kept is not None)
+        quantized = _check_headers(model, path, layout, files, sources, tiled, reader, quantization, kept is not None)
         _check_claimed(path, companions, quantized.values())
         for entry in tqdm(layout.unique_params(), desc="Loading shards", disable=rank != 0, leave=False):
             source, old = sources[entry.name], model.get_parameter(entry.name)
@@ -444,6 +427,30 @@ def load_weights(
             keep_dtype = old.dtype if old.is_floating_point() else None
             _set_tensor(model, name, reader.read(files[key], key, replicated(1), keep_dtype))
     return {**saved_as, **buffers}
+
+
+def _check_headers(model, path, layout, files, sources, tiled, reader, quantization, keep: bool) -> dict[str, list]:
+    """Check every parameter's header against the model before any data is read (``tiled`` gains the
+    fused parameters' tiles); return parameter -> its tiles (key, box, Dequantized) where stored quantized."""
+    quantized = {}
+    for entry in layout.unique_params():
+        source, param_dtype = sources[entry.name], model.get_parameter(entry.name).dtype
+        if isinstance(source, FusedSource):
+            tiles = [(key, box, readable(reader._shared, files, key, quantization))
+                     for key, box in source.boxes(entry.full_shape)]  # fmt: skip
+            if any(isinstance(dequantized, Dequantized) for _, _, dequantized in tiles):
+                quantized[entry.name] = tiles  # (all of them: refused below otherwise)
+            tiled[entry.name] = reader.fused(files, entry.name, tiles, entry.full_shape, quantization)
+            reader.check(path, entry.name, entry.name, entry.full_shape, param_dtype, tiled[entry.name])
+        elif entry.name in tiled:  # quantized, read dequantized
+            reader.check(files[source], source, entry.name, entry.full_shape, param_dtype, tiled[entry.name])
+        else:
+            reader.check(files[source], source, entry.name, entry.full_shape, param_dtype)
+        if isinstance(tiled.get(entry.name), Dequantized):
+            quantized[entry.name] = [(source, tuple((0, n) for n in entry.full_shape), tiled[entry.name])]
+        if entry.name in quantized:
+            _check_quantized(entry, quantized[entry.name], files, keep)
+    return quantized
 
 
 def _check_quantized(entry, tiles: list, files: dict, keep: bool) -> None:

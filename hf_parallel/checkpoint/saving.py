@@ -28,7 +28,7 @@ from ..quant.kept import KeptWeight
 from .kept_saves import gathered_part
 from ..core.layout import Box, Layout, as_slices, box_shape, replicated
 from ..tensor.parallelize import ShardedParam
-from ..distributed.fsdp import OneAtATime
+from ..distributed.fsdp import LayerwiseUnshard
 from .files import INDEX_FILE
 from .keys import FusedSource, expert_shape
 from .staging import Staging, remove_stale
@@ -40,8 +40,8 @@ BLOCK_BYTES = 16 << 20  # rank 0 holds at most one block of a tensor (and one re
 
 class Scratch:
     """One reusable buffer on ``device``, handed out as a tensor of any shape that fits. A save that
-    allocated a block per tensor would leave glibc's freed heap in rank 0's RSS (31-64 MiB measured
-    with 16 MiB blocks); reusing one is the same few pages every time. What it returned is
+    allocated a block per tensor would leave glibc's freed heap in rank 0's RSS (several blocks'
+    worth); reusing one is the same few pages every time. What it returned is
     overwritten by the next ``take``."""
 
     def __init__(self, device=torch.device("cpu")):
@@ -241,7 +241,7 @@ def gathered(model, mesh, targets: dict, specs: dict, owners: dict, keys, unshar
     """Per key, its row blocks as rank 0 gathers them (an iterator consumed block by block); the
     other ranks send their parts here, in the same order, and yield None. ``targets``: key ->
     (sharded parameter, box); ``owners``: key -> the pipeline stage that holds it; ``unsharding``: FSDP's
-    modules made whole one at a time (``OneAtATime``), asked for each parameter before it is read."""
+    modules made whole one at a time (``LayerwiseUnshard``), asked for each parameter before it is read."""
     scratch = (Scratch(), Scratch(mesh.wire))  # (the block, assembled on the host; what arrives)
     for key in keys:
         if owners[key] != mesh.stage:
@@ -294,7 +294,7 @@ def save_sharded(model, state, out_dir: str, max_shard_size="50GB") -> None:
     checkpoint name and write a standard HF checkpoint. Each pipeline stage gathers its own tensors
     on its first rank, which sends them on to rank 0. Under FSDP each layer is whole only while its
     tensors are gathered: the copies that write nothing walk the same parameters in the same order."""
-    with OneAtATime(model) as unsharding:
+    with LayerwiseUnshard(model) as unsharding:
         _save_sharded(model, state, out_dir, max_shard_size, unsharding)
 
 

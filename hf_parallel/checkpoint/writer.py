@@ -57,9 +57,8 @@ WINDOW = 4 << 20  # bytes gathered in the aligned buffer before each write (memo
 class DirectFile:
     """A file written front to back straight to the disk (``O_DIRECT``), through one page-aligned
     buffer that is filled and written window by window, the last window padded and the file then
-    cut to its size. Buffered writes first allocate page-cache pages for every byte (on the VM this
-    was measured on, 1 GB took 1.0-1.5 s to reach the page cache and 0.16 s to flush; written
-    directly, 0.2 s), and the checkpoint being saved is rarely read back by the process saving it
+    cut to its size. Buffered writes first allocate page-cache pages for every byte and then flush
+    them, where a direct write only writes, and the checkpoint being saved is rarely read back by the process saving it
     (DeepSpeed's FastPersist writes checkpoints the same way). Where the file system refuses
     ``O_DIRECT`` (tmpfs), or with ``HF_PARALLEL_DIRECT_IO=0``, the same windows go through the page
     cache."""

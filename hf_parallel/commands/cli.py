@@ -238,6 +238,15 @@ def build_parser() -> argparse.ArgumentParser:
     """Every command and flag (the docs' CLI reference is generated from it)."""
     parser = argparse.ArgumentParser(prog="hf-parallel", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+    _add_generate(sub)
+    _add_plan(sub)
+    _add_verify(sub)
+    _add_consolidate(sub)
+    return parser
+
+
+def _add_generate(sub) -> None:
+    """``hf-parallel generate``: the sampling flags, the quantized load's, the pipeline's."""
     gen = sub.add_parser("generate", help="generate text (run under torchrun for tensor parallelism)")
     gen.add_argument("--model", help="checkpoint directory (default: the embedded SmolLM2-135M-Instruct)")
     gen.add_argument("--prompt", default="What is tensor parallelism? Answer in one sentence.")
@@ -259,6 +268,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--micro-batches", type=int, help="with --pp/--stage-tp: micro-batches per forward (default: stages)"
     )
     gen.set_defaults(func=cmd_generate)
+
+
+def _add_plan(sub) -> None:
+    """``hf-parallel plan``: the layout's sizes and the extras a dry run can show (tokens, LoRA, HTML)."""
     plan = sub.add_parser("plan", help="dry run: every parameter's rule, style, layout and bytes per rank")
     plan.add_argument("path")
     plan.add_argument("--tp", type=int, default=1, help="TP size (of every stage, with --pp)")
@@ -273,6 +286,10 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--html", metavar="OUT", help="also write the plan as one self-contained HTML page (no network)")
     add_pipeline_args(plan)
     plan.set_defaults(func=cmd_plan)
+
+
+def _add_verify(sub) -> None:
+    """``hf-parallel verify``: the layout to compare against one process, and the comparison's tolerance."""
     check = sub.add_parser(
         "verify", help="load PATH parallel and in one process, compare every layer's output on a probe batch"
     )
@@ -291,6 +308,10 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: half the free memory when the weights need more, else all in memory)",
     )
     check.set_defaults(func=cmd_verify)
+
+
+def _add_consolidate(sub) -> None:
+    """``hf-parallel consolidate``: a distributed save or a Trainer's per-rank state into standard files."""
     merge = sub.add_parser(
         "consolidate",
         help="a distributed save (save_pretrained(distributed=True)) to a standard checkpoint; a parallel "
@@ -300,7 +321,6 @@ def build_parser() -> argparse.ArgumentParser:
     merge.add_argument("out")
     merge.add_argument("--max-shard-size", default="5GB")
     merge.set_defaults(func=cmd_consolidate)
-    return parser
 
 
 def main(argv=None) -> None:

@@ -237,6 +237,34 @@ def default_reference_memory(path: str) -> int | None:
     return available // 2 if weights > available // 2 else None
 
 
+def _reference_outputs(path: str, dtype, batch: dict, reference_memory: int | None, dequantized: bool):
+    """The one-process model's outputs by layer (rank 0's), the model freed before the parallel one
+    loads; and the memory it was bounded by (None: held whole)."""
+    with tempfile.TemporaryDirectory(prefix="hf_parallel-verify-") as offload_dir:
+        source = path
+        if dequantized:
+            source = dequantized_copy(path, os.path.join(offload_dir, "dequantized"))
+        if reference_memory is None:  # sized by the weights the reference holds (a dequantized copy's floats)
+            reference_memory = default_reference_memory(source)
+        single = single_process_model(source, dtype, reference_memory, offload_dir)
+        reference, _ = outputs_by_layer(single, batch)
+        del single
+    return reference, reference_memory
+
+
+def _parallel_outputs(model, state, batch: dict, mesh):
+    """The parallel model's outputs by layer as the reference's are: whole sequences, on the host,
+    every stage's on rank 0; and the error a layer raised (None: none)."""
+    on_device = {name: tensor.to(mesh.device) for name, tensor in batch.items()}  # the reference ran on the host
+    parallel, error = outputs_by_layer(model, on_device, state)
+    if mesh.sp.size > 1 and error is None:
+        parallel = whole_sequences(parallel, batch["input_ids"].shape[1], state.runtime.sequence)
+    parallel = {name: out.cpu() for name, out in parallel.items()}  # compared (and gathered as objects) on the host
+    if mesh.num_stages > 1:
+        parallel = every_stage(parallel, mesh)
+    return parallel, error
+
+
 def verify(
     path: str,
     tp_plan="auto",
@@ -277,15 +305,7 @@ def verify(
     dequantized = method in DEQUANTIZED_REFERENCE  # one process reads its weights dequantized whole
     reference = None
     if mesh.is_main:  # the single-process model is freed before the parallel one loads
-        with tempfile.TemporaryDirectory(prefix="hf_parallel-verify-") as offload_dir:
-            source = path
-            if dequantized:
-                source = dequantized_copy(path, os.path.join(offload_dir, "dequantized"))
-            if reference_memory is None:  # sized by the weights the reference holds (a dequantized copy's floats)
-                reference_memory = default_reference_memory(source)
-            single = single_process_model(source, dtype, reference_memory, offload_dir)
-            reference, _ = outputs_by_layer(single, batch)
-            del single
+        reference, reference_memory = _reference_outputs(path, dtype, batch, reference_memory, dequantized)
     mesh.barrier()
     if mesh.num_stages > 1:  # the layer hooks record one forward of the whole probe batch
         stages.setdefault("micro_batches", 1)
@@ -294,22 +314,22 @@ def verify(
         cp_size=cp_size, **stages,
     )  # fmt: skip
     state = parallel_state(model)
-    on_device = {name: tensor.to(mesh.device) for name, tensor in batch.items()}  # the reference ran on the host
-    parallel, error = outputs_by_layer(model, on_device, state)
-    if mesh.sp.size > 1 and error is None:
-        parallel = whole_sequences(parallel, batch["input_ids"].shape[1], state.runtime.sequence)
-    parallel = {name: out.cpu() for name, out in parallel.items()}  # compared (and gathered as objects) on the host
-    if mesh.num_stages > 1:
-        parallel = every_stage(parallel, mesh)
+    parallel, error = _parallel_outputs(model, state, batch, mesh)
     mesh.barrier()
     if not mesh.is_main:
         return None
-    header = (
+    header = _header(path, mesh, dtype, state, batch, tolerance, reference_memory, method if dequantized else None)
+    return Report(compare(reference, parallel, batch["attention_mask"], error), tolerance, header)
+
+
+def _header(path, mesh, dtype, state, batch, tolerance, reference_memory, dequantized_method) -> str:
+    """The report's first line: what was compared, on which probe, within what tolerance, and how the
+    one-process reference held its weights."""
+    return (
         f"verify {path} at {mesh.shape} ({str(dtype).removeprefix('torch.')}, plan: {state.layout.source}); "
         f"probe: {len(PROBE_LENGTHS)} rows of {' and '.join(map(str, batch['attention_mask'].sum(1).tolist()))} "
         f"tokens, left-padded; tolerance {tolerance:g} of each output's largest value"
         + (f"; one process streamed from disk within {reference_memory / 2**20:.0f} MiB" if reference_memory else "")
-        + (f"; one process on the {method} weights dequantized whole (transformers reads them only "
-           "through GPU kernels)" if dequantized else "")
+        + (f"; one process on the {dequantized_method} weights dequantized whole (transformers reads them only "
+           "through GPU kernels)" if dequantized_method else "")
     )  # fmt: skip
-    return Report(compare(reference, parallel, batch["attention_mask"], error), tolerance, header)

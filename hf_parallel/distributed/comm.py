@@ -58,8 +58,9 @@ _MEMBERSHIP: dict = {}  # process group -> its Membership
 
 
 def _membership(group) -> Membership:
-    """A group's size, this rank's index and its backend, asked of torch once per group: asking
-    costs ~5 us, and a decoded token runs a few thousand collectives' worth of such questions."""
+    """A group's size, this rank's index and its backend, asked of torch once per group: a decoded
+    token runs a few thousand collectives' worth of such questions, and each goes through torch's
+    Python layers."""
     known = _MEMBERSHIP.get(group)
     if known is None:
         known = Membership(dist.get_world_size(group), dist.get_rank(group), str(dist.get_backend(group)))
@@ -265,8 +266,8 @@ class _GatherToUse(torch.autograd.Function):
 
 
 def _direct(x: torch.Tensor) -> bool:
-    """No gradient can reach ``x``: the forward op alone, without autograd's bookkeeping (~10 us a
-    call, ~100 calls per decoded token)."""
+    """No gradient can reach ``x``: the forward op alone, without autograd's bookkeeping, which
+    each of a decoded token's ~100 calls would otherwise pay."""
     return not (x.requires_grad and torch.is_grad_enabled())
 
 
@@ -323,6 +324,19 @@ def gather_to_use(x, dim, sizes, group):
     return all_gather(x, dim, sizes, group) if _direct(x) else _GatherToUse.apply(x, dim, tuple(sizes), group)
 
 
+def _describe(value, leaves: list):
+    """The batch's structure, each tensor in it as its shape and dtype (the tensors appended to
+    ``leaves`` in order): what other ranks need to receive the tensors into buffers of their own."""
+    if isinstance(value, torch.Tensor):
+        leaves.append(value)
+        return ("tensor", tuple(value.shape), value.dtype)
+    if isinstance(value, dict):
+        return ("dict", {key: _describe(item, leaves) for key, item in value.items()})
+    if isinstance(value, (list, tuple)):
+        return (type(value).__name__, [_describe(item, leaves) for item in value])
+    return ("value", value)
+
+
 def broadcast_batch(batch, group, device: torch.device):
     """``batch`` (tensors in dicts, lists and tuples, of any dtype and shape) as the group's first
     rank holds it, on every rank of the group, on ``device`` (the group's): the structure, shapes
@@ -334,17 +348,6 @@ def broadcast_batch(batch, group, device: torch.device):
         name = group.group_name  # structure and non-tensor arguments are each rank's own, as its graph was traced
         return tree_map_only(torch.Tensor, lambda t: torch.ops.hf_parallel.broadcast(t.to(device), name), batch)
     leaves = []
-
-    def describe(value):
-        if isinstance(value, torch.Tensor):
-            leaves.append(value)
-            return ("tensor", tuple(value.shape), value.dtype)
-        if isinstance(value, dict):
-            return ("dict", {key: describe(item) for key, item in value.items()})
-        if isinstance(value, (list, tuple)):
-            return (type(value).__name__, [describe(item) for item in value])
-        return ("value", value)
-
     first = dist.get_global_rank(group, 0)
     mine = _rank(group) == 0
     channel = channel_for(group) if device.type == "cpu" else None
@@ -354,7 +357,7 @@ def broadcast_batch(batch, group, device: torch.device):
         return None if channel is None else channel.broadcast(tensor, 0, what)
 
     what = "broadcasting the batch's structure over the sequence-parallel group"
-    layout = describe(batch)
+    layout = _describe(batch, leaves)
     pickled = shared(torch.frombuffer(bytearray(pickle.dumps(layout)), dtype=torch.uint8) if mine else None, what)
     if pickled is not None:
         layout = layout if mine else pickle.loads(pickled.numpy().tobytes())

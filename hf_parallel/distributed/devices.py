@@ -36,7 +36,7 @@ HOST_BACKENDS = ("gloo", "mpi")  # what carries host memory
 
 
 @dataclass(frozen=True)
-class Placement:
+class DeviceBackend:
     """A rank's compute device and the backend of its mesh's process groups."""
 
     device: torch.device

@@ -54,9 +54,9 @@ def return_freed_blocks_to_the_os(trim: bool = False) -> None:
     raises its mmap threshold after the first such free and then keeps those blocks in its heap, so
     a rank's memory grows back towards the unsharded model. A fixed threshold maps blocks of 8 MiB
     and more (gathered layers) alone and returns them when freed, while activations stay on the
-    heap (measured, 0.5 B parameters at FSDP=2: peak 6.5 GB -> 5.2 GB per rank at the same speed; a
-    64 KiB threshold gave 5.0 GB but 12% slower steps, every activation a fresh mapping). Set before
-    loading; ``trim``: hand back what the heap holds free now (after sharding)."""
+    heap: a lower peak per rank at the same speed, where a lower threshold would make every
+    activation a fresh mapping and slow each step. Set before loading; ``trim``: hand back what the
+    heap holds free now (after sharding)."""
     if sys.platform != "linux":
         return
     try:
@@ -105,7 +105,7 @@ def shard_data_parallel(model: nn.Module, mesh, gradients, sequence, keep_unshar
     return stage_forward
 
 
-class OneAtATime:
+class LayerwiseUnshard:
     """FSDP's modules made whole one at a time, as a save reaches their parameters: the root (embeddings,
     final norm, head) for the whole save, each decoder layer only while its tensors are gathered, so a
     rank holds its TP shard of one layer unsharded, not of the model. Every rank of a data-parallel group
@@ -123,7 +123,7 @@ class OneAtATime:
                 self.owner.update({prefix + name: module for name, _ in module.named_parameters()})
         self.current = None
 
-    def __enter__(self) -> OneAtATime:
+    def __enter__(self) -> LayerwiseUnshard:
         if self.root is not None:
             self.root.unshard()
         return self

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from . import ops
-from .devices import Placement, activate, default_backend, device_identity, group_backend, this_device
+from .devices import DeviceBackend, activate, default_backend, device_identity, group_backend, this_device
 from .faults import collective, timeout_seconds
 from .shape import MeshShape, asked
 from .shm import attach, attach_pipes, channel_for
@@ -52,12 +52,14 @@ class Mesh:
     """Every dimension's group for this rank: ``mesh.tp``, ``mesh.sp``, ``mesh.pp``, ``mesh.ep``,
     ``mesh.world``, or ``mesh[name]``."""
 
-    def __init__(self, shape: MeshShape, rank: int, placement: Placement, groups: dict[tuple[int, ...], object]):
+    def __init__(
+        self, shape: MeshShape, rank: int, device_backend: DeviceBackend, groups: dict[tuple[int, ...], object]
+    ):
         self.shape, self.rank = shape, rank
-        self.device = placement.device  # where this rank computes: every parameter, buffer and scratch tensor
-        self.wire = placement.wire  # where the groups' backend moves tensors from (``devices.py``)
-        self.metadata = placement.metadata  # where headers (dtypes and shapes) travel: the host where it can
-        self.backend = placement.backend
+        self.device = device_backend.device  # where this rank computes: every parameter, buffer and scratch tensor
+        self.wire = device_backend.wire  # where the groups' backend moves tensors from (``devices.py``)
+        self.metadata = device_backend.metadata  # where headers (dtypes and shapes) travel: the host where it can
+        self.backend = device_backend.backend
         self._groups = groups  # ranks -> process group (only the groups this rank belongs to)
         self._subgroups: dict = {}
         self._device_mesh = None
@@ -71,7 +73,7 @@ class Mesh:
     @classmethod
     def dry_run(cls, rank: int = 0, **sizes) -> Mesh:
         """``rank``'s view of a mesh with no processes (``hf-parallel plan``): sizes, no groups."""
-        return cls(MeshShape.requested(**sizes), rank, Placement(torch.device("cpu"), "gloo"), {})
+        return cls(MeshShape.requested(**sizes), rank, DeviceBackend(torch.device("cpu"), "gloo"), {})
 
     def __getitem__(self, name: str) -> Dim:
         if name == "ep":
@@ -219,10 +221,10 @@ def _leave_at_exit() -> None:
     releases the work's tensors, whose Python objects need the GIL. When the program ends right
     then, the thread asks for the GIL during finalization, is made to exit inside a destructor, and
     the process aborts: "terminate called without an active exception" (the core dump's stack,
-    torch 2.13, pytorch#190489; about half of all runs that end after an all-gather). Destroying the groups alone
-    does not join those threads; sleeping hands them the GIL (a mitigation: a thread held up longer
-    on a loaded machine could still lose the race, which only torch joining its workers closes; 30
-    of 30 runs end cleanly in ``test_exit.py``). No peer is waited for; after an uncaught exception
+    torch 2.13, pytorch#190489: a race, which a run that ends right after an all-gather can lose). Destroying
+    the groups alone does not join those threads; sleeping hands them the GIL (a mitigation: a thread held
+    up longer on a loaded host could still lose the race, which only torch joining its workers closes;
+    ``test_exit.py`` checks that runs end cleanly). No peer is waited for; after an uncaught exception
     the groups are left to the process's end (a backend's destroy may wait for peers)."""
     _MESHES.clear()
     if dist.is_initialized():
@@ -262,7 +264,7 @@ def get_mesh(
                 )
             device = this_device()
             activate(device)
-            return Mesh(MeshShape((1,)), 0, Placement(device, default_backend(device)), {})
+            return Mesh(MeshShape((1,)), 0, DeviceBackend(device, default_backend(device)), {})
         device = this_device()
         activate(device)
         with collective(f"joining the process group (rank {os.environ.get('RANK')} of {os.environ['WORLD_SIZE']})"):
@@ -291,26 +293,26 @@ def _create(shape: MeshShape, timeout: datetime.timedelta) -> Mesh:
     rank = dist.get_rank()
     device = this_device()
     activate(device)
-    placement = Placement(device, str(dist.get_backend()))
+    device_backend = DeviceBackend(device, str(dist.get_backend()))
     if device.type != "cpu":  # which ranks share a device, over gloo (NCCL cannot even be asked when they do)
         identities = [None] * shape.world_size
         with collective(f"comparing the ranks' devices on rank {rank}"):
             probe = dist.new_group(backend="gloo")
             dist.all_gather_object(identities, device_identity(device), group=probe)
             dist.destroy_process_group(probe)
-        placement = Placement(device, group_backend(placement.backend, device, identities))
+        device_backend = DeviceBackend(device, group_backend(device_backend.backend, device, identities))
     groups = {}
     with collective(f"creating the process groups of the mesh on rank {rank}"):
         for dim in ("world", *DIMS):  # the same order on every rank: new_group is collective over the world
             for ranks in shape.groups(dim):
                 if ranks in groups or (len(ranks) < 2 and not (shape.dp > 1 and dim in FSDP_DIMS)):
                     continue
-                group = _new_group(ranks, shape.world_size, timeout, placement.backend)
+                group = _new_group(ranks, shape.world_size, timeout, device_backend.backend)
                 if rank in ranks:
                     groups[ranks] = group
                 else:
                     groups.setdefault(ranks, None)
-    mesh = Mesh(shape, rank, placement, {ranks: g for ranks, g in groups.items() if g is not None})
+    mesh = Mesh(shape, rank, device_backend, {ranks: g for ranks, g in groups.items() if g is not None})
     if mesh.wire.type != "cpu" and mesh.world.group is not None:
         # the world's communicator made now, by every rank: NCCL requires a batch of point-to-point operations
         # that is a group's first operation to include all of its ranks, and a pipeline's swaps are two ranks'

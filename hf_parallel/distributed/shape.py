@@ -169,10 +169,22 @@ class MeshShape:
         times the sequence group (SP folded in, as torchtitan folds its context dimension). ``ulysses``
         and ``cp``: the sequence group's two parts (adjacent ranks; the ranks at one Ulysses index
         of every Ulysses group, the ring)."""
-        stages, replicas = range(len(self.stage_tp_sizes)), range(self.dp)
-        places = [(st, s, t) for st in stages for s in range(self.sp) for t in range(self.stage_tp_sizes[st])]
         if dim == "world":
             return [tuple(range(self.world_size))]
+        if dim in ("model", "tp", "sp", "pp"):
+            return self._replica_groups(dim)
+        if dim in ("ulysses", "cp"):
+            return self._sequence_part_groups(dim)
+        if dim in ("dp", "dp_shard", "dp_replicate", "fsdp"):
+            return self._data_parallel_groups(dim)
+        raise ValueError(
+            f"unknown mesh dimension {dim!r}; the mesh has world, model, pp, tp, sp, ulysses, cp, dp, dp_shard, "
+            "dp_replicate, fsdp and ep"
+        )
+
+    def _replica_groups(self, dim: str) -> list[tuple[int, ...]]:
+        """The groups inside each model replica: ``model`` (all of it), ``tp``, ``sp`` and ``pp``."""
+        stages, replicas = range(len(self.stage_tp_sizes)), range(self.dp)
         if dim == "model":
             return [tuple(range(r * self.replica_size, (r + 1) * self.replica_size)) for r in replicas]
         if dim == "tp":
@@ -189,24 +201,33 @@ class MeshShape:
                 for st in stages
                 for t in range(self.stage_tp_sizes[st])
             ]
-        if dim in ("ulysses", "cp"):
-            u, cp = self.ulysses, self.cp
-            inner, outer = (range(u), range(cp)) if dim == "ulysses" else (range(cp), range(u))
-            index = (lambda a, b: b * u + a) if dim == "ulysses" else (lambda a, b: a * u + b)
-            return [
-                tuple(self.global_rank(st, index(a, b), t, r) for a in inner)
-                for r in replicas
-                for st in stages
-                for t in range(self.stage_tp_sizes[st])
-                for b in outer
-            ]
-        if dim == "pp":
-            return [
-                tuple(self.global_rank(st, s, t, r) for st in stages)
-                for r in replicas
-                for s in range(self.sp)
-                for t in range(min(self.stage_tp_sizes))
-            ]
+        return [  # pp: only the tp positions every stage has
+            tuple(self.global_rank(st, s, t, r) for st in stages)
+            for r in replicas
+            for s in range(self.sp)
+            for t in range(min(self.stage_tp_sizes))
+        ]
+
+    def _sequence_part_groups(self, dim: str) -> list[tuple[int, ...]]:
+        """The sequence group's two parts: ``ulysses`` (adjacent ranks) and ``cp`` (the ring: the ranks
+        at one Ulysses index of every Ulysses group)."""
+        stages, replicas = range(len(self.stage_tp_sizes)), range(self.dp)
+        u, cp = self.ulysses, self.cp
+        inner, outer = (range(u), range(cp)) if dim == "ulysses" else (range(cp), range(u))
+        index = (lambda a, b: b * u + a) if dim == "ulysses" else (lambda a, b: a * u + b)
+        return [
+            tuple(self.global_rank(st, index(a, b), t, r) for a in inner)
+            for r in replicas
+            for st in stages
+            for t in range(self.stage_tp_sizes[st])
+            for b in outer
+        ]
+
+    def _data_parallel_groups(self, dim: str) -> list[tuple[int, ...]]:
+        """The groups across replicas: ``dp``, its parts ``dp_shard`` and ``dp_replicate``, and ``fsdp``
+        (the ``dp_shard`` replicas times the sequence group)."""
+        stages, replicas = range(len(self.stage_tp_sizes)), range(self.dp)
+        places = [(st, s, t) for st in stages for s in range(self.sp) for t in range(self.stage_tp_sizes[st])]
         if dim == "dp":
             return [tuple(self.global_rank(*place, r) for r in replicas) for place in places]
         if dim == "dp_shard":
@@ -221,18 +242,13 @@ class MeshShape:
                 for sh in range(self.dp_shard)
                 for place in places
             ]
-        if dim == "fsdp":
-            return [
-                tuple(self.global_rank(st, s, t, rep * self.dp_shard + sh) for sh in range(self.dp_shard)
-                      for s in range(self.sp))
-                for rep in range(self.dp_replicate)
-                for st in stages
-                for t in range(self.stage_tp_sizes[st])
-            ]  # fmt: skip
-        raise ValueError(
-            f"unknown mesh dimension {dim!r}; the mesh has world, model, pp, tp, sp, ulysses, cp, dp, dp_shard, "
-            "dp_replicate, fsdp and ep"
-        )
+        return [  # fsdp
+            tuple(self.global_rank(st, s, t, rep * self.dp_shard + sh) for sh in range(self.dp_shard)
+                  for s in range(self.sp))
+            for rep in range(self.dp_replicate)
+            for st in stages
+            for t in range(self.stage_tp_sizes[st])
+        ]  # fmt: skip
 
 
 def asked(**sizes) -> str:

@@ -1,7 +1,7 @@
-"""Same-host collectives through shared memory, for CPU ranks (gloo needs ~1 ms per small all-reduce).
+"""Same-host collectives through shared memory, for CPU ranks: small all-reduces without gloo's loopback TCP.
 
 Decoding one token issues two all-reduces per layer of a few KB each; over gloo's loopback TCP each
-costs about 1 ms on a 2-core machine, more than the layer's matmuls. When every rank of the group
+can cost more than the layer's matmuls. When every rank of the group
 runs on one host (same boot id), rank 0 creates a file in /dev/shm that all ranks map; a collective
 is: copy your payload into your slot, publish a sequence number, wait until every rank has published
 it, read all slots. vLLM and DeepSpeed do the same for CPU tensor parallelism, in C++.
@@ -47,7 +47,7 @@ class ShmChannel:
         self.memory = torch.from_file(path, shared=True, size=self.size(world_size, slot_bytes), dtype=torch.uint8)
         self.flags = np.frombuffer(self.memory[: self.header].numpy(), dtype=np.int64)[::FLAG_STRIDE]
         self.seq = 0
-        # every slot's view, made once: a decoded token runs ~60 collectives, each op on them costs ~1 us
+        # every slot's view, made once: a decoded token runs ~60 collectives, each of them on these views
         self.slots = [[self._slot(parity, rank) for rank in range(world_size)] for parity in (0, 1)]
 
     @staticmethod

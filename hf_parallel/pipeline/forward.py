@@ -50,8 +50,8 @@ def label_count(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
 def default_micro_batches(rows: int, tokens: int, stages: int) -> int:
     """One micro-batch per stage for a forward over several tokens per row (a prefill, a training
     step: compute-bound, splitting rows costs nothing); one for a decode step (one token per row:
-    bound by reading the weights, which every micro-batch does again: measured on CPU, two
-    micro-batches made decode 1.5x slower, as the schedule predicts)."""
+    bound by reading the weights, which every micro-batch does again, so more micro-batches only add
+    reads)."""
     return 1 if tokens == 1 else min(rows, stages)
 
 

@@ -85,46 +85,61 @@ def config_geometry(config) -> dict[str, tuple[str, int]]:
 
 def attention_geometry(module: nn.Module, config, path: str) -> tuple[Geometry, str | None]:
     """The heads ``module`` (an attention block) computes with, read from itself and its
-    projections, and what of the config it ignored (None: the config agrees). Long because each
-    family spells its heads differently; the cases read in one place, in the order they are tried."""
+    projections, and what of the config it ignored (None: the config agrees)."""
     inner = [module] + [
         m for _, m in module.named_modules() if m is not module and type(m).__name__.endswith("Attention")
     ]
-    projections = {p: m for p, m in module.named_modules() if isinstance(m, nn.Linear) or is_conv1d(m)}
-    separate = {QKV_ROLES[p.rsplit(".", 1)[-1]]: m for p, m in projections.items() if p.rsplit(".", 1)[-1] in QKV_ROLES}
-    fused = [m for p, m in projections.items() if named(p, FUSED_QKV_NAMES)]
     said = config_geometry(config)
-    hidden = next(
-        (
-            getattr(text_config(config), a)
-            for a in ("hidden_size", "n_embd", "d_model")
-            if getattr(text_config(config), a, None)
-        ),
-        None,
-    )
     q_attr, kv_attr = _attribute(inner, Q_HEAD_ATTRS), _attribute(inner, KV_HEAD_ATTRS)
     q_said = q_attr or said.get("q")
     head_dim = _attribute(inner, HEAD_DIM_ATTRS) or said.get("head_dim")
     if head_dim is None:
+        hidden = _hidden_size(config)
         if q_said is None or hidden is None:
             raise ValueError(f"{path}: no head size on {type(module).__name__} or its config; cannot split its heads")
         head_dim = ("hidden size / heads", hidden // q_said[1])
-    hd = head_dim[1]
-
-    def heads_in(width: int, what: str) -> int:
-        if width % hd:
-            raise ValueError(f"{path}: {what} of width {width} is not a whole number of heads of {hd} ({head_dim[0]})")
-        return width // hd
-
     gated = type(module).__name__ in GATED_QUERY_ATTENTION
+    used, source = _heads_used(module, path, head_dim, gated, q_said, kv_attr or said.get("kv"), kv_attr)
+    _check_counts(path, inner, (q_attr, kv_attr), used, source)
+    geometry = Geometry(used["q"], used["kv"], head_dim[1], gated)
+    return geometry, _ignored(module, said, geometry, source)
+
+
+def _hidden_size(config) -> int | None:
+    """The model's hidden width as its config names it, to derive a head size when none is given."""
+    text = text_config(config)
+    return next((getattr(text, a) for a in ("hidden_size", "n_embd", "d_model") if getattr(text, a, None)), None)
+
+
+def _heads_in(width: int, what: str, path: str, head_dim: tuple[str, int]) -> int:
+    """How many heads of ``head_dim`` a projection of ``width`` outputs; refuses a part of a head."""
+    if width % head_dim[1]:
+        raise ValueError(
+            f"{path}: {what} of width {width} is not a whole number of heads of {head_dim[1]} ({head_dim[0]})"
+        )
+    return width // head_dim[1]
+
+
+def _heads_used(module, path, head_dim, gated, q_said, kv_said, kv_attr) -> tuple[dict[str, int], str]:
+    """The query and key/value head counts the weights imply, and where they were read: separate q/k
+    projections' widths, else a fused q/k/v's split by a known count, else the counts said. Each
+    family spells its heads differently; the cases read in one place, in the order they are tried."""
+    hd = head_dim[1]
+    projections = {p: m for p, m in module.named_modules() if isinstance(m, nn.Linear) or is_conv1d(m)}
+    separate = {QKV_ROLES[p.rsplit(".", 1)[-1]]: m for p, m in projections.items() if p.rsplit(".", 1)[-1] in QKV_ROLES}
+    fused = [m for p, m in projections.items() if named(p, FUSED_QKV_NAMES)]
     if {"q", "k"} <= set(separate):
-        used = {"q": heads_in(fan_out(separate["q"]), "q"), "kv": heads_in(fan_out(separate["k"]), "k")}
+        used = {
+            "q": _heads_in(fan_out(separate["q"]), "q", path, head_dim),
+            "kv": _heads_in(fan_out(separate["k"]), "k", path, head_dim),
+        }
         source = f"the q/k projections' widths ({fan_out(separate['q'])}, {fan_out(separate['k'])}) / {hd}"
         if gated:
             used["q"] //= 2
             source += " (q_proj: a query and an output gate a head)"
-    elif len(fused) == 1:
-        total = heads_in(fan_out(fused[0]), "the fused q/k/v projection")
+        return used, source
+    if len(fused) == 1:
+        total = _heads_in(fan_out(fused[0]), "the fused q/k/v projection", path, head_dim)
         if kv_attr is not None:
             used = {"kv": kv_attr[1], "q": total - 2 * kv_attr[1]}
         elif q_said is not None:
@@ -136,13 +151,16 @@ def attention_geometry(module: nn.Module, config, path: str) -> tuple[Geometry, 
                 f"{path}: the fused q/k/v projection holds {total} heads of {hd}, which is not q + 2 kv for "
                 f"{(kv_attr or q_said)[0]}={(kv_attr or q_said)[1]}"
             )
-        source = f"the fused q/k/v projection's width {fan_out(fused[0])} = ({used['q']} + 2 x {used['kv']}) x {hd}"
-    else:
-        if q_said is None:
-            raise ValueError(f"{path}: no q/k/v projections or head count on {type(module).__name__} to split it by")
-        kv = kv_attr or said.get("kv") or q_said
-        used, source = {"q": q_said[1], "kv": kv[1]}, f"{q_said[0]} and {kv[0]}"
-    for attr, role in ((q_attr, "q"), (kv_attr, "kv")):  # the module's own counts must agree with its weights
+        return used, f"the fused q/k/v projection's width {fan_out(fused[0])} = ({used['q']} + 2 x {used['kv']}) x {hd}"
+    if q_said is None:
+        raise ValueError(f"{path}: no q/k/v projections or head count on {type(module).__name__} to split it by")
+    kv = kv_said or q_said
+    return {"q": q_said[1], "kv": kv[1]}, f"{q_said[0]} and {kv[0]}"
+
+
+def _check_counts(path: str, inner: list, attrs: tuple, used: dict[str, int], source: str) -> None:
+    """The module's own head counts must agree with its weights, and its heads form whole groups."""
+    for attr, role in zip(attrs, ("q", "kv")):
         if attr is not None and attr[1] != used[role]:
             raise ValueError(f"{path}: {attr[0]}={attr[1]} disagrees with {source}; cannot tell which heads it uses")
     groups = _attribute(inner, ("num_key_value_groups",))
@@ -150,7 +168,10 @@ def attention_geometry(module: nn.Module, config, path: str) -> tuple[Geometry, 
         raise ValueError(f"{path}: {groups[0]}={groups[1]} disagrees with {source}")
     if used["q"] % used["kv"]:
         raise ValueError(f"{path}: {used['q']} query heads do not form whole groups over {used['kv']} key/value heads")
-    geometry = Geometry(used["q"], used["kv"], hd, gated)
+
+
+def _ignored(module, said: dict, geometry: Geometry, source: str) -> str | None:
+    """What of the config disagrees with the heads the model computes with (None: nothing), for a warning."""
     ignored = [
         f"{name}={value} (the model uses {getattr(geometry, field)})"
         for role, field in (("q", "num_heads"), ("kv", "num_kv_heads"), ("head_dim", "head_dim"))
@@ -159,10 +180,10 @@ def attention_geometry(module: nn.Module, config, path: str) -> tuple[Geometry, 
         if value != getattr(geometry, field)
     ]
     if not ignored:
-        return geometry, None
-    return geometry, (
+        return None
+    return (
         f"ignored {', '.join(ignored)}: {type(module).__name__} computes with {geometry.num_heads} heads and "
-        f"{geometry.num_kv_heads} key/value heads of {hd} ({source})"
+        f"{geometry.num_kv_heads} key/value heads of {geometry.head_dim} ({source})"
     )
 
 

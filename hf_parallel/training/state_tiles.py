@@ -212,6 +212,29 @@ def read_state(model, optimizer, saved: SavedState, here: str, on_stages: bool, 
     """Fill the model's trainable parameters (``weights``) and ``optimizer`` (may be None) with this
     rank's pieces of ``saved``; every name and shape is checked before anything is written."""
     tiles = param_tiles(model)
+    _check_params(tiles, saved, here, on_stages)
+    groups = _check_optimizer(optimizer, tiles, saved, here) if optimizer is not None else None
+    rank = parallel_state(parallel_model(model)).mesh.rank
+
+    def local(name, state_name):
+        param, _, boxes = tiles[name]
+        return saved.read(name, state_name, boxes, tuple(local_tensor(param).shape), rank, here)
+
+    loaded = None
+    if optimizer is not None:  # read whole before anything is written: a refusal leaves both as they were
+        loaded = _optimizer_state_dict(optimizer, groups, saved, local)
+    if weights:
+        with torch.no_grad():
+            for name, (param, _, _) in tiles.items():
+                local_tensor(param).copy_(local(name, PARAM))
+    if loaded is None:
+        return
+    optimizer.load_state_dict(loaded)
+    _moments_as_dtensors(optimizer)
+
+
+def _check_params(tiles: dict, saved: SavedState, here: str, on_stages: bool) -> None:
+    """Refuse a state of other trainable parameters, or of other full shapes, than this model's."""
     missing = sorted(tiles.keys() - saved.names())
     extra = sorted(saved.names() - tiles.keys()) if not on_stages else []  # a stage holds only its layers
     if missing or extra:
@@ -227,55 +250,55 @@ def read_state(model, optimizer, saved: SavedState, here: str, on_stages: bool, 
                 f"{name}: {tuple(saved.params[name]['shape'])} in the training state written at {saved.layout}, {full} "
                 f"in this model ({here})"
             )
-    groups = None
-    if optimizer is not None:
-        groups = optimizer_names(optimizer, tiles)
-        if saved.groups is None:
-            raise StateError(f"the training state written at {saved.layout} holds no optimizer state")
-        ours = optimizer_class(optimizer)
-        if (saved.optimizer or ours) != ours:
-            raise StateError(f"the state written at {saved.layout} is {saved.optimizer}'s, the optimizer is {ours}")
-        if here != saved.layout and ours not in ELEMENTWISE:
-            raise StateError(
-                f"{ours}'s state written at {saved.layout} cannot be resharded to this model's {here}: hf_parallel "
-                f"splits the state of torch.optim's elementwise optimizers ({', '.join(sorted(ELEMENTWISE))}) like "
-                f"their parameters; resume at {saved.layout}"
-            )
-        if len(groups) != len(saved.groups):
-            raise StateError(
-                f"the optimizer has {len(groups)} parameter groups, the state written at {saved.layout} "
-                f"{len(saved.groups)}"
-            )
-        for index, names in enumerate(groups):
-            moved = [name for name in names if saved.params[name]["group"] != index]
-            if moved:
-                raise StateError(f"{', '.join(moved[:5])}: in group {index} here, another in the saved optimizer state")
-    rank = parallel_state(parallel_model(model)).mesh.rank
 
-    def local(name, state_name):
-        param, _, boxes = tiles[name]
-        return saved.read(name, state_name, boxes, tuple(local_tensor(param).shape), rank, here)
 
-    loaded = None
-    if optimizer is not None:  # read whole before anything is written: a refusal leaves both as they were
-        flat = [name for names in groups for name in names]
-        loaded = optimizer.state_dict()
-        states = {index: [s for s in saved.params[name]["states"] if s != PARAM] for index, name in enumerate(flat)}
-        loaded["state"] = {i: {s: local(flat[i], s) for s in names} for i, names in states.items() if names}
-        loaded["param_groups"] = [{**values, **{k: ours[k] for k in ("params", "param_names") if k in ours}}
-                                  for values, ours in zip(saved.groups, loaded["param_groups"])]  # fmt: skip
-    if weights:
-        with torch.no_grad():
-            for name, (param, _, _) in tiles.items():
-                local_tensor(param).copy_(local(name, PARAM))
-    if loaded is None:
-        return
-    optimizer.load_state_dict(loaded)
-    for group in optimizer.param_groups:  # FSDP's parameters are DTensors: so must their moments be
+def _check_optimizer(optimizer, tiles: dict, saved: SavedState, here: str) -> list[list[str]]:
+    """Refuse saved optimizer state this optimizer cannot take (none, another class, one not resharded
+    across layouts, other groups); return the optimizer's groups of parameter names."""
+    groups = optimizer_names(optimizer, tiles)
+    if saved.groups is None:
+        raise StateError(f"the training state written at {saved.layout} holds no optimizer state")
+    ours = optimizer_class(optimizer)
+    if (saved.optimizer or ours) != ours:
+        raise StateError(f"the state written at {saved.layout} is {saved.optimizer}'s, the optimizer is {ours}")
+    if here != saved.layout and ours not in ELEMENTWISE:
+        raise StateError(
+            f"{ours}'s state written at {saved.layout} cannot be resharded to this model's {here}: hf_parallel "
+            f"splits the state of torch.optim's elementwise optimizers ({', '.join(sorted(ELEMENTWISE))}) like "
+            f"their parameters; resume at {saved.layout}"
+        )
+    if len(groups) != len(saved.groups):
+        raise StateError(
+            f"the optimizer has {len(groups)} parameter groups, the state written at {saved.layout} "
+            f"{len(saved.groups)}"
+        )
+    for index, names in enumerate(groups):
+        moved = [name for name in names if saved.params[name]["group"] != index]
+        if moved:
+            raise StateError(f"{', '.join(moved[:5])}: in group {index} here, another in the saved optimizer state")
+    return groups
+
+
+def _optimizer_state_dict(optimizer, groups: list[list[str]], saved: SavedState, local) -> dict:
+    """The optimizer's ``state_dict`` with this rank's pieces of the saved state and the saved
+    hyperparameters, read whole so that a refusal while reading leaves the optimizer as it was."""
+    flat = [name for names in groups for name in names]
+    loaded = optimizer.state_dict()
+    states = {index: [s for s in saved.params[name]["states"] if s != PARAM] for index, name in enumerate(flat)}
+    loaded["state"] = {i: {s: local(flat[i], s) for s in names} for i, names in states.items() if names}
+    loaded["param_groups"] = [{**values, **{k: ours[k] for k in ("params", "param_names") if k in ours}}
+                              for values, ours in zip(saved.groups, loaded["param_groups"])]  # fmt: skip
+    return loaded
+
+
+def _moments_as_dtensors(optimizer) -> None:
+    """FSDP's parameters are DTensors, so must their moments be: wrap each state tensor shaped like
+    its parameter's local slice (a state of a shape of its own stays as read)."""
+    for group in optimizer.param_groups:
         for param in group["params"]:
             if hasattr(param, "to_local") and param in optimizer.state:
                 entry = optimizer.state[param]
-                for key, value in entry.items():  # those shaped like the parameter's slice (their own: as read)
+                for key, value in entry.items():
                     if isinstance(value, torch.Tensor) and not hasattr(value, "to_local") and (
                         value.shape == local_tensor(param).shape and value.dim()
                     ):
