@@ -15,7 +15,7 @@ from .adapters.placement import Adapters
 from .adapters.seams import watch
 from .build import build_rank_model, resolve_dtype
 from .checkpoint.distributed_save import save_distributed
-from .checkpoint.loading import checkpoint_files, load_weights
+from .checkpoint.loading import checkpoint_files, load_weights, materialise_shards, shard_shapes_on_meta
 from .checkpoint.saving import save_sharded
 from .on_device import check_on_device, move_module_state
 from .distributed.mesh import get_mesh
@@ -114,9 +114,15 @@ def from_pretrained(
     built = build_rank_model(auto_class, config, dtype, mesh, tp_plan, ep_plan, stage_layers, files)
     model, cut = built.model, built.cut
     kept = _keep_quantized(path, built, mesh) if keep_quantized else None
-    # 2. load: each rank reads its slices (those kept quantized: dequantized in each module's call)
-    source_keys = load_weights(model, path, built.layout, dtype, allow_pickle, built.ignore_keys, files=files,
-                               quantization=built.quantization, kept=kept)  # fmt: skip
+    # 2. load: each rank reads its slices (those kept quantized: dequantized in each module's call); under
+    # FSDP after step 6, straight into the shards of a model sharded while empty
+    load = functools.partial(load_weights, model, path, built.layout, dtype, allow_pickle, built.ignore_keys,
+                             files=files, quantization=built.quantization)  # fmt: skip
+    sharded = mesh.shape.dp > 1
+    if sharded:
+        shard_shapes_on_meta(model, built.layout, dtype)
+    else:
+        source_keys = load(kept=kept)
     hold_quantized(model, kept or {}, fp8_products=keep_quantized == "fp8", int4_kernels=keep_quantized == "int4")
     _read_generation_config(model, path)
     # 3. tensor (and expert) parallelism: each module's collectives; gradient sums recorded
@@ -129,8 +135,11 @@ def from_pretrained(
     move_module_state(model, mesh.device)  # buffers and tables the checkpoint did not hold, to this rank's device
     # 6. the data dimensions (FSDP2 / HSDP), then every gradient sum registered once
     stage_forward = None
-    if mesh.shape.dp > 1:
+    if sharded:
         stage_forward = shard_data_parallel(model, mesh, gradients, sequence, keep_unsharded=stage is not None)
+        materialise_shards(model, mesh.device)
+        source_keys = load(into_shards=True)
+        move_module_state(model, mesh.device)  # the buffers the checkpoint held, read on the host
     else:
         gradients.register(model)
     # 7. the runtime around the forward, and the state every later call reads

@@ -92,6 +92,21 @@ def test_steps_match_one_process(loop_runs, references, world_size, case):
 
 
 @pytest.mark.distributed
+@pytest.mark.parametrize("world_size,case", [(w, c) for w, cases in LOOP_CASES.items() for c in cases if "fsdp" in c])
+def test_an_fsdp_load_holds_only_each_ranks_share(loop_runs, world_size, case):
+    """Under FSDP the model is sharded while empty and each rank reads only its rows: at every ``fully_shard`` call
+    a rank holds no parameter bytes, after the load exactly its share as the layout predicts
+    (``memory.footprint``), and the shards of each FSDP group add up to the TP shard they split, each element once."""
+    results, _ = loop_runs(world_size)
+    held = [result[case]["held"] for result in results]
+    for rank, mine in enumerate(held):
+        assert mine["at_sharding"] and set(mine["at_sharding"]) == {0}, (rank, mine["at_sharding"])
+        assert mine["after_load"] == mine["share"] == 4 * mine["local_params"], (rank, mine)
+    for group in {tuple(mine["fsdp_group"]) for mine in held}:
+        assert sum(held[r]["after_load"] for r in group) == held[group[0]]["whole"], (group, held)
+
+
+@pytest.mark.distributed
 def test_a_batch_the_replicas_cannot_share_is_refused(loop_runs):
     results, _ = loop_runs(2)
     for rank, result in enumerate(results):

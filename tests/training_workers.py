@@ -3,6 +3,7 @@ of a spawned gloo group (``distributed.run_ranks``); the reference runs in one p
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -63,6 +64,45 @@ def first_gradients(path: str) -> dict:
     return _FIRST_GRADIENTS[path]
 
 
+@contextlib.contextmanager
+def parameter_bytes_at_each_fully_shard():
+    """The parameter bytes this rank holds of the whole model (``memory.held_bytes``) each time ``fully_shard``
+    is called inside the block (the real one runs)."""
+    import torch.distributed.fsdp as fsdp
+
+    import hf_parallel.api as api
+    from hf_parallel.memory import held_bytes
+
+    real_shard, real_data_parallel, seen, root = fsdp.fully_shard, api.shard_data_parallel, [], []
+
+    def shard(module, *args, **kwargs):
+        seen.append(held_bytes(root[0].parameters()))
+        return real_shard(module, *args, **kwargs)
+
+    def data_parallel(model, *args, **kwargs):
+        root.append(model)
+        return real_data_parallel(model, *args, **kwargs)
+
+    fsdp.fully_shard, api.shard_data_parallel = shard, data_parallel
+    try:
+        yield seen
+    finally:
+        fsdp.fully_shard, api.shard_data_parallel = real_shard, real_data_parallel
+
+
+def held_after_load(model, state, at_sharding: list) -> dict:
+    """What this rank holds of its parameters after the load, and at each ``fully_shard`` call, beside what the
+    layout predicts (``memory.footprint``) and the model's own bytes."""
+    from hf_parallel.memory import footprint, held_bytes
+
+    predicted = footprint(state.layout, torch.float32)
+    whole = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
+    shards = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
+    return {"after_load": held_bytes(model.parameters()), "share": predicted.share,
+            "at_sharding": at_sharding, "local_params": sum(s.numel() for s in shards), "whole": whole,
+            "fsdp_group": list(state.mesh.fsdp.ranks)}  # fmt: skip
+
+
 def train(rank: int, world_size: int, cases: dict, save_root: str) -> dict:
     """For each case (checkpoint, layout, loop): the same steps on a parallel model (``loop``:
     ``train_step`` on the global batch, or a plain ``loss.backward()`` on this data-parallel
@@ -74,9 +114,11 @@ def train(rank: int, world_size: int, cases: dict, save_root: str) -> dict:
 
     results = {}
     for name, (path, sizes, loop) in cases.items():
-        model = hf_parallel.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **sizes)
+        with parameter_bytes_at_each_fully_shard() as at_sharding:
+            model = hf_parallel.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **sizes)
         model.train()
         state = hf_parallel.parallel_state(model)
+        held = held_after_load(model, state, at_sharding)
         dp = state.mesh.dp
         step_with = stepper(model.parameters())
         losses, norms, first_grads = [], [], None
@@ -101,7 +143,7 @@ def train(rank: int, world_size: int, cases: dict, save_root: str) -> dict:
             model.zero_grad()
             losses.append(loss.item())
         model.save_pretrained(os.path.join(save_root, name))
-        results[name] = {"losses": losses, "norms": norms, "first_grads": first_grads}
+        results[name] = {"losses": losses, "norms": norms, "first_grads": first_grads, "held": held}
         if dp.size > 1 and loop == "train_step":  # rows the replicas cannot share: refused before any forward
             try:
                 hf_parallel.train_step(model, **training_batch(model.config.vocab_size, 0, rows=dp.size + 1))

@@ -12,6 +12,11 @@ pages where offered: ``hugepages.py``), through a short-lived handle whose mappi
 a view would stay non-contiguous for every matmul and pin every page of the full tensor in the
 rank's RSS.
 
+Under FSDP/HSDP the model is sharded while still empty (``shard_shapes_on_meta``, then ``fully_shard``)
+and the load fills each parameter's FSDP shard in place (``into_shards``): a rank reads its TP slice of
+one tensor at a time on the host and copies only the rows FSDP keeps to its device, so what it holds
+on the device is its share of the weights, never its whole TP shard (a 70B model loads at FSDP=8).
+
 Pickled ``pytorch_model.bin`` checkpoints can run code when unpickled, so they are refused unless
 the caller passes ``allow_pickle=True``; even then they go through ``torch.load(weights_only=True)``
 (memory-mapped, so a rank still only touches the pages of its own slices) and are always copied.
@@ -31,6 +36,7 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 from tqdm.auto import tqdm
 
+from ..compat.torch import fsdp_rows
 from ..compat.transformers import unexpected_key_patterns
 from ..distributed.devices import host_staging
 from ..distributed.faults import collective
@@ -375,6 +381,33 @@ def _sources(model: nn.Module, path: str, layout: ModelLayout, files: dict, igno
     return sources, buffers, mine
 
 
+def shard_shapes_on_meta(model: nn.Module, layout: ModelLayout, dtype: torch.dtype) -> None:
+    """Every parameter replaced by an empty (meta) one of this rank's TP shape, in the dtype the load
+    reads: the model FSDP shards before any weight is read (``load_weights(into_shards=True)`` fills it).
+    Tied names keep sharing one parameter."""
+    rank = layout.mesh.tp.rank
+    for entry in layout.unique_params():
+        old = model.get_parameter(entry.name)
+        shape = entry.layout.local_shape(entry.full_shape, rank)
+        param = nn.Parameter(torch.empty(shape, dtype=dtype, device="meta"), requires_grad=old.requires_grad)
+        for alias in entry.aliases:
+            _set_tensor(model, alias, param)
+
+
+def materialise_shards(model: nn.Module, device: torch.device) -> None:
+    """Storage on ``device`` for every parameter still on meta (FSDP's shards after ``fully_shard``; FSDP
+    re-reads them at its lazy init): ``to_empty`` that leaves real tensors (buffers, RoPE tables) alone."""
+    model._apply(lambda t: torch.empty_like(t, device=device) if t.is_meta else t)
+
+
+def _fill_shard(param: nn.Parameter, local: torch.Tensor, fsdp) -> None:
+    """Copy the rows of ``local`` (this rank's TP slice, on the host) that FSDP keeps on this rank into
+    ``param``'s shard (its DTensor's local tensor, on the device)."""
+    shard = param.to_local() if hasattr(param, "to_local") else param
+    rows = fsdp_rows(local.shape[0], shard.shape[0], fsdp.rank, fsdp.size) if shard is not param else slice(None)
+    shard.copy_(local[rows])
+
+
 def load_weights(
     model: nn.Module,
     path: str,
@@ -385,6 +418,7 @@ def load_weights(
     files: dict[str, str] | None = None,
     quantization: Quantization | None = None,
     kept: dict | None = None,
+    into_shards: bool = False,
 ) -> dict[str, str | FusedSource]:
     """Fill every parameter (and persistent buffer found in the checkpoint) with its local shard.
 
@@ -393,12 +427,16 @@ def load_weights(
     ``ignore_keys``: keys another pipeline stage reads (neither read here nor unexpected).
     ``files``: ``checkpoint_files(path, allow_pickle)``, when the caller has it already.
     ``quantization``: the config's (``quantized.read_quantization``): its weights dequantized as read, or,
-    given ``kept`` (a dict filled here), each rank's slices of them kept as stored (``tensor/kept.py``)."""
+    given ``kept`` (a dict filled here), each rank's slices of them kept as stored (``tensor/kept.py``).
+    ``into_shards``: the parameters are FSDP's (sharded on meta, then ``materialise_shards``): each is filled
+    in place with its rows, read on the host one tensor at a time."""
+    if into_shards and kept is not None:
+        raise ValueError("load_weights: weights kept quantized are never FSDP's (refused before the load)")
     files = with_stored_keys(files if files is not None else checkpoint_files(path, allow_pickle), quantization)
     check_same_checkpoint(path, files, layout.mesh)
     rank = layout.mesh.tp.rank
     sources, buffers, companions = _sources(model, path, layout, files, ignore_keys, quantization)
-    with ShardReader(rank, layout.mesh.device) as reader:
+    with ShardReader(rank, torch.device("cpu") if into_shards else layout.mesh.device) as reader:
         saved_as, manifest = sources, os.path.join(path, MANIFEST_FILE)
         if os.path.isfile(manifest):  # a distributed save records the per-expert form it came from
             fused_from = reader._shared(manifest).fused
@@ -419,6 +457,10 @@ def load_weights(
                 local = reader.read_tiled(tiled.pop(entry.name), entry.name, entry.layout, dtype)
             else:
                 local = reader.read(files[source], source, entry.layout, dtype)
+            if into_shards:
+                with torch.no_grad():
+                    _fill_shard(old, local, layout.mesh.fsdp)
+                continue
             param = local if entry.name in (kept or ()) else nn.Parameter(local, requires_grad=old.requires_grad)
             for alias in entry.aliases:
                 _set_tensor(model, alias, param)

@@ -1,8 +1,10 @@
 """The data dimensions: FSDP2 (``fully_shard``) over ``dp_shard`` x ``sp``, HSDP over ``dp_replicate``.
 
-Applied once after loading, in torchtitan's order: every decoder layer, then the root (embeddings,
-final norm, head). The TP shards are plain tensors, so FSDP sees each rank's TP shard as the
-whole parameter and shards it further over the data-parallel ranks at the same TP position.
+Applied to the empty model (its parameters on meta, of each rank's TP shapes) before any weight is
+read, in torchtitan's order: every decoder layer, then the root (embeddings, final norm, head); the
+load then fills each rank's FSDP rows in place (``checkpoint/loading.py``). The TP shards are plain
+tensors, so FSDP sees each rank's TP shard as the whole parameter and shards it further over the
+data-parallel ranks at the same TP position.
 
 The sequence dimension is folded into FSDP's shard group (torchtitan's ``dp_shard_cp``): each
 sequence rank saw other tokens, so the gradient sum SP needs is exactly FSDP's reduce-scatter, and
@@ -49,21 +51,18 @@ M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
 FREED_TO_THE_OS_FROM = 8 << 20  # bytes: blocks this large (gathered layers, not activations) are mapped alone
 
 
-def return_freed_blocks_to_the_os(trim: bool = False) -> None:
+def return_freed_blocks_to_the_os() -> None:
     """On a CPU host, FSDP frees each layer's gathered parameters and gradients after use; glibc
     raises its mmap threshold after the first such free and then keeps those blocks in its heap, so
     a rank's memory grows back towards the unsharded model. A fixed threshold maps blocks of 8 MiB
     and more (gathered layers) alone and returns them when freed, while activations stay on the
     heap: a lower peak per rank at the same speed, where a lower threshold would make every
-    activation a fresh mapping and slow each step. Set before loading; ``trim``: hand back what the
-    heap holds free now (after sharding)."""
+    activation a fresh mapping and slow each step. Set before loading."""
     if sys.platform != "linux":
         return
     try:
         libc = ctypes.CDLL(None)
         libc.mallopt(M_MMAP_THRESHOLD, FREED_TO_THE_OS_FROM)
-        if trim:
-            libc.malloc_trim(0)
     except (OSError, AttributeError):  # not glibc: its allocator decides
         pass
 
@@ -99,8 +98,6 @@ def shard_data_parallel(model: nn.Module, mesh, gradients, sequence, keep_unshar
         model.stage_forward = model.forward
         register_fsdp_forward_method(model, "stage_forward")
         stage_forward = model.stage_forward
-    if mesh.device.type == "cpu":
-        return_freed_blocks_to_the_os(trim=True)  # the whole TP shard each rank loaded
     gradients.register_under_fsdp(model, names, done_by_fsdp=None if sequence is None else sequence.group)
     return stage_forward
 
