@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import os
 
+import torch
 import transformers
 
 from .adapters.placement import Adapters
@@ -20,13 +21,13 @@ from .checkpoint.saving import save_sharded
 from .on_device import check_on_device, move_module_state
 from .distributed.mesh import get_mesh
 from .pipeline.stage import install_stage
-from .runtime import Runtime
+from .runtime import Runtime, forward_under_autocast
 from .sequence.shard import install_sequence
 from .state import ParallelState, attach, parallel_state
 from .tensor.gradients import GradientSums
 from .quant.kept import hold_quantized
 from .tensor.parallelize import install
-from .distributed.fsdp import return_freed_blocks_to_the_os, shard_data_parallel
+from .distributed.fsdp import fsdp_policies, return_freed_blocks_to_the_os, shard_data_parallel
 from .training.trainer import from_distributed_config, install_trainer_seams
 
 
@@ -50,6 +51,8 @@ def from_pretrained(
     device_map=None,
     allow_pickle: bool = False,
     keep_quantized: bool | str = False,
+    mixed_precision: str | None = None,
+    fsdp_cpu_offload: bool = False,
     **config_kwargs,
 ):
     """Load the checkpoint at ``path`` split over the ranks: each rank reads only its own slices.
@@ -90,6 +93,13 @@ def from_pretrained(
         in the forward; inference only, saved back in the checkpoint's format. ``"fp8"`` / ``"int4"``:
         besides, FP8 (W8A8) products / torch's int4 kernel. Which kernel runs where:
         docs/guides/quantized.md, "How a kept weight is multiplied".
+    :param mixed_precision: (str | None, default None) ``"bf16"``: compute in bfloat16 with float32 master
+        weights and optimizer state (the load reads float32: pass ``dtype=torch.float32`` or leave it unset);
+        under FSDP its policy (parameters gathered in bf16, gradients reduced in float32, TP/SP sums too),
+        otherwise the forward under ``torch.autocast``. ``DistributedConfig(fsdp_mixed_precision=True)`` asks
+        the same.
+    :param fsdp_cpu_offload: (bool, default False) FSDP's shards (and their gradients and optimizer state) in
+        host memory between uses (FSDP2's ``CPUOffloadPolicy``); an accelerator's ranks only.
     :param config_kwargs: config attributes that override the checkpoint's (as in transformers).
     :returns: the ordinary transformers model, its parameters this rank's shards: ``generate`` works as
         is, and its ``save_pretrained`` gathers the shards back (or writes each rank's: ``distributed=True``).
@@ -106,9 +116,15 @@ def from_pretrained(
     sizes = dict(tp_size=tp_size, sp_size=sp_size, pp_size=pp_size, stage_tp_sizes=stage_tp_sizes,
                  fsdp_size=fsdp_size, dp_replicate_size=dp_replicate_size, cp_size=cp_size)  # fmt: skip
     if distributed_config is not None:
-        sizes, tp_plan, ep_plan = from_distributed_config(distributed_config, sizes, tp_plan, ep_plan)
+        sizes, tp_plan, ep_plan, policies = from_distributed_config(distributed_config, sizes, tp_plan, ep_plan)
+        mixed_precision = mixed_precision or policies["mixed_precision"]
+        fsdp_cpu_offload = fsdp_cpu_offload or policies["fsdp_cpu_offload"]
+    compute_dtype = _compute_dtype(mixed_precision, dtype, keep_quantized)
     mesh = get_mesh(**sizes)  # every process group, created once
-    dtype = resolve_dtype(dtype, config)
+    dtype = torch.float32 if compute_dtype is not None else resolve_dtype(dtype, config)  # mixed: fp32 masters
+    if fsdp_cpu_offload and mesh.shape.dp == 1:
+        raise ValueError("fsdp_cpu_offload=True without fsdp_size / dp_replicate_size: it offloads FSDP's shards")
+    policies = fsdp_policies(mesh, compute_dtype, fsdp_cpu_offload) if mesh.shape.dp > 1 else {}
     files = checkpoint_files(path, allow_pickle) if mesh.num_stages > 1 else None  # a stage sets the others' aside
     # 1. layouts: this rank's empty model, cut to its stage, every parameter's layout; all refusals
     built = build_rank_model(auto_class, config, dtype, mesh, tp_plan, ep_plan, stage_layers, files)
@@ -136,24 +152,47 @@ def from_pretrained(
     # 6. the data dimensions (FSDP2 / HSDP), then every gradient sum registered once
     stage_forward = None
     if sharded:
-        stage_forward = shard_data_parallel(model, mesh, gradients, sequence, keep_unsharded=stage is not None)
-        materialise_shards(model, mesh.device)
+        gradients.reduce_dtype = torch.float32 if compute_dtype is not None else None
+        stage_forward = shard_data_parallel(model, mesh, gradients, sequence, stage is not None, policies)
+        materialise_shards(model, torch.device("cpu") if fsdp_cpu_offload else mesh.device)
         source_keys = load(into_shards=True)
         move_module_state(model, mesh.device)  # the buffers the checkpoint held, read on the host
     else:
         gradients.register(model)
     # 7. the runtime around the forward, and the state every later call reads
     runtime = Runtime(model, sequence, stage, own=stage_forward)
+    if compute_dtype is not None and mesh.shape.dp == 1:  # (under FSDP its policy casts)
+        forward_under_autocast(model, mesh.device, compute_dtype)
     model.eval()
     state = ParallelState(mesh, built.layout, source_keys, runtime, gradients, hooks, Adapters(), keep_quantized,
-                          kept or {}, built.quantization_config)  # fmt: skip
+                          kept or {}, built.quantization_config, compute_dtype)  # fmt: skip
     attach(model, state)
     model.save_pretrained = functools.partial(save_pretrained, model)
     # 8. adapters (peft) and the Trainer's seams, each installed when its library is first imported
     watch(model, state)
     install_trainer_seams(model, state)
-    check_on_device(model, mesh.device)
+    check_on_device(model, mesh.device, parameters=not fsdp_cpu_offload)  # (offloaded: on the host)
     return model
+
+
+def _compute_dtype(mixed_precision, dtype, keep_quantized) -> torch.dtype | None:
+    """``mixed_precision``'s compute dtype (None: the parameters'), refused by name where it cannot hold: only
+    bf16 (fp16 needs loss scaling, which nothing here does), float32 masters, and training weights."""
+    if mixed_precision is None:
+        return None
+    if mixed_precision not in ("bf16", "bfloat16", torch.bfloat16):
+        raise ValueError(
+            f"mixed_precision={mixed_precision!r}: hf_parallel computes mixed precision in bf16 only (\"bf16\"); "
+            "fp16 would need loss scaling"
+        )
+    if dtype not in (None, "auto", "float32", torch.float32):
+        raise ValueError(
+            f"mixed_precision={mixed_precision!r} with dtype={dtype}: mixed precision keeps float32 master weights "
+            "(small updates vanish in bf16 ones); leave dtype unset or pass torch.float32, or drop mixed_precision"
+        )
+    if keep_quantized:
+        raise ValueError(f"mixed_precision={mixed_precision!r} with keep_quantized: kept weights are inference-only")
+    return torch.bfloat16
 
 
 def _keep_quantized(path: str, built, mesh) -> dict:
@@ -188,7 +227,8 @@ def _read_config(path: str, device_map, config_kwargs: dict):
             f"from_pretrained() got keyword argument(s) that hf_parallel does not take and {type(config).__name__} "
             f"does not define: {', '.join(sorted(unknown))}. hf_parallel takes tp_plan, ep_plan, dtype, tp_size, "
             "sp_size, pp_size, stage_tp_sizes, stage_layers, micro_batches, fsdp_size, dp_replicate_size, "
-            "cp_size, distributed_config, device_map, allow_pickle and keep_quantized; any other keyword must be a "
+            "cp_size, distributed_config, device_map, allow_pickle, keep_quantized, mixed_precision and "
+            "fsdp_cpu_offload; any other keyword must be a "
             "config attribute (it overrides the checkpoint's)"
         )
     return config

@@ -30,13 +30,15 @@ def move_module_state(model: nn.Module, device: torch.device) -> None:
                 setattr(module, name, value.to(device))
 
 
-def left_behind(model: nn.Module, device: torch.device) -> list[str]:
+def left_behind(model: nn.Module, device: torch.device, parameters: bool = True) -> list[str]:
     """The names of ``model``'s parameters, buffers and tensor attributes that are not on ``device``
-    (meta placeholders of weights kept quantized excepted: their data lives beside them, on ``device``)."""
+    (meta placeholders of weights kept quantized excepted: their data lives beside them, on ``device``).
+    ``parameters=False``: buffers and attributes only (FSDP keeps offloaded shards on the host)."""
     names = []
     for path, module in model.named_modules():
         prefix = f"{path}." if path else ""
-        held = [*module._parameters.items(), *module._buffers.items(), *_tensor_attributes(module)]
+        params = module._parameters.items() if parameters else ()
+        held = [*params, *module._buffers.items(), *_tensor_attributes(module)]
         for name, tensor in held:
             if tensor is None or isinstance(tensor, KeptPlaceholder):
                 continue
@@ -45,9 +47,9 @@ def left_behind(model: nn.Module, device: torch.device) -> list[str]:
     return names
 
 
-def check_on_device(model: nn.Module, device: torch.device) -> None:
+def check_on_device(model: nn.Module, device: torch.device, parameters: bool = True) -> None:
     """Refuse a model with anything off this rank's device, naming it (the load's last check)."""
-    stray = left_behind(model, device)
+    stray = left_behind(model, device, parameters)
     if stray:
         raise RuntimeError(
             f"hf_parallel: after loading, {len(stray)} tensor(s) are not on this rank's device {device}: "

@@ -16,6 +16,7 @@ import functools
 import inspect
 import weakref
 
+import torch
 from torch import nn
 
 from .core.context import Call, StepRecord, batch_inputs, calling
@@ -96,3 +97,17 @@ class Runtime:
         if labels is not None:
             out.loss = sequence_loss(out.logits, labels, sequence, count)
         return out
+
+
+def forward_under_autocast(model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+    """Mixed precision without FSDP: ``model.forward`` (so ``generate``, the Trainer's and ``train_step``'s
+    forwards) runs under ``torch.autocast(dtype)``: matmuls in ``dtype``, the float32 parameters the masters
+    the optimizer steps, their gradients float32 (so the TP/SP sums are too)."""
+    forward = model.forward
+
+    @functools.wraps(forward)
+    def autocast_forward(*args, **kwargs):
+        with torch.autocast(device.type, dtype=dtype):
+            return forward(*args, **kwargs)
+
+    model.forward = autocast_forward

@@ -40,6 +40,7 @@ class ParallelState:
     keep_quantized: bool | str = False  # the checkpoint's quantized weights held as stored (the same on every rank)
     kept: dict[str, KeptWeight] = field(default_factory=dict)  # this rank's of them (a stage may hold none)
     quantization_config: object = None  # the checkpoint's, saved back with the kept weights
+    compute_dtype: object = None  # mixed precision's (a torch dtype): the parameters are float32 masters
 
     def entry(self, name: str) -> ShardedParam | None:
         """The layout and full shape of the parameter called ``name`` (as loaded, or an adapter

@@ -44,7 +44,9 @@ def on_gpu(rank: int, world_size: int, cases: dict, save_root: str) -> dict:
         model = parallel.from_pretrained(path, dtype=torch.float32, **kwargs)
         state = hf_parallel.parallel_state(model)
         device = state.mesh.device
-        out = {"device": str(device), "wire": str(state.mesh.wire), "left_behind": left_behind(model, device)}
+        offloaded = kwargs.get("fsdp_cpu_offload", False)  # FSDP's shards on the host between uses
+        out = {"device": str(device), "wire": str(state.mesh.wire),
+               "left_behind": left_behind(model, device, parameters=not offloaded)}  # fmt: skip
         if "train_step" in runs:  # pipeline stages: the schedule's loss and every gradient
             model.train()
             loss = hf_parallel.train_step(model, input_ids=INPUT_IDS.to(device), labels=INPUT_IDS.to(device),

@@ -38,6 +38,7 @@ CASES = {
     "llama_cp2": ("llama", dict(tp_plan=None, cp_size=2), {"generate"}),  # ring attention, zigzag order
     "pp_tied_pp2": ("pp_tied", dict(tp_plan=None, pp_size=2), {"train_step", "save"}),  # tied gradient, 1F1B
     "llama_fsdp2": ("llama", dict(tp_plan=None, fsdp_size=2), {"save"}),  # FSDP2 over gloo groups, one layer whole
+    "llama_fsdp2_offload": ("llama", dict(tp_plan=None, fsdp_size=2, fsdp_cpu_offload=True), {"save"}),  # on the host
 }
 FOUR_RANKS = {  # world 4 on the same card
     "llama_tp2sp2": ("llama", dict(tp_size=2, sp_size=2), set()),  # Ulysses inside TP groups

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 from checks import assert_steps_like_one_process
 from compare import assert_close, assert_within
 from conftest import once_per_world_size
@@ -104,6 +105,51 @@ def test_an_fsdp_load_holds_only_each_ranks_share(loop_runs, world_size, case):
         assert mine["after_load"] == mine["share"] == 4 * mine["local_params"], (rank, mine)
     for group in {tuple(mine["fsdp_group"]) for mine in held}:
         assert sum(held[r]["after_load"] for r in group) == held[group[0]]["whole"], (group, held)
+
+
+MIXED_CASES = {  # case -> (checkpoint, layout, how one process computes the reference step)
+    "fsdp2_tp2": ("llama", dict(fsdp_size=2, tp_size=2, mixed_precision="bf16"), "fsdp"),  # FSDP's policy, fp32 TP sums
+    "fsdp4_config": ("llama_tied_kvrep", dict(distributed_config=dict(fsdp_size=4, fsdp_mixed_precision=True),
+                                              tp_plan=None), "fsdp"),  # fmt: skip
+    "tp4_autocast": ("llama_tied_kvrep", dict(tp_size=4, mixed_precision="bf16"), "autocast"),  # replicated KV heads
+}
+MIXED_TOLERANCE = 3e-2  # of the largest element of each update: bf16 roundings (2^-8 each) through two layers (1.6e-2
+# seen at most on this host)
+
+
+@pytest.mark.distributed
+def test_mixed_precision_steps_like_one_process_in_bf16_with_fp32_masters(paths, tmp_path):
+    """One plain SGD step (its update the gradient's own scale) with ``mixed_precision="bf16"``, FSDP's policy or
+    autocast: every update on every rank within bf16's tolerance of one process's bf16-compute step with float32
+    masters, the parameters float32 after it, and the saved checkpoint float32 (the masters)."""
+    import training_workers
+    from checks import read_checkpoint
+    from distributed import run_ranks
+
+    cases = {name: (paths[arch], layout(sizes), mode) for name, (arch, sizes, mode) in MIXED_CASES.items()}
+    results = run_ranks(4, training_workers.mixed_step, cases, str(tmp_path), out_dir=str(tmp_path / "results"))
+    for rank, result in enumerate(results):
+        for name in MIXED_CASES:
+            got = result[name]
+            assert_within(got["updates"], atol=0, rtol=MIXED_TOLERANCE, where=f"{name} rank {rank}: updates")
+            assert got["dtypes"] == ["torch.float32"] and got["computed"] == "torch.bfloat16", (name, rank, got)
+    for name in MIXED_CASES:
+        assert {t.dtype for t in read_checkpoint(str(tmp_path / name)).values()} == {torch.float32}, name
+
+
+@pytest.mark.parametrize(
+    "sizes, message",
+    [
+        (dict(mixed_precision="fp16"), "bf16 only"),
+        (dict(mixed_precision="bf16", dtype="bfloat16"), "float32 master weights"),
+        (dict(mixed_precision="bf16", fsdp_cpu_offload=True), "without fsdp_size"),
+    ],
+)
+def test_mixed_precision_that_cannot_hold_is_refused(paths, sizes, message):
+    import hf_parallel
+
+    with pytest.raises(ValueError, match=message):
+        hf_parallel.AutoModelForCausalLM.from_pretrained(paths["llama"], **sizes)
 
 
 @pytest.mark.distributed
@@ -327,14 +373,16 @@ def test_transformers_distributed_config_gives_the_mesh_sizes(given, sizes):
 
     from hf_parallel.training.trainer import from_distributed_config
 
-    got, tp_plan, ep_plan = from_distributed_config(DistributedConfig(**given), {}, "auto", None)
+    got, tp_plan, ep_plan, policies = from_distributed_config(DistributedConfig(**given), {}, "auto", None)
     assert {k: got[k] for k in sizes} == sizes and tp_plan == "auto" and ep_plan is None
+    assert policies == dict(mixed_precision=None, fsdp_cpu_offload=False)
+    *_, policies = from_distributed_config(DistributedConfig(**given, fsdp_mixed_precision=True), {}, "auto", None)
+    assert policies == dict(mixed_precision="bf16", fsdp_cpu_offload=False)  # transformers' policy: bf16, fp32 sums
 
 
 @pytest.mark.parametrize(
     "given, sizes, message",
     [
-        (dict(fsdp_size=2, fsdp_cpu_offload=True), {}, r"fsdp_cpu_offload=True\) is not supported"),
         (dict(tp_size=2, enable_sequence_parallel=True), {}, "use sp_size=N"),
         (dict(fsdp_size=2), dict(tp_size=2), r"distributed_config=..., tp_size=...\): give the sizes once"),
         (dict(tp_size=2, fsdp_size=2, ep_size=4), {}, "ep_size must equal tp_size"),

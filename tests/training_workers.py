@@ -359,3 +359,58 @@ def resume_layouts(rank: int, world_size: int, path: str, runs: dict, global_bat
     if pipeline is not None:
         results["train_step"] = train_step_layouts(rank, world_size, path, *pipeline, os.path.join(root, "steps"))
     return results
+
+
+MIXED_SGD_LR = 1.0  # one plain SGD step: the update is the gradient's own scale, large against float32's rounding
+
+
+def one_process_mixed(path: str, mode: str) -> dict:
+    """One process's bf16-compute step with float32 master weights: the gradient of the global batch computed in
+    bf16 (``mode="fsdp"``: a bf16 copy of the model, as FSDP's mixed-precision policy gathers it; ``"autocast"``:
+    under ``torch.autocast``), the update ``-lr x`` that gradient in float32, per parameter."""
+    import copy
+
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model.train()
+    batch = training_batch(model.config.vocab_size, 0)
+    if mode == "fsdp":
+        computing = copy.deepcopy(model).to(torch.bfloat16)
+        computing(**batch).loss.backward()
+    else:
+        computing = model
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(**batch).loss
+        loss.backward()
+    return {name: -MIXED_SGD_LR * param.grad.float()
+            for name, param in computing.named_parameters(remove_duplicate=False)}  # fmt: skip
+
+
+def mixed_step(rank: int, world_size: int, cases: dict, save_root: str) -> dict:
+    """For each case (checkpoint, layout): one plain SGD step of ``train_step`` on the global batch, loaded with
+    mixed precision; each parameter's update on this rank against its piece of one process's
+    (``one_process_mixed``), the parameters' dtypes after the step, and the saved checkpoint's dtypes."""
+    from compare import piece_gap
+
+    import hf_parallel
+
+    results = {}
+    for name, (path, sizes, mode) in cases.items():
+        model = hf_parallel.AutoModelForCausalLM.from_pretrained(path, **sizes)
+        model.train()
+        state = hf_parallel.parallel_state(model)
+        before = {entry.name: model.get_parameter(entry.name).detach().clone() for entry in state.layout.unique_params()}
+        hf_parallel.train_step(model, **training_batch(model.config.vocab_size, 0))
+        torch.optim.SGD(model.parameters(), lr=MIXED_SGD_LR).step()
+        want = one_process_mixed(path, mode)
+        updates = {}
+        for entry in state.layout.unique_params():
+            moved = model.get_parameter(entry.name).detach() - before[entry.name]
+            updates[entry.name] = piece_gap(moved, want[entry.name], entry.layout, state.mesh.tp.rank)
+        dtypes = sorted({str(p.dtype) for p in model.parameters()})  # (FSDP's: sharded, before any forward)
+        with torch.no_grad():  # the compute dtype: bf16 logits from float32 parameters
+            computed = model(**training_batch(model.config.vocab_size, 1)).logits.dtype
+        model.save_pretrained(os.path.join(save_root, name))  # after a forward: the masters, not the bf16 copies
+        results[name] = {"updates": updates, "dtypes": dtypes, "computed": str(computed)}
+    return results

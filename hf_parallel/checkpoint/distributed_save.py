@@ -75,7 +75,7 @@ def save_distributed(model, state, out_dir: str) -> None:
     shapes = {key: (tuple(t.shape), t.dtype) for key, t in tensors.items()}
     shapes.update({key: (tuple(t.shape), t.dtype) for key, t in kept.items()})
     os.makedirs(out_dir, exist_ok=True)
-    with LayerwiseUnshard(model) as unsharding:  # under FSDP, one layer whole at a time, in the order written
+    with LayerwiseUnshard(model, masters=state.compute_dtype is not None) as unsharding:  # one layer at a time
         if mesh.holds_copy:  # a sequence- or data-parallel copy of the TP shards another rank writes
             for e in written.values():
                 unsharding.need(e.name)
@@ -85,7 +85,7 @@ def save_distributed(model, state, out_dir: str) -> None:
                 writer = SafetensorsWriter(staging.new_file(names[first_file + tp.rank]), shapes)
                 for key, e in written.items():
                     unsharding.need(e.name)
-                    writer.write(key, tensor_of(model, e.name).detach())
+                    writer.write(key, unsharding.tensor(e.name).detach())
                 for key, tensor in kept.items():
                     writer.write(key, tensor)
                 writer.close()

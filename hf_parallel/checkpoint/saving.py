@@ -256,7 +256,7 @@ def gathered(model, mesh, targets: dict, specs: dict, owners: dict, keys, unshar
         else:
             if unsharding is not None:
                 unsharding.need(entry.name)
-            local = tensor_of(model, entry.name)
+            local = unsharding.tensor(entry.name) if unsharding is not None else tensor_of(model, entry.name)
             blocks = (
                 gather_block(local, entry.layout, block, mesh.tp, entry.name, scratch)
                 for block in row_blocks(entry.full_shape, box, local.dtype)
@@ -294,7 +294,7 @@ def save_sharded(model, state, out_dir: str, max_shard_size="50GB") -> None:
     checkpoint name and write a standard HF checkpoint. Each pipeline stage gathers its own tensors
     on its first rank, which sends them on to rank 0. Under FSDP each layer is whole only while its
     tensors are gathered: the copies that write nothing walk the same parameters in the same order."""
-    with LayerwiseUnshard(model) as unsharding:
+    with LayerwiseUnshard(model, masters=state.compute_dtype is not None) as unsharding:
         _save_sharded(model, state, out_dir, max_shard_size, unsharding)
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import ctypes
 import sys
 
+import torch
 from torch import nn
 
 from ..core.layers import find_layer_list
@@ -67,11 +68,31 @@ def return_freed_blocks_to_the_os() -> None:
         pass
 
 
-def shard_data_parallel(model: nn.Module, mesh, gradients, sequence, keep_unsharded: bool):
+def fsdp_policies(mesh, compute_dtype: torch.dtype | None, cpu_offload: bool) -> dict:
+    """``fully_shard``'s policies: mixed precision as transformers and torchtitan train (parameters
+    gathered in ``compute_dtype``, gradients reduced in float32 into float32 master weights), and the
+    shards kept in host memory between uses (FSDP2's offload, which needs an accelerator: refused by name
+    on a CPU mesh)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
+
+    policies = {}
+    if compute_dtype is not None:
+        policies["mp_policy"] = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    if cpu_offload:
+        if mesh.device.type == "cpu":
+            raise ValueError(
+                "fsdp_cpu_offload=True on a CPU mesh: FSDP2 offloads an accelerator's shards to host memory, and "
+                "these ranks compute on the host already"
+            )
+        policies["offload_policy"] = CPUOffloadPolicy()
+    return policies
+
+
+def shard_data_parallel(model: nn.Module, mesh, gradients, sequence, keep_unsharded: bool, policies: dict):
     """FSDP2 over the mesh's data dimensions, then every gradient sum recorded so far registered on
     the parameters FSDP computes with (the sequence group's left to FSDP's reduce-scatter).
     ``keep_unsharded``: pipeline stages run several micro-batches per step through their own forward,
-    which is returned with FSDP's root hooks on it (else None)."""
+    which is returned with FSDP's root hooks on it (else None). ``policies``: ``fsdp_policies``'."""
     from torch.distributed.fsdp import fully_shard
 
     layer_list = layers_to_shard(model, mesh)
@@ -83,8 +104,9 @@ def shard_data_parallel(model: nn.Module, mesh, gradients, sequence, keep_unshar
     last = {id(m) for m in (wrapped[-1:] + [e for e in ends if e is model.get_output_embeddings()])}
     wrapped += ends
     for layer in wrapped:
-        fully_shard(layer, mesh=device_mesh, reshard_after_forward=not keep_unsharded and id(layer) not in last)
-    fully_shard(model, mesh=device_mesh, reshard_after_forward=not keep_unsharded)
+        reshard = not keep_unsharded and id(layer) not in last
+        fully_shard(layer, mesh=device_mesh, reshard_after_forward=reshard, **policies)
+    fully_shard(model, mesh=device_mesh, reshard_after_forward=not keep_unsharded, **policies)
     for module in (*wrapped, model):
         if mesh.sp.size > 1:  # FSDP would divide by its groups' sizes, SP's included: SP is a sum
             # (not set otherwise: with a one-rank shard group, torch 2.13 divides a set factor twice)
@@ -107,27 +129,37 @@ class LayerwiseUnshard:
     final norm, head) for the whole save, each decoder layer only while its tensors are gathered, so a
     rank holds its TP shard of one layer unsharded, not of the model. Every rank of a data-parallel group
     calls ``need`` for the same parameters in the same order (unsharding is collective over the group);
-    without FSDP it does nothing."""
+    without FSDP it does nothing. ``masters``: under mixed precision FSDP unshards the bf16 copies it
+    computes with; the save gathers each float32 master instead (one parameter at a time)."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, masters: bool = False):
         from torch.distributed.fsdp import FSDPModule
 
-        self.root = model if isinstance(model, FSDPModule) else None
+        self.model, self.masters = model, masters
+        self.root = model if isinstance(model, FSDPModule) and not masters else None
         self.owner: dict[str, nn.Module] = {}  # parameter name -> the innermost FSDP module that manages it
         for path, module in model.named_modules():
             if isinstance(module, FSDPModule):
                 prefix = f"{path}." if path else ""
                 self.owner.update({prefix + name: module for name, _ in module.named_parameters()})
         self.current = None
+        self.whole: tuple[str, torch.Tensor] | None = None  # (name, master) gathered last, under ``masters``
 
     def __enter__(self) -> LayerwiseUnshard:
         if self.root is not None:
             self.root.unshard()
+        if self.masters:  # modules a forward left whole hold the bf16 copies in place of the masters
+            for module in set(self.owner.values()):
+                module.reshard()
         return self
 
     def need(self, name: str) -> None:
         """The module that manages parameter ``name`` whole (and the one before it sharded again)."""
         module = self.owner.get(name)
+        if self.masters:
+            param = self.model.get_parameter(name) if module is not None else None
+            self.whole = (name, param.full_tensor()) if hasattr(param, "full_tensor") else None
+            return
         if module is None or module is self.root or module is self.current:
             return
         if self.current is not None:
@@ -135,8 +167,15 @@ class LayerwiseUnshard:
         module.unshard()
         self.current = module
 
+    def tensor(self, name: str) -> torch.Tensor:
+        """The parameter or buffer called ``name``, whole over the data-parallel ranks once ``need``-ed."""
+        if self.whole is not None and self.whole[0] == name:
+            return self.whole[1]
+        module, _, attr = name.rpartition(".")
+        return getattr(self.model.get_submodule(module), attr)
+
     def __exit__(self, *exc) -> None:
         for module in (self.current, self.root):
             if module is not None:
                 module.reshard()
-        self.current = None
+        self.current = self.whole = None

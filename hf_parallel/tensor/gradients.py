@@ -30,18 +30,26 @@ class GradientSums:
     def __init__(self):
         self._sums: dict[int, list[tuple[object, Callable]]] = {}  # id(parameter) -> (group, hook), in order
         self._registered = False
+        # mixed precision: FSDP computes with bf16 copies of float32 masters and reduces in float32; the
+        # sums here then add in float32 too, rounded to the copy's dtype once
+        self.reduce_dtype: torch.dtype | None = None
+
+    def _summed(self, grad: torch.Tensor, group) -> torch.Tensor:
+        if self.reduce_dtype is None or grad.dtype == self.reduce_dtype:
+            return comm.all_reduce(grad, group)
+        return comm.all_reduce(grad.to(self.reduce_dtype), group).to(grad.dtype)
 
     def sum_over(self, param: nn.Parameter, group) -> None:
         """Sum ``param``'s gradient over ``group`` in backward (each rank saw part of the data)."""
         if self._new(param, group):
-            self._add(param, group, lambda grad: comm.all_reduce(grad, group))
+            self._add(param, group, lambda grad: self._summed(grad, group))
 
     def average_over(self, param: nn.Parameter, group) -> None:
         """Average ``param``'s gradient over ``group``: a parameter FSDP does not manage (an adapter
         added after loading), replicated on the data-parallel replicas, as FSDP averages its own."""
         if self._new(param, group):
             size = torch.distributed.get_world_size(group)
-            self._add(param, group, lambda grad: comm.all_reduce(grad, group) / size)
+            self._add(param, group, lambda grad: self._summed(grad, group) / size)
 
     def sum_pieces(self, param: nn.Parameter, layout: Layout, rank: int, group) -> None:
         """Sum, over the ranks sharing them, the gradient rows of pieces held by several ranks
@@ -58,7 +66,7 @@ class GradientSums:
 
         def hook(grad):
             grad = grad.clone()
-            summed = comm.all_reduce(torch.cat([grad.narrow(layout.dim, o, n) for o, n in shared], layout.dim), group)
+            summed = self._summed(torch.cat([grad.narrow(layout.dim, o, n) for o, n in shared], layout.dim), group)
             done = 0
             for offset, length in shared:
                 grad.narrow(layout.dim, offset, length).copy_(summed.narrow(layout.dim, done, length))

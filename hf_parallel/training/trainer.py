@@ -81,14 +81,13 @@ class ReplicaSizes:
 _UNSUPPORTED = {
     "enable_sequence_parallel": "use sp_size=N (Ulysses sequence parallelism over the mesh's sp dimension)",
     "fsdp_plan": "hf_parallel shards every decoder layer and then the root with FSDP2; it takes no FSDP plan",
-    "fsdp_cpu_offload": "hf_parallel keeps FSDP's shards on the device",
-    "fsdp_mixed_precision": "load with dtype=... instead; FSDP computes in the parameters' dtype",
 }
 
 
 def from_distributed_config(config, sizes: dict, tp_plan, ep_plan):
-    """The mesh sizes and plans of transformers' ``DistributedConfig``; what it asks that
-    hf_parallel cannot do is refused by name."""
+    """The mesh sizes, the plans and FSDP's policies (``from_pretrained``'s ``mixed_precision`` and
+    ``fsdp_cpu_offload``, as transformers applies them: bf16 compute, fp32 reductions) of transformers'
+    ``DistributedConfig``; what it asks that hf_parallel cannot do is refused by name."""
     given = {name: value for name, value in sizes.items() if value not in (None, 1)}
     if given:
         raise ValueError(
@@ -111,7 +110,9 @@ def from_distributed_config(config, sizes: dict, tp_plan, ep_plan):
         tp_plan = config.tp_plan
     if ep > 1:
         ep_plan = config.ep_plan or "auto"
-    return sizes, tp_plan, ep_plan
+    policies = dict(mixed_precision="bf16" if config.fsdp_mixed_precision else None,
+                    fsdp_cpu_offload=bool(config.fsdp_cpu_offload))  # fmt: skip
+    return sizes, tp_plan, ep_plan, policies
 
 
 def batch_mesh(mesh):
