@@ -52,7 +52,7 @@ def test_the_backend_and_the_wire_follow_the_device():
     assert default_backend(CUDA3) == "cpu:gloo,cuda:nccl"
     assert backend_for("cpu:gloo,cuda:nccl", "cuda") == "nccl" and backend_for("cpu:gloo,cuda:nccl", "cpu") == "gloo"
     assert backend_for("gloo", "cuda") == "gloo"
-    # NCCL carries the GPU's memory; gloo the host's, so a GPU rank over gloo stages through pinned memory
+    # NCCL carries the GPU's memory; gloo the host's, so a GPU rank over gloo stages through host memory
     assert DeviceBackend(CUDA3, "cpu:gloo,cuda:nccl").wire == CUDA3 and DeviceBackend(CUDA3, "nccl").wire == CUDA3
     assert DeviceBackend(CUDA3, "gloo").wire == torch.device("cpu") == wire_of("gloo", torch.device("cpu"))
     # two ranks on one card (a laptop, a one-GPU test machine): NCCL refuses them, so the groups are gloo's

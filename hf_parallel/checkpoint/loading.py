@@ -38,7 +38,7 @@ from tqdm.auto import tqdm
 
 from ..compat.torch import fsdp_rows
 from ..compat.transformers import unexpected_key_patterns
-from ..distributed.devices import host_staging
+from ..distributed.devices import host_staging, pinned_ring
 from ..distributed.faults import collective
 from ..quant.kept import KeptWeight, placeholder
 from ..core.layout import as_slices, replicated
@@ -317,13 +317,19 @@ class ShardReader:
     def _copy(self, key: str, layout, source, full_shape, dtype, piece=None) -> torch.Tensor:
         """This rank's pieces of ``source`` (a safetensors slice, or tiles) copied into one owned
         tensor on this rank's device (``Layout.extract``); ``piece``: its one piece, already read. For
-        an accelerator the pieces are read into pinned host memory in the file's dtype, then copied
-        without waiting and cast there; a quantized weight's come dequantized on the device already."""
+        an accelerator the pieces cross pinned host memory in the file's dtype (on CUDA a few reused
+        chunks: ``devices.PinnedRing``), copied without waiting and cast there; a quantized weight's come
+        dequantized on the device already."""
         shape = layout.local_shape(full_shape, self.rank)
         found = piece.dtype if piece is not None else torch_dtype(source.get_dtype())
         BYTES_READ[key] += nbytes(shape, found)
         out = hugepages.empty(shape, dtype or found, self.device)
         on_device = piece.device == self.device if piece is not None else isinstance(source, Dequantized)
+        ring = None if on_device else pinned_ring(self.device)
+        if ring is not None:
+            if piece is not None:
+                return ring.copy_(out, piece)
+            return ring.load(out, found, lambda into: layout.extract(source, self.rank, shape=full_shape, out=into))
         staged = None if on_device else host_staging(shape, found, self.device)  # (dequantized there: no staging)
         into = out if staged is None else staged
         if piece is not None:
@@ -405,7 +411,11 @@ def _fill_shard(param: nn.Parameter, local: torch.Tensor, fsdp) -> None:
     ``param``'s shard (its DTensor's local tensor, on the device)."""
     shard = param.to_local() if hasattr(param, "to_local") else param
     rows = fsdp_rows(local.shape[0], shard.shape[0], fsdp.rank, fsdp.size) if shard is not param else slice(None)
-    shard.copy_(local[rows])
+    ring = pinned_ring(shard.device)  # (on CUDA: through the reused pinned chunks)
+    if ring is not None:
+        ring.copy_(shard, local[rows])
+    else:
+        shard.copy_(local[rows])
 
 
 def load_weights(

@@ -4,8 +4,8 @@ A rank's **compute device** holds every parameter, buffer and scratch tensor of 
 **wire** is the device whose tensors the groups' backend moves: NCCL (or XCCL) carries the
 accelerator's memory, gloo carries the host's. The two differ when several ranks share one GPU
 (NCCL refuses two ranks on one device, so their groups are gloo groups: a laptop GPU, a one-card test
-machine) or when a user runs a GPU model over gloo; a point-to-point message then goes through pinned
-host memory (``to_wire``), while gloo's collectives stage accelerator tensors themselves. vLLM keeps a
+machine) or when a user runs a GPU model over gloo; a point-to-point message then goes through host
+memory (``to_wire``), while gloo's collectives stage accelerator tensors themselves. vLLM keeps a
 CPU group and a device group per ``GroupCoordinator``; here one backend serves every group of a mesh,
 and the mesh asks ``wire_of`` once.
 
@@ -20,6 +20,10 @@ hardware:
 - ``group_backend``: once the default group is up, every rank's device identity (host and device
   UUID) is gathered over gloo; where two ranks share a device, the mesh's groups are gloo groups.
 A process group the user created first keeps its backend unless ranks share a device.
+
+Host tensors bound for a GPU (a load's slices, on CUDA) cross through a ring of a few reused pinned chunks
+(``PinnedRing``): the copy is queued while the host fills the next chunk, and the page-locked memory a
+process holds is the ring's, whatever the size of the tensors (``chunk_plan``, pure, cuts them).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from __future__ import annotations
 import os
 import socket
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -135,13 +140,13 @@ def activate(device: torch.device) -> None:
 
 
 def to_wire(tensor: torch.Tensor, wire: torch.device) -> torch.Tensor:
-    """``tensor`` contiguous on ``wire``: an accelerator tensor bound for gloo goes through pinned host
-    memory (the copy is synchronous: the bytes must be there before the backend reads them)."""
+    """``tensor`` contiguous on ``wire``. An accelerator tensor bound for gloo is copied into plain host
+    memory, synchronously (the bytes must be there before the backend reads them, so pinned memory would
+    buy no overlap; the driver stages the copy through buffers of its own, and none is held per tensor)."""
     if tensor.device == wire:
         return tensor.contiguous()
     if wire.type == "cpu":
-        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-        return host.copy_(tensor)
+        return torch.empty(tensor.shape, dtype=tensor.dtype).copy_(tensor)
     return tensor.to(wire).contiguous()
 
 
@@ -149,5 +154,99 @@ def host_staging(shape, dtype: torch.dtype, device: torch.device) -> torch.Tenso
     """A page-locked host buffer to read a tensor bound for ``device`` into, or None on the CPU. From
     pageable memory the driver copies through a pinned buffer of its own and the host waits for it;
     from this one the copy is queued (``non_blocking``) and the next read overlaps it. torch's caching
-    host allocator holds the buffer back from reuse until its copy is done (vLLM's loaders stage so)."""
+    host allocator holds the buffer back from reuse until its copy is done (vLLM's loaders stage so).
+    Each buffer is the tensor's size and stays in that cache: ``pinned_ring`` bounds the memory on CUDA."""
     return None if device.type == "cpu" else torch.empty(shape, dtype=dtype, pin_memory=True)
+
+
+CHUNK_BYTES = 64 << 20  # one pinned chunk of the staging ring
+RING_CHUNKS = 2  # one filled on the host while the other's copy runs
+
+
+def chunk_plan(numel: int, itemsize: int, chunk_bytes: int = CHUNK_BYTES) -> list[tuple[int, int]]:
+    """The element ranges ``[start, stop)`` in which ``numel`` elements of ``itemsize`` bytes cross
+    chunks of ``chunk_bytes``: whole elements, each range filling a chunk but the last (one element
+    to a chunk where an element is larger)."""
+    per = max(1, chunk_bytes // itemsize)
+    return [(start, min(start + per, numel)) for start in range(0, numel, per)]
+
+
+class PinnedRing:
+    """A few host chunks of ``chunk_bytes``, reused in turn, through which host tensors reach ``device``
+    chunk by chunk: a chunk is filled on the host, its copy queued (``non_blocking``), an event recorded
+    after it, and the chunk is filled again only once that event has passed, so the host fills one while
+    the device copies another and the pinned memory stays ``chunks`` x ``chunk_bytes``, allocated on
+    first use and kept. Page-locked on CUDA; on the CPU (the tests' device) plain memory, copied
+    synchronously, no events. One thread's: a loader's."""
+
+    def __init__(self, device: torch.device, chunks: int = RING_CHUNKS, chunk_bytes: int = CHUNK_BYTES):
+        self.device, self.chunk_bytes = device, chunk_bytes
+        self.buffers: list[torch.Tensor | None] = [None] * chunks
+        self._events: list = [None] * chunks
+        self._next = 0
+
+    def _take(self) -> int:
+        """The next chunk's index, once the copy that last read it is done."""
+        index, self._next = self._next, (self._next + 1) % len(self.buffers)
+        if self._events[index] is not None:
+            self._events[index].synchronize()
+            self._events[index] = None
+        if self.buffers[index] is None:
+            pin = self.device.type == "cuda"
+            self.buffers[index] = torch.empty(self.chunk_bytes, dtype=torch.uint8, pin_memory=pin)
+        return index
+
+    def _chunk(self, index: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return self.buffers[index][: numel * dtype.itemsize].view(dtype)
+
+    def _send(self, index: int, chunk: torch.Tensor, out: torch.Tensor) -> None:
+        """Queue ``chunk`` (of buffer ``index``) into ``out`` on the device, cast there; mark its end."""
+        if chunk.dtype == out.dtype:
+            out.copy_(chunk, non_blocking=True)
+        else:  # across in the source's dtype, cast by a kernel on the device
+            out.copy_(chunk.to(out.device, non_blocking=True))
+        if self.device.type == "cuda":
+            self._events[index] = torch.cuda.Event()
+            self._events[index].record(torch.cuda.current_stream(self.device))
+
+    def copy_(self, out: torch.Tensor, host: torch.Tensor) -> torch.Tensor:
+        """``out`` (contiguous, on the device) filled from ``host`` (its shape, any dtype), a chunk at a
+        time; returns ``out``, whose last copies may still be queued (the stream orders later use)."""
+        if not out.is_contiguous() or out.shape != host.shape:
+            raise ValueError(f"a staged copy needs a contiguous target of the source's shape: {out.shape} {host.shape}")
+        source, target = host.reshape(-1), out.view(-1)
+        for start, stop in chunk_plan(source.numel(), source.element_size(), self.chunk_bytes):
+            index = self._take()
+            chunk = self._chunk(index, stop - start, source.dtype)
+            chunk.copy_(source[start:stop])
+            self._send(index, chunk, target[start:stop])
+        return out
+
+    def load(self, out: torch.Tensor, dtype: torch.dtype, write: Callable[[torch.Tensor], object]) -> torch.Tensor:
+        """``out`` (contiguous, on the device) filled with what ``write(into)`` writes into a host tensor
+        of ``out``'s shape in ``dtype``: a chunk itself where it fits in one (written there, no other host
+        copy), else plain host memory then ``copy_``. Returns ``out``, its copies queued as ``copy_``'s."""
+        if out.numel() * dtype.itemsize > self.chunk_bytes:
+            host = torch.empty(out.shape, dtype=dtype)
+            write(host)
+            return self.copy_(out, host)
+        if not out.is_contiguous():
+            raise ValueError(f"a staged copy needs a contiguous target: {out.shape}, strides {out.stride()}")
+        index = self._take()
+        chunk = self._chunk(index, out.numel(), dtype)
+        write(chunk.view(out.shape))
+        self._send(index, chunk, out.view(-1))
+        return out
+
+
+_RINGS: dict[torch.device, PinnedRing] = {}
+
+
+def pinned_ring(device: torch.device) -> PinnedRing | None:
+    """This process's ring for ``device``: on CUDA only (None elsewhere: the CPU has nothing to stage, and
+    other accelerators keep ``host_staging``)."""
+    if device.type != "cuda":
+        return None
+    if device not in _RINGS:
+        _RINGS[device] = PinnedRing(device)
+    return _RINGS[device]

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from . import ops
 from .devices import DeviceBackend, activate, default_backend, device_identity, group_backend, this_device
-from .faults import collective, timeout_seconds
+from .faults import collective, group_timeout_seconds
 from .shape import MeshShape, asked
 from .shm import attach, attach_pipes, channel_for
 
@@ -188,7 +188,7 @@ class Mesh:
     def _new_group(self, ranks: tuple[int, ...]):
         if len(ranks) < 2:
             return None
-        return _new_group(ranks, self.world_size, default_timeout(), self.backend)
+        return _new_group(ranks, self.world_size, default_timeout(self.backend), self.backend)
 
     def __str__(self) -> str:
         """``rank 3: pp 1/2, tp 1/2, sp 0/1``: this rank's stage, then its index in each group (and in
@@ -233,8 +233,9 @@ def _leave_at_exit() -> None:
             dist.destroy_process_group()
 
 
-def default_timeout() -> datetime.timedelta:
-    return datetime.timedelta(seconds=timeout_seconds())
+def default_timeout(backend: str) -> datetime.timedelta:
+    """A process group's timeout on ``backend`` (``faults.group_timeout_seconds``: NCCL's outlasts the bound)."""
+    return datetime.timedelta(seconds=group_timeout_seconds(backend))
 
 
 def get_mesh(
@@ -267,14 +268,15 @@ def get_mesh(
             return Mesh(MeshShape((1,)), 0, DeviceBackend(device, default_backend(device)), {})
         device = this_device()
         activate(device)
+        backend = default_backend(device)
         with collective(f"joining the process group (rank {os.environ.get('RANK')} of {os.environ['WORLD_SIZE']})"):
-            dist.init_process_group(backend=default_backend(device), timeout=timeout or default_timeout())
+            dist.init_process_group(backend=backend, timeout=timeout or default_timeout(backend))
     shape = MeshShape.of(dist.get_world_size(), **sizes)
     if not _MESHES:
         atexit.unregister(_leave_at_exit)  # registered once, however often meshes are made anew
         atexit.register(_leave_at_exit)
     if shape not in _MESHES:
-        _MESHES[shape] = _create(shape, timeout or default_timeout())
+        _MESHES[shape] = _create(shape, timeout)
     return _MESHES[shape]
 
 
@@ -289,7 +291,7 @@ def _new_group(ranks: tuple[int, ...], world_size: int, timeout: datetime.timede
     return group
 
 
-def _create(shape: MeshShape, timeout: datetime.timedelta) -> Mesh:
+def _create(shape: MeshShape, timeout: datetime.timedelta | None) -> Mesh:
     rank = dist.get_rank()
     device = this_device()
     activate(device)
@@ -301,6 +303,7 @@ def _create(shape: MeshShape, timeout: datetime.timedelta) -> Mesh:
             dist.all_gather_object(identities, device_identity(device), group=probe)
             dist.destroy_process_group(probe)
         device_backend = DeviceBackend(device, group_backend(device_backend.backend, device, identities))
+    timeout = timeout or default_timeout(device_backend.backend)
     groups = {}
     with collective(f"creating the process groups of the mesh on rank {rank}"):
         for dim in ("world", *DIMS):  # the same order on every rank: new_group is collective over the world

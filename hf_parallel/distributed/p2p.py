@@ -12,12 +12,18 @@ issue order, a batch progresses together. The whole test suite runs under it (th
 states too where shared memory is off), so this class of hang fails on a CPU, with the stuck operation
 named. (Shared-memory pipes between stages on one host are a transport of their own, used on CPUs only.)
 
-Every wait is bounded (``work.wait(timeout)``; on NCCL that blocks the host until the transfer is
-done or the timeout passes, which is what throttles a save's sender to one message in flight), and a
-transfer that does not finish raises ``RankFailure`` naming it. Tensors travel on the mesh's wire
-(``devices.py``): an accelerator tensor bound for gloo is staged through pinned host memory. Headers
-travel on the host wherever the backend carries host tensors (``"cpu:gloo,cuda:nccl"``), so writing or
-reading a shape never waits for a GPU.
+A wait is the host's where the host runs the transfer (gloo): bounded (``work.wait(timeout)``), and a
+transfer that does not finish raises ``RankFailure`` naming it. On an accelerator's library (NCCL) a wait
+inside a step is the device stream's (``work.wait()``: the stream waits for the transfer, the host goes
+on queueing kernels), so a pipeline step's receives and flushes of bytes on NCCL do not hold the host;
+each such transfer is watched (``faults.Watcher``), which names one still running after
+``HF_PARALLEL_TIMEOUT``, and the next point-to-point call raises it. A caller that needs a transfer done
+before it goes on asks for a host wait (``host=True``; ``send``, ``recv`` and ``run`` always do): bounded
+on NCCL too, it is what throttles a save's sender to one message in flight (NCCL's watchdog times an
+operation from when it is queued). ``stream_wait`` makes the choice. Tensors travel on the mesh's wire
+(``devices.py``): an accelerator tensor bound for gloo is copied to host memory first. Headers travel on
+the host wherever the backend carries host tensors (``"cpu:gloo,cuda:nccl"``), so writing or reading a
+shape never waits for a GPU.
 """
 
 from __future__ import annotations
@@ -25,11 +31,13 @@ from __future__ import annotations
 import datetime
 import os
 from dataclasses import dataclass
+from typing import Callable, Iterable
 
 import torch
 import torch.distributed as dist
 
-from .faults import RankFailure, collective, timeout_seconds
+from .devices import COLLECTIVE_BACKENDS, backend_for
+from .faults import WATCHER, RankFailure, collective, timeout_seconds
 from .strict import post_strictly
 
 RULES_ENV = "HF_PARALLEL_P2P_RULES"
@@ -63,22 +71,55 @@ def timeout() -> datetime.timedelta:
     return datetime.timedelta(seconds=timeout_seconds())
 
 
-class Posted:
-    """Transfers in flight; ``wait`` returns once every one of them completed."""
+def stream_wait(backend: str, device_types: Iterable[str], host: bool) -> bool:
+    """Whether waiting for transfers of tensors on ``device_types`` over a group of ``backend``
+    (``init_process_group``'s string) is a stream wait: where each travels on its accelerator's
+    collective library (NCCL, XCCL) and the caller does not need them done on the host (``host``).
+    gloo moves host tensors on the host, which waits for them anyway."""
+    kinds = set(device_types)
+    return not host and bool(kinds) and all(
+        kind in COLLECTIVE_BACKENDS and backend_for(backend, kind) == COLLECTIVE_BACKENDS[kind] for kind in kinds
+    )
 
-    def __init__(self, ops: list[Op], works: list):
-        self.ops, self.works = ops, works
+
+class Posted:
+    """Transfers in flight; ``wait`` returns once every one of them completed, or, for a stream wait
+    (``stream``), once the device's current stream waits for them; those are watched meanwhile."""
+
+    def __init__(self, ops: list[Op], works: list, stream: bool = False):
+        self.ops, self.works, self.stream = ops, works, stream
+        if stream:
+            for work, what in _named(ops, works):
+                WATCHER.watch(work.is_completed, what)
 
     def wait(self) -> None:
+        WATCHER.check()
         for op, work in zip(self.ops, self.works):
             with collective(lambda op=op: f"{op.what} ({op.kind} with rank {op.peer})"):
-                if not work.wait(timeout()):
+                if self.stream:
+                    work.wait()  # no timeout: NCCL orders the current stream after the transfer and returns
+                elif not work.wait(timeout()):
                     raise RuntimeError(f"timed out after {timeout_seconds():g}s")
 
 
-def post(ops: list[Op], group=None) -> Posted:
+def _named(ops: list[Op], works: list) -> list[tuple[object, Callable[[], str]]]:
+    """Each work with the words for what it carries: one work per operation, or one for a whole batch
+    (NCCL coalesces one); the words hold no tensor, so watching keeps none alive."""
+    said = [(op.what, op.kind, op.peer) for op in ops]
+
+    def words(parts):
+        return lambda: " and ".join(f"{what} ({kind} with rank {peer})" for what, kind, peer in parts)
+
+    if len(works) == len(ops):
+        return [(work, words([part])) for work, part in zip(works, said)]
+    return [(work, words(said)) for work in works]
+
+
+def post(ops: list[Op], group=None, host: bool = False) -> Posted:
     """Start ``ops`` together over ``group`` (the mesh's world group; peers are global ranks): one
-    batch, so a pair that exchanges posts both directions here."""
+    batch, so a pair that exchanges posts both directions here. ``host``: their ``wait`` holds the host
+    until they are done, whatever the backend (else ``stream_wait`` decides)."""
+    WATCHER.check()
     if strict():
         return Posted(ops, post_strictly(ops, group))
     with collective(lambda: " and ".join(f"{op.what} ({op.kind} with rank {op.peer})" for op in ops)):
@@ -90,12 +131,13 @@ def post(ops: list[Op], group=None) -> Posted:
                 [dist.P2POp(dist.isend if op.kind == "send" else dist.irecv, op.tensor, op.peer, group=group)
                  for op in ops]
             )  # fmt: skip
-    return Posted(ops, works)
+    kinds = {op.tensor.device.type for op in ops}
+    return Posted(ops, works, kinds != {"cpu"} and stream_wait(str(dist.get_backend(group)), kinds, host))
 
 
 def run(ops: list[Op], group=None) -> None:
-    """``post(ops, group).wait()``: the transfers done when this returns."""
-    post(ops, group).wait()
+    """``post(ops, group, host=True).wait()``: the transfers done when this returns."""
+    post(ops, group, host=True).wait()
 
 
 def send(tensor: torch.Tensor, peer: int, what: str, group=None) -> None:
@@ -109,4 +151,4 @@ def recv(buffer: torch.Tensor, peer: int, what: str, group=None) -> torch.Tensor
     return buffer
 
 
-__all__ = ["Op", "Posted", "RankFailure", "post", "recv", "run", "send", "strict"]
+__all__ = ["Op", "Posted", "RankFailure", "post", "recv", "run", "send", "stream_wait", "strict"]
