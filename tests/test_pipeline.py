@@ -183,6 +183,52 @@ def test_schedules_hold_every_step_once():
                 assert peak <= min(count, stages - stage)  # 1F1B holds at most stages - stage activations
 
 
+@pytest.mark.parametrize(
+    "sizes",
+    [dict(stage_tp_sizes=[2, 1]), dict(stage_tp_sizes=[1, 3], sp_size=2), dict(stage_tp_sizes=[2, 1], fsdp_size=2),
+     dict(stage_tp_sizes=[3, 2, 2], fsdp_size=2, dp_replicate_size=2, sp_size=2)],
+)  # fmt: skip
+@pytest.mark.parametrize("by_rows", [False, True])
+@pytest.mark.parametrize("first_whole", [False, True])
+def test_tied_gradient_slices_trade_exactly_the_rows_each_rank_holds(sizes, by_rows, first_whole):
+    """``tied.py``'s plan, run without processes: each rank of the end stages sends and receives only its
+    slice's rows (its FSDP rows of its TP shard with ``by_rows``), whatever each stage's TP size or
+    layout, and ends with its slice of the sum, bitwise the same on both stages."""
+    from types import SimpleNamespace
+
+    from hf_parallel.core.layout import chunks, even_sizes, replicated
+    from hf_parallel.distributed.shape import MeshShape
+    from hf_parallel.pipeline import tied
+
+    shape, vocab = MeshShape.of(None, **sizes), 11
+    ends = (0, shape.num_stages - 1)
+    grads = {stage: torch.randn(vocab, 3) for stage in ends}
+    layouts = {stage: chunks(0, even_sizes(vocab, shape.stage_tp_sizes[stage])) for stage in ends}
+    layouts[0] = replicated(shape.stage_tp_sizes[0]) if first_whole else layouts[0]
+    slices, plans, sent = {}, {}, {}
+    for rank in range(shape.world_size):
+        stage, sp, tp = shape.position(rank)
+        fsdp = next(ranks for ranks in shape.groups("fsdp") if rank in ranks)
+        mesh = SimpleNamespace(shape=shape, rank=rank, sp=SimpleNamespace(rank=sp), replica=shape.replica(rank))
+        if stage in ends:
+            whole = grads[stage] if layouts[stage].is_replicated else layouts[stage].extract(grads[stage], tp)
+            start, stop = tied.fsdp_slice(len(whole), fsdp.index(rank), len(fsdp)) if by_rows else (0, len(whole))
+            slices[rank] = (stage, tp, (start, stop), whole[start:stop].clone())
+            other = ends[1] if stage == 0 else 0
+            mine = tied.stage_pieces(mesh, stage, layouts[stage], vocab, by_rows)
+            theirs = tied.stage_pieces(mesh, other, layouts[other], vocab, by_rows)
+            plans[rank] = tied.exchange_plan(mine, theirs, rank)
+            sent.update({(rank, peer): torch.cat([whole[start:stop][a : a + n] for a, n in spans])
+                         for peer, spans in plans[rank][0].items()})  # fmt: skip
+    for rank, (stage, tp, rows, local) in slices.items():
+        receives = plans[rank][1]
+        tied.add_received(local, 0, receives, {peer: sent.pop((peer, rank)) for peer in receives}, stage == 0)
+        total = grads[0] + grads[ends[1]]
+        want = total if layouts[stage].is_replicated else layouts[stage].extract(total, tp)
+        assert torch.equal(local, want[rows[0] : rows[1]]), (rank, sizes)
+    assert not sent, sorted(sent)  # every message sent was received
+
+
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_real_smollm2_vtp_tied_embeddings(smollm2, tmp_path):

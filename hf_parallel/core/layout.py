@@ -2,8 +2,7 @@
 
 A layout is pure data (no torch.distributed). A rank's local tensor comes out of the full one with
 ``extract`` (the loader, through safetensors ``get_slice``); the full tensor, or any box of it, goes
-back together from the ranks' local tensors with ``place`` / ``assemble`` (the save, block by block,
-and tied gradients across pipeline stages). Because both directions come from the same ranges,
+back together from the ranks' local tensors with ``place`` / ``assemble`` (the save, block by block). Because both directions come from the same ranges,
 load-then-save is the identity by construction (property-tested in tests/test_layout.py).
 
 Every layout is a list, per rank, of half-open ranges along ``dim`` that the rank holds, in the

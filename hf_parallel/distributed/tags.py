@@ -11,4 +11,4 @@ from enum import IntEnum
 class Tag(IntEnum):
     FORWARD = 1  # a pipeline stage's hidden states, to the next stage
     BACKWARD = 2  # the gradient of a stage's input, back to the stage before
-    TIED = 3  # a tied weight's gradient, between the first and the last stage
+    TIED = 3  # a tied weight's layout on the other end stage, swapped once between the first and the last stage

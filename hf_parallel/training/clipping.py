@@ -5,7 +5,9 @@ stage's layers. Some pieces are held by several ranks (a replicated norm on ever
 head on the ranks that replicate it, a tied embedding on the first and the last stage, every
 parameter on each sequence rank without FSDP, every slice on each HSDP replica). Clipping with
 the local norm is the classic silent error; here every element counts once: each rank weights
-its squares by one over the number of ranks holding the same element, and the world sums them.
+its squares by one over the number of ranks holding the same element (a run of elements with one
+count at a time), and the world sums them. Squares add up in float64, a block of a gradient at a
+time: no gradient is ever copied whole.
 """
 
 from __future__ import annotations
@@ -24,16 +26,34 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
-def _piece_weights(layout, rank: int, local_shape: tuple[int, ...], rows: slice | None, device) -> torch.Tensor | float:
-    """1 / holders of each element of ``rank``'s TP shard (broadcastable, on ``device``: the gradient's),
-    cut to FSDP's ``rows``."""
+CHUNK = 1 << 20  # elements cast to float64 at a time (8 MiB): casting a whole gradient would copy all of it
+
+
+def squares(piece: torch.Tensor) -> torch.Tensor:
+    """The sum of ``piece``'s squares in float64, block by block (``vector_norm``'s ``dtype`` casts its
+    whole input first on some devices)."""
+    flat = piece.view(-1) if piece.is_contiguous() else piece
+    if flat.numel() == 0:
+        return torch.zeros((), dtype=torch.float64, device=piece.device)
+    rows = max(1, CHUNK // max(1, flat[0].numel()))
+    norms = [torch.linalg.vector_norm(block, dtype=torch.float64) for block in flat.split(rows)]
+    return torch.stack(norms).square().sum()
+
+
+def _piece_weights(layout, rank: int, rows: slice | None) -> list[tuple[int, int, float]] | None:
+    """(local start, length, 1 / holders) runs along ``layout.dim`` of ``rank``'s TP shard, cut to
+    FSDP's ``rows`` (dim 0); None where every element has one holder."""
     counts = layout.replica_counts(rank)
     if layout.is_replicated or max(counts, default=1) == 1:
-        return 1.0
-    ranges = zip(layout.ranges[rank], counts)
-    weights = torch.cat([torch.full((stop - start,), 1.0 / count, device=device) for (start, stop), count in ranges])
-    weights = weights.reshape([-1 if d == layout.dim else 1 for d in range(len(local_shape))])
-    return weights if rows is None or layout.dim != 0 else weights[rows]
+        return None
+    low, high = (rows.start, rows.stop) if rows is not None and layout.dim == 0 else (0, layout.local_size(rank))
+    runs, offset = [], 0
+    for (start, stop), count in zip(layout.ranges[rank], counts):
+        first, last = max(offset, low), min(offset + stop - start, high)
+        if first < last:
+            runs.append((first - low, last - first, 1.0 / count))
+        offset += stop - start
+    return runs
 
 
 def grad_norm_squares(model, state) -> torch.Tensor:
@@ -45,21 +65,24 @@ def grad_norm_squares(model, state) -> torch.Tensor:
     for name, param, entry in named_entries(model, state):
         if param.grad is None:
             continue
-        grad = local_tensor(param.grad).double()
+        grad = local_tensor(param.grad)
         sharded = hasattr(param, "to_local")  # FSDP's slice of this rank's TP shard
         # FSDP's slices are copied on the HSDP replicas; anything else (an adapter) on every replica
-        weight: torch.Tensor | float = 1.0 / (mesh.shape.dp_replicate if sharded else mesh.dp.size)
+        weight = 1.0 / (mesh.shape.dp_replicate if sharded else mesh.dp.size)
         if sequence is not None and not sharded:
             weight /= sequence.size
         if name in tied:
             weight /= 2
+        runs = None
         if entry is None or entry.layout.is_replicated:
             weight /= mesh.tp.size
         else:
-            local_shape = tuple(param.shape)
-            rows = fsdp_rows(local_shape[0], grad.shape[0], mesh.fsdp.rank, mesh.fsdp.size) if sharded else None
-            weight = weight * _piece_weights(entry.layout, mesh.tp.rank, local_shape, rows, grad.device)
-        total += (grad.pow(2) * weight).sum() if isinstance(weight, torch.Tensor) else grad.pow(2).sum() * weight
+            rows = fsdp_rows(param.shape[0], grad.shape[0], mesh.fsdp.rank, mesh.fsdp.size) if sharded else None
+            runs = _piece_weights(entry.layout, mesh.tp.rank, rows)
+        if runs is None:
+            total += squares(grad) * weight
+        for start, length, share in runs or ():
+            total += squares(grad.narrow(entry.layout.dim, start, length)) * (weight * share)
     return total
 
 
