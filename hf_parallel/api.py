@@ -122,9 +122,7 @@ def from_pretrained(
     compute_dtype = _compute_dtype(mixed_precision, dtype, keep_quantized)
     mesh = get_mesh(**sizes)  # every process group, created once
     dtype = torch.float32 if compute_dtype is not None else resolve_dtype(dtype, config)  # mixed: fp32 masters
-    if fsdp_cpu_offload and mesh.shape.dp == 1:
-        raise ValueError("fsdp_cpu_offload=True without fsdp_size / dp_replicate_size: it offloads FSDP's shards")
-    policies = fsdp_policies(mesh, compute_dtype, fsdp_cpu_offload) if mesh.shape.dp > 1 else {}
+    policies = _fsdp_policies(mesh, compute_dtype, fsdp_cpu_offload)
     files = checkpoint_files(path, allow_pickle) if mesh.num_stages > 1 else None  # a stage sets the others' aside
     # 1. layouts: this rank's empty model, cut to its stage, every parameter's layout; all refusals
     built = build_rank_model(auto_class, config, dtype, mesh, tp_plan, ep_plan, stage_layers, files)
@@ -135,10 +133,7 @@ def from_pretrained(
     load = functools.partial(load_weights, model, path, built.layout, dtype, allow_pickle, built.ignore_keys,
                              files=files, quantization=built.quantization)  # fmt: skip
     sharded = mesh.shape.dp > 1
-    if sharded:
-        shard_shapes_on_meta(model, built.layout, dtype)
-    else:
-        source_keys = load(kept=kept)
+    source_keys = shard_shapes_on_meta(model, built.layout, dtype) if sharded else load(kept=kept)
     hold_quantized(model, kept or {}, fp8_products=keep_quantized == "fp8", int4_kernels=keep_quantized == "int4")
     _read_generation_config(model, path)
     # 3. tensor (and expert) parallelism: each module's collectives; gradient sums recorded
@@ -173,6 +168,13 @@ def from_pretrained(
     install_trainer_seams(model, state)
     check_on_device(model, mesh.device, parameters=not fsdp_cpu_offload)  # (offloaded: on the host)
     return model
+
+
+def _fsdp_policies(mesh, compute_dtype, cpu_offload: bool) -> dict:
+    """FSDP's policies for this mesh (none without data-parallel dimensions, where offloading is refused)."""
+    if cpu_offload and mesh.shape.dp == 1:
+        raise ValueError("fsdp_cpu_offload=True without fsdp_size / dp_replicate_size: it offloads FSDP's shards")
+    return fsdp_policies(mesh, compute_dtype, cpu_offload) if mesh.shape.dp > 1 else {}
 
 
 def _compute_dtype(mixed_precision, dtype, keep_quantized) -> torch.dtype | None:

@@ -90,6 +90,22 @@ def parameter_bytes_at_each_fully_shard():
         fsdp.fully_shard, api.shard_data_parallel = real_shard, real_data_parallel
 
 
+@contextlib.contextmanager
+def gradient_buckets_of(megabytes: float | None):
+    """``HF_PARALLEL_GRADIENT_BUCKET_MB`` set to ``megabytes`` inside the block (None: left as it is)."""
+    from hf_parallel.distributed.buckets import BUCKET_MB_ENV
+
+    before = os.environ.get(BUCKET_MB_ENV)
+    if megabytes is not None:
+        os.environ[BUCKET_MB_ENV] = str(megabytes)
+    try:
+        yield
+    finally:
+        os.environ.pop(BUCKET_MB_ENV, None)
+        if before is not None:
+            os.environ[BUCKET_MB_ENV] = before
+
+
 def held_after_load(model, state, at_sharding: list) -> dict:
     """What this rank holds of its parameters after the load, and at each ``fully_shard`` call, beside what the
     layout predicts (``memory.footprint``) and the model's own bytes."""
@@ -114,7 +130,9 @@ def train(rank: int, world_size: int, cases: dict, save_root: str) -> dict:
 
     results = {}
     for name, (path, sizes, loop) in cases.items():
-        with parameter_bytes_at_each_fully_shard() as at_sharding:
+        sizes = dict(sizes)
+        bucket_mb = sizes.pop("gradient_bucket_mb", None)  # the sums' buckets, read at the load
+        with parameter_bytes_at_each_fully_shard() as at_sharding, gradient_buckets_of(bucket_mb):
             model = hf_parallel.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **sizes)
         model.train()
         state = hf_parallel.parallel_state(model)
@@ -187,13 +205,15 @@ def trainer_history(trainer) -> dict:
     return {"losses": [e["loss"] for e in logged], "norms": [e["grad_norm"] for e in logged]}
 
 
-def one_process_trainer(path: str, batch_size: int, output_dir: str) -> dict:
-    """transformers' Trainer in one process on the global batch: losses, norms, final weights."""
+def one_process_trainer(path: str, batch_size: int, output_dir: str, **overrides) -> dict:
+    """transformers' Trainer in one process on the global batch: losses, norms, final weights. ``overrides``:
+    TrainingArguments (``bf16=True``: autocast over float32 weights)."""
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     data = trainer_dataset(model.config.vocab_size, batch_size * STEPS)
-    trainer = transformers.Trainer(model=model, args=trainer_arguments(output_dir, batch_size), train_dataset=data)
+    args = trainer_arguments(output_dir, batch_size, **overrides)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=data)
     trainer.train()
     return {**trainer_history(trainer), "weights": {k: v.detach().clone() for k, v in model.state_dict().items()}}
 

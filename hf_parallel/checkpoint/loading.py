@@ -24,14 +24,12 @@ the caller passes ``allow_pickle=True``; even then they go through ``torch.load(
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from collections import Counter
 from contextlib import ExitStack
 
 import torch
-import torch.distributed as dist
 from safetensors import SafetensorError, safe_open
 from torch import nn
 from tqdm.auto import tqdm
@@ -39,7 +37,6 @@ from tqdm.auto import tqdm
 from ..compat.torch import fsdp_rows
 from ..compat.transformers import unexpected_key_patterns
 from ..distributed.devices import host_staging, pinned_ring
-from ..distributed.faults import collective
 from ..quant.kept import KeptWeight, placeholder
 from ..core.layout import as_slices, replicated
 from ..tensor.parallelize import ModelLayout
@@ -48,6 +45,8 @@ from ..core.errors import CheckpointError
 from .files import INDEX_FILE, MANIFEST_FILE, PICKLE_FILE, PICKLE_INDEX_FILE, SINGLE_FILE
 from .keys import FusedSource, checkpoint_sources, expert_shape
 from .manifest import DistributedCheckpoint
+from .pickle_file import PickleFile
+from .same_files import check_same_checkpoint
 from ..quant.formats import (
     PARTS,
     Quantization,
@@ -75,44 +74,6 @@ def file_keys(file: str) -> list[str]:
             return list(f.keys())
     except (SafetensorError, OSError) as error:
         raise CheckpointError(f"{file}: not a valid safetensors file: {error}") from None
-
-
-class PickleFile:
-    """A ``pytorch_model.bin`` opened like a safetensors handle (``get_slice``), via
-    ``torch.load(weights_only=True)``; memory-mapped when the file is in the zip format."""
-
-    def __init__(self, file: str):
-        try:
-            try:
-                tensors = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
-            except RuntimeError as error:
-                if "mmap" not in str(error):
-                    raise
-                tensors = torch.load(file, map_location="cpu", weights_only=True)  # legacy format: no mmap
-        except Exception as error:  # torch.load raises many types on hostile bytes; all mean "refused"
-            raise CheckpointError(
-                f"{file}: torch.load(weights_only=True) refused it: {type(error).__name__}: {error}"
-            ) from None
-        if not isinstance(tensors, dict) or not all(isinstance(t, torch.Tensor) for t in tensors.values()):
-            raise CheckpointError(f"{file}: not a state dict (a dict of tensor names to tensors)")
-        self.tensors = tensors
-
-    def get_slice(self, key: str) -> "_TensorSlice":
-        return _TensorSlice(self.tensors[key])
-
-
-class _TensorSlice:
-    def __init__(self, tensor: torch.Tensor):
-        self.tensor = tensor
-
-    def get_shape(self):
-        return list(self.tensor.shape)
-
-    def get_dtype(self) -> torch.dtype:
-        return self.tensor.dtype
-
-    def __getitem__(self, index):
-        return self.tensor[index]
 
 
 def _is_floating(dtype) -> bool:
@@ -176,37 +137,6 @@ def checkpoint_files(path: str, allow_pickle: bool = False) -> dict[str, str]:
         if found.get(key) != file:
             raise CheckpointError(f"{index}: {key!r} is said to be in {file}, but that file does not hold it")
     return files
-
-
-def _header_digest(file: str) -> str:
-    """What every rank must agree on about one file: its size and its header (names, dtypes, shapes,
-    offsets) hashed; the first MiB of a pickle or config. Cheap: tensor data is not read."""
-    digest = hashlib.sha256(str(os.path.getsize(file)).encode())
-    with open(file, "rb") as f:
-        if file.endswith(".safetensors"):  # already validated: the length prefix is sane
-            digest.update(f.read(int.from_bytes(f.read(8), "little")))
-        else:
-            digest.update(f.read(1 << 20))
-    return digest.hexdigest()
-
-
-def check_same_checkpoint(path: str, files: dict[str, str], mesh) -> None:
-    """Every rank must read the same checkpoint; one that sees other files (a stale copy on a
-    node, another path) would silently assemble a model from two. Compares hashed headers."""
-    if mesh.world.group is None:
-        return
-    config = os.path.join(path, "config.json")
-    mine = {os.path.basename(f): _header_digest(f) for f in sorted(set(files.values()) | {config}) if os.path.isfile(f)}
-    everyone = [None] * mesh.world_size
-    with collective(f"{path}: comparing checkpoint headers across ranks (rank {mesh.rank})"):
-        dist.all_gather_object(everyone, mine, group=mesh.world.group)
-    for rank, theirs in enumerate(everyone[1:], start=1):
-        differ = sorted(name for name in set(theirs) | set(everyone[0]) if theirs.get(name) != everyone[0].get(name))
-        if differ:
-            raise CheckpointError(
-                f"{path}: rank {rank} sees a different checkpoint than rank 0 (files whose header or size differ, "
-                f"or that only one of them has: {', '.join(differ)}); every rank must load the same files"
-            )
 
 
 class ShardReader:
@@ -390,7 +320,7 @@ def _sources(model: nn.Module, path: str, layout: ModelLayout, files: dict, igno
 def shard_shapes_on_meta(model: nn.Module, layout: ModelLayout, dtype: torch.dtype) -> None:
     """Every parameter replaced by an empty (meta) one of this rank's TP shape, in the dtype the load
     reads: the model FSDP shards before any weight is read (``load_weights(into_shards=True)`` fills it).
-    Tied names keep sharing one parameter."""
+    Tied names keep sharing one parameter. Returns None: no checkpoint key is read yet."""
     rank = layout.mesh.tp.rank
     for entry in layout.unique_params():
         old = model.get_parameter(entry.name)

@@ -11,6 +11,9 @@
   the TP pieces it holds (``training/clipping.py``).
 - An op registered as an ordered effect keeps its place among the others in a compiled graph: the
   collectives (``distributed/ops.py``), which inductor could otherwise reorder differently on each rank.
+- Which backward a gradient hook runs in, a callback at that backward's end, and the hooks a parameter
+  carries: the bucketed gradient sums (``tensor/gradients.py``) are waited at the end of each backward,
+  and a parameter someone else hooks after them is summed in its own hook, so theirs see the sum.
 """
 
 from __future__ import annotations
@@ -78,3 +81,47 @@ def keep_in_order(op: str) -> None:
     import torch
 
     ORDERED_EFFECT.get()(op, torch.library.EffectType.ORDERED)
+
+
+WILL_EXECUTE = Seam("torch", "torch._C:_will_engine_execute_node",
+                    "(whether a backward accumulates a parameter's gradient, or autograd.grad hands it back)")  # fmt: skip
+GRAPH_TASK = Seam("torch", "torch._C:_current_graph_task_id", "(which backward a gradient hook runs in)")
+BACKWARD_END = Seam("torch", "torch.autograd.variable:Variable._execution_engine.queue_callback",
+                    "(a callback at the end of the running backward)")  # fmt: skip
+TENSOR_HOOKS = Seam("torch", "torch._tensor:Tensor.register_hook", "(the hooks a parameter carries)",
+                    reads=("_backward_hooks",))  # fmt: skip
+ACCUMULATED_HOOKS = Seam("torch", "torch._tensor:Tensor.register_post_accumulate_grad_hook",
+                         "(the hooks a parameter carries)", reads=("_post_accumulate_grad_hooks",))  # fmt: skip
+
+
+def current_backward() -> int:
+    """The running backward's id (each nested backward, as reentrant checkpointing runs, its own)."""
+    return GRAPH_TASK.get()()
+
+
+def at_backward_end(callback) -> None:
+    """``callback()`` once the running backward has finished (not if it raises)."""
+    BACKWARD_END.get()(callback)
+
+
+def hook_counts(param) -> tuple[int, int]:
+    """How many gradient hooks ``param`` carries: before and after accumulation."""
+    TENSOR_HOOKS.get()
+    ACCUMULATED_HOOKS.get()
+    return len(param._backward_hooks or ()), len(param._post_accumulate_grad_hooks or ())
+
+
+def grad_accumulator(param):
+    """The autograd node that accumulates ``param``'s gradient into ``.grad`` (DDP's way to reach it)."""
+    return param.view_as(param).grad_fn.next_functions[0][0]
+
+
+def will_accumulate(accumulator) -> bool:
+    """Inside a backward: whether it runs ``accumulator`` (``backward()`` does; ``autograd.grad`` returns the
+    gradient instead)."""
+    try:
+        return WILL_EXECUTE.get()(accumulator)
+    except RuntimeError as error:  # torch asks this of a leaf inside autograd.grad, which accumulates nothing
+        if "autograd.grad" in str(error):
+            return False
+        raise

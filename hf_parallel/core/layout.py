@@ -119,16 +119,7 @@ class Layout:
             for piece_start, piece_stop in ranges:
                 pieces.append((rank, piece_start, piece_stop, offset))
                 offset += piece_stop - piece_start
-        runs, at = [], start
-        while at < stop:
-            held = next((p for p in pieces if p[1] <= at < p[2]), None)
-            if held is None:
-                raise RuntimeError(f"layout {self} leaves index {at} of dim {self.dim} unassigned")
-            rank, piece_start, piece_stop, local = held
-            end = min(piece_stop, stop)
-            runs.append((rank, at, end, local + at - piece_start))
-            at = end
-        return runs
+        return supplying_runs(pieces, start, stop, f"layout {self} along dim {self.dim}")
 
     def _check_fits(self, full_shape) -> None:
         if self.dim >= len(full_shape):
@@ -204,3 +195,19 @@ def packed(dim: int, blocks, block_ranges) -> Layout:
 
 def replicated(world_size: int) -> Layout:
     return Layout(None, tuple(() for _ in range(world_size)), "replicated")
+
+
+def supplying_runs(pieces: list[tuple[int, int, int, int]], start: int, stop: int, what: str) -> list:
+    """Who supplies ``[start, stop)`` of a split dim, given every holder's ``pieces`` ``(rank, full start, full
+    stop, local start)`` in order of preference: runs ``(rank, start, stop, local start)``, each from the first
+    piece holding where it starts. ``what`` names the tensor when an index has no holder."""
+    runs, at = [], start
+    while at < stop:
+        held = next((piece for piece in pieces if piece[1] <= at < piece[2]), None)
+        if held is None:
+            raise RuntimeError(f"{what}: nobody holds index {at}")
+        rank, piece_start, piece_stop, local = held
+        end = min(piece_stop, stop)
+        runs.append((rank, at, end, local + at - piece_start))
+        at = end
+    return runs

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from ..compat.torch import fsdp_rows
-from ..core.layout import Layout
+from ..core.layout import Layout, supplying_runs
 from ..distributed import p2p
 from ..distributed.devices import to_wire
 from ..distributed.faults import collective
@@ -153,16 +153,7 @@ def fsdp_slice(rows: int, index: int, size: int) -> tuple[int, int]:
 
 def suppliers(pieces: list[Piece], start: int, stop: int) -> list[Piece]:
     """Who supplies ``[start, stop)``: runs, each from the first piece holding where it starts."""
-    runs, at = [], start
-    while at < stop:
-        held = next((piece for piece in pieces if piece[1] <= at < piece[2]), None)
-        if held is None:
-            raise RuntimeError(f"no rank of the other stage holds index {at} of a tied weight")
-        rank, piece_start, piece_stop, local = held
-        end = min(piece_stop, stop)
-        runs.append((rank, at, end, local + at - piece_start))
-        at = end
-    return runs
+    return supplying_runs(pieces, start, stop, "a tied weight on the other stage")
 
 
 def exchange_plan(mine: list[Piece], theirs: list[Piece], me: int) -> tuple[Spans, Spans]:

@@ -6,21 +6,38 @@ model keeps one ``GradientSums``: it is the one record of which parameter is sum
 group, so a parameter summed over TP and over SP gets one hook for each, and never two for one.
 
 The TP styles and the sequence split only record; ``register`` puts the hooks on, once, after the
-data-parallel step: on the parameters themselves, or, under FSDP2, on the unsharded parameters
-FSDP computes with (it creates each at the first all-gather and keeps it), leaving out the sums
-FSDP's own reduce-scatter does (the sequence group, folded into the FSDP group). Sums recorded after
-that (adapters placed at first use) are registered at once.
+data-parallel step. Without FSDP, a whole-tensor sum waits until autograd has accumulated the
+gradient and goes into a bucket that is all-reduced while backward goes on (``distributed/buckets.py``),
+all of them waited once at the end of the backward; ``deferring`` (``train_step``'s micro-batches but
+the last) leaves the sums to the last backward, which then sums the accumulated gradient once. A
+gradient that already held a sum before this backward (accumulation outside ``train_step``) is summed
+in its hook, blocking, as is one ``autograd.grad`` hands back, one someone hooked after the sums (an
+optimizer stepping in backward), and a sum of some rows only (a replicated KV head's). Under FSDP2 the hooks go
+on the unsharded parameters FSDP computes with (it creates each at the first all-gather and keeps it),
+blocking, leaving out the sums FSDP's own reduce-scatter does (the sequence group, folded into the FSDP
+group). Sums recorded after that (adapters placed at first use) are registered at once.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
-from ..compat.torch import FSDP_UNSHARDED_PARAM, check_fsdp_reuses_unsharded_parameters
+from ..compat.torch import (
+    FSDP_UNSHARDED_PARAM,
+    at_backward_end,
+    check_fsdp_reuses_unsharded_parameters,
+    current_backward,
+    grad_accumulator,
+    hook_counts,
+    will_accumulate,
+)
 from ..distributed import comm
+from ..distributed.buckets import GradientBuckets, Reduction, bucket_bytes
 from ..core.layout import Layout
 
 
@@ -28,11 +45,19 @@ class GradientSums:
     """Which groups each parameter's gradient is summed over, with one backward hook per pair."""
 
     def __init__(self):
-        self._sums: dict[int, list[tuple[object, Callable]]] = {}  # id(parameter) -> (group, hook), in order
+        # id(parameter) -> (group, blocking hook, its bucketed reduction or None: some rows only), in order
+        self._sums: dict[int, list[tuple[object, Callable, Reduction | None]]] = {}
         self._registered = False
         # mixed precision: FSDP computes with bf16 copies of float32 masters and reduces in float32; the
         # sums here then add in float32 too, rounded to the copy's dtype once
         self.reduce_dtype: torch.dtype | None = None
+        self._buckets = GradientBuckets(bucket_bytes()) if bucket_bytes() > 0 else None
+        self._deferring = False
+        self._window: dict[int, nn.Parameter] = {}  # accumulated since a fresh start, unsummed (deferred)
+        self._pending: set[int] = set()  # to be bucketed once accumulated, in this backward
+        self._finishing = None  # the backward whose end waits for the buckets
+        self._hooks: dict[int, tuple[int, int]] = {}  # id(parameter) -> its hook counts once ours were on
+        self._accumulators: dict[int, object] = {}  # id(parameter) -> the autograd node accumulating its .grad
 
     def _summed(self, grad: torch.Tensor, group) -> torch.Tensor:
         if self.reduce_dtype is None or grad.dtype == self.reduce_dtype:
@@ -42,14 +67,14 @@ class GradientSums:
     def sum_over(self, param: nn.Parameter, group) -> None:
         """Sum ``param``'s gradient over ``group`` in backward (each rank saw part of the data)."""
         if self._new(param, group):
-            self._add(param, group, lambda grad: self._summed(grad, group))
+            self._add(param, group, lambda grad: self._summed(grad, group), Reduction(group))
 
     def average_over(self, param: nn.Parameter, group) -> None:
         """Average ``param``'s gradient over ``group``: a parameter FSDP does not manage (an adapter
         added after loading), replicated on the data-parallel replicas, as FSDP averages its own."""
         if self._new(param, group):
             size = torch.distributed.get_world_size(group)
-            self._add(param, group, lambda grad: self._summed(grad, group) / size)
+            self._add(param, group, lambda grad: self._summed(grad, group) / size, Reduction(group, size))
 
     def sum_pieces(self, param: nn.Parameter, layout: Layout, rank: int, group) -> None:
         """Sum, over the ranks sharing them, the gradient rows of pieces held by several ranks
@@ -73,25 +98,90 @@ class GradientSums:
                 done += length
             return grad
 
-        self._add(param, None, hook)
+        self._add(param, None, hook, None)
 
     def _new(self, param: nn.Parameter, group) -> bool:
         """Whether ``group`` is a group and ``param`` has no sum over it yet."""
-        return group is not None and all(g is not group for g, _ in self._sums.get(id(param), ()))
+        return group is not None and all(g is not group for g, _, _ in self._sums.get(id(param), ()))
 
-    def _add(self, param: nn.Parameter, group, hook: Callable) -> None:
-        self._sums.setdefault(id(param), []).append((group, hook))
-        if self._registered:
+    def _add(self, param: nn.Parameter, group, hook: Callable, reduction: Reduction | None) -> None:
+        self._sums.setdefault(id(param), []).append((group, hook, reduction))
+        if self._registered:  # (an adapter placed after the load: its own hooks, each blocking)
             param.register_hook(hook)
 
     def register(self, model: nn.Module) -> None:
-        """Every recorded sum on ``model``'s parameters (no FSDP)."""
+        """Every recorded sum on ``model``'s parameters (no FSDP): rows blocking in the hook, whole
+        tensors bucketed (blocking too with ``HF_PARALLEL_GRADIENT_BUCKET_MB=0``)."""
         self._registered = True
         for param in model.parameters():
             if param.device.type == "meta":  # a kept quantized weight's placeholder (inference only: no gradient)
                 continue
-            for _, hook in self._sums.get(id(param), ()):
-                param.register_hook(hook)
+            sums = self._sums.get(id(param), ())
+            whole = tuple(reduction for _, _, reduction in sums if reduction is not None)
+            for _, hook, reduction in sums:
+                if reduction is None or self._buckets is None:
+                    param.register_hook(hook)
+            if whole and self._buckets is not None:
+                blocking = [hook for _, hook, reduction in sums if reduction is not None]
+                param.register_hook(functools.partial(self._before_accumulation, param, blocking))
+                param.register_post_accumulate_grad_hook(functools.partial(self._after_accumulation, whole))
+                self._hooks[id(param)] = hook_counts(param)
+                self._accumulators[id(param)] = grad_accumulator(param)
+
+    def _before_accumulation(self, param: nn.Parameter, blocking: list[Callable], grad: torch.Tensor):
+        """A gradient about to accumulate: left for the bucket where ``.grad`` holds no sum yet (none, or
+        only this rank's since a deferred start) and no hook registered since ours would read it before
+        the sum (an optimizer stepping in backward), else summed now."""
+        key = id(param)
+        hooked_since = hook_counts(param) != self._hooks[key]
+        accumulated = will_accumulate(self._accumulators[key])  # (autograd.grad hands the gradient back: sum now)
+        if (param.grad is None or key in self._window) and accumulated and not hooked_since:
+            if self._deferring:
+                self._window[key] = param
+            else:
+                self._pending.add(key)
+            return grad
+        for hook in blocking:
+            grad = hook(grad)
+        return grad
+
+    def _after_accumulation(self, reductions: tuple[Reduction, ...], param: nn.Parameter) -> None:
+        key = id(param)
+        if key not in self._pending:
+            return
+        self._pending.discard(key)
+        self._window.pop(key, None)
+        backward = current_backward()
+        if self._finishing != backward:  # at the end of this backward (a nested one its own): wait for them all
+            self._finishing = backward
+            at_backward_end(self._finish)
+        self._buckets.add(param, reductions)
+
+    def _finish(self) -> None:
+        """Every bucket waited and written back: those of a backward that raised before its end too."""
+        self._finishing = None
+        self._buckets.finish()
+
+    @contextlib.contextmanager
+    def deferring(self):
+        """Backward passes whose whole-tensor sums wait for the next backward outside the block (the
+        micro-batches of one step but the last): their gradients accumulate unsummed, and that backward
+        sums each once."""
+        self._deferring = True
+        try:
+            yield
+        finally:
+            self._deferring = False
+
+    def flush(self) -> None:
+        """Sum what a deferred backward left unsummed and the last backward did not reach (a parameter
+        the last micro-batch did not use), in the order they were first reached: the same on every rank."""
+        if self._window:
+            left, self._window = list(self._window.values()), {}
+            for param in left:
+                reductions = tuple(r for _, _, r in self._sums.get(id(param), ()) if r is not None)
+                self._buckets.add(param, reductions)
+            self._buckets.finish()
 
     def register_under_fsdp(self, model: nn.Module, names: dict[int, str], done_by_fsdp) -> None:
         """Every recorded sum on the parameters FSDP2 computes with. ``names``: id of each
@@ -102,7 +192,7 @@ class GradientSums:
         self._registered = True
         by_owner: dict[nn.Module, list[tuple[str, list[Callable]]]] = {}
         for key, sums in self._sums.items():
-            hooks = [hook for group, hook in sums if done_by_fsdp is None or group is not done_by_fsdp]
+            hooks = [hook for group, hook, _ in sums if done_by_fsdp is None or group is not done_by_fsdp]
             if hooks and key in names:
                 owner, _, attr = names[key].rpartition(".")
                 by_owner.setdefault(model.get_submodule(owner), []).append((attr, hooks))

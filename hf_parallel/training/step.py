@@ -14,6 +14,8 @@ gradients, so each replica's loss is normalised by the global token count over t
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 
@@ -24,13 +26,42 @@ from ..pipeline.schedule import run_schedule
 from ..state import parallel_state
 
 
+def accumulate(model, state, parts: list[dict], keep_gathered: bool) -> torch.Tensor:
+    """Forward and backward of each micro-batch in turn; the gradient sums once, in the last backward:
+    FSDP's reduce-scatter (``set_requires_gradient_sync``) and the TP/SP sums (``GradientSums.deferring``).
+    ``keep_gathered``: FSDP's parameters stay whole between the micro-batches (no all-gather per
+    micro-batch, the memory of the unsharded model meanwhile)."""
+    fsdp = model if hasattr(model, "set_requires_gradient_sync") else None
+    losses = []
+    try:
+        for index, part in enumerate(parts):
+            last = index == len(parts) - 1
+            if fsdp is not None:
+                fsdp.set_requires_gradient_sync(last)
+                if keep_gathered:
+                    fsdp.set_reshard_after_backward(last)
+            with contextlib.nullcontext() if last else state.gradients.deferring():
+                loss = model(**part).loss
+                loss.backward()
+            losses.append(loss.detach())
+    finally:  # a later plain backward reduces as ever
+        if fsdp is not None:
+            fsdp.set_requires_gradient_sync(True)
+            fsdp.set_reshard_after_backward(True)
+    state.gradients.flush()  # what the last micro-batch did not reach
+    return sum(losses)
+
+
 def train_step(
-    model, input_ids, labels, attention_mask=None, *, micro_batches: int = 4, schedule: str = "1f1b", **kwargs
-) -> torch.Tensor:
+    model, input_ids, labels, attention_mask=None, *, micro_batches: int = 4, schedule: str = "1f1b",
+    keep_gathered: bool = False, **kwargs
+) -> torch.Tensor:  # fmt: skip
     """Forward and backward of one batch; gradients accumulate in ``.grad`` as ``loss.backward()``
     would leave them in one process. Returns the batch's mean loss on every rank. Works on any
-    hf_parallel model (one stage: gradient accumulation over micro-batches). With data-parallel
-    replicas, every rank passes the whole batch (its rows a multiple of the replicas)."""
+    hf_parallel model (one stage: gradient accumulation over micro-batches, the gradients summed
+    and reduce-scattered once, in the last; ``keep_gathered``: FSDP's parameters whole between
+    them). With data-parallel replicas, every rank passes the whole batch (its rows a multiple of
+    the replicas)."""
     state = parallel_state(model)
     place_and_check(model)  # adapters added since loading placed, any other new trainable parameter refused
     dp = state.mesh.dp
@@ -53,12 +84,7 @@ def train_step(
     if state.stage is not None:
         loss = run_schedule(model, state, parts, schedule)
     else:
-        losses = []
-        for part in parts:
-            loss = model(**part).loss
-            loss.backward()
-            losses.append(loss.detach())
-        loss = sum(losses)
+        loss = accumulate(model, state, parts, keep_gathered)
     if dp.size > 1:  # the replicas' mean: the loss over the whole batch
         with collective(f"averaging the loss over the data-parallel replicas (rank {state.mesh.rank})"):
             dist.all_reduce(loss, group=dp.group)
