@@ -5,6 +5,8 @@ tensor whole, a meta tensor nothing; on the CPU a loaded slice may be a lazy vie
 file, so the process's RSS would not say it). ``Footprint`` predicts, from the layout alone (before
 any weight is read, as ``hf-parallel plan`` prints it), a rank's share of the weights and the
 largest tensor it reads whole at the load: what a load straight into FSDP's shards holds.
+``step_memory`` predicts, from the same layout, what a training step holds at its peak (``StepMemory``);
+``benchmarks/memory.py`` measures both against these formulas.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from dataclasses import dataclass
 import torch
 
 from .core.dtypes import nbytes
+from .core.layers import find_layer_list
+from .distributed.fsdp import ends_of_their_own
 
 
 def held_bytes(tensors: Iterable[torch.Tensor]) -> int:
@@ -45,9 +49,11 @@ class Footprint:
         return self.share + self.largest_slice
 
 
-def footprint(layout, dtype: torch.dtype) -> Footprint:
-    """``layout``'s (a ``ModelLayout``) parameters on its mesh's rank, in ``dtype``."""
-    mesh = layout.mesh
+def footprint(layout, dtype: torch.dtype, mesh=None) -> Footprint:
+    """``layout``'s (a ``ModelLayout``) parameters on ``mesh``'s rank (default: its own mesh's), in ``dtype``.
+    The plan's dry run passes each rank's ``Mesh.dry_run`` with the data-parallel sizes, which the mesh it
+    builds the layout on lacks (the layout itself does not depend on them)."""
+    mesh = mesh if mesh is not None else layout.mesh
     share = largest = 0
     for entry in layout.unique_params():
         shape = tuple(entry.layout.local_shape(entry.full_shape, mesh.tp.rank))
@@ -63,3 +69,84 @@ def _chunk(rows: int, index: int, size: int) -> int:
     short or empty."""
     chunk = -(-rows // size)
     return max(0, min(rows, (index + 1) * chunk) - index * chunk)
+
+
+# One decoder layer's activations kept for the backward, in bytes per token and hidden unit in 16-bit
+# (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models", sec. 4.1):
+# 34 without tensor parallelism, of which 10 stay whole on every TP rank and 24 are split over them;
+# an attention computed unfused keeps 5 bytes per score besides (its scores, softmax and dropout mask).
+LAYER_WHOLE, LAYER_SPLIT, SCORES = 10, 24, 5
+FUSED_ATTENTION = ("sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")  # keep no scores
+
+
+@dataclass(frozen=True)
+class StepMemory:
+    """One rank's tensors at a training step's peak by ``step_memory``'s formula (bytes): its share of the
+    parameters, their gradients and AdamW's two states, one FSDP unit whole (``gathered_unit``: its
+    parameters and their gradients), and one micro-batch's activations (``batch`` rows x ``seq`` tokens)."""
+
+    params: int
+    grads: int
+    optimizer: int
+    gathered: int
+    gathered_unit: str | None  # None: no FSDP
+    activations: int
+    batch: int
+    seq: int
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer + self.gathered + self.activations
+
+
+def step_memory(model, layout, dtype: torch.dtype, batch: int = 1, seq: int = 2048, mesh=None) -> StepMemory:
+    """A training step's peak on ``mesh``'s rank (default: the layout's own), from the layout alone: what a
+    layout is chosen by before anything loads. The model states are the ZeRO paper's, each the rank's
+    share: parameters, gradients, and AdamW's two states (``torch.optim.AdamW`` makes them ``zeros_like``
+    each parameter: float32 for float32 masters); under FSDP one unit is whole besides, parameters and
+    gradients, while it computes; then one micro-batch's activations (``activation_bytes``). Counted all at
+    once, an upper estimate: with ``zero_grad(set_to_none=True)`` no gradient exists in the forward. Left
+    out: a second unit FSDP holds whole (the next one prefetched in the backward, the last layer kept from
+    the forward), the optimizer's step counts, the allocator's slack."""
+    mesh = mesh if mesh is not None else layout.mesh
+    share = footprint(layout, dtype, mesh).share
+    unit, gathered = gathered_unit(model, layout, dtype, mesh) if mesh.shape.dp > 1 else (None, 0)
+    tokens = -(-batch * seq // mesh.sp.size)  # each rank of the sequence group holds its tokens
+    activations = activation_bytes(model, mesh.tp.size, tokens, seq, dtype)
+    return StepMemory(share, share, 2 * share, 2 * gathered, unit, activations, batch, seq)
+
+
+def gathered_unit(model, layout, dtype: torch.dtype, mesh=None) -> tuple[str, int]:
+    """The largest module FSDP gathers whole at once, and its bytes on ``mesh``'s rank (its TP shard, no
+    longer split over FSDP): a decoder layer, the untied input embedding or LM head, which are units of
+    their own (``shard_data_parallel``), or the root (the rest: a tied embedding and head, the final norm)."""
+    mesh = mesh if mesh is not None else layout.mesh
+    layers = find_layer_list(model)
+    paths = {id(module): path for path, module in model.named_modules()}
+    units = [f"{layers}.{index}" for index in range(len(model.get_submodule(layers)))]
+    units += [paths[id(end)] for end in ends_of_their_own(model)]
+    sizes = dict.fromkeys([*units, ROOT_UNIT], 0)
+    for entry in layout.unique_params():
+        unit = next((unit for unit in units if entry.name.startswith(unit + ".")), ROOT_UNIT)
+        sizes[unit] += nbytes(tuple(entry.layout.local_shape(entry.full_shape, mesh.tp.rank)), dtype)
+    return max(sizes.items(), key=lambda item: item[1])
+
+
+ROOT_UNIT = "the root"  # what no layer or end of its own holds: the final norm, a tied embedding with its head
+
+
+def activation_bytes(model, tp: int, tokens: int, seq: int, dtype: torch.dtype) -> int:
+    """One micro-batch's activations kept for its backward on one rank, ``tokens`` of it on this rank (its
+    rows x ``seq`` over the sequence group). Per decoder layer the standard estimate (Korthikanti et al.
+    2022), scaled from 16-bit to ``dtype``: ``tokens x hidden x (10 + 24 / tp)``, plus the attention scores
+    ``5 x heads / tp x seq x tokens`` when the attention is not fused (eager). Then the logits, whole on
+    every TP rank (gathered for the loss): in ``dtype``, and twice in float32 for the loss (the
+    log-probabilities cross-entropy keeps, and their gradient). An estimate: it counts GPT's layer, and a
+    model's own norms, gates and rotary tables keep somewhat more or less."""
+    text = model.config.get_text_config()
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    layer = tokens * text.hidden_size * (LAYER_WHOLE + LAYER_SPLIT / tp)
+    if getattr(model.config, "_attn_implementation", None) not in FUSED_ATTENTION:
+        layer += SCORES * getattr(text, "num_attention_heads", 0) / tp * seq * tokens
+    logits = tokens * text.vocab_size * (itemsize + 2 * 4) if model.get_output_embeddings() is not None else 0
+    return int(text.num_hidden_layers * layer * itemsize / 2) + logits

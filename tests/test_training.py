@@ -35,7 +35,8 @@ LOOP_CASES = {  # world size -> case -> (checkpoint, layout, loop)
         "cp2_fsdp2": ("llama", dict(cp_size=2, fsdp_size=2, tp_plan=None), "train_step"),  # the ring in FSDP's fold
         "pp2_fsdp2": ("llama", dict(pp_size=2, fsdp_size=2, tp_plan=None), "train_step"),
         "pp2_fsdp2_tied": ("llama_tied_kvrep", dict(pp_size=2, fsdp_size=2, tp_plan=None), "train_step"),
-        "tp4_kv_replicated": ("llama_tied_kvrep", dict(tp_size=4), "train_step"),  # clipping counts KV copies once
+        # clipping counts KV copies once; the sums in buckets of ~1 KB: many launched while backward goes on
+        "tp4_kv_replicated": ("llama_tied_kvrep", dict(tp_size=4, gradient_bucket_mb=0.001), "train_step"),
     },
 }
 
@@ -175,8 +176,10 @@ TRAINER_CASES = {  # world size -> case -> layout (transformers' Trainer, unchan
         "replicate2_tp2": dict(dp_replicate_size=2, tp_size=2),
         "sp2_fsdp2": dict(sp_size=2, fsdp_size=2, tp_plan=None),
         "sp2_tp2": dict(sp_size=2, tp_size=2),
+        "fsdp2_tp2_bf16": dict(fsdp_size=2, tp_size=2, mixed_precision="bf16", trainer=dict(bf16=True)),
     },
 }
+BF16_TOLERANCE = 2e-2  # bf16 compute against one process's autocast: losses and norms, relative
 GLOBAL_BATCH = 4
 
 
@@ -205,7 +208,8 @@ def trainer_runs(paths, tmp_path_factory):
 
 @pytest.mark.distributed
 @pytest.mark.parametrize(
-    "world_size,case", [(w, c) for w, cases in TRAINER_CASES.items() for c in cases if c not in ("pp2", "unplaced")]
+    "world_size,case",
+    [(w, c) for w, cases in TRAINER_CASES.items() for c in cases if c not in ("pp2", "unplaced") and "bf16" not in c],
 )
 def test_trainer_matches_one_process(trainer_runs, trainer_reference, world_size, case):
     """Trainer(model=parallel model) logs one process's losses and grad norms (same global batch),
@@ -232,6 +236,24 @@ def test_trainer_matches_one_process(trainer_runs, trainer_reference, world_size
     single.load_state_dict(want["weights"])
     with torch.no_grad():
         assert_close(model(INPUT_IDS).logits, single(INPUT_IDS).logits, atol=1e-4, rtol=1e-4, what=f"{case} logits")
+
+
+@pytest.mark.distributed
+def test_trainer_bf16_trains_float32_masters_like_one_processes_bf16(trainer_runs, paths, tmp_path):
+    """``Trainer(bf16=True)`` on a model loaded with ``mixed_precision="bf16"`` (FSDP x TP: FSDP's bf16 policy)
+    logs one process's ``Trainer(bf16=True)`` losses and gradient norms within bf16's tolerance, and saves
+    float32 masters."""
+    import training_workers
+    from checks import read_checkpoint
+
+    want = training_workers.one_process_trainer(paths["llama"], GLOBAL_BATCH, str(tmp_path), bf16=True)
+    results, root = trainer_runs(4)
+    for rank, result in enumerate(results):
+        got = result["fsdp2_tp2_bf16"]
+        for what in ("losses", "norms"):
+            assert_close(got[what], want[what], atol=0, rtol=BF16_TOLERANCE, what=f"bf16 rank {rank}: {what}")
+    saved = read_checkpoint(os.path.join(root, "fsdp2_tp2_bf16", "final"))
+    assert {t.dtype for t in saved.values()} == {torch.float32}
 
 
 @pytest.mark.distributed
@@ -448,3 +470,31 @@ def test_a_model_without_repeated_layers_is_refused_for_fsdp():
 
     with pytest.raises(ValueError, match="fsdp_size=2, dp_replicate_size=1: Linear has no list of repeated layers"):
         layers_to_shard(nn.Linear(2, 2), Mesh.dry_run(fsdp_size=2))
+
+
+def test_the_plan_prints_the_memory_formula_for_a_rank(paths):
+    """``hf-parallel plan`` at fsdp_size=2 prints the tiny Llama's memory per rank (float32) as counted by hand:
+    rank 0 holds the first half of every tensor's rows (the odd ones' larger half), the load reads the largest
+    tensor whole, and a step adds the gradients, AdamW's two states, one decoder layer gathered (parameters and
+    gradients) and the activations of 1 x 2048 tokens (34 bytes per token and hidden unit per layer in 16-bit,
+    doubled for float32; the logits in float32 and twice more for the loss; sdpa keeps no scores)."""
+    from hf_parallel.commands.report import plan_report
+
+    line = plan_report(paths["llama"], 1, fsdp_size=2).splitlines()[-1]
+    hidden, kv, inner, vocab, layers, tokens = 72, 3 * 8, 100, 101, 2, 2048
+    layer = 2 * hidden * hidden + 2 * kv * hidden + 3 * inner * hidden + 2 * hidden  # q o, k v, gate up down, norms
+    rank0_layer = 36 * 72 + 12 * 72 + 12 * 72 + 36 * 72 + 50 * 72 + 50 * 72 + 36 * 100 + 36 + 36
+    share = 4 * (layers * rank0_layer + 51 * 72 + 36 + 51 * 72)  # + embedding, final norm, LM head rows
+    largest = 4 * vocab * hidden
+    gathered = 2 * 4 * layer
+    activations = layers * tokens * hidden * 34 * 2 + tokens * vocab * (4 + 2 * 4)
+
+    def mib(n: int) -> str:
+        return f"{n / 2**20:,.2f}"
+
+    assert line == (
+        f"memory per rank (formula): weights {mib(share)} MiB, load peak {mib(share + largest)} MiB (share + largest "
+        f"TP slice {mib(largest)} MiB), training step ~ {mib(4 * share + gathered + activations)} MiB (params "
+        f"{mib(share)} + grads {mib(share)} + AdamW {mib(2 * share)} + one gathered unit {mib(gathered)} "
+        f"(model.layers.0) + activations {mib(activations)} at batch 1 x seq 2048; hf_parallel/memory.py)"
+    ), line

@@ -146,7 +146,7 @@ def cmd_plan(args) -> None:
 
     sizes = dict(tp_plan=tp_plan_arg(args.tp_plan), sp=args.sp, cp=args.cp, seq=args.seq, fsdp_size=args.fsdp,
                  dp_replicate_size=args.dp_replicate, nproc_per_node=args.nproc_per_node,
-                 lora=parse_lora(args.lora) if args.lora else None)  # fmt: skip
+                 lora=parse_lora(args.lora) if args.lora else None, batch=args.batch)  # fmt: skip
     stages = pipeline_kwargs(args)
     if args.html and (stages.get("pp_size", 1) > 1 or stages.get("stage_tp_sizes")):
         raise SystemExit("hf-parallel plan --html draws one replica without pipeline stages; drop --pp/--stage-tp "
@@ -277,7 +277,9 @@ def _add_plan(sub) -> None:
     plan.add_argument("--tp", type=int, default=1, help="TP size (of every stage, with --pp)")
     plan.add_argument("--sp", type=int, default=1, help="sequence-parallel size: heads before/after the all-to-all")
     plan.add_argument("--cp", type=int, default=1, help="context-parallel size: a ring of SP groups (zigzag chunks)")
-    plan.add_argument("--seq", type=int, help="with --sp/--cp: a sequence length, to show the tokens each rank holds")
+    plan.add_argument("--seq", type=int, help="a sequence length: the tokens each rank holds under --sp/--cp, and "
+                      "the training step of the memory line (2048 unless given)")
+    plan.add_argument("--batch", type=int, default=1, help="rows of the training step the memory line assumes")
     plan.add_argument("--tp-plan", default="auto", help="auto, discover, a model_type, or a TOML/JSON file of rules")
     plan.add_argument("--fsdp", type=int, default=1, help="FSDP size: data-parallel replicas sharding the model")
     plan.add_argument("--dp-replicate", type=int, default=1, help="HSDP replicas of the FSDP group")

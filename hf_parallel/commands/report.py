@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import transformers
@@ -11,6 +11,7 @@ import transformers
 from ..build import build_empty, build_rank_model, check_mixers_under_fsdp, resolve_dtype
 from ..distributed.mesh import Mesh
 from ..distributed.shape import MeshShape
+from ..memory import footprint, step_memory
 from ..pipeline.stage import tied_across_stages
 from ..sequence.tokens import token_layout
 from ..sequence.ulysses import head_spread
@@ -65,6 +66,7 @@ class PlanFacts:
     full_bytes: int
     at_rest: list[int] | None  # bytes per rank at rest under FSDP2
     fsdp: int  # ranks each TP shard is split over at rest
+    memory: list[str] = field(default_factory=list)  # the formulas of memory.py for the rank holding the most
 
     def lines(self) -> list[str]:
         out = [*self.mesh, f"plan for {self.path} ({self.model_type}) at tp={self.tp}: rules from {self.source}"]
@@ -79,7 +81,7 @@ class PlanFacts:
                 f"at rest under FSDP2 (each TP shard split over fsdp x cp x sp = {self.fsdp} ranks): about "
                 f"{self.at_rest} bytes per rank, the same again for gradients, twice for AdamW"
             )
-        return out
+        return out + self.memory
 
 
 def plan_report(
@@ -98,14 +100,16 @@ def plan_report(
     dp_replicate_size: int = 1,
     nproc_per_node: int | None = None,
     lora: dict | None = None,
+    batch: int = 1,
 ) -> str:
     """The dry run's text: every parameter's rule, layout, local shape and bytes per rank, then the
-    heads, the sequence split, the data-parallel sizes and the adapters asked for (``plan_facts``);
-    under pipeline stages, each stage's ranks, layers and bytes."""
+    heads, the sequence split, the data-parallel sizes and the adapters asked for, and the memory per
+    rank by ``memory.py``'s formulas, a training step's at ``batch`` rows x ``seq`` tokens (2048 unless
+    given) (``plan_facts``); under pipeline stages, each stage's ranks, layers and bytes."""
     if stage_tp_sizes is None and pp_size == 1:
         facts = plan_facts(path, tp, tp_plan=tp_plan, dtype=dtype, auto_class=auto_class, sp=sp, seq=seq, cp=cp,
                            fsdp_size=fsdp_size, dp_replicate_size=dp_replicate_size, nproc_per_node=nproc_per_node,
-                           lora=lora)  # fmt: skip
+                           lora=lora, batch=batch)  # fmt: skip
         return "\n".join(facts.lines())
     config = transformers.AutoConfig.from_pretrained(path)
     shape = MeshShape.requested(
@@ -130,6 +134,7 @@ def plan_facts(
     dp_replicate_size: int = 1,
     nproc_per_node: int | None = None,
     lora: dict | None = None,
+    batch: int = 1,
 ) -> PlanFacts:
     """The dry run of one model replica without pipeline stages, as facts."""
     config = transformers.AutoConfig.from_pretrained(path)
@@ -167,8 +172,37 @@ def plan_facts(
     full_bytes = sum(math.prod(e.full_shape) for e in shard.unique_params()) * itemsize
     fsdp = shape.dp_shard * shape.sp
     at_rest = [math.ceil(t / fsdp) for t in totals] if shape.dp > 1 else None
+    sizes = dict(tp_size=tp, sp_size=sp, cp_size=cp, fsdp_size=fsdp_size, dp_replicate_size=dp_replicate_size)
+    memory = memory_lines(model, shard, dtype, sizes, batch, seq or TRAINING_SEQ)
     return PlanFacts(path, config.model_type, tp, shard.plan.source, shape, mesh_lines(shape, nproc_per_node),
-                     heads, rows, details, totals, full_bytes, at_rest, fsdp)  # fmt: skip
+                     heads, rows, details, totals, full_bytes, at_rest, fsdp, memory)  # fmt: skip
+
+
+TRAINING_SEQ = 2048  # tokens per row of the training step the plan's memory line assumes, unless --seq is given
+
+
+def memory_lines(model, shard, dtype, sizes: dict, batch: int, seq: int) -> list[str]:
+    """``memory.py``'s formulas for the rank that needs the most (of the TP ranks; FSDP's first rank holds
+    the most rows): its weights, the load's peak, and a training step's at ``batch`` x ``seq`` tokens. The
+    layout was built on a mesh without the data-parallel sizes; each rank's mesh here has them."""
+    meshes = [Mesh.dry_run(rank, **sizes) for rank in range(sizes["tp_size"])]
+    try:
+        figures = [(footprint(shard, dtype, m), step_memory(model, shard, dtype, batch, seq, m)) for m in meshes]
+    except ValueError as error:  # no list of layers for FSDP to gather one by one (the load refuses it too)
+        return [f"memory per rank (formula): not estimated under FSDP: {error}"]
+    rank, (load, step) = max(enumerate(figures), key=lambda item: item[1][1].total)
+    gathered = f" + one gathered unit {_mib(step.gathered)} ({step.gathered_unit})" if step.gathered_unit else ""
+    return [
+        f"memory per rank (formula{f', tp rank {rank}, the largest' if len(meshes) > 1 else ''}): weights "
+        f"{_mib(load.share)} MiB, load peak {_mib(load.load_peak)} MiB (share + largest TP slice "
+        f"{_mib(load.largest_slice)} MiB), training step ~ {_mib(step.total)} MiB (params {_mib(step.params)} + "
+        f"grads {_mib(step.grads)} + AdamW {_mib(step.optimizer)}{gathered} + activations {_mib(step.activations)} "
+        f"at batch {step.batch} x seq {step.seq}; hf_parallel/memory.py)"
+    ]
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / 2**20:,.2f}"
 
 
 def quantized_lines(path: str, model, shard, tp: int, quantization, dtype) -> list[str]:
