@@ -21,7 +21,7 @@ from .checkpoint.saving import save_sharded
 from .on_device import check_on_device, move_module_state
 from .distributed.mesh import get_mesh
 from .pipeline.stage import install_stage
-from .runtime import Runtime, forward_under_autocast
+from .runtime import Runtime, forward_under_autocast, refuse_continuous_batching
 from .sequence.shard import install_sequence
 from .state import ParallelState, attach, parallel_state
 from .tensor.gradients import GradientSums
@@ -157,7 +157,9 @@ def from_pretrained(
     # 7. the runtime around the forward, and the state every later call reads
     runtime = Runtime(model, sequence, stage, own=stage_forward)
     if compute_dtype is not None and mesh.shape.dp == 1:  # (under FSDP its policy casts)
-        forward_under_autocast(model, mesh.device, compute_dtype)
+        runtime.autocast = (mesh.device.type, compute_dtype)  # the micro-batches of a stage's schedule
+        forward_under_autocast(model, mesh.device, compute_dtype)  # model.forward, generate, a Trainer's step
+    refuse_continuous_batching(model, mesh.world_size)
     model.eval()
     state = ParallelState(mesh, built.layout, source_keys, runtime, gradients, hooks, Adapters(), keep_quantized,
                           kept or {}, built.quantization_config, compute_dtype)  # fmt: skip

@@ -12,6 +12,7 @@ nor pipeline stages keeps its own forward: tensor parallelism needs no per-call 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import weakref
@@ -42,6 +43,7 @@ class Runtime:
             self._function, self._owner = own, None
         self._signature = inspect.signature(model.forward)
         self._warned: list = []
+        self.autocast: tuple[str, torch.dtype] | None = None  # mixed precision without FSDP: (device type, dtype)
         if sequence is not None or stage is not None:
 
             def forward(*args, **kwargs):
@@ -89,8 +91,9 @@ class Runtime:
             kwargs = dict(kwargs)
             labels, count = kwargs.pop("labels", None), kwargs.pop("num_items_in_batch", None)
             sequence = self.sequence.call(tokens, keep_split=labels is not None)
-        with calling(Call(rows, tokens, micro_batch, sequence, training)):
-            try:
+        autocast = torch.autocast(*self.autocast) if self.autocast else contextlib.nullcontext()
+        with calling(Call(rows, tokens, micro_batch, sequence, training)), autocast:  # (a stage's schedule calls
+            try:  # run directly, not model.forward)
                 out = self.own(**kwargs)
             except StageDone:
                 return None
@@ -111,3 +114,24 @@ def forward_under_autocast(model: nn.Module, device: torch.device, dtype: torch.
             return forward(*args, **kwargs)
 
     model.forward = autocast_forward
+
+
+CONTINUOUS_BATCHING = "init_continuous_batching"  # generate_batch and the context manager enter through it
+
+
+def refuse_continuous_batching(model: nn.Module, world_size: int) -> None:
+    """transformers' continuous batching (``generate_batch``, ``init_continuous_batching``, its context manager)
+    refused by name on a model split over several ranks: its paged cache is sized for the whole model's KV heads
+    (a rank holding fewer fails inside the manager's thread, which logs the requests as failed and returns
+    empty outputs) and each rank would schedule on its own. One rank: transformers' own."""
+    if world_size == 1 or not hasattr(model, CONTINUOUS_BATCHING):
+        return
+
+    def refused(*args, **kwargs):
+        raise NotImplementedError(
+            f"continuous batching (generate_batch / init_continuous_batching) on a model split over {world_size} "
+            "ranks is not supported yet: transformers' paged cache and scheduler assume one process holding every "
+            "head. Use model.generate(...) with the same inputs on every rank"
+        )
+
+    setattr(model, CONTINUOUS_BATCHING, refused)

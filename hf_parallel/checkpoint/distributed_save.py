@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from ..distributed.faults import collective
 from .kept_saves import saved_pieces
-from ..distributed.fsdp import LayerwiseUnshard
+from ..distributed.fsdp import LayerwiseUnshard, reshard_all
 from .files import MANIFEST_FILE, rank_file_name
 from .keys import FusedSource
 from .manifest import FORMAT, VERSION, manifest_entry, pieces_entry
@@ -57,6 +57,8 @@ def save_distributed(model, state, out_dir: str) -> None:
     stage_sizes = mesh.shape.stage_tp_sizes
     first_file = sum(stage_sizes[: mesh.stage])  # this stage's files start here
     names = [rank_file_name(rank, sum(stage_sizes), save_id) for rank in range(sum(stage_sizes))]
+    if state.compute_dtype is not None:  # the float32 masters described and written, not FSDP's bf16 copies
+        reshard_all(model)
     described = {
         key: manifest_entry(
             e.full_shape, SAFETENSORS_DTYPES[tensor_of(model, e.name).dtype], e.layout, _fused(state, e), first_file

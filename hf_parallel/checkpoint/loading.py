@@ -325,7 +325,8 @@ def shard_shapes_on_meta(model: nn.Module, layout: ModelLayout, dtype: torch.dty
     for entry in layout.unique_params():
         old = model.get_parameter(entry.name)
         shape = entry.layout.local_shape(entry.full_shape, rank)
-        param = nn.Parameter(torch.empty(shape, dtype=dtype, device="meta"), requires_grad=old.requires_grad)
+        held = dtype if old.is_floating_point() else old.dtype  # (as the load reads: floats in ``dtype``)
+        param = nn.Parameter(torch.empty(shape, dtype=held, device="meta"), requires_grad=old.requires_grad)
         for alias in entry.aliases:
             _set_tensor(model, alias, param)
 

@@ -124,6 +124,16 @@ def shard_data_parallel(model: nn.Module, mesh, gradients, sequence, keep_unshar
     return stage_forward
 
 
+def reshard_all(model: nn.Module) -> None:
+    """Every FSDP module of ``model`` sharded: a forward leaves some whole (the last layer, an untied head, a
+    stage's modules), and under mixed precision those hold FSDP's bf16 copies in place of the masters."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
 class LayerwiseUnshard:
     """FSDP's modules made whole one at a time, as a save reaches their parameters: the root (embeddings,
     final norm, head) for the whole save, each decoder layer only while its tensors are gathered, so a
@@ -148,9 +158,8 @@ class LayerwiseUnshard:
     def __enter__(self) -> LayerwiseUnshard:
         if self.root is not None:
             self.root.unshard()
-        if self.masters:  # modules a forward left whole hold the bf16 copies in place of the masters
-            for module in set(self.owner.values()):
-                module.reshard()
+        if self.masters:
+            reshard_all(self.model)
         return self
 
     def need(self, name: str) -> None:

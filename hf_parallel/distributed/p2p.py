@@ -104,7 +104,8 @@ class Posted:
 
 def _named(ops: list[Op], works: list) -> list[tuple[object, Callable[[], str]]]:
     """Each work with the words for what it carries: one work per operation, or one for a whole batch
-    (NCCL coalesces one); the words hold no tensor, so watching keeps none alive."""
+    (NCCL coalesces one); the words hold no tensor (the watched work itself keeps its own until it is found
+    completed, at the watcher's next sweep)."""
     said = [(op.what, op.kind, op.peer) for op in ops]
 
     def words(parts):

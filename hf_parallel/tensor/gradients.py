@@ -37,7 +37,7 @@ from ..compat.torch import (
     will_accumulate,
 )
 from ..distributed import comm
-from ..distributed.buckets import GradientBuckets, Reduction, bucket_bytes
+from ..distributed.buckets import BUCKET_MB_ENV, GradientBuckets, Reduction, bucket_bytes
 from ..core.layout import Layout
 
 
@@ -58,6 +58,7 @@ class GradientSums:
         self._finishing = None  # the backward whose end waits for the buckets
         self._hooks: dict[int, tuple[int, int]] = {}  # id(parameter) -> its hook counts once ours were on
         self._accumulators: dict[int, object] = {}  # id(parameter) -> the autograd node accumulating its .grad
+        self._index: dict[int, int] = {}  # id(parameter) -> its place among the bucketed ones (every rank's same)
 
     def _summed(self, grad: torch.Tensor, group) -> torch.Tensor:
         if self.reduce_dtype is None or grad.dtype == self.reduce_dtype:
@@ -127,20 +128,30 @@ class GradientSums:
                 param.register_post_accumulate_grad_hook(functools.partial(self._after_accumulation, whole))
                 self._hooks[id(param)] = hook_counts(param)
                 self._accumulators[id(param)] = grad_accumulator(param)
+                self._index[id(param)] = len(self._index)
 
     def _before_accumulation(self, param: nn.Parameter, blocking: list[Callable], grad: torch.Tensor):
         """A gradient about to accumulate: left for the bucket where ``.grad`` holds no sum yet (none, or
         only this rank's since a deferred start) and no hook registered since ours would read it before
         the sum (an optimizer stepping in backward), else summed now."""
         key = id(param)
+        held = self._buckets.held.get(key)
+        if held is not None and held.current():  # a second gradient in one backward (used in and out of a
+            raise RuntimeError(  # reentrant checkpoint): the first is still being summed in place
+                f"hf_parallel: a parameter of shape {tuple(param.shape)} got a second gradient in one backward while "
+                f"its first was being summed in a bucket (or a backward that raised left it, and the gradients were "
+                f"not zeroed since); set {BUCKET_MB_ENV}=0 (each sum in its own hook)"
+            )
         hooked_since = hook_counts(param) != self._hooks[key]
         accumulated = will_accumulate(self._accumulators[key])  # (autograd.grad hands the gradient back: sum now)
-        if (param.grad is None or key in self._window) and accumulated and not hooked_since:
+        later = accumulated and not hooked_since and not torch.is_grad_enabled()  # (create_graph: keep the graph)
+        if (param.grad is None or key in self._window) and later:
             if self._deferring:
                 self._window[key] = param
             else:
                 self._pending.add(key)
             return grad
+        self._pending.discard(key)  # (left by a backward that raised before its end)
         for hook in blocking:
             grad = hook(grad)
         return grad
@@ -155,10 +166,11 @@ class GradientSums:
         if self._finishing != backward:  # at the end of this backward (a nested one its own): wait for them all
             self._finishing = backward
             at_backward_end(self._finish)
-        self._buckets.add(param, reductions)
+        self._buckets.add(param, reductions, self._index[key])
 
     def _finish(self) -> None:
-        """Every bucket waited and written back: those of a backward that raised before its end too."""
+        """Every bucket waited and written back (those a backward that raised left: waited, and written
+        back only into a gradient nothing has changed since)."""
         self._finishing = None
         self._buckets.finish()
 
@@ -180,7 +192,7 @@ class GradientSums:
             left, self._window = list(self._window.values()), {}
             for param in left:
                 reductions = tuple(r for _, _, r in self._sums.get(id(param), ()) if r is not None)
-                self._buckets.add(param, reductions)
+                self._buckets.add(param, reductions, self._index[id(param)])
             self._buckets.finish()
 
     def register_under_fsdp(self, model: nn.Module, names: dict[int, str], done_by_fsdp) -> None:

@@ -26,20 +26,22 @@ from ..pipeline.schedule import run_schedule
 from ..state import parallel_state
 
 
-def accumulate(model, state, parts: list[dict], keep_gathered: bool) -> torch.Tensor:
-    """Forward and backward of each micro-batch in turn; the gradient sums once, in the last backward:
-    FSDP's reduce-scatter (``set_requires_gradient_sync``) and the TP/SP sums (``GradientSums.deferring``).
-    ``keep_gathered``: FSDP's parameters stay whole between the micro-batches (no all-gather per
-    micro-batch, the memory of the unsharded model meanwhile)."""
+def accumulate(model, state, parts: list[dict], reduce_once: bool, keep_gathered: bool) -> torch.Tensor:
+    """Forward and backward of each micro-batch in turn. The TP/SP sums run once, in the last backward
+    (``GradientSums.deferring``: the local gradients accumulate meanwhile, at no cost in memory). Under FSDP,
+    ``reduce_once`` reduce-scatters once too (``set_requires_gradient_sync``): fewer collectives, but each
+    rank keeps its whole TP shard's gradients unsharded between micro-batches (float32 under mixed
+    precision), so by default every micro-batch reduce-scatters (torchtitan's). ``keep_gathered``: FSDP's
+    parameters stay whole from each backward to the next forward (no all-gather there, the unsharded layers'
+    memory meanwhile)."""
     fsdp = model if hasattr(model, "set_requires_gradient_sync") else None
     losses = []
     try:
         for index, part in enumerate(parts):
             last = index == len(parts) - 1
             if fsdp is not None:
-                fsdp.set_requires_gradient_sync(last)
-                if keep_gathered:
-                    fsdp.set_reshard_after_backward(last)
+                fsdp.set_requires_gradient_sync(last or not reduce_once)
+                fsdp.set_reshard_after_backward(last or not keep_gathered)
             with contextlib.nullcontext() if last else state.gradients.deferring():
                 loss = model(**part).loss
                 loss.backward()
@@ -54,14 +56,15 @@ def accumulate(model, state, parts: list[dict], keep_gathered: bool) -> torch.Te
 
 def train_step(
     model, input_ids, labels, attention_mask=None, *, micro_batches: int = 4, schedule: str = "1f1b",
-    keep_gathered: bool = False, **kwargs
+    reduce_once: bool = False, keep_gathered: bool = False, **kwargs
 ) -> torch.Tensor:  # fmt: skip
     """Forward and backward of one batch; gradients accumulate in ``.grad`` as ``loss.backward()``
     would leave them in one process. Returns the batch's mean loss on every rank. Works on any
-    hf_parallel model (one stage: gradient accumulation over micro-batches, the gradients summed
-    and reduce-scattered once, in the last; ``keep_gathered``: FSDP's parameters whole between
-    them). With data-parallel replicas, every rank passes the whole batch (its rows a multiple of
-    the replicas)."""
+    hf_parallel model (one stage: gradient accumulation over micro-batches, the TP/SP sums once, in
+    the last; under FSDP ``reduce_once`` reduce-scatters once too, holding the unsharded gradients
+    meanwhile, and ``keep_gathered`` keeps the parameters whole between micro-batches: ``accumulate``).
+    With data-parallel replicas, every rank passes the whole batch (its rows a multiple of the
+    replicas)."""
     state = parallel_state(model)
     place_and_check(model)  # adapters added since loading placed, any other new trainable parameter refused
     dp = state.mesh.dp
@@ -84,7 +87,7 @@ def train_step(
     if state.stage is not None:
         loss = run_schedule(model, state, parts, schedule)
     else:
-        loss = accumulate(model, state, parts, keep_gathered)
+        loss = accumulate(model, state, parts, reduce_once, keep_gathered)
     if dp.size > 1:  # the replicas' mean: the loss over the whole batch
         with collective(f"averaging the loss over the data-parallel replicas (rank {state.mesh.rank})"):
             dist.all_reduce(loss, group=dp.group)
