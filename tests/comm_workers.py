@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-import copy
 import math
 import os
 
@@ -399,81 +397,3 @@ def collective_copies(rank: int, world_size: int) -> dict:
     return results
 
 
-
-def bucketed_gradient_sums(rank: int, world_size: int) -> dict:
-    """``GradientSums`` with buckets of a few bytes (many launched during each backward) on a small model whose
-    every weight is summed over the world: the gradients after a plain backward, after micro-batches under
-    ``deferring``, with an optimizer-style hook registered after the sums, after a backward that raised, and
-    under reentrant checkpointing, each against the sum of every rank's local gradients (computed here from
-    every rank's input, which each rank can make)."""
-    import os
-
-    from torch.utils.checkpoint import checkpoint
-
-    from hf_parallel.distributed.buckets import BUCKET_MB_ENV
-    from hf_parallel.distributed.mesh import get_mesh
-    from hf_parallel.tensor.gradients import GradientSums
-
-    os.environ[BUCKET_MB_ENV] = str(64 / 2**20)  # 64-byte buckets
-    group = get_mesh().tp.group
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3))
-    alone = copy.deepcopy(model)  # the reference, without hooks
-    sums = GradientSums()
-    for param in model.parameters():
-        sums.sum_over(param, group)
-    sums.register(model)
-
-    def inputs(r: int, step: int) -> torch.Tensor:
-        return torch.linspace(-1, 1, 8).reshape(2, 4) * (r + 1) + step
-
-    def local(inputs_of) -> dict:  # one process's gradients of every rank's losses, summed
-        reference = {name: torch.zeros_like(p) for name, p in alone.named_parameters()}
-        for r in range(world_size):
-            grads = torch.autograd.grad(sum(alone(x).square().sum() for x in inputs_of(r)), list(alone.parameters()))
-            for name, g in zip(reference, grads):
-                reference[name] += g
-        return reference
-
-    def gap(want: dict) -> float:
-        return max((p.grad - want[name]).abs().max().item() for name, p in model.named_parameters())
-
-    out = {}
-    model.zero_grad()
-    model(inputs(rank, 0)).square().sum().backward()
-    out["plain"] = gap(local(lambda r: [inputs(r, 0)]))
-    model.zero_grad()
-    for step in range(3):  # the micro-batches of one step: summed once, in the last backward
-        with sums.deferring() if step < 2 else contextlib.nullcontext():
-            model(inputs(rank, step)).square().sum().backward()
-    sums.flush()
-    out["deferred"] = gap(local(lambda r: [inputs(r, s) for s in range(3)]))
-    seen = {}
-    handle = model[0].weight.register_post_accumulate_grad_hook(lambda p: seen.update(grad=p.grad.clone()))
-    model.zero_grad()
-    model(inputs(rank, 0)).square().sum().backward()
-    handle.remove()
-    out["hook_saw_the_sum"] = (seen["grad"] - local(lambda r: [inputs(r, 0)])["0.weight"]).abs().max().item()
-    model.zero_grad()
-
-    def fail(grad):
-        raise RuntimeError("a backward that raised")
-
-    failing = model[0].bias.register_hook(fail)
-    try:
-        model(inputs(rank, 0)).square().sum().backward()
-    except RuntimeError:
-        pass
-    failing.remove()
-    model.zero_grad()
-    model(inputs(rank, 1)).square().sum().backward()
-    out["after_a_raise"] = gap(local(lambda r: [inputs(r, 1)]))
-    model.zero_grad()
-    first = checkpoint(lambda x: model[1](model[0](x)), inputs(rank, 2).requires_grad_(), use_reentrant=True)
-    model[2](first).square().sum().backward()  # the first layer's sums in the nested backward, the last's outside
-    out["reentrant"] = gap(local(lambda r: [inputs(r, 2)]))
-    model.zero_grad()
-    grads = torch.autograd.grad(model(inputs(rank, 3)).square().sum(), list(model.parameters()))
-    want = local(lambda r: [inputs(r, 3)])
-    out["autograd_grad"] = max((g - want[name]).abs().max().item() for (name, _), g in zip(model.named_parameters(), grads))
-    return out

@@ -113,6 +113,7 @@ MIXED_CASES = {  # case -> (checkpoint, layout, how one process computes the ref
     "fsdp4_config": ("llama_tied_kvrep", dict(distributed_config=dict(fsdp_size=4, fsdp_mixed_precision=True),
                                               tp_plan=None), "fsdp"),  # fmt: skip
     "tp4_autocast": ("llama_tied_kvrep", dict(tp_size=4, mixed_precision="bf16"), "autocast"),  # replicated KV heads
+    "pp2_tp2_autocast": ("llama", dict(pp_size=2, tp_size=2, mixed_precision="bf16"), "autocast"),  # the schedule's
 }
 MIXED_TOLERANCE = 3e-2  # of the largest element of each update: bf16 roundings (2^-8 each) through two layers (1.6e-2
 # seen at most on this host)
