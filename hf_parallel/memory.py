@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .compat.torch import fsdp_row_range
 from .core.dtypes import nbytes
 from .core.layers import find_layer_list
 from .distributed.fsdp import ends_of_their_own
@@ -59,16 +60,10 @@ def footprint(layout, dtype: torch.dtype, mesh=None) -> Footprint:
         shape = tuple(entry.layout.local_shape(entry.full_shape, mesh.tp.rank))
         largest = max(largest, nbytes(shape, dtype))
         if mesh.shape.dp > 1 and shape:
-            shape = (_chunk(shape[0], mesh.fsdp.rank, mesh.fsdp.size), *shape[1:])
+            start, stop = fsdp_row_range(shape[0], mesh.fsdp.rank, mesh.fsdp.size)
+            shape = (stop - start, *shape[1:])
         share += nbytes(shape, dtype)
     return Footprint(share, largest)
-
-
-def _chunk(rows: int, index: int, size: int) -> int:
-    """The rows ``torch.chunk`` gives chunk ``index`` of ``size`` (FSDP2's dim-0 split): the last ones may be
-    short or empty."""
-    chunk = -(-rows // size)
-    return max(0, min(rows, (index + 1) * chunk) - index * chunk)
 
 
 # One decoder layer's activations kept for the backward, in bytes per token and hidden unit in 16-bit

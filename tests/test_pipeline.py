@@ -198,6 +198,7 @@ def test_tied_gradient_slices_trade_exactly_the_rows_each_rank_holds(sizes, by_r
 
     from hf_parallel.core.layout import chunks, even_sizes, replicated
     from hf_parallel.distributed.shape import MeshShape
+    from hf_parallel.compat.torch import fsdp_row_range
     from hf_parallel.pipeline import tied
 
     shape, vocab = MeshShape.of(None, **sizes), 11
@@ -212,7 +213,7 @@ def test_tied_gradient_slices_trade_exactly_the_rows_each_rank_holds(sizes, by_r
         mesh = SimpleNamespace(shape=shape, rank=rank, sp=SimpleNamespace(rank=sp), replica=shape.replica(rank))
         if stage in ends:
             whole = grads[stage] if layouts[stage].is_replicated else layouts[stage].extract(grads[stage], tp)
-            start, stop = tied.fsdp_slice(len(whole), fsdp.index(rank), len(fsdp)) if by_rows else (0, len(whole))
+            start, stop = fsdp_row_range(len(whole), fsdp.index(rank), len(fsdp)) if by_rows else (0, len(whole))
             slices[rank] = (stage, tp, (start, stop), whole[start:stop].clone())
             other = ends[1] if stage == 0 else 0
             mine = tied.stage_pieces(mesh, stage, layouts[stage], vocab, by_rows)

@@ -63,6 +63,11 @@ def check_fsdp_reuses_unsharded_parameters() -> None:
     FSDP_UNSHARDED_PARAM.get()
 
 
+def fsdp_row_range(rows: int, index: int, size: int) -> tuple[int, int]:
+    """The rows ``[start, stop)`` FSDP2 gives shard ``index`` of ``size`` of a tensor with ``rows`` rows."""
+    return fsdp_rows(rows, 0, index, size).start, fsdp_rows(rows, 0, index + 1, size).start
+
+
 def fsdp_rows(full_rows: int, shard_rows: int, index: int, size: int) -> slice:
     """The dim-0 rows FSDP2 gives shard ``index`` of ``size`` (``torch.chunk``'s split)."""
     FSDP_CHUNKS.get()

@@ -23,7 +23,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from ..compat.torch import fsdp_rows
+from ..compat.torch import fsdp_row_range
 from ..core.layout import Layout, supplying_runs
 from ..distributed import p2p
 from ..distributed.devices import to_wire
@@ -138,17 +138,12 @@ def stage_pieces(mesh, stage: int, layout: Layout, size: int, by_fsdp_rows: bool
             anchor = shape.global_rank(stage, 0, tp_rank, mesh.replica - mesh.replica % shape.dp_shard)
             group = next(ranks for ranks in shape.groups("fsdp") if anchor in ranks)
             rows = size if layout.is_replicated else layout.local_size(tp_rank)
-            held = [(rank, fsdp_slice(rows, index, len(group))) for index, rank in enumerate(group)]
+            held = [(rank, fsdp_row_range(rows, index, len(group))) for index, rank in enumerate(group)]
         else:
             held = [(shape.global_rank(stage, mesh.sp.rank, tp_rank, mesh.replica), None)]
         for rank, cut in held:
             pieces += [(rank, *piece) for piece in held_rows(layout, tp_rank, size, cut)]
     return pieces
-
-
-def fsdp_slice(rows: int, index: int, size: int) -> tuple[int, int]:
-    """The rows [start, stop) FSDP gives shard ``index`` of ``size`` of a tensor with ``rows`` rows."""
-    return fsdp_rows(rows, 0, index, size).start, fsdp_rows(rows, 0, index + 1, size).start
 
 
 def suppliers(pieces: list[Piece], start: int, stop: int) -> list[Piece]:
