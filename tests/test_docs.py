@@ -90,5 +90,5 @@ def test_the_getting_started_commands_run_as_written(tmp_path):
         outputs.append(done.stdout)
     generated, planned, verified = outputs
     assert "tokens in" in generated, generated
-    assert "bytes per rank" in planned and (tmp_path / "plan.html").is_file(), planned
+    assert "bytes per rank" in planned and "memory per rank" in planned and (tmp_path / "plan.html").is_file(), planned
     assert "PASS" in verified, verified
