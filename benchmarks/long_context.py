@@ -1,7 +1,8 @@
 """Long-context training step: hf_parallel's sequence parallelism against one process using every core.
 
     python benchmarks/long_context.py [--seqs 2048 3072 4096 6144 8192 12288] [--sp 2 4] [--cp 2]
-                                      [--sp-cp 2x2] [--cap-mib 768] [--checkpointing]
+                                      [--sp-cp 2x2] [--cap-mib 768] [--checkpointing] [--packed 256]
+                                      [--tiled-mlp 1024]
 
 A small Llama (random fp32 weights, built locally) runs forward + backward with labels, one
 sequence per step: one process with all the machine's cores, and SP ranks with cores/SP threads
@@ -14,7 +15,10 @@ issue's targets, are printed and written to ``long_context.json``. ``--checkpoin
 SP=2 with activation checkpointing (``gradient_checkpointing_enable()``): the memory it saves per rank.
 ``--cp``: context parallelism alone (ring attention over that many ranks, zigzag chunks), ``--sp-cp 2x2``:
 Ulysses inside a ring; their targets: CP=2's tokens/s at least 0.9x SP=2's, and per-rank peak at most
-1.2 / (sp x cp) of one process's, at the longest length all of them ran.
+1.2 / (sp x cp) of one process's, at the longest length all of them ran. ``--packed 256``: each row
+packs documents of 256 tokens (positions restarting), so the model's mask is not plain causal: one
+process builds its ``[S, S]`` mask, context parallelism builds each chunk pair's (no ``[S, S]`` tensor).
+``--tiled-mlp 1024``: each ``--cp`` layout again with ``from_pretrained(tiled_mlp=1024)`` (ALST's tiled MLP).
 
 Anchor: ``--deepspeed`` adds DeepSpeed's Ulysses for transformers (``UlyssesSPAttentionHF``, on
 its CPU accelerator over gloo), run as its tutorial does, in the same table; it needs
@@ -79,7 +83,14 @@ def deepspeed_ulysses(path: str, world: int):
     return model, loss_of
 
 
-def worker(implementation: str, path: str, seqs: list[int], cap: int, out: str) -> None:
+def packed_positions(seq: int, document: int):
+    """Positions of ``seq`` tokens packed as documents of ``document`` tokens (restarting at 0), ``[1, seq]``."""
+    import torch
+
+    return (torch.arange(seq) % document).unsqueeze(0)
+
+
+def worker(implementation: str, path: str, seqs: list[int], cap: int, out: str, packed: int = 0) -> None:
     import torch
     import transformers
     from measure import peak_rss_bytes, reset_peak_rss, rss_bytes
@@ -90,6 +101,8 @@ def worker(implementation: str, path: str, seqs: list[int], cap: int, out: str) 
     torch.set_num_threads(max(1, os.cpu_count() // world))
     checkpointing = implementation.endswith("+checkpointing")
     implementation = implementation.removesuffix("+checkpointing")
+    implementation, _, tiles = implementation.partition("+tiled")  # hf_parallel:cpN+tiledT: tiled MLP of T tokens
+    tiled = dict(tiled_mlp=int(tiles)) if tiles else {}
     implementation, _, rings = implementation.partition(":cp")  # hf_parallel:cpN: a ring of N Ulysses groups
     cp = int(rings or 1)
     if implementation == "deepspeed":
@@ -98,10 +111,14 @@ def worker(implementation: str, path: str, seqs: list[int], cap: int, out: str) 
         model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     else:
         model = hf_parallel.AutoModelForCausalLM.from_pretrained(
-            path, tp_plan=None, sp_size=world // cp, cp_size=cp, dtype=torch.float32
+            path, tp_plan=None, sp_size=world // cp, cp_size=cp, dtype=torch.float32, **tiled
         )
     if implementation != "deepspeed":
-        loss_of = lambda ids: model(input_ids=ids, labels=ids, use_cache=False).loss  # noqa: E731
+
+        def loss_of(ids):  # packed: documents in one row, the model's mask from their positions
+            positions = packed_positions(ids.shape[1], packed) if packed else None
+            return model(input_ids=ids, position_ids=positions, labels=ids, use_cache=False).loss
+
     model.train()
     if checkpointing:
         model.gradient_checkpointing_enable()
@@ -142,7 +159,7 @@ def configuration(path: str, implementation: str, sp: int, args, gloo: bool = Fa
     out = os.path.join(args.out, f"long_context_{tag}_ranks{sp}" + ("_gloo" if gloo else ""))
     os.makedirs(out, exist_ok=True)
     command = [sys.executable, __file__, "--worker", implementation, path, "--out", out, "--cap-mib", str(args.cap_mib)]
-    command += ["--seqs", *map(str, args.seqs)]
+    command += ["--seqs", *map(str, args.seqs), "--packed", str(args.packed)]
     if sp == 1:
         env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK")}
         code = subprocess.run(command, env=env).returncode
@@ -236,11 +253,13 @@ def _context_ranks(name: str) -> int | None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seqs", type=int, nargs="+", default=[2048, 3072, 4096, 6144, 8192, 12288])
-    parser.add_argument("--sp", type=int, nargs="+", default=[2, 4] if (os.cpu_count() or 1) >= 4 else [2])
+    parser.add_argument("--sp", type=int, nargs="*", default=[2, 4] if (os.cpu_count() or 1) >= 4 else [2])
     parser.add_argument("--cp", type=int, nargs="*", default=[2], help="context-parallel sizes (ring attention alone)")
     parser.add_argument("--sp-cp", nargs="*", default=["2x2"] if (os.cpu_count() or 1) >= 4 else [],
                         help="Ulysses x ring layouts, as SPxCP")  # fmt: skip
     parser.add_argument("--cap-mib", type=int, default=768)
+    parser.add_argument("--packed", type=int, default=0, help="documents of this many tokens packed in each row")
+    parser.add_argument("--tiled-mlp", type=int, default=0, help="also each --cp with tiled_mlp of this many tokens")
     parser.add_argument("--out", default=os.path.join(HERE, "results"))
     parser.add_argument("--model", help="a checkpoint (default: the small random Llama of checkpoints.py)")
     parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
@@ -250,7 +269,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     if args.worker:
-        return worker(*args.worker, args.seqs, args.cap_mib * MiB, args.out)
+        return worker(*args.worker, args.seqs, args.cap_mib * MiB, args.out, args.packed)
     from checkpoints import random_llama_long_context
 
     path = args.model or random_llama_long_context()
@@ -263,6 +282,9 @@ def main() -> None:
             results[f"DeepSpeed Ulysses SP={sp}"] = configuration(path, "deepspeed", sp, args)
     for cp in args.cp:
         results[f"hf_parallel CP={cp}"] = configuration(path, f"hf_parallel:cp{cp}", cp, args)
+        if args.tiled_mlp:
+            name = f"hf_parallel CP={cp} + tiled MLP"
+            results[name] = configuration(path, f"hf_parallel:cp{cp}+tiled{args.tiled_mlp}", cp, args)
     for layout in args.sp_cp:
         sp, cp = map(int, layout.split("x"))
         results[f"hf_parallel SP={sp} x CP={cp}"] = configuration(path, f"hf_parallel:cp{cp}", sp * cp, args)

@@ -22,7 +22,8 @@ from .on_device import check_on_device, move_module_state
 from .distributed.mesh import get_mesh
 from .pipeline.stage import install_stage
 from .runtime import Runtime, forward_under_autocast, refuse_continuous_batching
-from .sequence.shard import install_sequence
+from .sequence.shard import decoder_layers, install_sequence
+from .sequence.tiled_mlp import tile_mlps
 from .state import ParallelState, attach, parallel_state
 from .tensor.gradients import GradientSums
 from .quant.kept import hold_quantized
@@ -53,6 +54,7 @@ def from_pretrained(
     keep_quantized: bool | str = False,
     mixed_precision: str | None = None,
     fsdp_cpu_offload: bool = False,
+    tiled_mlp: bool | int = False,
     **config_kwargs,
 ):
     """Load the checkpoint at ``path`` split over the ranks: each rank reads only its own slices.
@@ -100,6 +102,9 @@ def from_pretrained(
         the same.
     :param fsdp_cpu_offload: (bool, default False) FSDP's shards (and their gradients and optimizer state) in
         host memory between uses (FSDP2's ``CPUOffloadPolicy``); an accelerator's ranks only.
+    :param tiled_mlp: (bool | int, default False) each decoder layer's MLP run over tiles of the sequence
+        (ALST), each checkpointed in training, so its intermediate activations exist for one tile at a time;
+        True: tiles of ``hidden_size`` tokens, an int: that many tokens. Exact; dense MLPs only.
     :param config_kwargs: config attributes that override the checkpoint's (as in transformers).
     :returns: the ordinary transformers model, its parameters this rank's shards: ``generate`` works as
         is, and its ``save_pretrained`` gathers the shards back (or writes each rank's: ``distributed=True``).
@@ -141,6 +146,8 @@ def from_pretrained(
     hooks = install(model, built.layout, gradients, cut.kept_for_tied_weights if cut is not None else frozenset())
     # 4. the sequence split (Ulysses, and the ring of context parallelism)
     sequence = install_sequence(model, mesh, built.split, gradients) if mesh.sp.size > 1 else None
+    if tiled_mlp:  # (ALST) each layer's MLP over tiles of the sequence
+        tile_mlps(decoder_layers(model, built.split), config.hidden_size if tiled_mlp is True else int(tiled_mlp))
     # 5. the pipeline stage: receive, send, stop
     stage = install_stage(model, built.split, cut, built.layout, mesh, micro_batches) if cut is not None else None
     move_module_state(model, mesh.device)  # buffers and tables the checkpoint did not hold, to this rank's device

@@ -72,7 +72,7 @@ class Runtime:
         """A forward's arguments by name, as every rank of a sequence group computes them."""
         inputs = self.bound(args, kwargs)
         if self.sequence is not None:
-            inputs = sequence_inputs(self.sequence, inputs, self._warned)
+            inputs = sequence_inputs(self.sequence, inputs, self._warned, can_cache=self.stage is None)
         return inputs
 
     def forward(self, *args, **kwargs):
@@ -90,10 +90,15 @@ class Runtime:
         if self.sequence is not None:
             kwargs = dict(kwargs)
             labels, count = kwargs.pop("labels", None), kwargs.pop("num_items_in_batch", None)
-            sequence = self.sequence.call(tokens, keep_split=labels is not None)
+            cache = kwargs.get("past_key_values")
+            sequence = self.sequence.call(tokens, keep_split=labels is not None, cache=cache)
         autocast = torch.autocast(*self.autocast) if self.autocast else contextlib.nullcontext()
-        with calling(Call(rows, tokens, micro_batch, sequence, training)), autocast:  # (a stage's schedule calls
-            try:  # run directly, not model.forward)
+        masks = self.sequence.masks(sequence) if sequence is not None else contextlib.nullcontext()
+        keeps = sequence is not None and sequence.cache is not None
+        caching = sequence.cache.forward(sequence, tokens) if keeps else contextlib.nullcontext()
+        call = Call(rows, tokens, micro_batch, sequence, training)
+        with calling(call), autocast, masks, caching:  # (a stage's schedule calls run directly, not model.forward)
+            try:
                 out = self.own(**kwargs)
             except StageDone:
                 return None

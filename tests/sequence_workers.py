@@ -58,11 +58,12 @@ def held_positions(seq: int, sp: int, cp: int, index: int) -> list[int]:
 
 def compare_sp(
     rank: int, world_size: int, cases: dict, tp_size: int, sp_size: int, save_root: str, cp_size: int = 1,
-    batches=None,
+    batches=None, load_kwargs=None,
 ) -> dict:  # fmt: skip
     """For each checkpoint: every batch's loss, this rank's logits and every parameter's gradient
     under tp x sp (x cp) against one process, the whole logits of an inference forward (no labels), greedy
-    generate, a save, and the weights after one SGD step. ``batches``: the names of the batches to run."""
+    generate, a save, and the weights after one SGD step. ``batches``: the names of the batches to run;
+    ``load_kwargs``: more of from_pretrained's keywords."""
     import transformers
 
     import hf_parallel
@@ -74,12 +75,17 @@ def compare_sp(
         single = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         model = hf_parallel.AutoModelForCausalLM.from_pretrained(
             path, tp_plan="auto" if tp_size > 1 else None, tp_size=tp_size, sp_size=sp_size, cp_size=cp_size,
-            dtype=torch.float32,
+            dtype=torch.float32, **(load_kwargs or {}),
         )  # fmt: skip
         state = hf_parallel.parallel_state(model)
+        masks = []  # what the decoder layers were handed as their attention mask
+        model.model.layers[0].register_forward_pre_hook(
+            lambda module, args, kwargs: masks.append(kwargs.get("attention_mask")), with_kwargs=True
+        )
         for batch_name, batch in sequence_batches(single.config.vocab_size).items():
             if batches is not None and batch_name not in batches:
                 continue
+            masks.clear()
             single.zero_grad()
             model.zero_grad()
             want = single(**batch)
@@ -100,6 +106,8 @@ def compare_sp(
                 "local_tokens": got.logits.shape[1],
                 "whole_logits": gap(whole.masked_fill(~real, 0), want.logits.masked_fill(~real, 0)),
                 "grads": gaps(model, state, of_model(single), state.mesh.tp.rank),
+                "mask_elements": max((m.numel() for m in masks if isinstance(m, torch.Tensor)), default=0),
+                "masks_described": sum(type(m).__name__ == "MaskDescription" for m in masks),
             }
         prompt = sequence_batches(single.config.vocab_size)["len37"]["input_ids"][:, :9]
         want_tokens = single.generate(prompt, max_new_tokens=6, do_sample=False)
@@ -140,3 +148,40 @@ def checkpointed(rank: int, world_size: int, path: str, tp_size: int, sp_size: i
             "checkpointed": model.is_gradient_checkpointing,
         }  # fmt: skip
     return results
+
+
+def decode_with_cache(rank: int, world_size: int, path: str, tp_size: int, sp_size: int, cp_size: int) -> dict:
+    """Greedy generation under tp x sp (x cp) with the KV cache split over the sequence group, against one
+    process: a left-padded batch of two prompts; the tokens each decode step ran through the first layer
+    (one each: the prompt is not re-run); and the keys this rank's cache holds (its share, not the whole)."""
+    import transformers
+
+    import hf_parallel
+
+    single = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model = hf_parallel.AutoModelForCausalLM.from_pretrained(
+        path, tp_plan="auto" if tp_size > 1 else None, tp_size=tp_size, sp_size=sp_size, cp_size=cp_size,
+        dtype=torch.float32,
+    )  # fmt: skip
+    prompts = torch.randint(3, single.config.vocab_size, (2, 21), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(prompts)
+    mask[1, :5] = 0  # left padding
+    steps = []
+    model.model.layers[0].register_forward_pre_hook(
+        lambda module, args, kwargs: steps.append((args[0] if args else kwargs["hidden_states"]).shape[1]),
+        with_kwargs=True,
+    )
+    new = 7
+    want = single.generate(prompts, attention_mask=mask, max_new_tokens=new, do_sample=False, min_new_tokens=new)
+    out = model.generate(
+        prompts, attention_mask=mask, max_new_tokens=new, do_sample=False, min_new_tokens=new,
+        return_dict_in_generate=True,
+    )  # fmt: skip
+    cache = out.past_key_values
+    return {
+        "same_tokens": out.sequences.equal(want),
+        "tokens_per_step": steps,
+        "cache_type": type(cache).__name__,
+        "keys_held": cache.layers[0].keys.shape[-2],
+        "length": cache.get_seq_length(),
+    }

@@ -1,5 +1,5 @@
-"""`hf-parallel generate` under torchrun and under `accelerate launch`: rank 0 alone streams the
-same greedy text transformers generates in one process; a prompts file goes in batches, and sampling
+"""`hf-parallel generate` under torchrun (at TP and at CP) and under `accelerate launch`: rank 0 alone
+streams the same greedy text transformers generates in one process; a prompts file goes in batches, and sampling
 with a seed draws what one process draws."""
 
 import os
@@ -43,6 +43,9 @@ def test_generate_under_torchrun_and_accelerate(smollm2):
         stdout = run(launcher, smollm2, ["--prompt", PROMPT, "--max-new-tokens", "12"])
         assert stdout.count("tp=2]") == 1, stdout  # one summary line: only rank 0 prints
         assert stdout.split("[12 tokens in")[0].strip() == want.strip(), stdout
+    # the prompt split over a ring of two, the KV cache kept split, each token attending to both shares
+    stdout = run(torchrun, smollm2, ["--prompt", PROMPT, "--max-new-tokens", "12", "--cp", "2"])
+    assert stdout.count("tp=1 x cp=2]") == 1 and stdout.split("[12 tokens in")[0].strip() == want.strip(), stdout
 
 
 def test_prompts_file_is_generated_in_batches_and_sampling_follows_the_seed(smollm2, tmp_path):

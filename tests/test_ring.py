@@ -7,7 +7,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from hf_parallel.sequence.ring import MASKED, RingPlan, _RingAttention
+from transformers import masking_utils
+
+from hf_parallel.compat.transformers import mask_reach
+from hf_parallel.sequence.masks import MaskDescription, describe_mask
+from hf_parallel.sequence.ring import MASKED, RingPlan, _RingAttention, _checked_mask
 from hf_parallel.sequence.tokens import TokenLayout
 
 B, H, HK, D, C, SCALE = 2, 4, 2, 8, 5, 0.3
@@ -56,6 +60,15 @@ def left_padded(additive: bool):
     return torch.zeros(allowed.shape).masked_fill(~allowed, MASKED)
 
 
+def described_left_padding() -> MaskDescription:
+    """``left_padded``'s mask as transformers' mask creation hands it over under context parallelism."""
+    padding = torch.ones(B, 4 * C, dtype=torch.bool)
+    padding[0, :3] = False
+    described = describe_mask(B, 4 * C, 4 * C, mask_function=masking_utils.causal_mask_function, attention_mask=padding)
+    assert isinstance(described, MaskDescription) and described.causal and described.window is None
+    return described
+
+
 @pytest.mark.parametrize(
     "mask, softcap, sinks, tokens",
     [
@@ -64,16 +77,22 @@ def left_padded(additive: bool):
         (None, 2.0, True, 18),  # Gemma's soft-capping, gpt-oss's sinks, padding keys at the end
         ("additive", 2.0, False, 5),  # eager: masked queries weigh every key alike
         ("boolean", None, True, 20),  # sdpa: masked queries get zeros
+        ("described", None, False, 20),  # sdpa's mask as transformers describes it (masks.py): each pair built
+        ("described eager", 2.0, False, 5),  # eager's, described: masked queries weigh every key alike
     ],
 )
 def test_ring_attention_matches_softmax_written_out(mask, softcap, sinks, tokens):
     torch.manual_seed(0)
-    mask = None if mask is None else left_padded(mask == "additive")
+    described = mask is not None and mask.startswith("described")
+    eager = mask in ("additive", "described eager")
+    mask = None if mask is None else left_padded(eager)
     q = torch.randn(B, H, 2 * C, D, requires_grad=True)
     k, v = (torch.randn(B, HK, 2 * C, D, requires_grad=True) for _ in range(2))
     s = torch.randn(H, requires_grad=True) if sinks else None
     layout = TokenLayout(tokens=tokens, sizes=(2 * C,), cp=2, chunk=C)
-    plan = RingPlan(layout, SimpleNamespace(rank=0, size=1, group=None), mask, SCALE, softcap, None, H // HK)
+    ring = SimpleNamespace(rank=0, size=1, group=None)
+    held = described_left_padding() if described else mask
+    plan = RingPlan(layout, ring, held, SCALE, softcap, None, H // HK, eager=eager)
     inputs = [q, k, v] + ([s] if sinks else [])
     got = _RingAttention.apply(q, k, v, s, plan)
     want = written_out(q, k, v, s, mask, softcap, tokens)
@@ -105,3 +124,44 @@ def test_a_mask_that_opens_a_skipped_pair_is_refused(opened, window, complaint):
     allowed[..., opened[0], opened[1]] = True
     with pytest.raises(ValueError, match=complaint.replace("(", r"\(").replace(")", r"\)")):
         _checked_mask(allowed, SimpleNamespace(split=sequence.split, checked_masks={}), window)
+
+
+def test_mask_reach_is_read_from_transformers_compositions():
+    """Causality and the window of a mask function, read from how transformers composed it (nothing
+    evaluated): what lets ring attention skip pairs without checking them."""
+    positions = torch.cat([torch.arange(7), torch.arange(5)]).unsqueeze(0)
+    documents = masking_utils.find_packed_sequence_indices(positions)
+    packed = masking_utils.packed_sequence_compatibility_function(
+        masking_utils.sliding_window_causal_mask_function(4), positions, documents
+    )
+    image = masking_utils.or_masks(masking_utils.causal_mask_function, masking_utils.bidirectional_mask_function)
+    assert mask_reach(masking_utils.causal_mask_function) == (True, None)
+    assert mask_reach(masking_utils.sliding_window_causal_mask_function(4)) == (True, 4)
+    assert mask_reach(packed) == (True, 4)
+    assert mask_reach(image) == (False, None)
+    assert mask_reach(masking_utils.and_masks(image, masking_utils.causal_mask_function)) == (True, None)
+    assert mask_reach(lambda b, h, q, k: k <= q) == (False, None)  # a function of its own: evaluated instead
+
+
+@pytest.mark.parametrize(
+    "mask_function, window, complaint",
+    [
+        (masking_utils.or_masks(masking_utils.causal_mask_function, lambda b, h, q, k: (q == 2) & (k == 5)), None,
+         "lets a query attend to keys after it"),  # a bidirectional block in a skipped pair
+        (masking_utils.causal_mask_function, 4, "further back than its sliding window (4)"),  # the layer's window
+        (masking_utils.sliding_window_causal_mask_function(4), 4, None),  # its own window: served, nothing evaluated
+        (lambda b, h, q, k: k <= q, None, None),  # a causal function of its own: evaluated, served
+    ],
+)  # fmt: skip
+def test_a_described_mask_that_opens_a_skipped_pair_is_refused(mask_function, window, complaint):
+    """A described mask (``masks.py``) is checked pair by pair, once per call, where its construction does
+    not say it opens nothing: a bidirectional overlay, or no window where the layer skips pairs by one."""
+    described = describe_mask(1, 12, 12, mask_function=mask_function, allow_is_causal_skip=False)
+    layout = TokenLayout(tokens=12, sizes=(6, 6), cp=2, chunk=3)
+    split = SimpleNamespace(cp=SimpleNamespace(size=2), device=torch.device("cpu"))
+    sequence = SimpleNamespace(split=split, checked_masks={}, layout=layout)
+    if complaint is None:
+        assert _checked_mask(described, sequence, window) is described
+        return
+    with pytest.raises(ValueError, match=complaint.replace("(", r"\(").replace(")", r"\)")):
+        _checked_mask(described, sequence, window)

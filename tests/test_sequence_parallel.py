@@ -93,6 +93,11 @@ def test_context_parallelism_matches_one_process(sp_paths, tmp_path, tp, sp, cp)
     assert_like_one_process(ranks, f" at tp={tp} sp={sp} cp={cp}", loss=dict(atol=0, rtol=2e-6))
     held = [results[f"{next(iter(cases))}/len37"]["local_tokens"] for results in ranks]
     assert len(set(held)) == 1, f"zigzag: every rank holds as many tokens ({held})"
+    for key, result in ranks[0].items():  # no [S, S] mask: described (padding, packed documents, windows) or none
+        if isinstance(result, dict) and "mask_elements" in result:
+            assert result["mask_elements"] == 0, (key, result["mask_elements"])
+            if key.endswith(("/padded", "/packed")):
+                assert result["masks_described"] > 0, key
     for name, path in cases.items():
         assert_same_checkpoint(path, str(tmp_path / "saved" / name))
 
@@ -135,10 +140,103 @@ def test_context_parallelism_refuses_attention_that_is_not_causal(tiny_root, tmp
 
 
 @pytest.mark.distributed
-def test_per_head_parameters_are_refused(tiny_root, tmp_path):
-    path = make_checkpoint("gpt_oss", tiny_root)  # attention sinks: one value per head
-    for out in run_ranks(2, tp_workers.load_expecting_error, [path] * 2, dict(sp_size=2), out_dir=str(tmp_path)):
-        assert out["type"] == "ValueError" and "holds per-head sinks" in out["message"], out
+@pytest.mark.parametrize("tp, sp", [(1, 2), (2, 2)])
+def test_attention_sinks_under_ulysses_match_one_process(sp_paths, tmp_path, tp, sp):
+    """gpt-oss's sinks (one logit per head, read by its eager attention from the module): each Ulysses rank
+    computes with its own heads' sinks, alone and inside TP; their gradient is one process's."""
+    ranks = run_ranks(
+        tp * sp, sequence_workers.compare_sp, {"gpt_oss": sp_paths["gpt_oss"]}, tp, sp, str(tmp_path / "saved"),
+        out_dir=str(tmp_path),
+    )  # fmt: skip
+    assert_like_one_process(ranks, f" at tp={tp} sp={sp}", loss=dict(atol=1e-6, rtol=0))
+    assert_same_checkpoint(sp_paths["gpt_oss"], str(tmp_path / "saved" / "gpt_oss"))
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    "name, tp, sp, cp", [("mistral", 2, 2, 1), ("gpt_oss", 1, 1, 2), ("gemma2", 1, 2, 2), ("deepseek_v3", 1, 2, 1)]
+)
+def test_decoding_keeps_the_kv_cache_split_over_the_sequence_group(tiny_root, tmp_path, name, tp, sp, cp):
+    """generate at SP/CP: the prompt's forward split, then one token per step (the prompt never re-run)
+    against the KV cache split over the sequence group; greedy tokens of a left-padded batch are one
+    process's, with sliding windows inside TP (mistral), sinks on a ring (gpt-oss), soft-capping under
+    Ulysses x ring (gemma2, eager), and values narrower than keys (deepseek-v3's MLA)."""
+    path = make_checkpoint(name, tiny_root)
+    ranks = run_ranks(tp * sp * cp, sequence_workers.decode_with_cache, path, tp, sp, cp, out_dir=str(tmp_path))
+    for rank, result in enumerate(ranks):
+        assert result["same_tokens"] is True, (rank, result)
+        first, *decode = result["tokens_per_step"]
+        assert first < 21 and decode == [1] * 6, (rank, result["tokens_per_step"])  # 21-token prompts, 7 new
+        assert result["cache_type"] == "SequenceCache" and result["length"] == 27, (rank, result)
+    held = [result["keys_held"] for result in ranks]
+    assert max(held) < 27 and sum(held) >= tp * 27, held  # each rank its share; every position somewhere
+
+
+@pytest.mark.distributed
+def test_tiled_mlp_matches_one_process(sp_paths, tmp_path):
+    """from_pretrained(tiled_mlp=8) at SP=2 (ALST): each layer's MLP over tiles of 8 of the rank's tokens,
+    each checkpointed; loss, logits, gradients, generate and a step as one process's, untiled."""
+    ranks = run_ranks(
+        2, sequence_workers.compare_sp, {"llama": sp_paths["llama"]}, 1, 2, str(tmp_path / "saved"), 1,
+        ["len37", "padded"], dict(tiled_mlp=8), out_dir=str(tmp_path),
+    )  # fmt: skip
+    assert_like_one_process(ranks, " with tiled_mlp=8", loss=dict(atol=1e-6, rtol=0))
+
+
+def test_tiled_mlp_is_exact_and_refuses_experts(tiny_root):
+    """Tiles of 4 tokens through a dense MLP give the untiled logits and gradients (one process, no group);
+    a mixture of experts' block is refused by name."""
+    import torch
+    import transformers
+
+    from hf_parallel.sequence.tiled_mlp import tile_mlps
+
+    torch.manual_seed(0)
+    path = make_checkpoint("llama", tiny_root)
+    plain, tiled = (transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32) for _ in range(2))
+    tile_mlps(list(tiled.model.layers), 4)
+    ids = torch.randint(3, plain.config.vocab_size, (2, 11))
+    want, got = plain(input_ids=ids, labels=ids), tiled(input_ids=ids, labels=ids)
+    want.loss.backward()
+    got.loss.backward()
+    assert torch.allclose(got.logits, want.logits, atol=1e-6, rtol=1e-5)
+    for (name, a), b in zip(tiled.named_parameters(), plain.parameters()):
+        assert torch.allclose(a.grad, b.grad, atol=1e-6, rtol=1e-5), name
+    moe = transformers.AutoModelForCausalLM.from_pretrained(make_checkpoint("qwen2_moe", tiny_root))
+    with pytest.raises(ValueError, match="tiled_mlp: decoder layer 0's mlp .* routes tokens to experts"):
+        tile_mlps(list(moe.model.layers), 4)
+
+
+def test_a_cache_a_split_forward_cannot_keep_is_refused():
+    """A sequence-parallel rank keeps its own positions in a DynamicCache of hf_parallel's: a static cache
+    (a checkpoint's generation_config may ask for one) and a cache already holding tokens are refused by name."""
+    import torch
+    import transformers
+
+    from hf_parallel.sequence.shard import sequence_cache
+
+    config = transformers.LlamaConfig(num_hidden_layers=1, hidden_size=16, num_attention_heads=2, vocab_size=32)
+    with pytest.raises(ValueError, match='StaticCache: .*cache_implementation="dynamic"'):
+        sequence_cache(None, transformers.StaticCache(config=config, max_cache_len=8))
+    filled = transformers.DynamicCache()
+    filled.update(torch.zeros(1, 2, 3, 8), torch.zeros(1, 2, 3, 8), 0)
+    with pytest.raises(ValueError, match="already holding 3 tokens, made outside hf_parallel"):
+        sequence_cache(None, filled)
+
+
+def test_per_head_parameters_are_refused(tiny_root):
+    """A parameter of one value per head other than sinks: Ulysses would index it by another split's heads."""
+    import torch
+    import transformers
+
+    from hf_parallel.sequence.shard import check_sequence_parallel
+
+    path = make_checkpoint("llama", tiny_root)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa")
+    attention = model.model.layers[0].self_attn
+    attention.head_scale = torch.nn.Parameter(torch.ones(model.config.num_attention_heads))
+    with pytest.raises(ValueError, match="holds per-head head_scale"):
+        check_sequence_parallel(model, 2)
 
 
 @pytest.mark.distributed

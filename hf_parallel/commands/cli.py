@@ -55,8 +55,9 @@ def cmd_generate(args) -> None:
     path = args.model or default_checkpoint()
     start = time.perf_counter()
     kept = dict(keep_quantized=args.keep_quantized) if args.keep_quantized else {}
+    sequence = {name: size for name, size in (("sp_size", args.sp), ("cp_size", args.cp)) if size > 1}
     model = AutoModelForCausalLM.from_pretrained(path, tp_plan="auto", dtype=args.dtype, **pipeline_kwargs(args),
-                                                 **kept)  # fmt: skip
+                                                 **sequence, **kept)  # fmt: skip
     load_seconds = time.perf_counter() - start
     mesh = parallel_state(model).mesh
     ways = ", ".join(f"{n} {way}" for way, n in sorted(kept_products(model).items())) if args.keep_quantized else ""
@@ -83,6 +84,7 @@ def cmd_generate(args) -> None:
             **inputs,
             max_new_tokens=args.max_new_tokens,
             streamer=streamer,
+            **(dict(cache_implementation="dynamic") if sequence else {}),  # the cache split over the sequence group
             pad_token_id=tokenizer.pad_token_id,
             **sampling,
         )
@@ -263,6 +265,10 @@ def _add_generate(sub) -> None:
                      "dequantized module by module, FP8 through the package's kernel on a GPU; 'fp8': besides, "
                      "W8A8 products on Hopper (torch._scaled_mm); 'int4': GPTQ / AWQ / W4A16 through torch's int4 "
                      "kernel")  # fmt: skip
+    gen.add_argument("--sp", type=int, default=1, help="sequence-parallel size (Ulysses): the prompt split over "
+                     "the ranks, the KV cache kept split, each new token attending to every rank's share")
+    gen.add_argument("--cp", type=int, default=1, help="context-parallel size: a ring of --sp groups (zigzag "
+                     "chunks of the prompt), the KV cache split the same way")  # fmt: skip
     add_pipeline_args(gen)
     gen.add_argument(
         "--micro-batches", type=int, help="with --pp/--stage-tp: micro-batches per forward (default: stages)"

@@ -5,6 +5,9 @@
   it ignores for a model (read from the class attribute and rule its loader applies).
 - A private config per attention module naming the Ulysses wrapper (``AttentionInterface`` is the
   public registry; ``set_attn_implementation`` would rewrite the model's config, which is saved).
+- Under context parallelism, the model's config names a mask builder of ours for the length of a
+  forward (``AttentionMaskInterface`` is the public registry, looked up by that name), and a mask
+  function's composition is read from its closures to know it causal (and its window) without evaluating it.
 - The expert-parallel sentinel: ids of other ranks' experts become ``num_experts``, which transformers'
   expert kernels skip once ``_is_expert_parallel`` is set (as its own EP does).
 - The KV cache's per-layer tensors, cut into micro-batches' rows on pipeline stages.
@@ -14,7 +17,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import inspect
 import re
 
 import torch
@@ -109,6 +114,21 @@ def computes_through_registry(module) -> bool:
     return {"ALL_ATTENTION_FUNCTIONS", "_attn_implementation"} <= _names_read(type(module).forward)
 
 
+def passes_keyword(function, name: str) -> bool:
+    """Whether ``function``'s code passes a keyword argument ``name`` in some call (``s_aux=self.sinks``)."""
+    code = getattr(inspect.unwrap(function), "__code__", None)
+    return code is not None and _passes_keyword(code, name)
+
+
+def _passes_keyword(code, name: str) -> bool:
+    for const in code.co_consts:
+        if isinstance(const, tuple) and name in const:  # a call's keyword names
+            return True
+        if isinstance(const, type(code)) and _passes_keyword(const, name):
+            return True
+    return False
+
+
 def use_attention(modules, name: str) -> None:
     """Every one of ``modules`` (attention modules) computes with the registered ``name``, through a
     private deep copy of its config (the model's config, its sub-configs and the saved config keep theirs)."""
@@ -120,6 +140,125 @@ def use_attention(modules, name: str) -> None:
             config = private[id(module.config)] = copy.deepcopy(module.config)
             config._attn_implementation = name
         module.config = config
+
+
+# -- attention masks -----------------------------------------------------------------------------
+MASK_INTERFACE = Seam("transformers", "transformers.masking_utils:AttentionMaskInterface.register",
+                      "to hand ring attention a mask's description instead of the mask", parameters=("key", "value"))
+CREATE_CAUSAL_MASK = Seam("transformers", "transformers.masking_utils:create_causal_mask",
+                          "(it looks its mask builder up by the model config's _attn_implementation)",
+                          reads=("_attn_implementation", "ALL_MASK_ATTENTION_FUNCTIONS"))  # fmt: skip
+SDPA_MASK = Seam(
+    "transformers", "transformers.masking_utils:sdpa_mask", "to build a chunk pair's mask from a mask function",
+    parameters=("batch_size", "q_length", "kv_length", "q_offset", "kv_offset", "mask_function", "attention_mask",
+                "allow_is_causal_skip", "use_vmap", "device"),
+)  # fmt: skip
+CAUSAL_MASK_FUNCTION = Seam("transformers", "transformers.masking_utils:causal_mask_function",
+                            "(causal: keys up to the query)")  # fmt: skip
+SLIDING_WINDOW_OVERLAY = Seam("transformers", "transformers.masking_utils:sliding_window_overlay",
+                              "(keys less than the window back)", parameters=("sliding_window",))  # fmt: skip
+# the compositions a mask function is read through (their closures hold what they compose, under these names)
+MASK_COMPOSITIONS = {
+    "and_masks.<locals>.and_mask": Seam("transformers", "transformers.masking_utils:and_masks",
+                                        "(an intersection: causal if any part is)", parameters=("mask_functions",)),
+    "or_masks.<locals>.or_mask": Seam("transformers", "transformers.masking_utils:or_masks",
+                                      "(a union: causal if every part is)", parameters=("mask_functions",)),
+    "remap_positions_for_packed_sequence.<locals>.inner_mask": Seam(
+        "transformers", "transformers.masking_utils:remap_positions_for_packed_sequence",
+        "(packed documents: causal in each document's positions)", parameters=("mask_function", "position_ids"),
+    ),
+}  # fmt: skip
+REMAP_QUALNAME = "remap_positions_for_packed_sequence.<locals>.inner_mask"
+PACKED_QUALNAME = "packed_sequence_mask_function.<locals>.inner_mask"
+PACKED_SEQUENCE_MASK = Seam("transformers", "transformers.masking_utils:packed_sequence_mask_function",
+                            "(each query in its own document)", parameters=("packed_sequence_mask",))  # fmt: skip
+
+
+def register_mask(name: str, function) -> None:
+    """``function`` builds the masks of models whose config names ``name`` (transformers' mask registry)."""
+    MASK_INTERFACE.get()(name, function)
+
+
+@contextlib.contextmanager
+def masks_built_by(config, name: str):
+    """While it runs, ``config`` (and its text decoder's, where it has sub-configs) name ``name``, so the model's
+    mask creation goes through the mask builder registered under it; each one's own is put back after."""
+    CREATE_CAUSAL_MASK.get()
+    configs = list({id(each): each for each in (config, config.get_text_config(decoder=True))}.values())
+    held = [each._attn_implementation_internal for each in configs]
+    try:
+        for each in configs:  # the model's and its text decoder's, which its masks are made with; no other tower
+            each._attn_implementation_internal = name
+        yield
+    finally:
+        for each, implementation in zip(configs, held):
+            each._attn_implementation_internal = implementation
+
+
+def mask_block(mask_function, padding, batch: int, queries: tuple[int, int], keys: tuple[int, int], use_vmap: bool,
+               device) -> torch.Tensor:  # fmt: skip
+    """The ``[batch, 1, queries, keys]`` boolean mask of the queries ``range(*queries)`` against the keys
+    ``range(*keys)``, built by transformers' own ``sdpa_mask`` from the model's mask function and 2D padding."""
+    return SDPA_MASK.get()(
+        batch_size=batch, q_length=queries[1] - queries[0], kv_length=keys[1] - keys[0], q_offset=queries[0],
+        kv_offset=keys[0], mask_function=mask_function, attention_mask=padding, allow_is_causal_skip=False,
+        use_vmap=use_vmap, device=device,
+    )  # fmt: skip
+
+
+def mask_reach(mask_function) -> tuple[bool, int | None]:
+    """How far back and forward a transformers mask function lets a query see, read from how transformers
+    composed it, with no mask evaluated: (causal: no key after its query; the sliding window no key is
+    further back than, or None). Causal: ``causal_mask_function``, an intersection with a causal part, a
+    union of causal parts, packed documents' remapping of a causal function beside the packed-documents mask
+    (``_packed_reach``). Anything else (a model's bidirectional overlay, a function of its own) reads (False, None):
+    that mask must be checked by evaluating it."""
+    if mask_function is CAUSAL_MASK_FUNCTION.get():
+        return True, None
+    name = getattr(mask_function, "__qualname__", "")
+    if name == "sliding_window_overlay.<locals>.inner_mask":
+        SLIDING_WINDOW_OVERLAY.get()
+        return False, _closure(mask_function)["sliding_window"]
+    seam = MASK_COMPOSITIONS.get(name)
+    if seam is None or "mask_functions" not in seam.parameters:  # (packed documents' remap: only with their mask)
+        return False, None
+    seam.get()
+    parts = _closure(mask_function)["mask_functions"]
+    reaches = [_packed_reach(part, parts) for part in parts]
+    windows = [window for _, window in reaches if window is not None]
+    if mask_function.__name__ == "and_mask":
+        return any(causal for causal, _ in reaches), min(windows, default=None)
+    return all(causal for causal, _ in reaches), max(windows) if len(windows) == len(reaches) else None
+
+
+def _packed_reach(part, parts) -> tuple[bool, int | None]:
+    """A part's reach within an intersection: packed documents' remapping of a function reaches as that
+    function does only beside the packed-documents mask that keeps each query in its document (positions
+    then run on by one); alone, it would let a query see another document's keys."""
+    if getattr(part, "__qualname__", "") != REMAP_QUALNAME:
+        return mask_reach(part)
+    if not any(getattr(other, "__qualname__", "") == PACKED_QUALNAME for other in parts):
+        return False, None
+    MASK_COMPOSITIONS[REMAP_QUALNAME].get()
+    PACKED_SEQUENCE_MASK.get()
+    return mask_reach(_closure(part)["mask_function"])
+
+
+def _closure(function) -> dict:
+    return dict(zip(function.__code__.co_freevars, (cell.cell_contents for cell in function.__closure__)))
+
+
+# -- the KV cache --------------------------------------------------------------------------------
+DYNAMIC_CACHE = Seam("transformers", "transformers.cache_utils:DynamicCache",
+                     "(a sequence-parallel rank's KV cache is one, holding that rank's positions)", reads=("layers",))
+MASK_SIZES = Seam("transformers", "transformers.masking_utils:_preprocess_mask_arguments",
+                  "(the mask's sizes come from the cache's lengths, which a sequence-parallel cache gives whole)",
+                  reads=("get_query_offset", "get_mask_sizes"))  # fmt: skip
+
+
+def dynamic_cache_class() -> type:
+    MASK_SIZES.get()
+    return DYNAMIC_CACHE.get()
 
 
 # -- activation checkpointing --------------------------------------------------------------------

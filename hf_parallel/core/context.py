@@ -24,6 +24,8 @@ class SequenceCall:
     order: torch.Tensor | None = None  # the zigzag permutation on the device (None: the sequence in its own order)
     inverse: torch.Tensor | None = None  # the order's inverse: gathered tokens put back
     checked_masks: dict = field(default_factory=dict, compare=False)  # id -> the model's masks ring.py checked
+    cache: object = None  # the rank's KV cache (sequence/decode.py), when the forward keeps one
+    decoding: bool = False  # a decode step: the new tokens run whole on every rank (no layout, no split)
 
     @property
     def sizes(self) -> tuple[int, ...]:

@@ -7,21 +7,23 @@ every query has met every key. Each step gives, per (query chunk, key chunk) pai
 and its log-sum-exp; partials merge exactly (``o = sum_i exp(lse_i - lse) o_i``, ``lse = logaddexp``
 over the i), in float32, as flash attention's online softmax does.
 
-The mask is the model's own: the one it built for the whole sequence (padding, packed documents,
-sliding windows, read per chunk pair: chunks are contiguous runs of positions), or, where it built
-none (sdpa's causal fast path), causality from the chunks' positions. A pair whose keys all come after
-its queries is skipped (the model is causal: checked at load, and its mask once per call), and so is one
-wholly outside a sliding window; with eager's additive mask every pair is computed
-(``RingPlan.additive``). Attention sinks (gpt-oss: one logit per head added to every softmax's
-denominator) enter once, after the merge.
+The mask is the model's own, built per chunk pair at the pair's size from the description its mask
+creation handed over (``masks.py``: transformers' mask function, with padding, packed documents and
+sliding windows; chunks are contiguous runs of positions), or, where there is none (sdpa's causal fast
+path), causality from the chunks' positions. A pair whose keys all come after its queries is skipped
+(the model is causal: checked at load, and its mask once per call), and so is one wholly outside a
+sliding window; with eager's additive mask over padding every pair is computed (``RingPlan.additive``).
+Attention sinks (gpt-oss: one logit per head added to every softmax's denominator) enter once, after
+the merge.
 
 The whole ring is one autograd function (as ring-flash-attention's): its backward sends the blocks
 round again and recomputes each pair's probabilities from the saved log-sum-exp, so no scores are
 kept between forward and backward, and every rank runs the same exchanges in the same order whatever
-pairs it skips. Memory: the model's own mask, where it builds one, is ``[batch, 1, S, S]`` on every
-rank (read per pair, never copied whole). Each step's key/value block is on its way to the next rank
-while the step's pairs compute (an asynchronous all-to-all); the gradients travelling with it in the
-backward leave once the step's pairs have added to them.
+pairs it skips. Memory: no ``[S, S]`` tensor of the model's (a 4D mask a caller hands the model is read
+per pair); a pair's mask and written-out scores are ``[batch, heads, c, c]``.
+Each step's key/value block is on its way to the next rank while the step's pairs compute (an
+asynchronous all-to-all); the gradients travelling with it in the backward leave once the step's
+pairs have added to them.
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from ..distributed import comm
+from .masks import OPENS_AFTER, MaskDescription, opens_behind, skipped_pairs_opened
 
 
 @dataclass(frozen=True)
@@ -38,18 +41,22 @@ class RingPlan:
 
     layout: object  # the call's TokenLayout
     ring: object  # the mesh's cp Dim
-    mask: torch.Tensor | None  # the model's mask over the padded sequence (None: causal from positions)
+    mask: MaskDescription | torch.Tensor | None  # the model's mask (masks.py; a 4D tensor if the caller gave one;
+    # None: causal from positions)
     scale: float
     softcap: float | None
     window: int | None
     groups: int  # query heads per key/value head
     device: torch.device = torch.device("cpu")  # where the tensors are
+    eager: bool = False  # the model computes attention with eager's additive masks
 
     @property
     def additive(self) -> bool:
-        """Eager's additive mask: a query masked from every key (left padding) attends to all of them
-        alike, with gradients to every score, so every pair is computed; sdpa's boolean mask gives such
-        a query zeros, and pairs are skipped where causality or the window rules every key out."""
+        """Eager's additive mask over padding: a query masked from every key (left padding) attends to all
+        of them alike, with gradients to every score, so every pair is computed; sdpa's boolean mask gives
+        such a query zeros, and pairs are skipped where causality or the window rules every key out."""
+        if isinstance(self.mask, MaskDescription):
+            return self.eager and self.mask.padding is not None
         return self.mask is not None and self.mask.dtype != torch.bool
 
     def pairs(self, step: int):
@@ -67,8 +74,14 @@ class RingPlan:
     @property
     def fused(self) -> bool:
         """Each pair through torch's fused CPU flash kernel, which returns the log-sum-exp and takes it back
-        in its backward (no scores in memory): causal from positions, no soft-capping. Else written out."""
-        return self.mask is None and not self.softcap and self.device.type == "cpu"
+        in its backward (no scores in memory), the pair's mask as its bias: no soft-capping, and not eager's
+        additive mask over padding (whose fully masked queries weigh every key of the sequence alike, which
+        a pair's kernel cannot know). Else written out."""
+        return not self.softcap and not self.additive and self.device.type == "cpu"
+
+    def pair_mask(self, qi: int, ki: int, keys: int) -> torch.Tensor | None:
+        """The model's mask of one pair (None: causal from positions, the kernel's own)."""
+        return None if self.mask is None else _pair_mask(self.mask, qi, ki, self.layout.chunk, keys, self.device)
 
     def scores(self, q, k, qi: int, ki: int, keys: int):
         """Scaled (soft-capped) scores of one pair (``k``: its keys repeated for the query heads, ``_repeat``)
@@ -104,14 +117,15 @@ class _RingAttention(torch.autograd.Function):
             for a, qi, b, ki, keys in plan.pairs(step):
                 pair_k, pair_v = (_repeat(part[:, :, b * c : b * c + keys], plan) for part in block)
                 if plan.fused:
+                    mask = plan.pair_mask(qi, ki, keys)
                     o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                        queries[a], pair_k, pair_v, 0.0, qi == ki, scale=plan.scale
-                    )
-                    outs[a], lses[a] = merge(outs[a], lses[a], o, lse)
-                    continue
-                scores, _, mask = plan.scores(queries[a], pair_k, qi, ki, keys)
-                lse = torch.logsumexp(scores, dim=-1)
-                o = torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), pair_v)
+                        queries[a], pair_k, pair_v, 0.0, qi == ki and mask is None, attn_mask=_bias(mask),
+                        scale=plan.scale,
+                    )  # fmt: skip
+                else:
+                    scores, _, mask = plan.scores(queries[a], pair_k, qi, ki, keys)
+                    lse = torch.logsumexp(scores, dim=-1)
+                    o = torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), pair_v)
                 outs[a], lses[a] = merge(outs[a], lses[a], o, lse)
                 if plan.mask is not None:  # which queries attend to some key (and, for eager's, every value's sum)
                     sees = _allowed(mask).any(-1)
@@ -121,12 +135,12 @@ class _RingAttention(torch.autograd.Function):
         for a, part in enumerate(queries):  # padding queries with no key in reach (past the end and the window)
             if outs[a] is None:
                 outs[a], lses[a] = torch.zeros_like(part), part.new_full(part.shape[:-1], MASKED)
-                if plan.mask is not None:
-                    seen[a] = torch.zeros(plan.mask.shape[0], 1, c, dtype=torch.bool, device=part.device)
+                if plan.mask is not None:  # (the mask's batch: 1 where a caller's mask broadcasts)
+                    rows = plan.mask.batch if isinstance(plan.mask, MaskDescription) else plan.mask.shape[0]
+                    seen[a] = torch.zeros(rows, 1, c, dtype=torch.bool, device=part.device)
         out, lse = torch.cat(outs, dim=2), torch.cat(lses, dim=2)
-        if sinks is not None:  # one more logit per head in every softmax's denominator, contributing no value
-            total = torch.logaddexp(lse, sinks.float().view(1, -1, 1))
-            out, lse = out * torch.exp(lse - total).unsqueeze(-1), total
+        if sinks is not None:
+            out, lse = with_sinks(out, lse, sinks)
         # which queries attend to some key; with sinks, one masked from every key gives the sink all its weight:
         # zeros already
         attended = torch.cat(seen, dim=-1).unsqueeze(-1) if seen[0] is not None and sinks is None else None
@@ -158,9 +172,10 @@ class _RingAttention(torch.autograd.Function):
                 keys_at = slice(b * c, b * c + keys)
                 pair_k, pair_v = (_repeat(part[:, :, keys_at], plan) for part in block)
                 if plan.fused:  # the kernel's backward from the merged output and log-sum-exp (as flash's)
+                    mask = plan.pair_mask(qi, ki, keys)
                     d_q, d_k, d_v = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
                         grads[a].contiguous(), queries[a], pair_k, pair_v, outs[a].contiguous(), lses[a].contiguous(),
-                        0.0, qi == ki, scale=plan.scale,
+                        0.0, qi == ki and mask is None, attn_mask=_bias(mask), scale=plan.scale,
                     )  # fmt: skip
                     dq[a] += d_q
                     travelling[0, :, :, keys_at] += _fold(d_k, plan)
@@ -183,6 +198,14 @@ class _RingAttention(torch.autograd.Function):
         if sinks is not None and ctx.needs_input_grad[3]:  # d sink = -sum over rows of p_sink * rowsum(dO * O)
             d_sinks = -(torch.exp(sinks.float().view(1, -1, 1) - lse) * delta).sum((0, 2)).to(sinks.dtype)
         return torch.cat(dq, dim=2).to(q.dtype), travelling[0].to(k.dtype), travelling[1].to(v.dtype), d_sinks, None
+
+
+def _bias(mask: torch.Tensor | None) -> torch.Tensor | None:
+    """A pair's boolean mask as the fused kernel's float32 bias: a finite minimum where masked, so a query
+    masked from every key of the pair gets a log-sum-exp at that minimum (no weight in the merge), not -inf."""
+    if mask is None or mask.dtype != torch.bool:
+        return mask
+    return torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill_(~mask, MASKED)
 
 
 def _allowed(mask: torch.Tensor) -> torch.Tensor:
@@ -222,12 +245,19 @@ def ring_attention(module, query, key, value, attention_mask, sequence, heads: t
     plan = RingPlan(
         sequence.layout, ring, _checked_mask(attention_mask, sequence, kwargs.get("sliding_window")),
         query.shape[-1] ** -0.5 if scale is None else scale, kwargs.get("softcap"), kwargs.get("sliding_window"),
-        query.shape[1] // key.shape[1], query.device,
+        query.shape[1] // key.shape[1], query.device, sequence.split.inner == "eager",
     )  # fmt: skip
     sinks = kwargs.get("s_aux")
     sinks = sinks[heads[0] : heads[1]] if sinks is not None else None
     out = _RingAttention.apply(query, key, value, sinks, plan)
     return out.transpose(1, 2).to(query.dtype)
+
+
+def with_sinks(out, lse, sinks):
+    """Attention sinks (gpt-oss): one more logit per head in every softmax's denominator, contributing no
+    value, entered once into a merged output ``[b, h, n, d]`` and its log-sum-exp ``[b, h, n]``."""
+    total = torch.logaddexp(lse, sinks.float().view(1, -1, 1))
+    return out * torch.exp(lse - total).unsqueeze(-1), total
 
 
 def merge(o, lse, o_new, lse_new):
@@ -239,37 +269,51 @@ def merge(o, lse, o_new, lse_new):
 
 
 def _checked_mask(mask, sequence, window):
-    """The model's mask, checked once per call and mask (an O(S^2) pass, one host read on a GPU) to allow
-    nothing in the pairs ring attention skips: keys after their query (the model is causal, yet a mask
-    could open bidirectional blocks) and keys further back than the sliding window. None stays None."""
+    """The model's mask, checked once per call and mask to allow nothing in the pairs ring attention skips:
+    keys after their query (the model is causal, yet a mask could open bidirectional blocks) and keys
+    further back than the sliding window. A description (``masks.py``) is checked pair by pair, and only
+    where its construction does not already say; a 4D tensor a caller handed the model, whole (an O(S^2)
+    pass). None stays None."""
     ring = sequence.split.cp
     if mask is None:
         return None
+    if id(mask) in sequence.checked_masks:
+        return mask
+    if isinstance(mask, MaskDescription):
+        layout = sequence.layout
+        opened = skipped_pairs_opened(mask, layout.chunk, 2 * layout.cp, window, sequence.split.device)
+    else:
+        opened = _tensor_opened(mask, ring, window)
+    if opened:
+        advice = "use sp_size alone" if opened == OPENS_AFTER else "it cannot serve this mask"
+        raise ValueError(
+            f"cp_size={ring.size}: the model's attention mask {opened}; ring attention skips those keys, so {advice}"
+        )
+    sequence.checked_masks[id(mask)] = mask  # held for the call: the id is not reused while it runs
+    return mask
+
+
+def _tensor_opened(mask: torch.Tensor, ring, window) -> str | None:
+    """What a whole 4D mask opens among the pairs ring attention skips (None: nothing)."""
     if mask.dim() != 4 or mask.shape[1] != 1:
         raise ValueError(
-            f"cp_size={ring.size}: ring attention reads a [batch, 1, queries, keys] mask; the model built one of shape "
-            f"{tuple(mask.shape)}"
+            f"cp_size={ring.size}: ring attention reads a [batch, 1, queries, keys] mask; the model was given one of "
+            f"shape {tuple(mask.shape)}"
         )
-    if id(mask) not in sequence.checked_masks:
-        allowed = _allowed(mask)
-        if bool(allowed.triu(1).any()):
-            raise ValueError(
-                f"cp_size={ring.size}: the model's attention mask lets a query attend to keys after it (bidirectional "
-                "blocks: image tokens, a prefix); ring attention serves causal masks only, so use sp_size alone"
-            )
-        if window and bool(allowed.tril(-window - 1).any()):
-            raise ValueError(
-                f"cp_size={ring.size}: the model's mask lets a query attend further back than its sliding window "
-                f"({window}); ring attention skips those keys, so it cannot serve this mask"
-            )
-        sequence.checked_masks[id(mask)] = mask  # held for the call: the id is not reused while it runs
-    return mask
+    allowed = _allowed(mask)
+    if bool(allowed.triu(1).any()):
+        return OPENS_AFTER
+    if window and bool(allowed.tril(-window - 1).any()):
+        return opens_behind(window)
+    return None
 
 
 def _pair_mask(mask, qi: int, ki: int, c: int, keys: int, device):
     """The mask of query chunk ``qi`` against the first ``keys`` keys of chunk ``ki`` (chunks are
     contiguous positions; keys never reach the padding). Query rows past the model's mask (padding)
     attend to every key: their outputs are dropped."""
+    if isinstance(mask, MaskDescription):
+        return mask.pair((qi * c, (qi + 1) * c), (ki * c, ki * c + keys), device)
     if mask is not None:
         rows = mask[..., qi * c : (qi + 1) * c, ki * c : ki * c + keys]
         if rows.shape[-2] < c:

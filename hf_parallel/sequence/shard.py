@@ -1,8 +1,9 @@
 """Sequence parallelism on a transformers causal LM: which tokens each rank holds, and the loss.
 
 The model's forward runs as written, on the whole batch, up to its first decoder layer: embeddings,
-positions (RoPE tables for every position) and the attention masks are built for the whole
-sequence, so global positions, padding, packed samples and sliding windows are the model's own.
+positions (RoPE tables for every position) and the attention masks (under CP described, not built:
+``masks.py``) are made for the whole sequence, so global positions, padding, packed samples and
+sliding windows are the model's own.
 From the first decoder layer on, each rank holds its run of tokens (``tokens.py``), and each layer
 is handed its tokens' slice of the position tables; attention sees every token through
 ``ulysses.py`` (and, with a ring of Ulysses groups, ``ring.py``: context parallelism, where the
@@ -25,6 +26,7 @@ What changes per call (the token split, whether a loss follows) is the call's ``
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from dataclasses import dataclass, field
 
@@ -34,6 +36,9 @@ from torch import nn
 from ..compat.transformers import (
     attention_implementation,
     computes_through_registry,
+    dynamic_cache_class,
+    masks_built_by,
+    passes_keyword,
     use_attention,
     wrap_checkpointing,
 )
@@ -60,19 +65,39 @@ class SequenceSplit:
     device: torch.device  # where the group's collectives receive
     ulysses: object = None  # the mesh's Dim of adjacent ranks trading tokens for heads (None: the whole group)
     cp: object = None  # the mesh's Dim of the ring (None: no ring)
+    config: object = field(default=None, compare=False)  # the model's config (its masks, described under CP)
     _orders: dict = field(default_factory=dict, compare=False)  # tokens -> (order, inverse) on the device
 
     @property
     def rings(self) -> int:
         return self.cp.size if self.cp is not None else 1
 
+    def masks(self, call: SequenceCall):
+        """Around a forward: under context parallelism the model's masks are built as descriptions
+        (``masks.py``: no ``[S, S]`` tensor), its config naming the Ulysses wrapper's mask builder meanwhile.
+        A decode step's mask is the model's own (the new tokens' rows only)."""
+        if self.cp is None or call.decoding:
+            return contextlib.nullcontext()
+        from .ulysses import NAME  # (registered with transformers' mask registry there)
+
+        return masks_built_by(self.config, NAME)
+
     def layout(self, tokens: int) -> TokenLayout:
         return token_layout(tokens, self.size // self.rings, self.rings)
 
-    def call(self, tokens: int, keep_split: bool) -> SequenceCall:
+    def call(self, tokens: int, keep_split: bool, cache=None) -> SequenceCall:
+        """One forward's split of ``tokens`` tokens (``cache``: the rank's ``SequenceCache``, if it keeps one;
+        once it holds a prompt, the forward is a decode step and is not split)."""
+        if cache is not None and cache.decoding:
+            if keep_split:
+                raise ValueError(
+                    "a sequence-parallel forward with labels and a KV cache holding tokens: a decode step runs "
+                    "whole and computes no split loss; compute the loss on a forward without past_key_values"
+                )
+            return SequenceCall(self, None, keep_split, cache=cache, decoding=True)
         layout = self.layout(tokens)
         if layout.cp == 1:  # the sequence in its own order
-            return SequenceCall(self, layout, keep_split)
+            return SequenceCall(self, layout, keep_split, cache=cache)
         if tokens not in self._orders:  # made on the device (no host copy), kept for the last few lengths
             if len(self._orders) >= 8:
                 self._orders.pop(next(iter(self._orders)))
@@ -80,7 +105,7 @@ class SequenceSplit:
             order = torch.cat([chunks[i] for g in range(layout.cp) for i in layout.chunks_of(g)])
             self._orders[tokens] = order, torch.argsort(order)
         order, inverse = self._orders[tokens]
-        return SequenceCall(self, layout, keep_split, order, inverse)
+        return SequenceCall(self, layout, keep_split, order, inverse, cache=cache)
 
 
 def in_ranks_order(x: torch.Tensor, dim: int, sequence: SequenceCall, value=0, edge: bool = False) -> torch.Tensor:
@@ -140,7 +165,15 @@ def check_sequence_parallel(model: nn.Module, sp: int, cp: int = 1) -> None:
                 "transformers' attention registry, so the Ulysses all-to-all cannot wrap it"
             )
         heads = [n for n, p in module.named_parameters() if p.dim() == 1 and "norm" not in n and "bias" not in n]
-        heads = [n for n in heads if not (cp > 1 and n == "sinks")]  # ring attention adds its heads' sinks
+        if passes_keyword(type(module).forward, "s_aux"):  # attention sinks, handed to attention: each rank's own
+            heads = [n for n in heads if n != "sinks"]
+        indexers = [n for n, m in module.named_modules() if n.rsplit(".", 1)[-1] == "indexer"]
+        if indexers:
+            raise ValueError(
+                f"{asked}: {path} ({type(module).__name__}) selects the keys each query attends to with its own "
+                f"{indexers[0]} (sparse attention), which the Ulysses wrapper and ring attention do not apply; split "
+                "this model by tensor parallelism (tp_size) instead"
+            )
         per_head = [n for n, m in module.named_modules() if isinstance(m, nn.ModuleList)]
         if heads or per_head:
             raise ValueError(
@@ -164,12 +197,12 @@ def install_sequence(model: nn.Module, mesh, stages, gradients: GradientSums) ->
     over the group. ``stages``: the pipeline's ``StageSplit``, which names the layer list (or None)."""
     from .ulysses import NAME  # registers the wrapper with transformers' attention registry
 
-    layers = decoder_layers(model, stages.layer_list if stages is not None else None)
+    layers = decoder_layers(model, stages)
 
     rings = mesh.shape.cp
     split = SequenceSplit(
         mesh.sp.group, mesh.sp.rank, mesh.sp.size, attention_implementation(model.config),
-        mesh.device, mesh.ulysses if rings > 1 else mesh.sp, mesh.cp if rings > 1 else None,
+        mesh.device, mesh.ulysses if rings > 1 else mesh.sp, mesh.cp if rings > 1 else None, model.config,
     )  # fmt: skip
     use_attention([module for _, module in attention.outermost(model)], NAME)  # model.config (and the save) keep theirs
 
@@ -183,6 +216,8 @@ def install_sequence(model: nn.Module, mesh, stages, gradients: GradientSums) ->
     def enter_layer(module, args, kwargs):
         wrap_checkpointing(module, keeping_the_call)  # its recompute reads the call too (Ulysses attention)
         sequence = current_call().sequence
+        if sequence.decoding:  # the new tokens run whole
+            return args, kwargs
         kwargs = {k: local(v, POSITION_KWARGS[k], sequence) if k in POSITION_KWARGS else v for k, v in kwargs.items()}
         if module is layers[0]:  # the sequence splits here
             hidden, *rest = args if args else (kwargs.pop("hidden_states"),)
@@ -195,7 +230,7 @@ def install_sequence(model: nn.Module, mesh, stages, gradients: GradientSums) ->
 
     def gather_final(module, args, output):  # inference: whole logits, wherever logits_to_keep points
         sequence = current_call().sequence
-        if sequence.keep_split:
+        if sequence.keep_split or sequence.decoding:
             return output
         output.last_hidden_state = whole_tokens(output.last_hidden_state, 1, sequence)
         return output
@@ -203,26 +238,57 @@ def install_sequence(model: nn.Module, mesh, stages, gradients: GradientSums) ->
     model.base_model.register_forward_hook(gather_final)
     for param in model.parameters():
         gradients.sum_over(param, split.group)
-    model.generation_config.use_cache = False  # decode re-runs the sequence split: no KV cache of split tokens
+    if stages is not None:  # pipeline stages' micro-batches keep no split cache: decode re-runs the sequence
+        model.generation_config.use_cache = False
     return split
 
 
-def sequence_inputs(split: SequenceSplit, inputs: dict, warned: list) -> dict:
-    """A forward's keyword arguments as every rank of the group computes them: the batch of the
-    group's first rank, with no KV cache (each rank's would hold only its tokens)."""
+def sequence_inputs(split: SequenceSplit, inputs: dict, warned: list, can_cache: bool = True) -> dict:
+    """A forward's keyword arguments as every rank of the group computes them: the batch of the group's
+    first rank, and each rank's own KV cache (``decode.py``) where the forward keeps one (``use_cache``
+    without labels, or a cache given: ``generate``). ``can_cache``: False on pipeline stages, which keep
+    none."""
+    given = inputs.pop("past_key_values", None)  # each rank's own object: not broadcast
     inputs = comm.broadcast_batch(inputs, split.group, split.device)
-    if inputs.get("past_key_values") is not None:
-        raise ValueError(
-            "a sequence-parallel forward keeps no KV cache (each rank's cache would hold only its tokens); "
-            "generate() re-runs the whole sequence instead, or load with sp_size=1 to decode with a cache"
-        )
-    if inputs.get("use_cache") and not warned:
-        warnings.warn(
-            "sequence-parallel forward: use_cache=True is ignored (no KV cache of split tokens)", stacklevel=3
-        )
-        warned.append(True)
-    inputs["use_cache"] = False
+    if not can_cache:
+        if given is not None:
+            raise ValueError(
+                "a sequence-parallel forward on pipeline stages keeps no KV cache (each rank's cache would hold "
+                "only its tokens); generate() re-runs the whole sequence instead"
+            )
+        if inputs.get("use_cache") and not warned:
+            warnings.warn("sequence-parallel forward on pipeline stages: use_cache=True is ignored", stacklevel=3)
+            warned.append(True)
+        inputs["use_cache"] = False
+        return inputs
+    keeps = given is not None or (inputs.get("use_cache") and inputs.get("labels") is None)
+    inputs["use_cache"] = bool(keeps)
+    if keeps:
+        inputs["past_key_values"] = sequence_cache(split, given)
     return inputs
+
+
+def sequence_cache(split: SequenceSplit, given):
+    """The rank's ``SequenceCache``: the one given, or a new one in place of an empty cache of transformers'
+    (``generate`` makes one before the prompt's forward). A cache holding tokens made elsewhere is refused."""
+    from .decode import SequenceCache
+
+    if isinstance(given, SequenceCache):
+        return given
+    if given is not None and (type(given) is not dynamic_cache_class() or given.offloading):
+        raise ValueError(
+            f"a sequence-parallel forward was given a {type(given).__name__}"
+            f"{' (offloaded)' if getattr(given, 'offloading', False) else ''}: each rank keeps its own positions' "
+            "keys and values in a DynamicCache of hf_parallel's; generate with cache_implementation=\"dynamic\" "
+            "(a checkpoint's generation_config may name another), or use_cache=False to re-run the sequence"
+        )
+    if given is not None and given.get_seq_length() > 0:
+        raise ValueError(
+            f"a sequence-parallel forward was given a {type(given).__name__} already holding "
+            f"{given.get_seq_length()} tokens, made outside hf_parallel: each rank's cache must hold the positions "
+            "it computed; start generation from the prompt (no past_key_values) so each rank keeps its own"
+        )
+    return SequenceCache(split)
 
 
 def shifted_labels(labels, sequence: SequenceCall, ignore_index=-100, shift: bool = True):
@@ -248,10 +314,10 @@ def sequence_loss(logits: torch.Tensor, labels: torch.Tensor, sequence: Sequence
     return comm.reduce_from(total / count, split.group)
 
 
-def decoder_layers(model: nn.Module, layer_list: str | None = None) -> list[nn.Module]:
-    """The layers the sequence is split at: the list a pipeline stage names (its other stages'
-    layers are stand-ins, so the module tree has no list of identical layers to find), else the
-    model's repeated layers."""
-    if layer_list is not None:
-        return list(model.get_submodule(layer_list))
+def decoder_layers(model: nn.Module, stages=None) -> list[nn.Module]:
+    """The layers the sequence is split at: those of the list a pipeline stage names (``stages``: the
+    pipeline's ``StageSplit``; its other stages' layers are stand-ins, so the module tree has no list of
+    identical layers to find), else the model's repeated layers."""
+    if stages is not None:
+        return list(model.get_submodule(stages.layer_list))
     return [model.get_submodule(path) for path in repeated_layers(model)]

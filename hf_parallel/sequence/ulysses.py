@@ -9,25 +9,29 @@ when both counts divide by sp each rank takes whole groups as they are; otherwis
 receives, for every one of its query heads, that head's key/value head (replicated where ranks
 share a group), and its attention runs with one query head per key/value head: the module's
 ``num_key_value_groups`` is 1 for that inner call alone, and restored after it (a module without one,
-GPT-2's, repeats nothing anyway).
+GPT-2's, repeats nothing anyway). Attention sinks (gpt-oss's one logit per head, ``s_aux``) follow
+their heads: each rank computes with its heads' sinks.
 
 Under context parallelism the all-to-all runs inside each Ulysses group (adjacent ranks), and the
 attention over the group's tokens and every other group's is ``ring.py``'s instead of the configured
-function.
+function; the model's masks are then built under this name too, as descriptions (``masks.py``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
 
-from ..compat.transformers import attention_function, register_attention
+from ..compat.transformers import attention_function, register_attention, register_mask
 from ..core.context import current_call
 from ..distributed import comm
 from ..core.layout import even_sizes, sizes_to_ranges
+from .decode import decode_attention
+from .masks import describe_mask
 from .ring import ring_attention
 
 NAME = "hf_parallel_ulysses"
@@ -59,6 +63,8 @@ def _inner_function(module, name: str):
 def ulysses_attention(module, query, key, value, attention_mask, **kwargs):
     """Registered as ``hf_parallel_ulysses``: the call's token split comes from its context."""
     sequence = current_call().sequence
+    if sequence.decoding:  # the new tokens whole on every rank, against the KV cache split over the group
+        return decode_attention(module, query, key, value, attention_mask, sequence.cache, **kwargs), None
     ulysses = sequence.split.ulysses
     group, seq = ulysses.group, sequence.sizes[: ulysses.size]  # every Ulysses group's ranks hold the same sizes
     spread = head_spread(query.shape[1], key.shape[1], len(seq))
@@ -74,17 +80,35 @@ def ulysses_attention(module, query, key, value, attention_mask, **kwargs):
     if attention_mask is not None and attention_mask.shape[-1] < query.shape[2]:
         attention_mask = _mask_padding(attention_mask, query.shape[2])
     inner = _inner_function(module, sequence.split.inner)
-    groups = getattr(module, "num_key_value_groups", None)
-    if spread.kv_repeat is None or groups is None:
+    sinks = kwargs.get("s_aux")
+    if sinks is not None:  # attention sinks (gpt-oss: one logit per head): this rank's heads' own
+        start, stop = sizes_to_ranges(spread.q_sizes)[ulysses.rank]
+        kwargs = {**kwargs, "s_aux": sinks[start:stop]}
+    with _for_these_heads(module, spread.kv_repeat is not None, sinks, kwargs.get("s_aux")):
         out, _ = inner(module, query, key, value, attention_mask, **kwargs)
-    else:  # for the inner call alone (set and restored: torch.compile traces this, not a copy of the module)
-        module.num_key_value_groups = 1
-        try:
-            out, _ = inner(module, query, key, value, attention_mask, **kwargs)
-        finally:
-            module.num_key_value_groups = groups
     # [batch, seq, heads/sp, dim] -> [batch, seq/sp, heads, dim]; attention weights stay with the heads' ranks
     return comm.all_to_all(out, 1, 2, seq, spread.q_sizes, group), None
+
+
+@contextlib.contextmanager
+def _for_these_heads(module, one_per_group: bool, sinks, own_sinks):
+    """For the inner call alone, ``module`` as the rank's slice of heads sees it: one query head per key/value
+    head (``one_per_group``: its ``num_key_value_groups`` is 1), and the rank's own sinks where the model's
+    attention function reads them from the module rather than from ``s_aux`` (gpt-oss's eager). Set and
+    restored: torch.compile traces this, not a copy of the module."""
+    groups = getattr(module, "num_key_value_groups", None) if one_per_group else None
+    held = [name for name, param in module._parameters.items() if sinks is not None and param is sinks]
+    try:
+        if groups is not None:
+            module.num_key_value_groups = 1
+        for name in held:  # a view of the parameter, so its gradient reaches it (summed over the group as any)
+            module._parameters[name] = own_sinks
+        yield
+    finally:
+        if groups is not None:
+            module.num_key_value_groups = groups
+        for name in held:
+            module._parameters[name] = sinks
 
 
 def _mask_padding(mask: torch.Tensor, length: int) -> torch.Tensor:
@@ -98,3 +122,4 @@ def _mask_padding(mask: torch.Tensor, length: int) -> torch.Tensor:
 
 
 register_attention(NAME, ulysses_attention)
+register_mask(NAME, describe_mask)  # built under context parallelism alone (``SequenceSplit.masks``)

@@ -199,14 +199,15 @@ def _head_through_its_module(model, head):
 
 
 def _fused_over_sequence(runtime, split, fused, args, kwargs):
-    inputs = runtime.inputs(args, {k: v for k, v in kwargs.items() if k != "fused_lm_head"})
+    dropped = ("fused_lm_head", "past_key_values")  # a training forward: no KV cache
+    inputs = runtime.inputs(args, {**{k: v for k, v in kwargs.items() if k not in dropped}, "use_cache": False})
     labels, shift = inputs.pop("labels", None), inputs.pop("shift_labels", None)
     count = inputs.pop("num_items_in_batch", None)
     rows, tokens = batch_inputs(inputs).shape[:2]
     sequence = split.call(tokens, keep_split=True)
     whole, local = shifted_labels(labels if shift is None else shift, sequence, shift=shift is None)
     count = (whole != -100).sum().clamp(min=1) if count is None else count
-    with calling(Call(rows, tokens, 0, sequence)):
+    with calling(Call(rows, tokens, 0, sequence)), split.masks(sequence):  # (under CP, masks described)
         out = fused(**inputs, fused_lm_head=True, shift_labels=local, num_items_in_batch=count)
     out.loss = comm.reduce_from(out.loss, split.group)
     kept = tokens - 1 if shift is None else tokens  # TRL's fields cover the tokens that have a next one
