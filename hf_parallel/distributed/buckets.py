@@ -29,6 +29,11 @@ from torch import nn
 from .faults import collective
 
 BUCKET_MB_ENV = "HF_PARALLEL_GRADIENT_BUCKET_MB"  # 0: every sum blocking, in its parameter's hook
+# what a device-side assert says (CUDA takes under 255 characters: the ranks' bucket indices are not in it)
+ON_DEVICE_MISMATCH = (
+    f"hf_parallel: the ranks bucketed different gradients for one sum (a hook on some ranks only, or {BUCKET_MB_ENV} "
+    f"differing); register hooks on every rank or set {BUCKET_MB_ENV}=0"
+)
 DEFAULT_BUCKET_MB = 25.0  # DDP's default
 IN_FLIGHT = 4  # buckets launched and not yet written back, at most
 
@@ -103,8 +108,8 @@ class Bucket:
             f"registered on some ranks only, or {BUCKET_MB_ENV} set differently. Register hooks on every rank, "
             f"or set {BUCKET_MB_ENV}=0 (each sum in its own hook)"
         )
-        if same.device.type != "cpu":
-            torch._assert_async(same, why)  # on the device: no host sync in the step, loud where it fails
+        if same.device.type != "cpu":  # on the device: no host sync in the step, loud where it fails
+            torch._assert_async(same, ON_DEVICE_MISMATCH)
         elif not same:
             raise RuntimeError(why)
         if divide != 1:
