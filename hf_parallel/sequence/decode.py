@@ -23,6 +23,7 @@ import torch
 from ..compat.transformers import dynamic_cache_class
 from ..distributed import comm
 from .ring import MASKED, _allowed, merge, with_sinks
+from .tokens import token_range
 
 NOWHERE = 2**62  # the position of a padding token the prefill held: after every query, so never attended
 
@@ -87,8 +88,8 @@ class SequenceCache(dynamic_cache_class()):
             order = torch.arange(sequence.layout.length, device=device)
             if sequence.order is not None:
                 order = order.index_select(0, sequence.order)
-            start = sum(sequence.sizes[: self.split.rank])
-            held = order[start : start + sequence.sizes[self.split.rank]]
+            start, stop = token_range(sequence.sizes, self.split.rank)
+            held = order[start:stop]
             self.positions = torch.where(held < tokens, held, NOWHERE)
         elif self.holds_new_tokens:
             self.positions = torch.cat([self.positions, torch.arange(tokens, device=device) + self.length])
