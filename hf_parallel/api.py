@@ -23,12 +23,14 @@ from .distributed.mesh import get_mesh
 from .pipeline.stage import install_stage
 from .runtime import Runtime, forward_under_autocast, refuse_continuous_batching
 from .sequence.shard import decoder_layers, install_sequence
+from .sequence.tiled_loss import TiledLoss
 from .sequence.tiled_mlp import tile_mlps
 from .state import ParallelState, attach, parallel_state
 from .tensor.gradients import GradientSums
 from .quant.kept import hold_quantized
 from .tensor.parallelize import install
 from .distributed.fsdp import fsdp_policies, return_freed_blocks_to_the_os, shard_data_parallel
+from .training.fused_head import vocab_rows
 from .training.trainer import from_distributed_config, install_trainer_seams
 
 
@@ -55,6 +57,8 @@ def from_pretrained(
     mixed_precision: str | None = None,
     fsdp_cpu_offload: bool = False,
     tiled_mlp: bool | int = False,
+    tiled_loss: bool | int = False,
+    offload_checkpoints: bool = False,
     **config_kwargs,
 ):
     """Load the checkpoint at ``path`` split over the ranks: each rank reads only its own slices.
@@ -105,6 +109,12 @@ def from_pretrained(
     :param tiled_mlp: (bool | int, default False) each decoder layer's MLP run over tiles of the sequence
         (ALST), each checkpointed in training, so its intermediate activations exist for one tile at a time;
         True: tiles of ``hidden_size`` tokens, an int: that many tokens. Exact; dense MLPs only.
+    :param tiled_loss: (bool | int, default False) a forward given ``labels`` computes its loss from the final
+        hidden states a chunk of tokens at a time (ALST), vocab-parallel where the LM head's vocabulary is split,
+        each chunk recomputed in backward, so the whole ``[tokens, vocab]`` logits never exist; the output's
+        ``logits`` are each row's first token's only. True: chunks of 1024 tokens, an int: that many. Exact.
+    :param offload_checkpoints: (bool, default False) what a training forward keeps for its backward (under
+        gradient checkpointing, each layer's input) held in host memory until the backward (pinned on a GPU).
     :param config_kwargs: config attributes that override the checkpoint's (as in transformers).
     :returns: the ordinary transformers model, its parameters this rank's shards: ``generate`` works as
         is, and its ``save_pretrained`` gathers the shards back (or writes each rank's: ``distributed=True``).
@@ -162,7 +172,9 @@ def from_pretrained(
     else:
         gradients.register(model)
     # 7. the runtime around the forward, and the state every later call reads
-    runtime = Runtime(model, sequence, stage, own=stage_forward)
+    loss = _tiled_loss(model, tiled_loss, built.layout, mesh, stage, keep_quantized) if tiled_loss else None
+    runtime = Runtime(model, sequence, stage, own=stage_forward, tiled_loss=loss,
+                      offload_checkpoints=offload_checkpoints)  # fmt: skip
     if compute_dtype is not None and mesh.shape.dp == 1:  # (under FSDP its policy casts)
         runtime.autocast = (mesh.device.type, compute_dtype)  # the micro-batches of a stage's schedule
         forward_under_autocast(model, mesh.device, compute_dtype)  # model.forward, generate, a Trainer's step
@@ -177,6 +189,25 @@ def from_pretrained(
     install_trainer_seams(model, state)
     check_on_device(model, mesh.device, parameters=not fsdp_cpu_offload)  # (offloaded: on the host)
     return model
+
+
+def _tiled_loss(model, tokens, layout, mesh, stage, keep_quantized) -> TiledLoss:
+    """The tiled loss of ``from_pretrained(tiled_loss=...)``: vocab-parallel where the LM head's weight is this
+    rank's vocabulary rows as a plain tensor (not kept quantized, not sharded by FSDP), else through the head."""
+    if stage is not None:
+        raise ValueError(
+            "tiled_loss on pipeline stages: the last stage's loss is computed by its schedule; load without "
+            "tiled_loss, or without pp_size / stage_tp_sizes"
+        )
+    config = model.config.get_text_config()
+    if getattr(config, "output_router_logits", False):
+        raise ValueError(
+            "tiled_loss with output_router_logits=True: the router's auxiliary loss is added by the model's own "
+            "loss, which the tiled loss replaces; load with output_router_logits=False"
+        )
+    plain_head = mesh.shape.dp == 1 and not keep_quantized
+    split = vocab_rows(model, layout.params.get, mesh.tp, "tiled_loss") if plain_head else None
+    return TiledLoss(model, 1024 if tokens is True else int(tokens), split)
 
 
 def _fsdp_policies(mesh, compute_dtype, cpu_offload: bool) -> dict:

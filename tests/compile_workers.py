@@ -156,12 +156,36 @@ def static_generate_case(path: str, sizes: dict, mode: str | None = None) -> dic
             "device": str(model.device)}  # fmt: skip
 
 
+def train_case(path: str, sizes: dict) -> dict:
+    """A training forward and backward with labels, compiled whole (the ring's autograd function traced, its
+    backward's exchanges in the backward graph): the loss and every gradient against one process's and eager's."""
+    model = _load(path, sizes)
+    single = _single(path)
+    ids = torch.randint(3, 100, (2, 12), generator=torch.Generator().manual_seed(1))
+
+    def step(stepped, forward):
+        stepped.train()
+        stepped.zero_grad(set_to_none=True)
+        loss = forward(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return loss, {n: p.grad.clone() for n, p in stepped.named_parameters()}
+
+    want_loss, want_grads = step(single, single)
+    eager_loss, eager_grads = step(model, model)
+    facts = explained(model, input_ids=ids, labels=ids)
+    graphs = []
+    loss, grads = step(model, torch.compile(model, fullgraph=True, backend=recording(graphs, inductor=False)))
+    return {**facts, **graph_facts(graphs), "loss": gap(loss, want_loss), "eager_loss": gap(loss, eager_loss),
+            "grads": {n: gap(grads[n], want_grads[n]) for n in grads},
+            "eager_grads": {n: gap(grads[n], eager_grads[n]) for n in grads}}  # fmt: skip
+
+
 def compiled_cases(rank: int, world_size: int, cases: dict) -> dict:
     results = {}
     for name, (kind, path, sizes, options) in cases.items():
         torch._dynamo.reset()
-        run = {"forward": forward_case, "lora": lora_case, "generate": static_generate_case, "mismatch": mismatch_case}[
-            kind
-        ]
+        kinds = {"forward": forward_case, "lora": lora_case, "generate": static_generate_case,
+                 "mismatch": mismatch_case, "train": train_case}  # fmt: skip
+        run = kinds[kind]
         results[name] = run(path, sizes, **options)
     return results

@@ -41,7 +41,7 @@ def on_gpu(rank: int, world_size: int, cases: dict, save_root: str) -> dict:
         ref_output, ref_loss = _forward(single, encoder, "cpu")
         ref_loss.backward()
         parallel = hf_parallel.AutoModel if encoder else hf_parallel.AutoModelForCausalLM
-        model = parallel.from_pretrained(path, dtype=torch.float32, **kwargs)
+        model = parallel.from_pretrained(path, **{"dtype": torch.float32, **kwargs})  # (a case may ask for bf16)
         state = hf_parallel.parallel_state(model)
         device = state.mesh.device
         offloaded = kwargs.get("fsdp_cpu_offload", False)  # FSDP's shards on the host between uses

@@ -185,3 +185,54 @@ def decode_with_cache(rank: int, world_size: int, path: str, tp_size: int, sp_si
         "keys_held": cache.layers[0].keys.shape[-2],
         "length": cache.get_seq_length(),
     }
+
+
+def tiled_loss(rank: int, world_size: int, cases: dict) -> dict:
+    """``from_pretrained(tiled_loss=5, offload_checkpoints=True)`` under gradient checkpointing, for each case
+    ``{name: (path, sizes)}``: the loss and every gradient of a padded batch against one process's, untiled
+    and kept on the device; which way the loss was scored (vocab-parallel or through the head's module), the
+    logits returned (each row's first token's) and whether the offloading context ran."""
+    import transformers
+    from torch.distributed.tensor import DTensor
+
+    import hf_parallel
+
+    results = {}
+    for name, (path, sizes) in cases.items():
+        single = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        model = hf_parallel.AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch.float32, tiled_loss=5, offload_checkpoints=True, **sizes
+        )
+        for each in (single, model):
+            each.train()
+            each.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        packed = []  # the tensors the offloading context took (under checkpointing: each layer's input)
+        offload = torch.autograd.graph.save_on_cpu
+
+        def counting(pin_memory=False):
+            context = offload(pin_memory)
+            pack = context.pack_hook
+            context.pack_hook = lambda tensor: (packed.append(tuple(tensor.shape)), pack(tensor))[1]
+            return context
+
+        torch.autograd.graph.save_on_cpu = counting
+        try:
+            batch = sequence_batches(single.config.vocab_size)["padded"]
+            want, got = single(**batch), model(**batch)
+            want.loss.backward()
+            got.loss.backward()
+        finally:
+            torch.autograd.graph.save_on_cpu = offload
+        state = hf_parallel.parallel_state(model)
+        if state.mesh.shape.dp > 1:  # FSDP: each gradient whole, against one process's
+            whole = {n: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad for n, p in model.named_parameters()}
+            grads = {n: gap(grad, single.get_parameter(n).grad) for n, grad in whole.items()}
+        else:
+            grads = gaps(model, state, of_model(single), state.mesh.tp.rank)
+        tiled = state.runtime.tiled_loss
+        results[name] = {
+            "loss": gap(got.loss, want.loss), "grads": grads, "vocab_parallel": tiled.vocab_split is not None,
+            "logits_shape": list(got.logits.shape), "transform": list(tiled.transform), "packed": len(packed),
+            "hidden_packed": sum(shape[-1:] == (single.config.hidden_size,) for shape in packed),
+        }  # fmt: skip
+    return results

@@ -35,15 +35,18 @@ def test_benchmark_runs_side_by_side(tiny_paths, tmp_path):
 
 def test_long_context_benchmark_runs_one_process_and_sequence_parallel(tiny_paths, tmp_path):
     command = [sys.executable, os.path.join(ROOT, "benchmarks", "long_context.py"), "--model", tiny_paths["llama"]]
-    command += ["--seqs", "32", "48", "--sp", "2", "--packed", "16", "--tiled-mlp", "8", "--out", str(tmp_path)]
+    command += ["--seqs", "32", "64", "--sp", "2", "--packed", "16", "--tiled-mlp", "8", "--tiled-loss", "8"]
+    command += ["--decode", "2", "--out", str(tmp_path)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     summary = json.loads((tmp_path / "long_context.json").read_text())
-    for name in ("one process", "hf_parallel SP=2", "hf_parallel CP=2", "hf_parallel CP=2 + tiled MLP"):
+    for name in ("one process", "hf_parallel SP=2", "hf_parallel CP=2", "hf_parallel CP=2 + tiled MLP + tiled loss",
+                 "one process, decode", "hf_parallel SP=2, decode"):  # fmt: skip
         rows = summary["results"][name]
-        assert sorted(rows) == ["32", "48"] and all(row["tokens_per_s"] > 0 for row in rows.values()), rows
-    assert "longest sequence under" in done.stdout and "peak at SP=2 (seq 48)" in done.stdout
-    assert "tokens/s at CP=2 against SP=2 (seq 48)" in done.stdout
+        assert sorted(rows) == ["32", "64"] and all(row["tokens_per_s"] > 0 for row in rows.values()), rows
+    assert "longest sequence under" in done.stdout and "peak growth at CP=2 (32 -> 64)" in done.stdout
+    assert "tokens/s at CP=2 against SP=2 (seq 64)" in done.stdout
+    assert "decode step growth at SP=2 against one process's (32 -> 64)" in done.stdout
 
 
 def test_pipeline_benchmark_runs_every_configuration(tiny_paths, tmp_path):

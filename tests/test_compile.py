@@ -16,6 +16,8 @@ CASES = {  # world size -> name -> (kind, checkpoint, layout, options)
         "tp2": ("forward", "llama", dict(tp_size=2), dict(inductor=True)),  # 9 / 3 heads: 6 + 3 per rank
         "tp2_ep": ("forward", "qwen3_moe", dict(tp_size=2, ep_plan="auto"), dict(inductor=False)),
         "sp2": ("forward", "llama", dict(sp_size=2, tp_plan=None), dict(inductor=False, per_rank=True)),
+        "cp2": ("forward", "llama", dict(cp_size=2, tp_plan=None), dict(inductor=False)),  # the ring's exchanges
+        "cp2_train": ("train", "llama", dict(cp_size=2, tp_plan=None), {}),  # and its backward's
         "sp2_shapes_differ": ("mismatch", "llama", dict(sp_size=2, tp_plan=None), {}),
         "tp2_lora": ("lora", "llama", dict(tp_size=2), {}),
         "tp2_static_generate": ("generate", "llama", dict(tp_size=2), {}),
@@ -50,9 +52,10 @@ def test_a_compiled_forward_is_one_graph_with_one_process_logits(compiled, world
         got = results[case]
         assert_within({k: got[k] for k in ("logits", "eager_logits")}, atol=TOL, rtol=TOL, where=f"{case} rank {rank}")
         # the same collectives moving the same bytes (the compiled batch broadcast's header check aside)
-        sums = ("all_reduce", "all_reduce:bytes", "all_to_all", "all_to_all:bytes")
+        sums = ("all_reduce", "all_reduce:bytes", "all_to_all", "all_to_all:bytes", "ring_shift", "ring_shift:bytes")
         assert {k: got["compiled_moved"].get(k) for k in sums} == {k: got["eager_moved"].get(k) for k in sums}, got
-        assert got["eager_moved"].get("all_reduce", 0) + got["eager_moved"].get("all_to_all", 0) > 0 or case == "pp2"
+        moved = sum(got["eager_moved"].get(k, 0) for k in ("all_reduce", "all_to_all", "ring_shift"))
+        assert moved > 0 or case == "pp2"
         if case == "pp2":  # pieces between the stage's links, no other break
             assert got["graphs"] > 1 and all("disable" in reason for reason in got["breaks"]), got
             continue
@@ -70,6 +73,19 @@ def test_a_sequence_parallel_group_computes_its_first_ranks_batch_compiled(compi
     for rank, results in enumerate(ranks):
         error = results["sp2_shapes_differ"]["error"]
         assert error is not None and "(1, 8)" in error and "rank 1's" in error and "(1, 9)" in error, (rank, error)
+
+
+@pytest.mark.distributed
+def test_a_context_parallel_training_step_compiles_whole_with_one_process_gradients(compiled):
+    """CP=2 forward and backward with labels, ``fullgraph=True``: one graph, no break, the ring's exchanges ops in
+    it; loss and every gradient one process's, and eager's."""
+    for rank, results in enumerate(compiled(2)):
+        got = results["cp2_train"]
+        assert got["explain_graphs"] == 1 and got["breaks"] == [], (rank, got["breaks"])
+        assert got["graphs"] == 1 and got["collectives"] > 0 and got["host_syncs"] == [], (rank, got)
+        assert_within({"loss": got["loss"], "eager_loss": got["eager_loss"]}, atol=TOL, rtol=TOL, where=f"rank {rank}")
+        assert_within(got["grads"], atol=TOL, rtol=TOL, where=f"rank {rank} gradients")
+        assert_within(got["eager_grads"], atol=TOL, rtol=TOL, where=f"rank {rank} gradients against eager")
 
 
 @pytest.mark.distributed

@@ -183,6 +183,30 @@ def test_tiled_mlp_matches_one_process(sp_paths, tmp_path):
     assert_like_one_process(ranks, " with tiled_mlp=8", loss=dict(atol=1e-6, rtol=0))
 
 
+@pytest.mark.distributed
+def test_tiled_loss_and_offloaded_checkpoints_match_one_process(sp_paths, tiny_root, tmp_path):
+    """from_pretrained(tiled_loss=5, offload_checkpoints=True) under gradient checkpointing (ALST): the loss of a
+    padded batch from the final hidden states five tokens at a time, each checkpointed layer's input taken by the
+    offloading context; loss and every gradient as one process's. Vocab-parallel at TP=2 (the head's rows), through
+    the head's module at SP=2 (gemma2: its final soft-cap found from the config), CP=2 and FSDP=2."""
+    cases = {
+        "tp2": (sp_paths["llama"], dict(tp_size=2)),
+        "sp2_softcap": (sp_paths["gemma2"], dict(sp_size=2, tp_plan=None)),
+        "cp2": (sp_paths["llama"], dict(cp_size=2, tp_plan=None)),
+        "fsdp2": (sp_paths["llama"], dict(fsdp_size=2, tp_plan=None)),
+    }
+    ranks = run_ranks(2, sequence_workers.tiled_loss, cases, out_dir=str(tmp_path))
+    for rank, results in enumerate(ranks):
+        for case, r in results.items():
+            where = f"rank {rank} {case} with tiled_loss"
+            assert_within({"loss": r["loss"]}, atol=1e-6, rtol=0, where=where)
+            assert_within(r["grads"], atol=TOL, rtol=TOL, where=f"{where} gradients")
+            assert r["vocab_parallel"] is (case == "tp2"), (where, r["vocab_parallel"])
+            assert r["logits_shape"][:2] == [2, 1], (where, r["logits_shape"])  # each row's first token only
+            assert r["transform"] == [1.0, 30.0 if case == "sp2_softcap" else None], (where, r["transform"])
+            assert r["hidden_packed"] >= 2, (where, r)  # both layers' inputs (and more) went through the offload
+
+
 def test_tiled_mlp_is_exact_and_refuses_experts(tiny_root):
     """Tiles of 4 tokens through a dense MLP give the untiled logits and gradients (one process, no group);
     a mixture of experts' block is refused by name."""
@@ -205,6 +229,34 @@ def test_tiled_mlp_is_exact_and_refuses_experts(tiny_root):
     moe = transformers.AutoModelForCausalLM.from_pretrained(make_checkpoint("qwen2_moe", tiny_root))
     with pytest.raises(ValueError, match="tiled_mlp: decoder layer 0's mlp .* routes tokens to experts"):
         tile_mlps(list(moe.model.layers), 4)
+
+
+def test_tiled_loss_is_exact_and_refuses_logits_it_cannot_reproduce(tiny_root):
+    """One process, no group: gemma2's loss from its final hidden states three tokens at a time, through its head
+    (its final soft-cap found from the config and checked against the model's own logits), gives the model's loss
+    and gradients; logits that differ from the head's in a way the config does not say are refused by name."""
+    import torch
+    import transformers
+
+    from hf_parallel.sequence.tiled_loss import TiledLoss
+
+    path = make_checkpoint("gemma2", tiny_root)
+    plain, tiled = (transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32) for _ in range(2))
+    ids = torch.randint(3, plain.config.vocab_size, (2, 11), generator=torch.Generator().manual_seed(3))
+    labels = ids.masked_fill(ids % 5 == 0, -100)
+    want = plain(input_ids=ids, labels=labels).loss
+    loss = TiledLoss(tiled, 3, None)
+    with loss.first_tokens_only() as kept:
+        out = tiled(input_ids=ids)
+    got = loss.loss(kept[0], labels, None, None, out.logits)
+    want.backward()
+    got.backward()
+    assert loss.transform == (1.0, 30.0) and out.logits.shape[:2] == (2, 1)
+    assert abs(got.item() - want.item()) < 1e-6, (got, want)
+    for (name, a), b in zip(tiled.named_parameters(), plain.parameters()):
+        assert torch.allclose(a.grad, b.grad, atol=1e-6, rtol=1e-5), name
+    with pytest.raises(ValueError, match="tiled_loss: Gemma2ForCausalLM's forward changes its LM head's logits"):
+        TiledLoss(tiled, 3, None).loss(kept[0], labels, None, None, out.logits * 2)
 
 
 def test_a_cache_a_split_forward_cannot_keep_is_refused():

@@ -76,9 +76,9 @@ def parallel(rank: int, world_size: int, path: str, root: str, sizes: dict) -> d
     import sys
 
     import hf_parallel
-    from hf_parallel.training import fused_head
+    from hf_parallel.tensor import vocab_loss
 
-    fused_head.TOKENS_PER_CHUNK = 8  # several chunks, each recomputed in backward
+    vocab_loss.TOKENS_PER_CHUNK = 8  # several chunks, each recomputed in backward
     out = {}
     for mode in MODES:
         model = hf_parallel.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **sizes)

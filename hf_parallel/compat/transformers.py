@@ -114,6 +114,14 @@ def computes_through_registry(module) -> bool:
     return {"ALL_ATTENTION_FUNCTIONS", "_attn_implementation"} <= _names_read(type(module).forward)
 
 
+def checkpoints_activations(model) -> bool:
+    """Whether a model's layers are under activation checkpointing (transformers 5.23 renamed
+    ``is_gradient_checkpointing`` to ``is_activation_checkpointing``, warning on the old name)."""
+    if getattr(type(model), "is_activation_checkpointing", None) is not None:
+        return bool(model.is_activation_checkpointing)
+    return bool(getattr(model, "is_gradient_checkpointing", False))
+
+
 def passes_keyword(function, name: str) -> bool:
     """Whether ``function``'s code passes a keyword argument ``name`` in some call (``s_aux=self.sinks``)."""
     code = getattr(inspect.unwrap(function), "__code__", None)
@@ -175,8 +183,12 @@ PACKED_SEQUENCE_MASK = Seam("transformers", "transformers.masking_utils:packed_s
 
 
 def register_mask(name: str, function) -> None:
-    """``function`` builds the masks of models whose config names ``name`` (transformers' mask registry)."""
+    """``function`` builds the masks of models whose config names ``name`` (transformers' mask registry). The
+    seams its masks are read through are resolved now, not inside a forward ``torch.compile`` traces."""
     MASK_INTERFACE.get()(name, function)
+    for seam in (CREATE_CAUSAL_MASK, SDPA_MASK, CAUSAL_MASK_FUNCTION, SLIDING_WINDOW_OVERLAY, PACKED_SEQUENCE_MASK,
+                 *MASK_COMPOSITIONS.values()):  # fmt: skip
+        seam.get()
 
 
 @contextlib.contextmanager
@@ -215,6 +227,8 @@ def mask_reach(mask_function) -> tuple[bool, int | None]:
     that mask must be checked by evaluating it."""
     if mask_function is CAUSAL_MASK_FUNCTION.get():
         return True, None
+    if torch.compiler.is_compiling():  # traced, a composition's closure cannot be read: the mask is evaluated
+        return False, None
     name = getattr(mask_function, "__qualname__", "")
     if name == "sliding_window_overlay.<locals>.inner_mask":
         SLIDING_WINDOW_OVERLAY.get()

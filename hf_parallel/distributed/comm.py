@@ -445,11 +445,13 @@ def shift_async(x: torch.Tensor, group, step: int) -> Shifting:
     rank = _rank(group)
     to, source = (rank + step) % world, (rank - step) % world
     sent = x.contiguous().reshape(-1)
-    arrived = torch.empty_like(sent)
     ins = [sent.numel() if r == source else 0 for r in range(world)]
     outs = [sent.numel() if r == to else 0 for r in range(world)]
-    _count("ring_shift", sent)
     what = f"ring shift of {tuple(x.shape)} to rank {to} of the ring"
+    if _compiling():  # one op in the graph, done when it returns
+        return Shifting(None, sent, torch.ops.hf_parallel.ring_shift(x, step, group.group_name), what)
+    _count("ring_shift", sent)
+    arrived = torch.empty_like(sent)
     with collective(lambda: what):
         work = dist.all_to_all_single(arrived, sent, ins, outs, group=group, async_op=True)
     return Shifting(work, sent, arrived.view(x.shape), what)
@@ -477,6 +479,12 @@ def _all_to_all(x, split_dim, cat_dim, split_sizes, cat_sizes, rank, group):
     if torch.distributed.get_rank(process_group) != rank:  # the rank the graph was traced (and shaped) for
         raise RuntimeError(f"hf_parallel: an all-to-all traced for rank {rank} of group {group!r} ran elsewhere")
     return all_to_all_now(x, split_dim, cat_dim, split_sizes, cat_sizes, process_group)
+
+
+@torch.library.impl("hf_parallel::ring_shift", "CompositeExplicitAutograd")
+def _ring_shift(x, step, group):
+    out = shift(x, group_named(group), step)
+    return out.clone() if out is x else out  # (an op's output never aliases its input: a ring of one)
 
 
 @torch.library.impl("hf_parallel::broadcast", "CompositeExplicitAutograd")

@@ -48,7 +48,8 @@ torch.library.define(
     "(Tensor x, int split_dim, int cat_dim, SymInt[] split_sizes, SymInt[] cat_sizes, int rank, str group) -> Tensor",
 )
 torch.library.define("hf_parallel::broadcast", "(Tensor x, str group) -> Tensor")
-for _op in ("all_reduce", "all_gather", "all_to_all", "broadcast"):
+torch.library.define("hf_parallel::ring_shift", "(Tensor x, int step, str group) -> Tensor")
+for _op in ("all_reduce", "all_gather", "all_to_all", "broadcast", "ring_shift"):
     keep_in_order(f"hf_parallel::{_op}")  # ranks whose graphs differ (uneven heads) must not reorder them
 
 
@@ -79,4 +80,9 @@ def _all_to_all_fake(x, split_dim, cat_dim, split_sizes, cat_sizes, rank, group)
 
 @torch.library.register_fake("hf_parallel::broadcast")
 def _broadcast_fake(x, group):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+@torch.library.register_fake("hf_parallel::ring_shift")
+def _ring_shift_fake(x, step, group):
     return torch.empty_like(x, memory_format=torch.contiguous_format)

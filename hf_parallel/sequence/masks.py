@@ -80,7 +80,8 @@ def describe_mask(
             f"{kv_offset}) follows tokens cached before this forward, which a split forward cannot attend to "
             "(only a decode step, which runs whole, can)"
         )
-    padding = attention_mask if attention_mask is not None and not bool(attention_mask.all()) else None
+    reads = attention_mask is not None and not torch.compiler.is_compiling()  # (traced: no host read, kept)
+    padding = attention_mask if attention_mask is not None and not (reads and bool(attention_mask.all())) else None
     if allow_is_causal_skip and (local_size is None or kv_length < local_size) and padding is None:
         return None
     return MaskDescription(batch_size, q_length, mask_function, padding, use_vmap, *mask_reach(mask_function))
@@ -111,6 +112,10 @@ def skipped_pairs_opened(description: MaskDescription, chunk: int, chunks: int, 
                 after |= description.pair(queries, keys, device).any()
             elif ki <= qi and check_behind and (qi - ki - 1) * chunk + 1 > window:
                 behind |= description.pair(queries, keys, device).any()
+    if torch.compiler.is_compiling():  # traced: refused on the device, no host read in the graph
+        torch._assert_async(~after, f"context parallelism: the model's attention mask {OPENS_AFTER}")
+        torch._assert_async(~behind, f"context parallelism: the model's attention mask {opens_behind(window)}")
+        return None
     if bool(after):
         return OPENS_AFTER
     if bool(behind):

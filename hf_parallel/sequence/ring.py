@@ -14,7 +14,9 @@ path), causality from the chunks' positions. A pair whose keys all come after it
 (the model is causal: checked at load, and its mask once per call), and so is one wholly outside a
 sliding window; with eager's additive mask over padding every pair is computed (``RingPlan.additive``).
 Attention sinks (gpt-oss: one logit per head added to every softmax's denominator) enter once, after
-the merge.
+the merge. Each pair goes through a fused kernel that returns its log-sum-exp (``pair_kernels.py``: torch's
+flash kernel on the CPU, the memory-efficient one in the model's dtype on CUDA); soft-capped pairs and eager's
+additive masks over padding are written out in float32.
 
 The whole ring is one autograd function (as ring-flash-attention's): its backward sends the blocks
 round again and recomputes each pair's probabilities from the saved log-sum-exp, so no scores are
@@ -33,6 +35,7 @@ import torch
 
 from ..distributed import comm
 from .masks import OPENS_AFTER, MaskDescription, opens_behind, skipped_pairs_opened
+from .pair_kernels import compute_dtype, pair_backward, pair_forward, pair_kernel
 
 
 @dataclass(frozen=True)
@@ -71,13 +74,12 @@ class RingPlan:
                 if keys and (self.additive or not outside):
                     yield a, qi, b, ki, keys
 
-    @property
-    def fused(self) -> bool:
-        """Each pair through torch's fused CPU flash kernel, which returns the log-sum-exp and takes it back
-        in its backward (no scores in memory), the pair's mask as its bias: no soft-capping, and not eager's
-        additive mask over padding (whose fully masked queries weigh every key of the sequence alike, which
-        a pair's kernel cannot know). Else written out."""
-        return not self.softcap and not self.additive and self.device.type == "cpu"
+    def kernel(self, q: torch.Tensor, v: torch.Tensor) -> str | None:
+        """The fused kernel each pair goes through (``pair_kernels.py``: torch's flash kernel for the CPU, the
+        memory-efficient one on CUDA), the pair's mask as its bias; None: written out in float32, for
+        soft-capping and for eager's additive mask over padding (whose fully masked queries weigh every key of
+        the sequence alike, which a pair's kernel cannot know)."""
+        return pair_kernel(self.device, self.softcap, self.additive, q.shape[-1], v.shape[-1])
 
     def pair_mask(self, qi: int, ki: int, keys: int) -> torch.Tensor | None:
         """The model's mask of one pair (None: causal from positions, the kernel's own)."""
@@ -108,20 +110,21 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, sinks, plan: RingPlan):
-        c, ring = plan.layout.chunk, plan.ring
-        queries = q.float().split(c, dim=2)
+        c, ring, kind = plan.layout.chunk, plan.ring, plan.kernel(q, v)
+        dtype = compute_dtype(kind, q.dtype)
+        queries = q.to(dtype).split(c, dim=2)
         outs, lses, seen, sums = [None, None], [None, None], [None, None], [0.0, 0.0]
+        ctx.rng = None  # (the CUDA kernel's random-number state, for its backward)
         block = torch.stack([k, v])  # what travels: this group's keys and values, then each other group's
         for step in range(ring.size):
             following = comm.shift_async(block, ring.group, 1) if step < ring.size - 1 else None  # during the pairs
             for a, qi, b, ki, keys in plan.pairs(step):
-                pair_k, pair_v = (_repeat(part[:, :, b * c : b * c + keys], plan) for part in block)
-                if plan.fused:
+                pair_k, pair_v = (_repeat(part[:, :, b * c : b * c + keys], plan, dtype) for part in block)
+                if kind is not None:
                     mask = plan.pair_mask(qi, ki, keys)
-                    o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                        queries[a], pair_k, pair_v, 0.0, qi == ki and mask is None, attn_mask=_bias(mask),
-                        scale=plan.scale,
-                    )  # fmt: skip
+                    o, lse, rng = pair_forward(kind, queries[a], pair_k, pair_v, mask, qi == ki and mask is None,
+                                               plan.scale)  # fmt: skip
+                    ctx.rng = ctx.rng or rng
                 else:
                     scores, _, mask = plan.scores(queries[a], pair_k, qi, ki, keys)
                     lse = torch.logsumexp(scores, dim=-1)
@@ -134,7 +137,8 @@ class _RingAttention(torch.autograd.Function):
             block = following.wait() if following is not None else None
         for a, part in enumerate(queries):  # padding queries with no key in reach (past the end and the window)
             if outs[a] is None:
-                outs[a], lses[a] = torch.zeros_like(part), part.new_full(part.shape[:-1], MASKED)
+                outs[a] = part.new_zeros(part.shape, dtype=torch.float32)
+                lses[a] = part.new_full(part.shape[:-1], MASKED, dtype=torch.float32)
                 if plan.mask is not None:  # (the mask's batch: 1 where a caller's mask broadcasts)
                     rows = plan.mask.batch if isinstance(plan.mask, MaskDescription) else plan.mask.shape[0]
                     seen[a] = torch.zeros(rows, 1, c, dtype=torch.bool, device=part.device)
@@ -155,28 +159,27 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, grad):
         q, k, v, sinks, out, lse, attended = ctx.saved_tensors
         plan = ctx.plan
-        c, ring = plan.layout.chunk, plan.ring
+        c, ring, kind = plan.layout.chunk, plan.ring, plan.kernel(q, v)
+        dtype = compute_dtype(kind, q.dtype)
         grad = grad.float()
         if attended is not None and not plan.additive:  # sdpa's zeros for queries masked from every key
             grad = torch.where(attended, grad, 0.0)
         delta = (grad * out).sum(-1)  # [b, h, T]: rowsum(dO * O)
-        queries, grads, lses = q.float().split(c, dim=2), grad.split(c, dim=2), lse.split(c, dim=2)
+        queries, grads, lses = q.to(dtype).split(c, dim=2), grad.split(c, dim=2), lse.split(c, dim=2)
         deltas, outs = delta.split(c, dim=2), out.split(c, dim=2)
         uniform = attended.split(c, dim=2) if attended is not None and plan.additive else None
-        dq = [torch.zeros_like(part) for part in queries]
+        dq = [torch.zeros_like(part, dtype=torch.float32) for part in queries]
         block = torch.stack([k, v])
         travelling = torch.zeros_like(block, dtype=torch.float32)  # the held block's key/value gradients so far
         for step in range(ring.size):
             following = comm.shift_async(block, ring.group, 1) if step < ring.size - 1 else None  # during the pairs
             for a, qi, b, ki, keys in plan.pairs(step):
                 keys_at = slice(b * c, b * c + keys)
-                pair_k, pair_v = (_repeat(part[:, :, keys_at], plan) for part in block)
-                if plan.fused:  # the kernel's backward from the merged output and log-sum-exp (as flash's)
+                pair_k, pair_v = (_repeat(part[:, :, keys_at], plan, dtype) for part in block)
+                if kind is not None:  # the kernel's backward from the merged output and log-sum-exp (as flash's)
                     mask = plan.pair_mask(qi, ki, keys)
-                    d_q, d_k, d_v = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                        grads[a].contiguous(), queries[a], pair_k, pair_v, outs[a].contiguous(), lses[a].contiguous(),
-                        0.0, qi == ki and mask is None, attn_mask=_bias(mask), scale=plan.scale,
-                    )  # fmt: skip
+                    d_q, d_k, d_v = pair_backward(kind, grads[a], queries[a], pair_k, pair_v, outs[a], lses[a], mask,
+                                                  qi == ki and mask is None, plan.scale, ctx.rng)  # fmt: skip
                     dq[a] += d_q
                     travelling[0, :, :, keys_at] += _fold(d_k, plan)
                     travelling[1, :, :, keys_at] += _fold(d_v, plan)
@@ -200,14 +203,6 @@ class _RingAttention(torch.autograd.Function):
         return torch.cat(dq, dim=2).to(q.dtype), travelling[0].to(k.dtype), travelling[1].to(v.dtype), d_sinks, None
 
 
-def _bias(mask: torch.Tensor | None) -> torch.Tensor | None:
-    """A pair's boolean mask as the fused kernel's float32 bias: a finite minimum where masked, so a query
-    masked from every key of the pair gets a log-sum-exp at that minimum (no weight in the merge), not -inf."""
-    if mask is None or mask.dtype != torch.bool:
-        return mask
-    return torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill_(~mask, MASKED)
-
-
 def _allowed(mask: torch.Tensor) -> torch.Tensor:
     """Where a bool or additive mask lets a query attend."""
     return mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
@@ -219,9 +214,9 @@ def _unattended(sums: list, plan: RingPlan, c: int) -> torch.Tensor:
     return torch.cat([total.unsqueeze(2).expand(-1, -1, c, -1) for total in sums], dim=2) / plan.layout.tokens
 
 
-def _repeat(x, plan: RingPlan):
-    """Key/value heads repeated for their query heads, in float32."""
-    return (x.repeat_interleave(plan.groups, 1) if plan.groups > 1 else x).float()
+def _repeat(x, plan: RingPlan, dtype: torch.dtype):
+    """Key/value heads repeated for their query heads, in ``dtype``."""
+    return (x.repeat_interleave(plan.groups, 1) if plan.groups > 1 else x).to(dtype)
 
 
 def _fold(x, plan: RingPlan):
@@ -301,9 +296,15 @@ def _tensor_opened(mask: torch.Tensor, ring, window) -> str | None:
             f"shape {tuple(mask.shape)}"
         )
     allowed = _allowed(mask)
-    if bool(allowed.triu(1).any()):
+    after, behind = allowed.triu(1).any(), allowed.tril(-window - 1).any() if window else None
+    if torch.compiler.is_compiling():  # traced: refused on the device, no host read in the graph
+        torch._assert_async(~after, f"cp_size={ring.size}: the model's attention mask {OPENS_AFTER}")
+        if behind is not None:
+            torch._assert_async(~behind, f"cp_size={ring.size}: the model's attention mask {opens_behind(window)}")
+        return None
+    if bool(after):
         return OPENS_AFTER
-    if window and bool(allowed.tril(-window - 1).any()):
+    if behind is not None and bool(behind):
         return opens_behind(window)
     return None
 

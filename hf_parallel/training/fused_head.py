@@ -1,99 +1,26 @@
 """A fused LM head over a vocabulary split on the TP group (TRL's trainers compute their losses so).
 
 The fused head scores each token from the final hidden states and the LM head's weight, never building
-the logits of the whole vocabulary at once. With the vocabulary split (vocab-parallel LM head, Megatron's
-cross-entropy), each rank computes its rows' logits ``z_r = h W_r^T`` and the softmax statistics are
-combined over the group: the max by an all-gather (a constant: it only steadies the exponentials), the
-sums of ``exp(z - m)`` (and of ``exp(z - m) z`` for the entropy) and the target's logit (held by one rank,
-zero elsewhere) by all-reduces whose backward is the identity, and ``h`` enters through ``copy_to``, whose
-backward sums the ranks' parts of its gradient. So ``log p(y) = z_y - log sum_v exp(z_v)`` and every field
-TRL asks for are those of one process, gradients included; a rank holds its rows' logits of one chunk of
-tokens at a time. Around TRL's fused call, ``fused_runner`` adds what sequence parallelism and an FSDP-sharded
-untied head need.
+the logits of the whole vocabulary at once. With the vocabulary split, TRL's kernel is replaced by
+``tensor/vocab_loss.py``'s (Megatron's cross-entropy, every field TRL asks for as one process computes it,
+gradients included). Around TRL's fused call, ``fused_runner`` adds what sequence parallelism and an
+FSDP-sharded untied head need.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import math
 import types
 import weakref
 
 import torch
-import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 from ..core.context import Call, batch_inputs, calling
 from ..distributed import comm
 from ..sequence.shard import shifted_labels, whole_tokens
 from ..state import is_parallel, parallel_model, parallel_state
-
-
-def _transform(z: torch.Tensor, logit_scale: float, softcap: float | None, temperature: float) -> torch.Tensor:
-    """TRL's logits transform: scaled, soft-capped, divided by the temperature."""
-    z = z * logit_scale
-    if softcap is not None:
-        z = softcap * torch.tanh(z / softcap)
-    return z / temperature
-
-
-TOKENS_PER_CHUNK = 1024  # tokens scored at once: their logits ([tokens, V/tp], fp32) are all a rank holds
-
-
-def vocab_parallel(
-    hidden, weight, bias, targets, temperature, chunk_size, final_logit_softcapping=None, logit_scale=1.0,
-    outputs=("log_probs",), *, group, start: int, vocab: int,
-):  # fmt: skip
-    """TRL's ``ChunkedLogProbFunction`` fields (log_probs, entropy, log_sum_sq_probs, mean_logits, is_top1)
-    per token, from this rank's vocabulary rows ``[start, start + len(weight))`` of ``vocab``, computed in the
-    dtype TRL computes in (autocast's, else the hidden states'). Tokens go ``TOKENS_PER_CHUNK`` at a time;
-    with gradients, each chunk is recomputed in backward (activation checkpointing), so a rank never holds
-    more than one chunk's logits, as TRL's kernel does not."""
-    hidden = comm.copy_to(hidden, group)
-    device = hidden.device.type
-    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
-    score = functools.partial(
-        _score, weight=weight.to(dtype), bias=None if bias is None else bias.to(dtype), temperature=temperature,
-        softcap=final_logit_softcapping, logit_scale=logit_scale, outputs=outputs, group=group, start=start,
-        vocab=vocab,
-    )  # fmt: skip
-    recompute = torch.is_grad_enabled() and len(hidden) > TOKENS_PER_CHUNK
-    parts = []
-    for first in range(0, max(len(hidden), 1), TOKENS_PER_CHUNK):
-        chunk = hidden[first : first + TOKENS_PER_CHUNK].to(dtype), targets[first : first + TOKENS_PER_CHUNK]
-        parts.append(checkpoint(score, *chunk, use_reentrant=False) if recompute else score(*chunk))
-    return tuple(None if field[0] is None else torch.cat(field) for field in zip(*parts))
-
-
-def _score(hidden, targets, *, weight, bias, temperature, softcap, logit_scale, outputs, group, start, vocab):
-    """``vocab_parallel`` on one chunk of tokens."""
-    size = torch.distributed.get_world_size(group)
-    z = _transform(F.linear(hidden, weight, bias).float(), logit_scale, softcap, temperature)
-    local = targets - start
-    owned = (local >= 0) & (local < z.shape[-1])
-    with torch.no_grad():
-        m = comm.all_gather(z.amax(-1, keepdim=True), -1, [1] * size, group).amax(-1)
-    e = torch.exp(z - m.unsqueeze(-1))
-    sum_exp = comm.reduce_from(e.sum(-1), group)
-    log_z = m + torch.log(sum_exp)
-    target_z = z.gather(-1, local.clamp(0, z.shape[-1] - 1).unsqueeze(-1)).squeeze(-1)
-    target_logit = comm.reduce_from(torch.where(owned, target_z, torch.zeros_like(target_z)), group)
-    log_probs = target_logit - log_z
-    entropy = log_sum_sq_probs = mean_logits = is_top1 = None
-    if "entropy" in outputs:
-        entropy = log_z - comm.reduce_from((e * z).sum(-1), group) / sum_exp
-    if "log_sum_sq_probs" in outputs:
-        log_sum_sq_probs = (torch.log(comm.reduce_from((e * e).sum(-1), group)) - 2 * torch.log(sum_exp)).detach()
-    if "mean_logits" in outputs:
-        mean_logits = (comm.reduce_from(z.sum(-1), group) / vocab).detach()
-    if "is_top1" in outputs:  # argmax takes the first maximum: a tie with an earlier token is not top-1
-        with torch.no_grad():
-            before = torch.arange(z.shape[-1], device=z.device) < local.unsqueeze(-1)
-            max_before = z.masked_fill(~before, -math.inf).amax(-1, keepdim=True)
-            max_before = comm.all_gather(max_before, -1, [1] * size, group).amax(-1)
-            is_top1 = (target_logit >= m) & (target_logit > max_before)
-    return log_probs, entropy, log_sum_sq_probs, mean_logits, is_top1
+from ..tensor.vocab_loss import vocab_parallel
 
 
 def fused_split(model) -> dict | None:
@@ -110,18 +37,25 @@ def fused_split(model) -> dict | None:
             f"TRL's fused LM head ({state.mesh.shape}) adds the router's load-balancing loss from the router logits of "
             "this rank's tokens only; load with sp_size=1, or with output_router_logits=False"
         )
-    head, path = _head(parallel_model(model))
-    entry = state.entry(f"{path}.weight")
-    if entry is None or entry.layout.is_replicated:
+    return vocab_rows(parallel_model(model), state.entry, state.mesh.tp, "TRL's fused LM head")
+
+
+def vocab_rows(model, entry, tp, who: str) -> dict | None:
+    """The vocabulary rows of the LM head's weight this rank holds, as ``vocab_parallel`` takes them (None:
+    whole on every rank); a split other than by whole rows refused by name (``who``: the caller, in the
+    message). ``entry``: a parameter's ``ShardedParam`` by name; ``tp``: the mesh's TP dimension."""
+    head, path = _head(model)
+    found = entry(f"{path}.weight")
+    if found is None or found.layout.is_replicated:
         return None
-    layout, rank = entry.layout, state.mesh.tp.rank
-    if layout.dim != 0 or len(layout.ranges[rank]) != 1:
+    layout = found.layout
+    if layout.dim != 0 or len(layout.ranges[tp.rank]) != 1:
         raise ValueError(
-            f"TRL's fused LM head: {path}.weight is split as {layout}, not by whole vocabulary rows; hf_parallel "
+            f"{who}: {path}.weight is split as {layout}, not by whole vocabulary rows; hf_parallel "
             "scores a fused head over a vocabulary split by rows only"
         )
-    ((start, _),) = layout.ranges[rank]
-    return dict(group=state.mesh.tp.group, start=start, vocab=entry.full_shape[0])
+    ((start, _),) = layout.ranges[tp.rank]
+    return dict(group=tp.group, start=start, vocab=found.full_shape[0])
 
 
 LABEL_FIELDS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1", "label_mask")
