@@ -112,9 +112,10 @@ def from_pretrained(
     :param tiled_loss: (bool | int, default False) a forward given ``labels`` computes its loss from the final
         hidden states a chunk of tokens at a time (ALST), vocab-parallel where the LM head's vocabulary is split,
         each chunk recomputed in backward, so the whole ``[tokens, vocab]`` logits never exist; the output's
-        ``logits`` are each row's first token's only. True: chunks of 1024 tokens, an int: that many. Exact.
-    :param offload_checkpoints: (bool, default False) what a training forward keeps for its backward (under
-        gradient checkpointing, each layer's input) held in host memory until the backward (pinned on a GPU).
+        ``logits`` are None. True: chunks of 1024 tokens, an int: that many. Exact; causal LMs only.
+    :param offload_checkpoints: (bool, default False) what a training forward keeps for its backward outside its
+        checkpointed layers (each layer's input, and the model's own loss's logits: pair it with ``tiled_loss``)
+        held in host memory until the backward (pinned on a GPU); needs gradient checkpointing.
     :param config_kwargs: config attributes that override the checkpoint's (as in transformers).
     :returns: the ordinary transformers model, its parameters this rank's shards: ``generate`` works as
         is, and its ``save_pretrained`` gathers the shards back (or writes each rank's: ``distributed=True``).
@@ -198,6 +199,11 @@ def _tiled_loss(model, tokens, layout, mesh, stage, keep_quantized) -> TiledLoss
         raise ValueError(
             "tiled_loss on pipeline stages: the last stage's loss is computed by its schedule; load without "
             "tiled_loss, or without pp_size / stage_tp_sizes"
+        )
+    if getattr(model.config, "is_encoder_decoder", False):
+        raise ValueError(
+            f"tiled_loss on an encoder-decoder ({type(model.config).__name__}): its labels are the decoder's, aligned "
+            "by its own loss; load without tiled_loss"
         )
     config = model.config.get_text_config()
     if getattr(config, "output_router_logits", False):

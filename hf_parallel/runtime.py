@@ -94,7 +94,14 @@ class Runtime:
         loss when labels are given), or None on a stage that hands its output on."""
         rows, tokens = batch_inputs(kwargs).shape[:2]
         sequence = labels = count = None
-        tiled = self.tiled_loss if kwargs.get("labels") is not None else None
+        given = kwargs.get("labels") if kwargs.get("labels") is not None else kwargs.get("shift_labels")
+        tiled = self.tiled_loss if given is not None else None
+        shifted = False
+        if tiled is not None:  # (transformers' shift_labels: each token's next one already)
+            kwargs = dict(kwargs)
+            shifted = kwargs.get("labels") is None
+            kwargs.pop("shift_labels", None)
+            kwargs["labels"] = given
         if self.sequence is not None or tiled is not None:
             kwargs = dict(kwargs)
             labels, count = kwargs.pop("labels", None), kwargs.pop("num_items_in_batch", None)
@@ -119,15 +126,18 @@ class Runtime:
                     "tiled_loss) would leave out of the loss it returns: load with output_router_logits=False"
                 )
             if tiled is not None:  # under the forward's autocast, as the head's own call would be
-                out.loss = tiled.loss(kept[0], labels, sequence, count, out.logits)
+                out.loss = tiled.loss(kept[0], labels, sequence, count, out.logits, shifted)
+                out.logits = None  # (one token's of each row: nothing should read them as the batch's)
         if labels is not None and tiled is None:
             out.loss = sequence_loss(out.logits, labels, sequence, count)
         return out
 
     def _offloaded(self):
-        """With ``offload_checkpoints``, a training forward's saved tensors (under gradient checkpointing, each
-        checkpointed layer's input) moved to host memory until the backward needs them (torch's ``save_on_cpu``,
-        pinned on an accelerator); refused without gradient checkpointing, whose recompute keeps the rest off."""
+        """With ``offload_checkpoints``, every tensor a training forward saves for its backward outside the
+        checkpointed layers (each layer's input; the embeddings', the final norm's and the loss's: the model's
+        own loss saves its logits, which ``tiled_loss`` does not) moved to host memory until the backward needs
+        it (torch's ``save_on_cpu``, pinned on an accelerator). Refused without gradient checkpointing, without
+        which it would move every activation."""
         model = self._model()
         if not self.offload_checkpoints or not torch.is_grad_enabled() or not getattr(model, "training", True):
             return contextlib.nullcontext()

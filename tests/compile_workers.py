@@ -63,25 +63,27 @@ def _single(path: str):
     return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
 
 
-def forward_case(path: str, sizes: dict, inductor: bool, fullgraph: bool = True, per_rank: bool = False) -> dict:
+def forward_case(path: str, sizes: dict, inductor: bool, fullgraph: bool = True, per_rank: bool = False,
+                 padded: bool = False) -> dict:  # fmt: skip
     """Logits of the compiled forward against one process's and against the eager forward's. ``per_rank``:
     each rank passes other ids of the same shape (a sequence-parallel group computes its first rank's batch,
-    eager and compiled)."""
+    eager and compiled); ``padded``: the first three tokens are left padding (an attention mask)."""
     from hf_parallel.distributed import comm
 
     model = _load(path, sizes)
     ids = torch.tensor(INPUT_IDS) + (torch.distributed.get_rank() if per_rank else 0)
+    mask = torch.ones_like(ids).index_fill_(1, torch.arange(3), 0) if padded else None
     with torch.no_grad():
-        want = _single(path)(torch.tensor(INPUT_IDS)).logits
+        want = _single(path)(torch.tensor(INPUT_IDS), attention_mask=mask).logits
         comm.COUNTS.clear()
-        eager = model(ids).logits
+        eager = model(ids, attention_mask=mask).logits
         eager_moved = dict(comm.COUNTS)
-        facts = explained(model, ids)
+        facts = explained(model, ids, attention_mask=mask)
         graphs = []
         compiled_model = torch.compile(model, fullgraph=fullgraph, backend=recording(graphs, inductor))
-        compiled_model(ids)  # traced and compiled
+        compiled_model(ids, attention_mask=mask)  # traced and compiled
         comm.COUNTS.clear()
-        compiled = compiled_model(ids).logits
+        compiled = compiled_model(ids, attention_mask=mask).logits
         compiled_moved = dict(comm.COUNTS)
     return {**facts, **graph_facts(graphs), "logits": gap(compiled, want), "eager_logits": gap(compiled, eager),
             "last_logits": compiled[0, -1, :5].tolist(), "eager_moved": eager_moved,
@@ -101,6 +103,26 @@ def mismatch_case(path: str, sizes: dict) -> dict:
     return {"error": None}
 
 
+def _step(stepped, forward, ids):
+    """One training forward and backward with labels: the loss and every trainable parameter's gradient."""
+    stepped.train()
+    stepped.zero_grad(set_to_none=True)
+    loss = forward(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return loss, {n: p.grad.clone() for n, p in stepped.named_parameters() if p.requires_grad}
+
+
+def compared_steps(single, model) -> tuple:
+    """One process's step, the parallel model's eager step and its step compiled whole (aot_eager), on the same
+    batch; with dynamo's account of the model and the compiled graphs' facts."""
+    ids = torch.randint(3, 100, (2, 12), generator=torch.Generator().manual_seed(1))
+    want, eager = _step(single, single, ids), _step(model, model, ids)
+    facts = explained(model, input_ids=ids, labels=ids)
+    graphs = []
+    compiled = _step(model, torch.compile(model, fullgraph=True, backend=recording(graphs, inductor=False)), ids)
+    return want, eager, compiled, {**facts, **graph_facts(graphs)}
+
+
 def lora_case(path: str, sizes: dict) -> dict:
     """LoRA at TP: loss and every adapter gradient (this rank's slice), compiled, against one process's with the
     same adapter (peft's own initialisation, same seed), and against eager."""
@@ -116,25 +138,12 @@ def lora_case(path: str, sizes: dict) -> dict:
     torch.manual_seed(0)
     model = peft.get_peft_model(_load(path, sizes), config)
     state = hf_parallel.parallel_state(model)
-    ids = torch.randint(3, 100, (2, 12), generator=torch.Generator().manual_seed(1))
-
-    def step(stepped, forward):
-        stepped.train()
-        stepped.zero_grad(set_to_none=True)
-        loss = forward(input_ids=ids, labels=ids).loss
-        loss.backward()
-        return loss, {n: p.grad.clone() for n, p in stepped.named_parameters() if p.requires_grad}
-
-    want_loss, want_grads = step(single, single)
-    eager_loss, eager_grads = step(model, model)
-    facts = explained(model, input_ids=ids, labels=ids)
-    graphs = []
-    loss, grads = step(model, torch.compile(model, fullgraph=True, backend=recording(graphs, inductor=False)))
+    (want_loss, want_grads), (eager_loss, eager_grads), (loss, grads), facts = compared_steps(single, model)
     rank = state.mesh.tp.rank
     slices = {n: piece_gap(grads.get(n), want_grads[n], state.entry(n.removeprefix("base_model.model.")).layout, rank)
               for n in want_grads}  # fmt: skip
     eager = {n: piece_gap(grads.get(n), eager_grads[n]) for n in eager_grads}
-    return {**facts, **graph_facts(graphs), "loss": gap(loss, want_loss), "eager_loss": gap(loss, eager_loss),
+    return {**facts, "loss": gap(loss, want_loss), "eager_loss": gap(loss, eager_loss),
             "grads": slices, "eager_grads": eager, "adapters": len(grads)}  # fmt: skip
 
 
@@ -159,23 +168,10 @@ def static_generate_case(path: str, sizes: dict, mode: str | None = None) -> dic
 def train_case(path: str, sizes: dict) -> dict:
     """A training forward and backward with labels, compiled whole (the ring's autograd function traced, its
     backward's exchanges in the backward graph): the loss and every gradient against one process's and eager's."""
-    model = _load(path, sizes)
-    single = _single(path)
-    ids = torch.randint(3, 100, (2, 12), generator=torch.Generator().manual_seed(1))
-
-    def step(stepped, forward):
-        stepped.train()
-        stepped.zero_grad(set_to_none=True)
-        loss = forward(input_ids=ids, labels=ids).loss
-        loss.backward()
-        return loss, {n: p.grad.clone() for n, p in stepped.named_parameters()}
-
-    want_loss, want_grads = step(single, single)
-    eager_loss, eager_grads = step(model, model)
-    facts = explained(model, input_ids=ids, labels=ids)
-    graphs = []
-    loss, grads = step(model, torch.compile(model, fullgraph=True, backend=recording(graphs, inductor=False)))
-    return {**facts, **graph_facts(graphs), "loss": gap(loss, want_loss), "eager_loss": gap(loss, eager_loss),
+    (want_loss, want_grads), (eager_loss, eager_grads), (loss, grads), facts = compared_steps(
+        _single(path), _load(path, sizes)
+    )
+    return {**facts, "loss": gap(loss, want_loss), "eager_loss": gap(loss, eager_loss),
             "grads": {n: gap(grads[n], want_grads[n]) for n in grads},
             "eager_grads": {n: gap(grads[n], eager_grads[n]) for n in grads}}  # fmt: skip
 

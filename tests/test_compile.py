@@ -17,6 +17,8 @@ CASES = {  # world size -> name -> (kind, checkpoint, layout, options)
         "tp2_ep": ("forward", "qwen3_moe", dict(tp_size=2, ep_plan="auto"), dict(inductor=False)),
         "sp2": ("forward", "llama", dict(sp_size=2, tp_plan=None), dict(inductor=False, per_rank=True)),
         "cp2": ("forward", "llama", dict(cp_size=2, tp_plan=None), dict(inductor=False)),  # the ring's exchanges
+        # a described mask (padding, a sliding window), checked on the device
+        "cp2_padded": ("forward", "mistral", dict(cp_size=2, tp_plan=None), dict(inductor=False, padded=True)),
         "cp2_train": ("train", "llama", dict(cp_size=2, tp_plan=None), {}),  # and its backward's
         "sp2_shapes_differ": ("mismatch", "llama", dict(sp_size=2, tp_plan=None), {}),
         "tp2_lora": ("lora", "llama", dict(tp_size=2), {}),

@@ -144,20 +144,23 @@ def test_mask_reach_is_read_from_transformers_compositions():
 
 
 @pytest.mark.parametrize(
-    "mask_function, window, complaint",
+    "mask_function, window, complaint, tokens",
     [
         (masking_utils.or_masks(masking_utils.causal_mask_function, lambda b, h, q, k: (q == 2) & (k == 5)), None,
-         "lets a query attend to keys after it"),  # a bidirectional block in a skipped pair
-        (masking_utils.causal_mask_function, 4, "further back than its sliding window (4)"),  # the layer's window
-        (masking_utils.sliding_window_causal_mask_function(4), 4, None),  # its own window: served, nothing evaluated
-        (lambda b, h, q, k: k <= q, None, None),  # a causal function of its own: evaluated, served
+         "lets a query attend to keys after it", 12),  # a bidirectional block in a skipped pair
+        (masking_utils.causal_mask_function, 4, "further back than its sliding window (4)", 12),  # the layer's window
+        (masking_utils.sliding_window_causal_mask_function(4), 4, None, 12),  # its own window: nothing evaluated
+        (lambda b, h, q, k: k <= q, None, None, 12),  # a causal function of its own: evaluated, served
+        (lambda b, h, q, k: k <= q, 4, "further back than its sliding window (4)", 11),  # the ring's padding row:
+        (lambda b, h, q, k: (k <= q) & (q - k < 4), 4, None, 11),  # not a query, so it opens nothing
     ],
 )  # fmt: skip
-def test_a_described_mask_that_opens_a_skipped_pair_is_refused(mask_function, window, complaint):
+def test_a_described_mask_that_opens_a_skipped_pair_is_refused(mask_function, window, complaint, tokens):
     """A described mask (``masks.py``) is checked pair by pair, once per call, where its construction does
-    not say it opens nothing: a bidirectional overlay, or no window where the layer skips pairs by one."""
-    described = describe_mask(1, 12, 12, mask_function=mask_function, allow_is_causal_skip=False)
-    layout = TokenLayout(tokens=12, sizes=(6, 6), cp=2, chunk=3)
+    not say it opens nothing: a bidirectional overlay, or no window where the layer skips pairs by one; the
+    ring's padding past the sequence is no query of the mask's."""
+    described = describe_mask(1, tokens, tokens, mask_function=mask_function, allow_is_causal_skip=False)
+    layout = TokenLayout(tokens=tokens, sizes=(6, 6), cp=2, chunk=3)
     split = SimpleNamespace(cp=SimpleNamespace(size=2), device=torch.device("cpu"))
     sequence = SimpleNamespace(split=split, checked_masks={}, layout=layout)
     if complaint is None:

@@ -183,9 +183,13 @@ PACKED_SEQUENCE_MASK = Seam("transformers", "transformers.masking_utils:packed_s
 
 
 def register_mask(name: str, function) -> None:
-    """``function`` builds the masks of models whose config names ``name`` (transformers' mask registry). The
-    seams its masks are read through are resolved now, not inside a forward ``torch.compile`` traces."""
+    """``function`` builds the masks of models whose config names ``name`` (transformers' mask registry)."""
     MASK_INTERFACE.get()(name, function)
+
+
+def resolve_mask_seams() -> None:
+    """The seams described masks are read through, resolved (and checked) at load, not first inside a forward
+    ``torch.compile`` traces (which cannot import)."""
     for seam in (CREATE_CAUSAL_MASK, SDPA_MASK, CAUSAL_MASK_FUNCTION, SLIDING_WINDOW_OVERLAY, PACKED_SEQUENCE_MASK,
                  *MASK_COMPOSITIONS.values()):  # fmt: skip
         seam.get()

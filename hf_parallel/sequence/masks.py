@@ -73,7 +73,8 @@ def describe_mask(
     """Registered in transformers' mask registry: the mask as a description (None where ``sdpa_mask``
     would return None too: plain causal, no padding, no window reached; ring attention is then causal
     from the chunks' positions). Reading whether a padding mask pads anything (``generate`` passes one of
-    ones) is the one host read, as ``sdpa_mask``'s own: a mask of ones is no padding."""
+    ones) is the one host read, as ``sdpa_mask``'s own: a mask of ones is no padding. Traced by
+    ``torch.compile`` it is not read: a mask given is kept as padding."""
     if q_offset or kv_offset or q_length != kv_length:
         raise ValueError(
             f"context parallelism: a mask over {q_length} queries and {kv_length} keys (offsets {q_offset}, "
@@ -101,8 +102,8 @@ def skipped_pairs_opened(description: MaskDescription, chunk: int, chunks: int, 
     after = torch.zeros((), dtype=torch.bool, device=device)
     behind = torch.zeros((), dtype=torch.bool, device=device)
     for qi in range(chunks):
-        queries = (qi * chunk, (qi + 1) * chunk)
-        if queries[0] >= description.tokens:
+        queries = (qi * chunk, min((qi + 1) * chunk, description.tokens))  # (the ring's padding rows attend to all)
+        if queries[0] >= queries[1]:
             break
         for ki in range(chunks):
             keys = (ki * chunk, min((ki + 1) * chunk, description.tokens))

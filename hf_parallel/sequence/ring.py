@@ -79,7 +79,7 @@ class RingPlan:
         memory-efficient one on CUDA), the pair's mask as its bias; None: written out in float32, for
         soft-capping and for eager's additive mask over padding (whose fully masked queries weigh every key of
         the sequence alike, which a pair's kernel cannot know)."""
-        return pair_kernel(self.device, self.softcap, self.additive, q.shape[-1], v.shape[-1])
+        return pair_kernel(self.device, self.softcap, self.additive, q.shape[-1], v.shape[-1], q.dtype)
 
     def pair_mask(self, qi: int, ki: int, keys: int) -> torch.Tensor | None:
         """The model's mask of one pair (None: causal from positions, the kernel's own)."""

@@ -39,6 +39,7 @@ from ..compat.transformers import (
     dynamic_cache_class,
     masks_built_by,
     passes_keyword,
+    resolve_mask_seams,
     use_attention,
     wrap_checkpointing,
 )
@@ -200,6 +201,8 @@ def install_sequence(model: nn.Module, mesh, stages, gradients: GradientSums) ->
     layers = decoder_layers(model, stages)
 
     rings = mesh.shape.cp
+    if rings > 1:
+        resolve_mask_seams()  # (context parallelism describes the model's masks)
     split = SequenceSplit(
         mesh.sp.group, mesh.sp.rank, mesh.sp.size, attention_implementation(model.config),
         mesh.device, mesh.ulysses if rings > 1 else mesh.sp, mesh.cp if rings > 1 else None, model.config,

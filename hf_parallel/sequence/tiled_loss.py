@@ -16,13 +16,15 @@ whole sequence, and the sum over the group divided by the batch's labelled token
 
 What a model does to its head's output (Gemma's final soft-capping, Cohere's logit scale, Granite's logits
 scaling, Falcon-H1's multiplier) is read from its config, and checked at the first call against the model's
-own logits of the token its head was handed: a model whose logits differ otherwise is refused by name. The
-output's ``logits`` are those first tokens' only.
+own logits of the token its head was handed, every rank agreeing on the verdict: a model whose logits differ
+otherwise is refused by name. The output's ``logits`` are None (what reads them would read one token's). The
+head is looked up at each call: one a LoRA adapter wraps is scored through its module.
 """
 
 from __future__ import annotations
 
 import contextlib
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -47,10 +49,15 @@ class TiledLoss:
         head = model.get_output_embeddings()
         if not isinstance(head, nn.Module):
             raise ValueError(f"tiled_loss: {type(model).__name__} has no LM head module to tile the loss of")
-        self.head, self.tokens, self.vocab_split = head, tokens, vocab_split
-        self.model_name = type(model).__name__
+        self.loaded_head, self.tokens, self.vocab_split = head, tokens, vocab_split
+        self._model, self.model_name = weakref.ref(model), type(model).__name__
         self.candidates = _transforms(model.config.get_text_config())
         self.transform: tuple[float, float | None] | None = None  # (logit scale, soft-cap), once checked
+
+    @property
+    def head(self) -> nn.Module:
+        """The model's LM head now (peft may have wrapped the one it was loaded with)."""
+        return self._model().get_output_embeddings()
 
     @contextlib.contextmanager
     def first_tokens_only(self):
@@ -76,16 +83,18 @@ class TiledLoss:
         if len(kept) != 1:
             raise ValueError(f"tiled_loss: {self.model_name}'s LM head ran {len(kept)} times in one forward, not once")
 
-    def loss(self, hidden: torch.Tensor, labels: torch.Tensor, sequence, count, first_logits) -> torch.Tensor:
+    def loss(self, hidden: torch.Tensor, labels: torch.Tensor, sequence, count, first_logits,
+             shifted: bool = False) -> torch.Tensor:  # fmt: skip
         """The mean next-token cross-entropy of the batch (``count``: labelled tokens of a larger batch this is
         part of), from this rank's final hidden states ``[batch, tokens, hidden]``; summed over the sequence
-        group (each rank's backward its own tokens')."""
+        group (each rank's backward its own tokens'). ``shifted``: ``labels`` are each token's next one already
+        (transformers' ``shift_labels``)."""
         if self.transform is None:
             self.transform = self._checked(hidden, first_logits)
         if sequence is None:
-            shifted = local = F.pad(labels, (0, 1), value=IGNORED)[:, 1:]
+            shifted = local = labels if shifted else F.pad(labels, (0, 1), value=IGNORED)[:, 1:]
         else:
-            shifted, local = shifted_labels(labels, sequence, IGNORED)
+            shifted, local = shifted_labels(labels, sequence, IGNORED, shift=not shifted)
         count = (shifted != IGNORED).sum() if count is None else count
         local = local.to(hidden.device).reshape(-1)
         total = self._summed(hidden.reshape(-1, hidden.shape[-1]), local)
@@ -94,10 +103,10 @@ class TiledLoss:
 
     def _summed(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         scale, softcap = self.transform
-        if self.vocab_split is not None:
-            bias = getattr(self.head, "bias", None)
-            log_probs = vocab_parallel(hidden, self.head.weight, bias, targets, 1.0, None, softcap, scale,
-                                       tokens_per_chunk=self.tokens, **self.vocab_split)[0]  # fmt: skip
+        head = self.head
+        if self.vocab_split is not None and head is self.loaded_head:
+            log_probs = vocab_parallel(hidden, head.weight, getattr(head, "bias", None), targets, 1.0, None, softcap,
+                                       scale, tokens_per_chunk=self.tokens, **self.vocab_split)[0]  # fmt: skip
             return -torch.where(targets != IGNORED, log_probs, 0.0).sum()
         parts = []
         for first in range(0, len(hidden), self.tokens):
@@ -123,15 +132,17 @@ class TiledLoss:
             raw = self.head(hidden[:, :1].detach()).float()
         exact = want.dtype == first_logits.dtype  # a float32 model's logits: no rounding of the transform
         tolerance = (1e-4 if exact else 2e-2) * want.abs().max().clamp(min=1e-6)
-        gaps = []
-        for candidate in self.candidates:
-            gap = (transformed(raw, *candidate) - want).abs().max()
-            if bool(gap <= tolerance):
+        gaps = torch.stack([(transformed(raw, *candidate) - want).abs().max() for candidate in self.candidates])
+        wrong = (gaps > tolerance).float()
+        if torch.distributed.is_initialized():  # every rank the same verdict (one raising alone would hang the rest)
+            wrong = comm.all_reduce(wrong, torch.distributed.group.WORLD)
+        for candidate, off in zip(self.candidates, wrong.tolist()):
+            if off == 0:
                 return candidate
-            gaps.append(f"scale {candidate[0]}, soft-cap {candidate[1]}: {float(gap):.3g}")
+        gaps = [f"scale {c[0]}, soft-cap {c[1]}: {gap:.3g}" for c, gap in zip(self.candidates, gaps.tolist())]
         raise ValueError(
             f"tiled_loss: {self.model_name}'s forward changes its LM head's logits in a way hf_parallel does not "
-            f"know (largest gap to the model's own logits, {'; '.join(gaps)}); load without tiled_loss"
+            f"know (largest gap to the model's own logits on this rank, {'; '.join(gaps)}); load without tiled_loss"
         )
 
 
