@@ -22,7 +22,8 @@ The whole ring is one autograd function (as ring-flash-attention's): its backwar
 round again and recomputes each pair's probabilities from the saved log-sum-exp, so no scores are
 kept between forward and backward, and every rank runs the same exchanges in the same order whatever
 pairs it skips. Memory: no ``[S, S]`` tensor of the model's (a 4D mask a caller hands the model is read
-per pair); a pair's mask and written-out scores are ``[batch, heads, c, c]``.
+per pair); a pair's mask is ``[batch, 1, c, c]``, and a written-out pair's scores ``[batch, heads,
+SCORE_TILE, c]``.
 Each step's key/value block is on its way to the next rank while the step's pairs compute (an
 asynchronous all-to-all); the gradients travelling with it in the backward leave once the step's
 pairs have added to them.
@@ -85,21 +86,41 @@ class RingPlan:
         """The model's mask of one pair (None: causal from positions, the kernel's own)."""
         return None if self.mask is None else _pair_mask(self.mask, qi, ki, self.layout.chunk, keys, self.device)
 
-    def scores(self, q, k, qi: int, ki: int, keys: int):
-        """Scaled (soft-capped) scores of one pair (``k``: its keys repeated for the query heads, ``_repeat``)
-        and, when capped, the tanh for the backward."""
+    def scores(self, q, k, mask):
+        """Scaled (soft-capped) scores of some of a pair's queries ``q`` against its keys (``k``: repeated for
+        the query heads, ``_repeat``), ``mask`` those queries' rows of the pair's; and, when capped, the tanh for
+        the backward."""
         scores = torch.matmul(q, k.transpose(-1, -2)) * self.scale
         capped = None
         if self.softcap:
             capped = torch.tanh(scores / self.softcap)
             scores = capped * self.softcap
-        mask = _pair_mask(self.mask, qi, ki, self.layout.chunk, keys, q.device)
         if mask is not None:
             scores = scores.masked_fill(~mask, MASKED) if mask.dtype == torch.bool else scores + mask.float()
-        return scores, capped, mask
+        return scores, capped
 
 
 MASKED = torch.finfo(torch.float32).min
+SCORE_TILE = 512  # queries a written-out pair scores at once: its float32 scores are [b, h, SCORE_TILE, c]
+
+
+def _tiles(rows: int):
+    """The query rows of a pair a written-out tile covers, ``SCORE_TILE`` at a time."""
+    return [slice(start, start + SCORE_TILE) for start in range(0, rows, SCORE_TILE)]
+
+
+def _rows(mask, rows: slice):
+    return None if mask is None else mask[..., rows, :]
+
+
+def _written_out(plan: RingPlan, q, k, v, mask):
+    """A pair written out in float32, one tile of queries at a time: its output and log-sum-exp."""
+    outs, lses = [], []
+    for rows in _tiles(q.shape[2]):
+        scores, _ = plan.scores(q[:, :, rows], k, _rows(mask, rows))
+        lses.append(torch.logsumexp(scores, dim=-1))
+        outs.append(torch.matmul(torch.exp(scores - lses[-1].unsqueeze(-1)), v))
+    return torch.cat(outs, dim=2), torch.cat(lses, dim=2)
 
 
 class _RingAttention(torch.autograd.Function):
@@ -126,9 +147,8 @@ class _RingAttention(torch.autograd.Function):
                                                plan.scale)  # fmt: skip
                     ctx.rng = ctx.rng or rng
                 else:
-                    scores, _, mask = plan.scores(queries[a], pair_k, qi, ki, keys)
-                    lse = torch.logsumexp(scores, dim=-1)
-                    o = torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), pair_v)
+                    mask = _pair_mask(plan.mask, qi, ki, c, keys, q.device)
+                    o, lse = _written_out(plan, queries[a], pair_k, pair_v, mask)
                 outs[a], lses[a] = merge(outs[a], lses[a], o, lse)
                 if plan.mask is not None:  # which queries attend to some key (and, for eager's, every value's sum)
                     sees = _allowed(mask).any(-1)
@@ -184,17 +204,21 @@ class _RingAttention(torch.autograd.Function):
                     travelling[0, :, :, keys_at] += _fold(d_k, plan)
                     travelling[1, :, :, keys_at] += _fold(d_v, plan)
                     continue
-                scores, capped, _ = plan.scores(queries[a], pair_k, qi, ki, keys)
-                p = torch.exp(scores - lses[a].unsqueeze(-1))
-                if uniform is not None:  # eager: a query masked from every key weighs them all alike
-                    p = torch.where(uniform[a], p, 1.0 / plan.layout.tokens)
-                d_scores = p * (torch.matmul(grads[a], pair_v.transpose(-1, -2)) - deltas[a].unsqueeze(-1))
-                if capped is not None:
-                    d_scores = d_scores * (1 - capped * capped)
-                d_scores = d_scores * plan.scale
-                dq[a] += torch.matmul(d_scores, pair_k)
-                travelling[0, :, :, keys_at] += _fold(torch.matmul(d_scores.transpose(-1, -2), queries[a]), plan)
-                travelling[1, :, :, keys_at] += _fold(torch.matmul(p.transpose(-1, -2), grads[a]), plan)
+                mask = _pair_mask(plan.mask, qi, ki, c, keys, q.device)
+                for rows in _tiles(c):  # written out, a tile of queries at a time
+                    scores, capped = plan.scores(queries[a][:, :, rows], pair_k, _rows(mask, rows))
+                    p = torch.exp(scores - lses[a][:, :, rows].unsqueeze(-1))
+                    if uniform is not None:  # eager: a query masked from every key weighs them all alike
+                        p = torch.where(uniform[a][:, :, rows], p, 1.0 / plan.layout.tokens)
+                    d_p = torch.matmul(grads[a][:, :, rows], pair_v.transpose(-1, -2))
+                    d_scores = p * (d_p - deltas[a][:, :, rows].unsqueeze(-1))
+                    if capped is not None:
+                        d_scores = d_scores * (1 - capped * capped)
+                    d_scores = d_scores * plan.scale
+                    dq[a][:, :, rows] += torch.matmul(d_scores, pair_k)
+                    d_k = torch.matmul(d_scores.transpose(-1, -2), queries[a][:, :, rows])
+                    travelling[0, :, :, keys_at] += _fold(d_k, plan)
+                    travelling[1, :, :, keys_at] += _fold(torch.matmul(p.transpose(-1, -2), grads[a][:, :, rows]), plan)
             travelling = comm.shift(travelling, ring.group, 1)  # with its block; the last step takes it home
             block = following.wait() if following is not None else None
         d_sinks = None
