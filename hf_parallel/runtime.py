@@ -94,17 +94,14 @@ class Runtime:
         loss when labels are given), or None on a stage that hands its output on."""
         rows, tokens = batch_inputs(kwargs).shape[:2]
         sequence = labels = count = None
-        given = kwargs.get("labels") if kwargs.get("labels") is not None else kwargs.get("shift_labels")
-        tiled = self.tiled_loss if given is not None else None
-        shifted = False
-        if tiled is not None:  # (transformers' shift_labels: each token's next one already)
-            kwargs = dict(kwargs)
-            shifted = kwargs.get("labels") is None
-            kwargs.pop("shift_labels", None)
-            kwargs["labels"] = given
+        wants_loss = kwargs.get("labels") is not None or kwargs.get("shift_labels") is not None
+        tiled = self.tiled_loss if wants_loss else None
         if self.sequence is not None or tiled is not None:
             kwargs = dict(kwargs)
             labels, count = kwargs.pop("labels", None), kwargs.pop("num_items_in_batch", None)
+        shifted = tiled is not None and kwargs.get("shift_labels") is not None
+        if shifted:  # transformers' shift_labels (each token's next one already), used over labels as its loss does
+            labels = kwargs.pop("shift_labels")
         if self.sequence is not None:
             cache = kwargs.get("past_key_values")
             sequence = self.sequence.call(tokens, keep_split=labels is not None, cache=cache)

@@ -225,13 +225,20 @@ def tiled_loss(rank: int, world_size: int, cases: dict) -> dict:
             torch.autograd.graph.save_on_cpu = offload
         state = hf_parallel.parallel_state(model)
         if state.mesh.shape.dp > 1:  # FSDP: each gradient whole, against one process's
-            whole = {n: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad for n, p in model.named_parameters()}
+            whole = {n: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+                     for n, p in model.named_parameters()}  # fmt: skip
             grads = {n: gap(grad, single.get_parameter(n).grad) for n, grad in whole.items()}
         else:
             grads = gaps(model, state, of_model(single), state.mesh.tp.rank)
+        with torch.no_grad():  # shift_labels (each token's next label) instead of labels: the same loss (FSDP's
+            # gradients read first: they are None after another forward)
+            shift_labels = torch.nn.functional.pad(batch["labels"], (0, 1), value=-100)[:, 1:]
+            inputs = {k: v for k, v in batch.items() if k != "labels"}
+            shifted = model(**inputs, shift_labels=shift_labels).loss
         tiled = state.runtime.tiled_loss
         results[name] = {
             "loss": gap(got.loss, want.loss), "grads": grads, "vocab_parallel": tiled.vocab_split is not None,
+            "shift_labels": gap(shifted, want.loss),
             "logits": got.logits, "transform": list(tiled.transform), "packed": len(packed),
             "hidden_packed": sum(shape[-1:] == (single.config.hidden_size,) for shape in packed),
         }  # fmt: skip

@@ -199,7 +199,7 @@ def test_tiled_loss_and_offloaded_checkpoints_match_one_process(sp_paths, tiny_r
     for rank, results in enumerate(ranks):
         for case, r in results.items():
             where = f"rank {rank} {case} with tiled_loss"
-            assert_within({"loss": r["loss"]}, atol=1e-6, rtol=0, where=where)
+            assert_within({"loss": r["loss"], "shift_labels": r["shift_labels"]}, atol=1e-6, rtol=0, where=where)
             assert_within(r["grads"], atol=TOL, rtol=TOL, where=f"{where} gradients")
             assert r["vocab_parallel"] is (case == "tp2"), (where, r["vocab_parallel"])
             assert r["logits"] is None, where  # (what reads them would read one token's of each row)
