@@ -113,15 +113,20 @@ def skipped_pairs_opened(description: MaskDescription, chunk: int, chunks: int, 
                 after |= description.pair(queries, keys, device).any()
             elif ki <= qi and check_behind and (qi - ki - 1) * chunk + 1 > window:
                 behind |= description.pair(queries, keys, device).any()
-    if torch.compiler.is_compiling():  # traced: refused on the device, no host read in the graph
-        torch._assert_async(~after, f"context parallelism: the model's attention mask {OPENS_AFTER}")
-        torch._assert_async(~behind, f"context parallelism: the model's attention mask {opens_behind(window)}")
+    return what_opens(after, behind if check_behind else None, window)
+
+
+def what_opens(after: torch.Tensor, behind: torch.Tensor | None, window: int | None) -> str | None:
+    """What the flags ``after`` and ``behind`` (device booleans: the mask lets some query past its causal edge,
+    or further back than ``window``) say the mask opens among the skipped pairs (None: nothing): one host read.
+    Traced by ``torch.compile``, no host read in the graph: refused on the device instead (``_assert_async``)."""
+    found = ((after, OPENS_AFTER), (behind, opens_behind(window) if window else ""))
+    if torch.compiler.is_compiling():
+        for flag, what in found:
+            if flag is not None:
+                torch._assert_async(~flag, f"context parallelism: the model's attention mask {what}")
         return None
-    if bool(after):
-        return OPENS_AFTER
-    if bool(behind):
-        return opens_behind(window)
-    return None
+    return next((what for flag, what in found if flag is not None and bool(flag)), None)
 
 
 OPENS_AFTER = "lets a query attend to keys after it (bidirectional blocks: image tokens, a prefix)"

@@ -11,9 +11,9 @@ its log-sum-exp, which the ring's merge needs, and takes the merged output and l
   backward reads the merged output and its gradient as laid out ``[batch, queries, heads, dim]`` (the
   kernel's own output layout), so they are handed over so. NVIDIA's CUDA only (ROCm's kernel keeps another
   log-sum-exp layout), float16 / float32, and bfloat16 from sm80 on; else written out.
-- None: the pair is written out in float32 (``RingPlan.scores``), a tile of queries at a time: soft-capping, eager's additive mask over
-  padding, a value head of another size than the keys', a head size or dtype the CUDA kernel does not take.
-  It is also the tests' reference.
+- None: the pair is written out in float32 (``RingPlan.scores``), a tile of queries at a time: soft-capping,
+  eager's additive mask over padding, a value head of another size than the keys', a head size or dtype the
+  CUDA kernel does not take. It is also the tests' reference.
 
 A masked position gets a finite bias, not -inf, so that a query masked from every key of one pair has a finite
 log-sum-exp far below any real one (no weight in the merge) rather than NaN: on CUDA -1e30 (float16's minimum

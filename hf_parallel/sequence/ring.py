@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from ..distributed import comm
-from .masks import OPENS_AFTER, MaskDescription, opens_behind, skipped_pairs_opened
+from .masks import OPENS_AFTER, MaskDescription, skipped_pairs_opened, what_opens
 from .pair_kernels import compute_dtype, pair_backward, pair_forward, pair_kernel
 
 
@@ -320,17 +320,7 @@ def _tensor_opened(mask: torch.Tensor, ring, window) -> str | None:
             f"shape {tuple(mask.shape)}"
         )
     allowed = _allowed(mask)
-    after, behind = allowed.triu(1).any(), allowed.tril(-window - 1).any() if window else None
-    if torch.compiler.is_compiling():  # traced: refused on the device, no host read in the graph
-        torch._assert_async(~after, f"cp_size={ring.size}: the model's attention mask {OPENS_AFTER}")
-        if behind is not None:
-            torch._assert_async(~behind, f"cp_size={ring.size}: the model's attention mask {opens_behind(window)}")
-        return None
-    if bool(after):
-        return OPENS_AFTER
-    if behind is not None and bool(behind):
-        return opens_behind(window)
-    return None
+    return what_opens(allowed.triu(1).any(), allowed.tril(-window - 1).any() if window else None, window)
 
 
 def _pair_mask(mask, qi: int, ki: int, c: int, keys: int, device):
