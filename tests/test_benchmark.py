@@ -130,3 +130,18 @@ def test_decode_benchmark_runs_eager_and_compiled_side_by_side(tiny_paths, tmp_p
         assert "error" not in row, (key, row.get("error"))
         assert row["tokens"] == rows["single eager"]["tokens"] and row["s_per_token"] > 0, (key, row)
     assert "| hf_parallel compiled |" in done.stdout
+
+
+def test_serve_benchmark_runs_hf_parallel_serve(smollm2, tmp_path):
+    """benchmarks/serve.py against hf-parallel serve alone, two requests at 1 and 8 clients: every row has
+    tokens and latencies, and the goal line is printed."""
+    command = [sys.executable, os.path.join(ROOT, "benchmarks", "serve.py"), "--model", smollm2,
+               "--skip-transformers", "--clients", "1", "8", "--requests", "2", "--max-tokens", "3",
+               "--out", str(tmp_path / "serve.json")]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    rows = json.loads((tmp_path / "serve.json").read_text())["results"]["hf_parallel serve TP=2"]
+    assert [row["clients"] for row in rows] == [1, 8]
+    assert all(row["tokens"] > 0 and row["ttft_p50_s"] > 0 for row in rows), rows
+    assert "8 concurrent requests take" in done.stdout

@@ -1,5 +1,5 @@
-"""hf-parallel generate | plan | verify | consolidate  (``generate`` runs under torchrun, ``verify``
-under torchrun or starting its own ranks; the others need no processes)."""
+"""hf-parallel generate | serve | plan | verify | consolidate  (``generate`` and ``serve`` run under torchrun,
+``verify`` under torchrun or starting its own ranks; the others need no processes)."""
 
 from __future__ import annotations
 
@@ -236,11 +236,35 @@ def cmd_consolidate(args) -> None:
     print(f"{args.out}: {done['bytes'] / 1e6:.1f} MB in {seconds:.2f}s ({done['bytes'] / seconds / 1e6:.1f} MB/s)")
 
 
+def cmd_serve(args) -> int:
+    import transformers
+
+    from ..api import AutoModelForCausalLM
+    from ..distributed.mesh import shutdown
+    from ..serving.server import serve
+    from .default_model import default_checkpoint
+
+    if args.model_path and args.model and args.model_path != args.model:
+        raise SystemExit(f"hf-parallel serve: two models named ({args.model_path} and --model {args.model})")
+    path = args.model_path or args.model or default_checkpoint()
+    kept = dict(keep_quantized=args.keep_quantized) if args.keep_quantized else {}
+    budget = dict(kv_cache_memory_bytes=args.kv_cache_memory_bytes) if args.kv_cache_memory_bytes else {}
+    model = AutoModelForCausalLM.from_pretrained(path, tp_plan="auto", dtype=args.dtype, **kept, **budget)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    name = args.served_model_name or os.path.basename(os.path.normpath(path))
+    code = serve(model, tokenizer, name, host=args.host, port=args.port, api_key=args.api_key,
+                 temperature=args.temperature, max_batch_tokens=args.max_batch_tokens)  # fmt: skip
+    if code == 0:
+        shutdown()
+    return code
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Every command and flag (the docs' CLI reference is generated from it)."""
     parser = argparse.ArgumentParser(prog="hf-parallel", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
+    _add_serve(sub)
     _add_plan(sub)
     _add_verify(sub)
     _add_consolidate(sub)
@@ -274,6 +298,27 @@ def _add_generate(sub) -> None:
         "--micro-batches", type=int, help="with --pp/--stage-tp: micro-batches per forward (default: stages)"
     )
     gen.set_defaults(func=cmd_generate)
+
+
+def _add_serve(sub) -> None:
+    """``hf-parallel serve``: transformers serve's OpenAI-compatible app over continuous batching at TP."""
+    srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (run under torchrun: TP over every rank)")
+    srv.add_argument("model_path", nargs="?", metavar="MODEL",
+                     help="checkpoint directory (default: the embedded SmolLM2-135M-Instruct)")  # fmt: skip
+    srv.add_argument("--model", help="the same as MODEL")
+    srv.add_argument("--served-model-name", help="the name clients ask for (default: the directory's name)")
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--dtype", default="auto", help="auto (the checkpoint's), float32, bfloat16, float16")
+    srv.add_argument("--keep-quantized", nargs="?", const=True, default=False, choices=["fp8", "int4"],
+                     help="a quantized checkpoint's weights held as stored, as generate's flag")  # fmt: skip
+    srv.add_argument("--api-key", help="clients must send 'Authorization: Bearer <key>' to /v1 routes")
+    srv.add_argument("--temperature", type=float, default=0.0, help="0: greedy; above: every request samples "
+                     "at it (one setting for the continuous batch; a request asking another is refused)")
+    srv.add_argument("--kv-cache-memory-bytes", type=int, help="memory each rank gives the paged cache and the "
+                     "batch (default: transformers' share of free memory, divided among the ranks sharing a device)")
+    srv.add_argument("--max-batch-tokens", type=int, help="tokens one step of the batch holds (default: 8192)")
+    srv.set_defaults(func=cmd_serve)
 
 
 def _add_plan(sub) -> None:

@@ -114,10 +114,10 @@ _RESOLVED: dict[Seam, object] = {}
 
 def seams() -> list[Seam]:
     """Every declared seam, of every dependency."""
-    from . import accelerate, peft, torch, transformers, triton, trl
+    from . import accelerate, peft, torch, transformers, transformers_serving, triton, trl
 
     found = []  # a module's seams, and those it keeps in tables (one per replaced step, trainer, ...)
-    modules = (transformers, peft, accelerate, torch, trl, triton)
+    modules = (transformers, transformers_serving, peft, accelerate, torch, trl, triton)
     for value in (value for module in modules for value in vars(module).values()):
         found += [seam for seam in (value.values() if isinstance(value, dict) else [value]) if isinstance(seam, Seam)]
     return list(dict.fromkeys(found))

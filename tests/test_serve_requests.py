@@ -1,0 +1,79 @@
+"""What ``hf-parallel serve`` refuses before a request reaches the continuous batch (pure: no ranks), and the
+memory each rank gives the paged cache."""
+
+import pytest
+import torch
+
+from hf_parallel.serving import batching, server
+
+CHAT = "/v1/chat/completions"
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2):
+    import transformers
+
+    return transformers.AutoTokenizer.from_pretrained(smollm2)
+
+
+def refusal(body: dict, route: str = CHAT, tokenizer=None, context=64, temperature=0.0):
+    """The (status, param, message) a body is refused with; None when it passes (the body as filled in)."""
+    try:
+        server._check(body, route, "m", tokenizer, context, temperature)
+    except server.Refused as refused:
+        return refused.status, refused.param, refused.message
+    return None
+
+
+def hi(**extra) -> dict:
+    return {"model": "m", "messages": [{"role": "user", "content": "hi"}], **extra}
+
+
+@pytest.mark.parametrize("body, status, param, words", [
+    ({"messages": []}, 400, "messages", "'messages' is required"),
+    (hi(model="other"), 404, "model", "does not exist"),
+    (hi(max_tokens=0), 400, "max_tokens", "a positive integer"),
+    (hi(max_completion_tokens=-3), 400, "max_completion_tokens", "a positive integer"),
+    (hi(max_tokens=True), 400, "max_tokens", "a positive integer"),
+    (hi(temperature=0.7), 400, "temperature", "hf-parallel serve --temperature"),
+    (hi(stop=["\n"]), 400, "stop", "not supported"),
+    (hi(n=2), 400, "n", "not supported"),
+    (hi(top_p=0.5), 400, "top_p", "not supported"),
+    (hi(max_tokens=60), 400, "messages", "maximum context length is 64 tokens"),
+    (hi(messages=[{"role": "user", "content": "word " * 80}]), 400, "messages", "maximum context length"),
+])  # fmt: skip
+def test_requests_the_batch_cannot_honour_are_refused_naming_the_field(tokenizer, body, status, param, words):
+    got = refusal(body, tokenizer=tokenizer)
+    assert got is not None and got[:2] == (status, param) and words in got[2], got
+
+
+def test_a_request_within_the_rules_passes_and_gets_a_bounded_length(tokenizer):
+    body = hi(temperature=0, top_p=1, n=1, stop=None)
+    assert refusal(body, tokenizer=tokenizer) is None
+    prompt = len(tokenizer.apply_chat_template(body["messages"], add_generation_prompt=True, return_dict=True,
+                                               tokenize=True)["input_ids"])  # fmt: skip
+    assert body["max_tokens"] == 64 - prompt  # what is left of the context (transformers serve's 1024 is more)
+    assert refusal(hi(temperature=0.5), tokenizer=tokenizer, temperature=0.5) is None
+    responses = {"model": "m", "input": "hi"}
+    assert refusal(responses, "/v1/responses", tokenizer) is None and responses["stream"] is False
+    assert refusal({"prompt": ["a", "b"]}, "/v1/completions", tokenizer)[:2] == (400, "prompt")
+
+
+def test_each_rank_gives_the_cache_its_budget_or_its_share_of_free_memory():
+    """A budget becomes transformers' fraction of the free memory; without one, transformers' own default
+    (0.6 of the host's on a CPU) for a rank alone; a size the user set is left to them."""
+    from hf_parallel.compat import transformers_serving as serving
+    from hf_parallel.distributed.mesh import Mesh
+
+    mesh = Mesh.dry_run(tp_size=1)
+    config = serving.continuous_batching_config()
+    batching._budget(config, torch.device("cpu"), mesh, None)
+    assert config.max_memory_percent == pytest.approx(0.6)
+    config = serving.continuous_batching_config()
+    batching._budget(config, torch.device("cpu"), mesh, 1024**2)
+    assert config.max_memory_percent * serving.device_free_memory() == pytest.approx(1024**2, rel=0.05)
+    with pytest.raises(ValueError, match="kv_cache_memory_bytes with ContinuousBatchingConfig"):
+        batching._budget(serving.continuous_batching_config(serving.CB_CONFIG.get()(num_blocks=8)),
+                         torch.device("cpu"), mesh, 1024**2)  # fmt: skip
+    with pytest.raises(ValueError, match="bytes free"):
+        batching._budget(serving.continuous_batching_config(), torch.device("cpu"), mesh, 10**18)
