@@ -42,12 +42,15 @@ def batched(model, config=None, cb_config=None) -> list[list[int]]:
 
 
 def batched_and_kv_heads(model) -> tuple[list[list[int]], list[int]]:
-    """``generate_batch``'s tokens, and the KV heads of its paged cache's pages on this rank."""
-    results = model.generate_batch(PROMPTS, _config(), _small(), progress_bar=False, persistent_manager=True)
+    """``generate_batch``'s tokens (twice, the second through the manager the first kept: the same tokens or
+    None), and the KV heads of its paged cache's pages on this rank."""
+    runs = [model.generate_batch(PROMPTS, _config(), _small(), progress_bar=False, persistent_manager=True)
+            for _ in range(2)]  # fmt: skip
     cache = model._cached_continuous_batching_manager.batch_processor.cache
     kv_heads = sorted({a.num_key_value_heads for a in cache.cache_allocators.values()})
     model.destroy_cached_continuous_batching_manager()
-    return [out.generated_tokens for out in results.values()], kv_heads
+    first, second = ([out.generated_tokens for out in results.values()] for results in runs)
+    return (first if first == second else None), kv_heads
 
 
 def continuous_batching(rank: int, world_size: int, cases: dict) -> dict:
@@ -98,26 +101,28 @@ def refused(rank: int, world_size: int, cases: dict) -> dict:
 
 
 def failing_rank(rank: int, world_size: int, path: str) -> dict:
-    """Rank 1's forward fails at its third call: every rank's ``generate_batch`` raises (the others after the
-    collective they wait in times out), none hangs; then what a budget of memory sizes the cache to."""
+    """The paged cache's bytes under budgets of 8 and 16 MiB; then rank 1's forward fails at its third call:
+    every rank's ``generate_batch`` raises (the others after the collective they wait in times out), none
+    hangs."""
     os.environ["HF_PARALLEL_TIMEOUT"] = "5"
     import transformers
 
     import hf_parallel
 
-    budget = 8 * 1024**2  # with 256 batch tokens (transformers' default of 8192 needs more)
-    model = hf_parallel.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
-                                                             kv_cache_memory_bytes=budget)  # fmt: skip
-    small = transformers.ContinuousBatchingConfig(max_batch_tokens=256)
-    manager = model.init_continuous_batching(_config(), small)
-    manager.start()
-    try:
-        manager.add_request(PROMPTS[0], request_id="sized", max_new_tokens=1)
-        list(manager.request_id_iter("sized"))
-        cache_bytes = manager.batch_processor.cache.cache_tensor.numel()
-    finally:
-        manager.stop(block=True, timeout=30)
-        manager.destroy()
+    small = transformers.ContinuousBatchingConfig(max_batch_tokens=256)  # (8192 batch tokens need more memory)
+    cache_bytes = {}
+    for mib in (8, 16):
+        model = hf_parallel.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                                 kv_cache_memory_bytes=mib * 1024**2)  # fmt: skip
+        manager = model.init_continuous_batching(_config(), small)
+        manager.start()
+        try:
+            manager.add_request(PROMPTS[0], request_id="sized", max_new_tokens=1)
+            list(manager.request_id_iter("sized"))
+            cache_bytes[mib] = manager.batch_processor.cache.cache_tensor.numel()
+        finally:
+            manager.stop(block=True, timeout=30)
+            manager.destroy()
     calls = []
 
     def fail(module, args):
@@ -131,4 +136,4 @@ def failing_rank(rank: int, world_size: int, path: str) -> dict:
         error = None
     except RuntimeError as raised:
         error = str(raised)
-    return {"error": error, "cache_bytes": cache_bytes, "budget": budget}
+    return {"error": error, "cache_bytes": cache_bytes}

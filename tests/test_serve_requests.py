@@ -4,9 +4,10 @@ memory each rank gives the paged cache."""
 import pytest
 import torch
 
-from hf_parallel.serving import batching, server
+from hf_parallel.serving import batching
+from hf_parallel.serving.requests import CHAT, COMPLETIONS, RESPONSES, Refused, RequestRules
 
-CHAT = "/v1/chat/completions"
+IGNORED = {CHAT: {"n", "logprobs", "response_format", "tool_choice", "user"}, COMPLETIONS: {"echo", "logprobs"}}
 
 
 @pytest.fixture(scope="module")
@@ -16,11 +17,12 @@ def tokenizer(smollm2):
     return transformers.AutoTokenizer.from_pretrained(smollm2)
 
 
-def refusal(body: dict, route: str = CHAT, tokenizer=None, context=64, temperature=0.0):
-    """The (status, param, message) a body is refused with; None when it passes (the body as filled in)."""
+def refusal(body: dict, route: str = CHAT, tokenizer=None, temperature=0.0):
+    """The (status, param, message) a body is refused with (a context of 64 tokens); None when it passes (the
+    body as filled in)."""
     try:
-        server._check(body, route, "m", tokenizer, context, temperature)
-    except server.Refused as refused:
+        RequestRules("m", tokenizer, 64, temperature, 1024, IGNORED).check(body, route)
+    except Refused as refused:
         return refused.status, refused.param, refused.message
     return None
 
@@ -36,9 +38,12 @@ def hi(**extra) -> dict:
     (hi(max_completion_tokens=-3), 400, "max_completion_tokens", "a positive integer"),
     (hi(max_tokens=True), 400, "max_tokens", "a positive integer"),
     (hi(temperature=0.7), 400, "temperature", "hf-parallel serve --temperature"),
+    (hi(temperature="hot"), 400, "temperature", "hf-parallel serve --temperature"),
     (hi(stop=["\n"]), 400, "stop", "not supported"),
     (hi(n=2), 400, "n", "not supported"),
     (hi(top_p=0.5), 400, "top_p", "not supported"),
+    (hi(response_format={"type": "json_object"}), 400, "response_format", "not supported"),
+    (hi(generation_config="{}"), 400, "generation_config", "not supported"),
     (hi(max_tokens=60), 400, "messages", "maximum context length is 64 tokens"),
     (hi(messages=[{"role": "user", "content": "word " * 80}]), 400, "messages", "maximum context length"),
 ])  # fmt: skip
@@ -48,15 +53,22 @@ def test_requests_the_batch_cannot_honour_are_refused_naming_the_field(tokenizer
 
 
 def test_a_request_within_the_rules_passes_and_gets_a_bounded_length(tokenizer):
-    body = hi(temperature=0, top_p=1, n=1, stop=None)
-    assert refusal(body, tokenizer=tokenizer) is None
+    """Neutral values, harmless fields and a greedy request's seed pass (the seed dropped: transformers serve
+    would reseed rank 0 alone); a sampling server refuses a seed; 0 is not False; the Responses API does not
+    stream unless asked; content given as parts is measured as the handler templates it."""
+    body = hi(temperature=0, top_p=1.0, n=1, stop=None, user="u", seed=3, logprobs=False)
+    assert refusal(body, tokenizer=tokenizer) is None and "seed" not in body
     prompt = len(tokenizer.apply_chat_template(body["messages"], add_generation_prompt=True, return_dict=True,
                                                tokenize=True)["input_ids"])  # fmt: skip
     assert body["max_tokens"] == 64 - prompt  # what is left of the context (transformers serve's 1024 is more)
     assert refusal(hi(temperature=0.5), tokenizer=tokenizer, temperature=0.5) is None
+    assert refusal(hi(seed=3), tokenizer=tokenizer, temperature=0.5)[:2] == (400, "seed")
+    assert refusal({"prompt": "1, 2", "logprobs": 0}, COMPLETIONS, tokenizer)[:2] == (400, "logprobs")
     responses = {"model": "m", "input": "hi"}
-    assert refusal(responses, "/v1/responses", tokenizer) is None and responses["stream"] is False
-    assert refusal({"prompt": ["a", "b"]}, "/v1/completions", tokenizer)[:2] == (400, "prompt")
+    assert refusal(responses, RESPONSES, tokenizer) is None and responses["stream"] is False
+    assert refusal({"prompt": ["a", "b"]}, COMPLETIONS, tokenizer)[:2] == (400, "prompt")
+    parts = hi(messages=[{"role": "user", "content": [{"type": "text", "text": "hi"}]}])
+    assert refusal(parts, tokenizer=tokenizer) is None and parts["max_tokens"] == body["max_tokens"]
 
 
 def test_each_rank_gives_the_cache_its_budget_or_its_share_of_free_memory():

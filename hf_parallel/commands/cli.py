@@ -240,7 +240,6 @@ def cmd_serve(args) -> int:
     import transformers
 
     from ..api import AutoModelForCausalLM
-    from ..distributed.mesh import shutdown
     from ..serving.server import serve
     from .default_model import default_checkpoint
 
@@ -252,11 +251,8 @@ def cmd_serve(args) -> int:
     model = AutoModelForCausalLM.from_pretrained(path, tp_plan="auto", dtype=args.dtype, **kept, **budget)
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)
     name = args.served_model_name or os.path.basename(os.path.normpath(path))
-    code = serve(model, tokenizer, name, host=args.host, port=args.port, api_key=args.api_key,
+    return serve(model, tokenizer, name, host=args.host, port=args.port, api_key=args.api_key,
                  temperature=args.temperature, max_batch_tokens=args.max_batch_tokens)  # fmt: skip
-    if code == 0:
-        shutdown()
-    return code
 
 
 def build_parser() -> argparse.ArgumentParser:

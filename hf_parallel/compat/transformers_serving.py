@@ -24,7 +24,8 @@ from . import Seam
 
 _CB = "transformers.generation.continuous_batching"
 CB_INIT = Seam("transformers", f"{_CB}.continuous_api:ContinuousMixin.init_continuous_batching",
-               "(the manager made as transformers makes it)",
+               "(the manager made as transformers makes it; a kept one returned as is)",
+               reads=("_cached_continuous_batching_manager",),
                parameters=("generation_config", "continuous_batching_config", "workload_hints"))  # fmt: skip
 CB_GENERATE_BATCH = Seam("transformers", f"{_CB}.continuous_api:ContinuousMixin.generate_batch",
                          "(its results checked for failed requests)", parameters=("inputs", "generation_config"))
@@ -60,6 +61,12 @@ RANK_CONFIG = "hf_parallel_rank_config"  # the helper's attribute: this rank's v
 def init_manager(model, generation_config, continuous_batching_config, workload_hints):
     """The manager transformers' ``init_continuous_batching`` makes (the model's cached one if kept)."""
     return CB_INIT.get()(model, generation_config, continuous_batching_config, workload_hints)
+
+
+def kept_manager(model):
+    """The manager ``init_continuous_batching`` returns as is (one kept by ``persistent_manager=True``), or None."""
+    manager = getattr(model, "_cached_continuous_batching_manager", None)
+    return manager if isinstance(manager, CB_MANAGER.get()) else None
 
 
 def generate_batch(model, inputs, *args, **kwargs) -> dict:
@@ -173,6 +180,12 @@ SERVE_HANDLERS = {
         "/v1/responses": f"{_SERVE}.response:ResponseHandler",
     }.items()
 }
+SERVE_IGNORED = Seam("transformers", f"{_SERVE}.utils:BaseHandler._validate_request",
+                     "(the fields a handler ignores, which a split model's server refuses)", reads=("_unused_fields",))
+SERVE_MESSAGES = Seam("transformers", f"{_SERVE}.utils:BaseHandler.get_processor_inputs_from_messages",
+                      "(a chat's messages as the handler templates them)", parameters=("messages", "modality"))
+SERVE_MODALITY = Seam("transformers", f"{_SERVE}.model_manager:Modality", "(a text model's)")
+SERVE_ALIVE = Seam("transformers", f"{_SERVE}.utils:GenerationState.is_cb_alive", "(/health)", reads=("is_alive",))
 SERVE_ROUTES_DROPPED = ("/load_model", "/reset", "/v1/systemone", "/v1/audio/transcriptions")  # hub loads, others
 
 
@@ -201,6 +214,8 @@ def openai_app(model, tokenizer, name: str, manager, shutdown) -> tuple[object, 
     state = SERVE_STATE.get()(continuous_batching=True, cb_config=manager.continuous_batching_config)
     state._cb_manager = SERVE_CB.get()(manager.continuous_batching_config)
     state._cb_manager._cb = manager
+    SERVE_ALIVE.get()
+    state._cb_manager.is_alive = lambda: manager.is_running() and manager.background_thread_status.fatal_error is None
     state._cb_model_id = models.process_model_name(name)
     handlers = {route: seam.get()(model_manager=models, generation_state=state) for route, seam in
                 SERVE_HANDLERS.items()}  # fmt: skip
@@ -208,6 +223,18 @@ def openai_app(model, tokenizer, name: str, manager, shutdown) -> tuple[object, 
                           handlers["/v1/responses"], None, None, state)  # fmt: skip
     app.router.routes[:] = [r for r in app.router.routes if getattr(r, "path", None) not in SERVE_ROUTES_DROPPED]
     return app, handlers
+
+
+def ignored_fields(handlers: dict) -> dict:
+    """Each route's fields its transformers serve handler does not handle (it warns once, then goes on)."""
+    SERVE_IGNORED.get()
+    return {route: set(handler._unused_fields) for route, handler in handlers.items()}
+
+
+def chat_messages(messages: list) -> list:
+    """OpenAI chat messages as transformers serve's chat handler hands them to the chat template (a text model's:
+    content parts joined into text)."""
+    return SERVE_MESSAGES.get()(messages, SERVE_MODALITY.get().LLM)
 
 
 def waiting_and_running(manager) -> tuple[int, int]:

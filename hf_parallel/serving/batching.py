@@ -26,24 +26,25 @@ import torch.distributed as dist
 from ..compat import transformers_serving as serving
 from ..distributed.devices import device_identity
 
-CONTINUOUS_BATCHING = ("init_continuous_batching", "generate_batch")  # the context manager enters through the first
 
 
 def install_continuous_batching(model, mesh, heads, stage, kv_cache_memory_bytes: int | None = None) -> None:
     """Route ``model``'s continuous batching (transformers' ``init_continuous_batching`` and ``generate_batch``;
     ``continuous_batching_context_manager`` enters through the first) through the TP group, or refuse it by name.
     ``heads``: the attention heads' split over TP (None: attention replicated)."""
-    if not hasattr(model, CONTINUOUS_BATCHING[0]):
-        return
-    refusal = _refusal(mesh, stage)
-    if mesh.world_size == 1 and kv_cache_memory_bytes is None:
+    if not hasattr(model, "init_continuous_batching") or (mesh.world_size == 1 and kv_cache_memory_bytes is None):
         return  # transformers' own, in one process
+    refusal = _refusal(mesh, stage)
 
     def init_continuous_batching(generation_config=None, continuous_batching_config=None, workload_hints=None):
         if refusal:
             raise NotImplementedError(refusal)
+        if serving.kept_manager(model) is not None:  # sized and handed the group when it was made
+            return serving.init_manager(model, generation_config, continuous_batching_config, workload_hints)
         cb_config = serving.continuous_batching_config(continuous_batching_config)
         _budget(cb_config, model.device, mesh, kv_cache_memory_bytes)
+        if mesh.world_size > 1:
+            _no_graphs(cb_config)
         manager = serving.init_manager(model, generation_config, cb_config, workload_hints)
         if mesh.tp.size > 1 and manager.batch_processor is None:
             serving.hand_over_tp_group(manager, _tp_device_mesh(mesh), cb_config.cpu_group_timeout,
@@ -91,6 +92,16 @@ def _budget(cb_config, device: torch.device, mesh, kv_cache_memory_bytes: int | 
         cb_config.max_memory_percent = kv_cache_memory_bytes / free
     elif cb_config.max_memory_percent is None and cb_config.num_blocks is None:
         cb_config.max_memory_percent = serving.default_memory_fraction(cb_config, device) / _sharing(device, mesh)
+
+
+def _no_graphs(cb_config) -> None:
+    """CUDA graphs and the asynchronous double buffer (transformers' defaults on a GPU with flash attention)
+    off unless asked for: they would capture the TP group's collectives, which is not checked yet (nor possible
+    over gloo, several ranks sharing a GPU)."""
+    if cb_config.use_cuda_graph is None:
+        cb_config.use_cuda_graph = False
+    if cb_config.use_async_batching is None:
+        cb_config.use_async_batching = False
 
 
 def _sharing(device: torch.device, mesh) -> int:

@@ -18,6 +18,8 @@ forward) fails the requests in flight with 503 and ends the server non-zero.
 from __future__ import annotations
 
 import collections
+import contextlib
+import hmac
 import logging
 import os
 import signal
@@ -27,21 +29,14 @@ import time
 import torch.distributed as dist
 
 from ..compat import transformers_serving as serving
+from .requests import Refused, RequestRules
 
 logger = logging.getLogger("hf_parallel.serve")
 
 STOP_TIMEOUT_S = 2.0  # a stopping manager's thread is given this long to end its step (else a rank is gone)
 FAILURE_GRACE_S = 1.0  # after the generation loop dies, requests in flight get their 503 before the exit
 RATE_WINDOW_S = 10.0  # tokens/s is over the finished requests of this window
-MAX_TOKENS = {"/v1/chat/completions": ("max_completion_tokens", "max_tokens"), "/v1/completions": ("max_tokens",),
-              "/v1/responses": ("max_output_tokens",)}  # fmt: skip
-PROMPT = {"/v1/chat/completions": "messages", "/v1/completions": "prompt", "/v1/responses": "input"}
-DEFAULT_NEW_TOKENS = 1024  # transformers serve's floor for a request that does not say
-# settings transformers serve would copy into a request's generation config, which a continuous-batching
-# manager (one config for every request) then ignores: refused unless at their neutral value
-NEUTRAL = {"stop": (None, [], ""), "n": (None, 1), "logit_bias": (None, {}), "frequency_penalty": (None, 0),
-           "presence_penalty": (None, 0), "top_p": (None, 1), "logprobs": (None, False), "best_of": (None, 1),
-           "generation_config": (None,)}  # fmt: skip
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 class Metrics:
@@ -70,10 +65,11 @@ class Metrics:
 
     def prometheus(self, waiting: int, running: int) -> str:
         rate = self.tokens_per_second()
-        return "".join(f"hf_parallel_{name} {value}\n" for name, value in (
-            ("requests_waiting", waiting), ("requests_running", running), ("requests_finished_total", self.finished),
-            ("requests_failed_total", self.failed), ("generated_tokens_total", self.tokens),
-            ("generated_tokens_per_second", round(rate, 3))))  # fmt: skip
+        with self.lock:
+            counts = (("requests_waiting", waiting), ("requests_running", running),
+                      ("requests_finished_total", self.finished), ("requests_failed_total", self.failed),
+                      ("generated_tokens_total", self.tokens), ("generated_tokens_per_second", round(rate, 3)))
+        return "".join(f"hf_parallel_{name} {value}\n" for name, value in counts)
 
 
 def serve(model, tokenizer, name: str, *, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
@@ -114,12 +110,15 @@ def _follow(manager) -> int:
     """A rank other than 0: its manager's thread runs every batch; SIGTERM/SIGINT stop it (and, through the
     manager's state broadcast, every rank)."""
     stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    while manager.is_running() and not stop.wait(0.2):
-        pass
-    if manager.is_running():
-        manager.stop(block=True, timeout=STOP_TIMEOUT_S, hard_stop=True)
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in STOP_SIGNALS}
+    try:
+        while manager.is_running() and not stop.wait(0.2):
+            pass
+        if manager.is_running():
+            manager.stop(block=True, timeout=STOP_TIMEOUT_S, hard_stop=True)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     return 1 if manager.background_thread_status.fatal_error is not None else 0
 
 
@@ -127,14 +126,16 @@ def _answer(model, tokenizer, name, manager, metrics, host, port, api_key, tempe
     """Rank 0: transformers serve's app over ``manager`` until a signal or the generation loop's death."""
     import uvicorn
 
-    stopping, stuck = threading.Event(), threading.Event()
+    stopping, stuck, once = threading.Event(), threading.Event(), threading.Lock()
 
     def drain():
-        """Stop every rank's manager; the requests in flight end with 503. A loop that does not stop is waiting
-        on a rank that is gone (torchrun's SIGTERM after a rank died): its requests are failed from here."""
-        if stopping.is_set():
-            return
-        stopping.set()
+        """Stop every rank's manager; the requests in flight fail (503, or an error event in a stream). A loop
+        that does not stop is waiting on a rank that is gone (torchrun's SIGTERM after a rank died): its
+        requests are failed from here."""
+        with once:
+            if stopping.is_set():
+                return
+            stopping.set()
         error = RuntimeError("the server is stopping (SIGTERM/SIGINT, or a rank left)")
         manager.background_thread_status.record_fatal_error(error)  # transformers serve answers 503 from now
         processor = manager.batch_processor  # (stop lets go of it)
@@ -148,11 +149,21 @@ def _answer(model, tokenizer, name, manager, metrics, host, port, api_key, tempe
             threading.Thread(target=drain, daemon=True).start()
             super().handle_exit(sig, frame)
 
+        @contextlib.contextmanager
+        def capture_signals(self):  # uvicorn's re-raises the signal after serving: this returns an exit code
+            previous = {sig: signal.signal(sig, self.handle_exit) for sig in STOP_SIGNALS}
+            try:
+                yield
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
+
     app, handlers = serving.openai_app(model, tokenizer, name, manager, drain)
-    context = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+    rules = RequestRules(name, tokenizer, getattr(model.config.get_text_config(), "max_position_embeddings", None),
+                         temperature, max(model.generation_config.max_new_tokens or 0, 1024),
+                         serving.ignored_fields(handlers))  # fmt: skip
     for route, handler in handlers.items():
-        handler.handle_request = _checked(handler.handle_request, route, name, tokenizer, context, temperature,
-                                          manager)  # fmt: skip
+        handler.handle_request = _checked(handler.handle_request, route, rules, manager)
     _add_metrics(app, manager, metrics)
     if api_key:
         _require_key(app, api_key)
@@ -186,14 +197,14 @@ def _watch(manager, metrics, server, stopping, failed) -> None:
         stopping.wait(0.2)
 
 
-def _checked(handle, route: str, name: str, tokenizer, context: int | None, temperature: float, manager):
-    """``handle`` (a transformers serve handler's ``handle_request``) behind the checks of a request body; a
-    request failed because the generation loop is dying answers 503 (transformers fails the requests before it
-    records the loop's error, so its handler can answer 500 for them)."""
+def _checked(handle, route: str, rules: RequestRules, manager):
+    """``handle`` (a transformers serve handler's ``handle_request``) behind the request rules; a request failed
+    because the generation loop is dying answers 503 (transformers fails the requests before it records the
+    loop's error, so its handler can answer 500 for them)."""
 
     async def handle_request(body: dict, request_id: str):
         try:
-            _check(body, route, name, tokenizer, context, temperature)
+            rules.check(body, route)
         except Refused as refused:
             return refused.response()
         try:
@@ -218,68 +229,6 @@ async def _loop_dying(manager) -> bool:
     return False
 
 
-class Refused(Exception):
-    """A request refused (before it reaches the manager, or when the manager cannot serve it): answered in
-    OpenAI's error format."""
-
-    def __init__(self, status: int, message: str, param: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param = status, message, param
-
-    def response(self):
-        from fastapi.responses import JSONResponse
-
-        kind = {404: "not_found_error", 503: "service_unavailable"}.get(self.status, "invalid_request_error")
-        error = {"message": self.message, "type": kind, "param": self.param, "code": None}
-        return JSONResponse({"error": error}, status_code=self.status)
-
-
-def _check(body: dict, route: str, name: str, tokenizer, context: int | None, temperature: float) -> None:
-    """Refuse (``Refused``: a 4xx naming the field) what would fail inside the manager or be silently ignored
-    there; a request that does not say how many tokens gets transformers serve's default, within the context."""
-    if route == "/v1/responses":
-        body.setdefault("stream", False)  # OpenAI's default (transformers serve's handler streams when unset)
-    if body.get("model") not in (None, name):
-        raise Refused(404, f"The model {body['model']!r} does not exist: this server serves {name!r}", "model")
-    prompt_field = PROMPT[route]
-    if not body.get(prompt_field):
-        raise Refused(400, f"{route}: {prompt_field!r} is required", prompt_field)
-    max_keys = [key for key in MAX_TOKENS[route] if body.get(key) is not None]
-    max_tokens = body[max_keys[0]] if max_keys else None
-    if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens <= 0):
-        raise Refused(400, f"{max_keys[0]}={max_tokens!r}: a positive integer of tokens to generate", max_keys[0])
-    asked = body.get("temperature")
-    if asked is not None and float(asked) != temperature:
-        raise Refused(400, f"temperature={asked}: this server decodes every request at temperature {temperature} "
-                      "(one setting for the continuous batch: hf-parallel serve --temperature)", "temperature")
-    for field, neutral in NEUTRAL.items():
-        if body.get(field) not in neutral:
-            raise Refused(400, f"{field}={body[field]!r} is not supported by this server's continuous batching", field)
-    prompt_tokens = _prompt_tokens(body[prompt_field], route, tokenizer)
-    if context is not None and prompt_tokens is not None:
-        wanted = max_tokens or 1
-        if prompt_tokens + wanted > context:
-            raise Refused(400, f"This model's maximum context length is {context} tokens; the prompt has "
-                          f"{prompt_tokens} and {wanted} more were asked for", prompt_field)  # fmt: skip
-        if max_tokens is None:  # transformers serve's default, within the context
-            body[MAX_TOKENS[route][-1]] = min(DEFAULT_NEW_TOKENS, context - prompt_tokens)
-
-
-def _prompt_tokens(prompt, route: str, tokenizer) -> int | None:
-    """The prompt's length in tokens as the handler will see it (None: a form only the handler reads)."""
-    try:
-        if route == "/v1/chat/completions":
-            ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, return_dict=True)
-            return len(ids["input_ids"])
-        if isinstance(prompt, str):
-            return len(tokenizer(prompt)["input_ids"])
-    except Exception as error:  # a malformed message list: the template's words
-        raise Refused(400, f"{route}: the prompt cannot be tokenized ({type(error).__name__}: {error})") from None
-    if route == "/v1/completions":
-        raise Refused(400, "/v1/completions: 'prompt' must be a string", "prompt")
-    return None
-
-
 def _add_metrics(app, manager, metrics: Metrics) -> None:
     from fastapi.responses import PlainTextResponse
 
@@ -294,7 +243,8 @@ def _require_key(app, api_key: str) -> None:
 
     @app.middleware("http")
     async def authorization(request, call_next):
-        if request.url.path.startswith("/v1") and request.headers.get("authorization") != f"Bearer {api_key}":
+        given = request.headers.get("authorization", "").encode()
+        if request.url.path.startswith("/v1") and not hmac.compare_digest(given, f"Bearer {api_key}".encode()):
             return JSONResponse({"error": {"message": "Invalid or missing API key", "type": "invalid_request_error",
                                            "code": "invalid_api_key"}}, status_code=401)  # fmt: skip
         return await call_next(request)
