@@ -71,8 +71,9 @@ def from_pretrained(
     :param auto_class: the transformers class to build, e.g. ``transformers.AutoModelForCausalLM``.
     :param path: a local checkpoint directory (safetensors, or ``pytorch_model.bin`` with ``allow_pickle``).
     :param tp_plan: (str | dict | None, default ``"auto"``) the tensor-parallel rules: ``"auto"`` (a shipped
-        plan, else transformers', else discovered), ``"discover"``, a registered model_type, or a dict of
-        rules; ``None`` or ``{}``: no tensor parallelism, every rank holds the whole model.
+        plan, else transformers', else discovered), ``"discover"``, a registered model_type, a dict of
+        rules, or the path of a TOML/JSON file of rules (as the CLI's ``--tp-plan``); ``None`` or ``{}``: no
+        tensor parallelism, every rank holds the whole model.
     :param ep_plan: (str | None, default None) ``ep_plan="auto"``: experts spread whole over the ranks;
         attention and dense layers still follow ``tp_plan`` (``tp_plan=None`` keeps them replicated).
     :param dtype: (torch.dtype | str | None, default None) the dtype to load in; None or ``"auto"``: the

@@ -179,3 +179,12 @@ def test_a_plans_optional_rules_are_quiet_on_the_variant_without_them():
     assert plan.source == "plans/granitemoehybrid.toml"
     assert not any("experts" in path for path in assigned)
     assert {rule.pattern for rule in plan.rules} - plan.used == set(plan.optional)
+
+
+def test_tp_plan_may_be_a_plan_file_as_the_cli_takes(tiny_paths, tmp_path):
+    """from_pretrained(tp_plan=PATH) reads the file's rules, as ``--tp-plan PATH`` does."""
+    rules = {"layers.*.self_attn.q_proj": "colwise", "layers.*.self_attn.o_proj": "rowwise"}
+    path = tmp_path / "my_plan.toml"
+    path.write_text("[rules]\n" + "".join(f'"{pattern}" = "{style}"\n' for pattern, style in rules.items()))
+    plan = resolve_plan(meta_model(tiny_paths["llama"]), str(path))
+    assert plan.source == f"plan file {path}" and {r.pattern: r.style_name for r in plan.rules} == rules, plan

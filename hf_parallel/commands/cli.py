@@ -278,7 +278,8 @@ def _add_generate(sub) -> None:
     gen.add_argument("--temperature", type=float, default=0.0, help="0 means greedy")
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int, default=0)
-    gen.add_argument("--dtype", default="float32")
+    gen.add_argument("--dtype", default="auto", help="auto (the checkpoint's, as from_pretrained), float32, "
+                     "bfloat16, float16")
     gen.add_argument("--no-chat-template", action="store_true")
     gen.add_argument("--keep-quantized", nargs="?", const=True, default=False, choices=["fp8", "int4"],
                      help="a quantized checkpoint's weights held as stored (from_pretrained's keep_quantized): "

@@ -10,6 +10,7 @@ matching itself is ``rules.py``.
 from __future__ import annotations
 
 import json
+import os
 import tomllib
 from importlib import resources
 
@@ -71,8 +72,8 @@ def curated_plan_for(model_type: str):
 
 
 def resolve_plan(model: nn.Module, tp_plan, ep_plan=None) -> Plan:
-    """Turn ``tp_plan`` ("auto", "discover", a registered model_type name, a dict, or None: no
-    rules, every parameter replicated) into validated rules. ``ep_plan="auto"``: experts spread
+    """Turn ``tp_plan`` ("auto", "discover", a registered model_type name, a dict, a TOML/JSON file of rules
+    as the CLI's ``--tp-plan`` takes, or None: no rules, every parameter replicated) into validated rules. ``ep_plan="auto"``: experts spread
     whole over the ranks (``with_expert_parallel``), their rules taken from the model's plan even
     when ``tp_plan`` is None (which then keeps the rest replicated)."""
     if ep_plan == "auto":
@@ -91,6 +92,8 @@ def resolve_plan(model: nn.Module, tp_plan, ep_plan=None) -> Plan:
         rules, source = {}, "tp_plan=None (every parameter replicated)"
     elif isinstance(tp_plan, dict):
         rules, source = tp_plan, "user tp_plan"
+    elif isinstance(tp_plan, (str, os.PathLike)) and os.path.isfile(tp_plan):
+        rules, source = read_plan_file(os.fspath(tp_plan)), f"plan file {os.fspath(tp_plan)}"
     elif tp_plan == "auto" and curated is not None:
         rules, source = curated
     elif tp_plan == "auto" and shipped:
