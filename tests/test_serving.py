@@ -235,7 +235,10 @@ def test_serve_a_rank_that_dies_ends_the_server_with_503(smollm2, tmp_path):
                 f"http://127.0.0.1:{port}/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"},
                 timeout=60)))  # fmt: skip
             ask.start()
-            time.sleep(2)
+            deadline = time.monotonic() + 30
+            while _metrics(f"http://127.0.0.1:{port}")["hf_parallel_requests_running"] < 1:  # in the batch
+                assert time.monotonic() < deadline and ask.is_alive(), reply
+                time.sleep(0.1)
             ranks = {p.environ().get("RANK"): p for p in psutil.Process(server.pid).children(recursive=True)}
             start = time.monotonic()
             ranks["1"].kill()
