@@ -52,7 +52,7 @@ def test_the_site_builds_strict_with_its_reference_generated_from_the_code(site)
     assert 'ep_plan="auto"' in _text(site / "reference" / "api" / "index.html")
     plots = sorted((site / "img").glob("benchmark-*.png"))  # one under each benchmark table, from the table
     assert len(plots) >= 8 and all(plot.name in (site / "benchmarks" / "index.html").read_text() for plot in plots)
-    for guide in ("inference", "tensor-parallel", "moe", "sequence-and-context", "pipeline", "training",
+    for guide in ("inference", "serving", "tensor-parallel", "moe", "sequence-and-context", "pipeline", "training",
                   "fine-tuning", "quantized", "checkpoints", "compiling", "gpus", "multi-node", "hybrids"):
         assert (site / "guides" / guide / "index.html").is_file(), guide
 

@@ -1,0 +1,62 @@
+"""The docs name only what exists: every ``HF_PARALLEL_*`` variable, file path, CLI flag and
+``from_pretrained`` keyword a page names is one the code has (a page that drifts from the code fails here,
+not in a reader's terminal)."""
+
+import inspect
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]  # (the changelog names what was)
+SOURCES = [*sorted((ROOT / "hf_parallel").rglob("*.py")), *sorted((ROOT / "scripts").rglob("*"))]
+PATH_ROOTS = [ROOT, ROOT / "hf_parallel", ROOT / "tests", ROOT / "benchmarks"]
+COMMAND = re.compile(r"(?:hf-parallel|-m hf_parallel)\s+(generate|serve|plan|verify|consolidate)\b([^`\n]*)")
+NOT_OURS = {"is_trainable"}  # peft's PeftModel.from_pretrained
+
+
+def _pages_text() -> dict[Path, str]:
+    return {page: page.read_text() for page in PAGES}
+
+
+def test_every_environment_variable_named_is_read_by_the_code():
+    code = "\n".join(path.read_text(errors="ignore") for path in SOURCES if path.is_file())
+    for page, text in _pages_text().items():
+        for name in set(re.findall(r"HF_PARALLEL_[A-Z0-9_]*[A-Z0-9]", text)):
+            assert name in code, f"{page.relative_to(ROOT)} names {name}, which nothing reads"
+
+
+def test_every_file_named_exists():
+    files = {path.name for path in ROOT.rglob("*.py") if ".git" not in path.parts}
+    for page, text in _pages_text().items():
+        for name in set(re.findall(r"`([\w./-]+\.(?:py|sh|toml))`", text)):
+            if "/" in name:
+                found = any((root / name).exists() for root in PATH_ROOTS)
+            else:
+                found = name in files or any((root / name).exists() for root in PATH_ROOTS)
+            assert found, f"{page.relative_to(ROOT)} names {name}, which does not exist"
+
+
+def test_every_cli_flag_named_is_the_commands():
+    from hf_parallel.commands.cli import build_parser
+
+    parser = build_parser()
+    (commands,) = [a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction"]
+    flags = {name: {flag for action in sub._actions for flag in action.option_strings}
+             for name, sub in commands.choices.items()}  # fmt: skip
+    for page, text in _pages_text().items():
+        for command, rest in COMMAND.findall(text):
+            for flag in re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", rest):
+                assert flag in flags[command], f"{page.relative_to(ROOT)}: hf-parallel {command} has no {flag}"
+
+
+@pytest.mark.parametrize("name", ["from_pretrained"])
+def test_every_keyword_named_is_taken(name):
+    from hf_parallel import api
+
+    taken = set(inspect.signature(getattr(api, name)).parameters)
+    for page, text in _pages_text().items():
+        for call in re.findall(rf"{name}\(([^()]*(?:\([^()]*\)[^()]*)*)\)", text):
+            for keyword in set(re.findall(r"(?<![\w.])([a-z_]+)\s*=(?!=)", call)) - NOT_OURS:
+                assert keyword in taken, f"{page.relative_to(ROOT)}: {name} takes no {keyword}= ({call[:80]})"
