@@ -7,7 +7,6 @@ only its parameters are local shards and its ``save_pretrained`` gathers them ba
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import transformers
@@ -16,6 +15,7 @@ from .adapters.placement import Adapters
 from .adapters.seams import watch
 from .build import build_rank_model, resolve_dtype
 from .checkpoint.distributed_save import save_distributed
+from .checkpoint.hub import local_checkpoint
 from .checkpoint.loading import checkpoint_files, load_weights, materialise_shards, shard_shapes_on_meta
 from .checkpoint.saving import save_sharded
 from .on_device import check_on_device, move_module_state
@@ -69,7 +69,9 @@ def from_pretrained(
     ``dp_replicate x fsdp x pp x cp x sp x tp``, the data-parallel dimensions outermost.
 
     :param auto_class: the transformers class to build, e.g. ``transformers.AutoModelForCausalLM``.
-    :param path: a local checkpoint directory (safetensors, or ``pytorch_model.bin`` with ``allow_pickle``).
+    :param path: a local checkpoint directory (safetensors, or ``pytorch_model.bin`` with ``allow_pickle``), or
+        a hub id (``"org/name"``), found as transformers finds it: huggingface_hub's cache, downloading what is
+        missing unless ``HF_HUB_OFFLINE=1``.
     :param tp_plan: (str | dict | None, default ``"auto"``) the tensor-parallel rules: ``"auto"`` (a shipped
         plan, else transformers', else discovered), ``"discover"``, a registered model_type, a dict of
         rules, or the path of a TOML/JSON file of rules (as the CLI's ``--tp-plan``); ``None`` or ``{}``: no
@@ -128,13 +130,15 @@ def from_pretrained(
         is, and its ``save_pretrained`` gathers the shards back (or writes each rank's: ``distributed=True``).
     :raises ValueError: a size, plan, layout or checkpoint that cannot be honoured, refused by name before
         any weight is read (``CheckpointError``, a ValueError: the checkpoint's).
-    :raises FileNotFoundError: ``path`` is not a local directory.
+    :raises FileNotFoundError: ``path`` is neither a directory nor shaped like a hub id.
+    :raises OSError: a hub id neither cached nor reachable (huggingface_hub's error, with the id).
     :raises TypeError: a keyword neither hf_parallel nor the config takes.
     """
     # the steps after the empty build, in this order, each owning what it sets up and none rewriting an
     # earlier one's (one line a step)
     if keep_quantized not in (False, True, "fp8", "int4"):
         raise ValueError(f"keep_quantized={keep_quantized!r}: one of False, True, 'fp8' and 'int4'")
+    path = local_checkpoint(path, allow_pickle)
     config = _read_config(path, device_map, config_kwargs)
     sizes = dict(tp_size=tp_size, sp_size=sp_size, pp_size=pp_size, stage_tp_sizes=stage_tp_sizes,
                  fsdp_size=fsdp_size, dp_replicate_size=dp_replicate_size, cp_size=cp_size)  # fmt: skip
@@ -271,10 +275,6 @@ def _read_config(path: str, device_map, config_kwargs: dict):
     if device_map is not None:
         raise ValueError(
             "tp_plan and device_map cannot be combined: tensor parallelism places every shard on its own rank"
-        )
-    if not os.path.isdir(path):
-        raise FileNotFoundError(
-            f"{path!r} is not a local checkpoint directory (hf_parallel reads checkpoints from disk)"
         )
     config, unknown = transformers.AutoConfig.from_pretrained(path, return_unused_kwargs=True, **config_kwargs)
     if unknown:

@@ -270,7 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_generate(sub) -> None:
     """``hf-parallel generate``: the sampling flags, the quantized load's, the pipeline's."""
     gen = sub.add_parser("generate", help="generate text (run under torchrun for tensor parallelism)")
-    gen.add_argument("--model", help="checkpoint directory (default: the embedded SmolLM2-135M-Instruct)")
+    gen.add_argument("--model", help="checkpoint directory or hub id (default: the embedded SmolLM2-135M-Instruct)")
     gen.add_argument("--prompt", default="What is tensor parallelism? Answer in one sentence.")
     gen.add_argument("--prompts-file", help="one prompt per line, generated in left-padded batches")
     gen.add_argument("--batch-size", type=int, default=8, help="prompts of --prompts-file per generate call")
@@ -301,7 +301,7 @@ def _add_serve(sub) -> None:
     """``hf-parallel serve``: transformers serve's OpenAI-compatible app over continuous batching at TP."""
     srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (run under torchrun: TP over every rank)")
     srv.add_argument("model_path", nargs="?", metavar="MODEL",
-                     help="checkpoint directory (default: the embedded SmolLM2-135M-Instruct)")  # fmt: skip
+                     help="checkpoint directory or hub id (default: the embedded SmolLM2-135M-Instruct)")  # fmt: skip
     srv.add_argument("--model", help="the same as MODEL")
     srv.add_argument("--served-model-name", help="the name clients ask for (default: the directory's name)")
     srv.add_argument("--host", default="127.0.0.1")
