@@ -60,3 +60,31 @@ def test_every_keyword_named_is_taken(name):
         for call in re.findall(rf"{name}\(([^()]*(?:\([^()]*\)[^()]*)*)\)", text):
             for keyword in set(re.findall(r"(?<![\w.])([a-z_]+)\s*=(?!=)", call)) - NOT_OURS:
                 assert keyword in taken, f"{page.relative_to(ROOT)}: {name} takes no {keyword}= ({call[:80]})"
+
+
+def _what_ran_where(page: Path) -> list[list[str]]:
+    """The rows of a page's "What ran where" table (its cells)."""
+    text = page.read_text().split("## What ran where", 1)[1].split("\n## ", 1)[0]
+    rows = [line.strip("|").split("|") for line in text.splitlines() if line.startswith("| ")]
+    return [[cell.strip() for cell in row] for row in rows[1:]]  # (the header row left out)
+
+
+def test_what_ran_where_names_a_test_for_each_feature_in_its_tier():
+    """README's and the docs index's table are the same, and each feature's cell names tests that exist in
+    the tier its column is: a test file of the CPU suite; a case or test of ``test_cuda.py`` (the ``cuda``
+    tier), or "not yet run"."""
+    import test_cuda
+
+    rows = _what_ran_where(ROOT / "README.md")
+    assert rows and rows == _what_ran_where(ROOT / "docs" / "index.md")
+    cuda_source = (ROOT / "tests" / "test_cuda.py").read_text()
+    cuda_names = {*test_cuda.CASES, *test_cuda.FOUR_RANKS, *re.findall(r"^def (test_\w+)", cuda_source, re.M)}
+    for feature, cpu, gpu, nccl in rows:
+        files = re.findall(r"`(test_\w+\.py)`", cpu)
+        assert files, f"{feature}: no CPU test named"
+        for name in files:
+            assert re.search(r"^def test_", (ROOT / "tests" / name).read_text(), re.M), (feature, name)
+        cases = re.findall(r"`test_cuda\.py::(\w+)`", gpu)
+        assert cases or gpu == "not yet run", (feature, gpu)
+        assert set(cases) <= cuda_names, (feature, set(cases) - cuda_names)
+        assert nccl == "not yet run" or re.search(r"`test_\w+\.py", nccl), (feature, nccl)
