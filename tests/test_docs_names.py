@@ -88,3 +88,11 @@ def test_what_ran_where_names_a_test_for_each_feature_in_its_tier():
         assert cases or gpu == "not yet run", (feature, gpu)
         assert set(cases) <= cuda_names, (feature, set(cases) - cuda_names)
         assert nccl == "not yet run" or re.search(r"`test_\w+\.py", nccl), (feature, nccl)
+
+
+def test_the_architecture_tree_names_every_module_and_only_those():
+    architecture = (ROOT / "docs" / "architecture.md").read_text()
+    modules = {path.name for path in (ROOT / "hf_parallel").rglob("*.py")} - {"__init__.py", "__main__.py"}
+    assert not {name for name in modules if name not in architecture}, "modules the architecture page leaves out"
+    named = set(re.findall(r"\b([a-z_0-9]+\.py)\b", architecture)) - {"__init__.py", "__main__.py"}
+    assert named <= modules | {path.name for path in ROOT.rglob("*.py")}, named - modules
