@@ -83,6 +83,7 @@ def test_a_failing_rank_fails_every_ranks_requests(tiny_root, tmp_path):
 
 
 # -- hf-parallel serve ---------------------------------------------------------------------------------
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SERVED = "smollm2"
 KEY = "test-key"
 QUESTIONS = ["What is 2+2?", "Name a colour.", "Say hello.", "What is the capital of France?",
@@ -139,8 +140,8 @@ def test_serve_answers_openai_clients_as_one_process_would(smollm2, tmp_path):
     """The official openai client against ``hf-parallel serve`` at TP=2 (SmolLM2, 9/3 heads split 6/3):
     64 chat requests from 16 threads each get one process's greedy answer (none lost or mixed up); streamed
     deltas join to the same, and so does the Responses API; completions and models answer; bad input gets a
-    4xx naming it and the server keeps serving; a client leaving mid-stream frees its slot; SIGTERM ends every
-    rank in seconds."""
+    4xx naming it and the server keeps serving (examples/serve_client.py too); a client leaving mid-stream
+    frees its slot; SIGTERM ends every rank in seconds."""
     import concurrent.futures
 
     import openai
@@ -164,6 +165,11 @@ def test_serve_answers_openai_clients_as_one_process_would(smollm2, tmp_path):
             response = client.responses.create(model=SERVED, input=QUESTIONS[2], max_output_tokens=NEW, temperature=0)
             assert response.output_text == expected[QUESTIONS[2]], response.output_text
             _bad_inputs_refused(client, url)
+            env = {**os.environ, "BASE_URL": f"{url}/v1", "API_KEY": KEY, "MODEL": SERVED, "PROMPT": QUESTIONS[0],
+                   "NEW_TOKENS": str(NEW)}  # fmt: skip
+            example = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "serve_client.py")], env=env,
+                                     capture_output=True, text=True, timeout=120)  # fmt: skip
+            assert example.stdout == f"{expected[QUESTIONS[0]]}\n" * 2, example.stdout + example.stderr[-2000:]
             _leaving_client_frees_its_slot(url)
             assert _chat(client, QUESTIONS[1]).choices[0].message.content == expected[QUESTIONS[1]]
             metrics = _metrics(url)
