@@ -92,7 +92,7 @@ def resolve_plan(model: nn.Module, tp_plan, ep_plan=None) -> Plan:
         rules, source = {}, "tp_plan=None (every parameter replicated)"
     elif isinstance(tp_plan, dict):
         rules, source = tp_plan, "user tp_plan"
-    elif isinstance(tp_plan, (str, os.PathLike)) and os.path.isfile(tp_plan):
+    elif isinstance(tp_plan, (str, os.PathLike)) and os.fspath(tp_plan).endswith((".toml", ".json")):
         rules, source = read_plan_file(os.fspath(tp_plan)), f"plan file {os.fspath(tp_plan)}"
     elif tp_plan == "auto" and curated is not None:
         rules, source = curated
