@@ -40,3 +40,16 @@ def test_an_id_neither_cached_nor_reachable_is_refused_naming_it(offline_cache):
         hf_parallel.AutoModelForCausalLM.from_pretrained("org/absent")
     with pytest.raises(FileNotFoundError, match="no such checkpoint directory"):
         hf_parallel.AutoModelForCausalLM.from_pretrained("/no/such/dir")
+
+
+def test_a_cache_holding_configs_only_is_refused_naming_the_id(offline_cache):
+    """An earlier tokenizer load cached configs and tokenizer files alone: refused, not read as empty."""
+    from hf_parallel.checkpoint.hub import local_checkpoint
+
+    snapshot = offline_cache.parent.parent.parent / "models--org--configs-only" / "snapshots" / offline_cache.name
+    snapshot.mkdir(parents=True)
+    shutil.copy(offline_cache / "config.json", snapshot / "config.json")
+    (snapshot.parent.parent / "refs").mkdir()
+    (snapshot.parent.parent / "refs" / "main").write_text(offline_cache.name)
+    with pytest.raises(OSError, match="'org/configs-only': huggingface_hub's cache holds its configs but no weights"):
+        local_checkpoint("org/configs-only")

@@ -135,8 +135,9 @@ def add_pipeline_args(parser) -> None:
 
 
 def tp_plan_arg(value: str):
-    """``auto``, ``discover``, a model_type with a plan, or a TOML/JSON file of rules (pattern = style)."""
-    if not os.path.isfile(value):
+    """``auto``, ``discover``, a model_type with a plan, or a TOML/JSON file of rules (pattern = style): a
+    ``.toml`` or ``.json`` path, as ``from_pretrained(tp_plan=...)`` reads it."""
+    if not value.endswith((".toml", ".json")):
         return value
     from ..tensor.plan import read_plan_file
 

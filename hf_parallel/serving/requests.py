@@ -21,6 +21,8 @@ MAX_TOKENS = {CHAT: ("max_completion_tokens", "max_tokens"), COMPLETIONS: ("max_
 PROMPT = {CHAT: "messages", COMPLETIONS: "prompt", RESPONSES: "input"}
 # fields transformers serve copies into a request's generation config (ignored behind the batch's one config)
 BATCH_WIDE = {"top_p", "stop", "frequency_penalty", "logit_bias", "generation_config", "seed"}
+# OpenAI fields a handler neither reads nor lists as unused (so it would not even warn)
+UNREAD = {CHAT: {"verbosity"}, COMPLETIONS: set(), RESPONSES: {"conversation", "reasoning", "context_management"}}
 HARMLESS = {"user", "store", "metadata", "service_tier", "stream_options"}  # ignored, and change no answer
 NEUTRAL = {"top_p": (1,), "stop": ([], ""), "frequency_penalty": (0,), "presence_penalty": (0,), "logit_bias": ({},),
            "n": (1,), "best_of": (1,), "echo": (False,), "logprobs": (False,), "top_logprobs": (0,),
@@ -71,7 +73,7 @@ class RequestRules:
             raise Refused(400, f"{route}: {prompt_field!r} is required", prompt_field)
         max_tokens = self._max_tokens(body, route)
         self._sampling(body)
-        for field in sorted((self.ignored.get(route, set()) | BATCH_WIDE) - HARMLESS):
+        for field in sorted((self.ignored.get(route, set()) | UNREAD[route] | BATCH_WIDE) - HARMLESS):
             if not _neutral(field, body.get(field)):
                 raise Refused(400, f"{field}={body[field]!r} is not supported by this server's continuous batch "
                                    "(one generation config serves every request)", field)  # fmt: skip
@@ -92,8 +94,9 @@ class RequestRules:
         return value
 
     def _sampling(self, body: dict) -> None:
-        """The batch's one temperature; a seed only where nothing is sampled (dropped: transformers serve
-        would reseed rank 0 alone, and its sampled tokens would part from the other ranks')."""
+        """The batch's one temperature. Where nothing is sampled, a seed and ``top_p`` change no answer and are
+        dropped (a seed would make transformers serve reseed rank 0 alone); where the batch samples, a seed
+        would part rank 0's tokens from the other ranks': refused."""
         asked = body.get("temperature")
         if asked is not None and (not isinstance(asked, (int, float)) or float(asked) != self.temperature):
             raise Refused(400, f"temperature={asked!r}: this server decodes every request at temperature "
@@ -101,6 +104,7 @@ class RequestRules:
                                "--temperature)", "temperature")  # fmt: skip
         if self.temperature == 0:
             body.pop("seed", None)
+            body.pop("top_p", None)
 
     def _prompt_tokens(self, body: dict, route: str) -> int | None:
         """The prompt's length in tokens as the handler will build it (None: a form only the handler reads)."""
@@ -110,7 +114,7 @@ class RequestRules:
                 raise Refused(400, f"{COMPLETIONS}: 'prompt' must be a string", "prompt")
             return len(self.tokenizer(prompt)["input_ids"])
         if route == RESPONSES:
-            if not isinstance(prompt, str):
+            if not isinstance(prompt, str) or body.get("tools"):  # (its handler reshapes tools first)
                 return None
             instructions = body.get("instructions")
             prompt = [{"role": "system", "content": instructions}] * bool(instructions)

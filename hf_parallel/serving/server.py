@@ -132,17 +132,17 @@ def _answer(model, tokenizer, name, manager, metrics, host, port, api_key, tempe
         """Stop every rank's manager; the requests in flight fail (503, or an error event in a stream). A loop
         that does not stop is waiting on a rank that is gone (torchrun's SIGTERM after a rank died): its
         requests are failed from here."""
-        with once:
+        with once:  # a second caller waits for the first to have finished
             if stopping.is_set():
                 return
             stopping.set()
-        error = RuntimeError("the server is stopping (SIGTERM/SIGINT, or a rank left)")
-        manager.background_thread_status.record_fatal_error(error)  # transformers serve answers 503 from now
-        processor = manager.batch_processor  # (stop lets go of it)
-        manager.stop(block=True, timeout=STOP_TIMEOUT_S, hard_stop=True)
-        if manager.is_running():
-            stuck.set()
-            serving.fail_in_flight(processor, error)
+            error = RuntimeError("the server is stopping (SIGTERM/SIGINT, or a rank left)")
+            manager.background_thread_status.record_fatal_error(error)  # transformers serve answers 503 from now
+            processor = manager.batch_processor  # (stop lets go of it)
+            manager.stop(block=True, timeout=STOP_TIMEOUT_S, hard_stop=True)
+            if manager.is_running():
+                stuck.set()
+                serving.fail_in_flight(processor, error)
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame):  # before uvicorn waits for the open connections: drain them
@@ -151,6 +151,9 @@ def _answer(model, tokenizer, name, manager, metrics, host, port, api_key, tempe
 
         @contextlib.contextmanager
         def capture_signals(self):  # uvicorn's re-raises the signal after serving: this returns an exit code
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
             previous = {sig: signal.signal(sig, self.handle_exit) for sig in STOP_SIGNALS}
             try:
                 yield
