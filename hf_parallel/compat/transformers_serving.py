@@ -56,6 +56,7 @@ CB_FAILED = Seam("transformers", f"{_CB}.continuous_api:OutputRouter.fail_and_de
 CB_FAIL_ALL = Seam("transformers", f"{_CB}.continuous_api:ContinuousBatchProcessor.fail_all_requests",
                    "(a stuck loop's requests failed from outside it)", reads=("_handle_request_error",))  # fmt: skip
 RANK_CONFIG = "hf_parallel_rank_config"  # the helper's attribute: this rank's view of the text config
+RANK_AWARE = "hf_parallel_rank_aware"  # set on the cache class installed in transformers' manager module
 
 
 def init_manager(model, generation_config, continuous_batching_config, workload_hints):
@@ -114,13 +115,13 @@ def _install_rank_cache() -> None:
     manager_module = __import__(CB_MANAGER.get().__module__, fromlist=["PagedAttentionCache"])
     CB_CACHE_HEADS.get()
     base = CB_CACHE.get()
-    if getattr(manager_module.PagedAttentionCache, RANK_CONFIG, False):
+    if getattr(manager_module.PagedAttentionCache, RANK_AWARE, False):
         return
 
     class RankPagedCache(base):
         """transformers' paged cache with this rank's attention heads (a helper without a rank config: as is)."""
 
-        hf_parallel_rank_config = True
+        hf_parallel_rank_aware = True
 
         def __init__(self, config, continuous_batching_config, device, distributed_helper, **kwargs):
             rank_config = getattr(distributed_helper, RANK_CONFIG, None)

@@ -27,7 +27,6 @@ from ..compat import transformers_serving as serving
 from ..distributed.devices import device_identity
 
 
-
 def install_continuous_batching(model, mesh, heads, stage, kv_cache_memory_bytes: int | None = None) -> None:
     """Route ``model``'s continuous batching (transformers' ``init_continuous_batching`` and ``generate_batch``;
     ``continuous_batching_context_manager`` enters through the first) through the TP group, or refuse it by name.

@@ -194,9 +194,9 @@ def _watch(manager, metrics, server, stopping, failed) -> None:
             return
         if time.monotonic() - last_log >= RATE_WINDOW_S:
             last_log = time.monotonic()
-            waiting, running = serving.waiting_and_running(manager)
-            if waiting or running or metrics.tokens_per_second():
-                logger.info("%d waiting, %d running, %.1f tokens/s", waiting, running, metrics.tokens_per_second())
+            (waiting, running), rate = serving.waiting_and_running(manager), metrics.tokens_per_second()
+            if waiting or running or rate:
+                logger.info("%d waiting, %d running, %.1f tokens/s", waiting, running, rate)
         stopping.wait(0.2)
 
 
