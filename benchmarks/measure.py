@@ -67,3 +67,33 @@ class CountCollectives(TorchDispatchMode):
             self.bytes += _payload(name, args)
             self.ops[name] = self.ops.get(name, 0) + 1
         return func(*args, **(kwargs or {}))
+
+
+def timed_training_steps(model, rows: torch.Tensor, steps: int, data_parallel: int) -> tuple[list[float], list[float]]:
+    """One warm-up and ``steps`` timed training steps of ``model`` on this rank's ``rows`` (forward, backward,
+    AdamW's step), every rank starting and ending each together: the global batch's losses (the data-parallel
+    replicas' mean) of every step, and the seconds of each timed one."""
+    import time
+
+    import torch.distributed as dist
+
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
+    losses, seconds = [], []
+    for step in range(1 + steps):
+        if dist.is_initialized():
+            dist.barrier()
+        start = time.perf_counter()
+        loss = model(input_ids=rows, labels=rows).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if dist.is_initialized():
+            dist.barrier()
+        if step:  # the first step is the warm-up
+            seconds.append(time.perf_counter() - start)
+        loss = loss.detach()
+        if data_parallel > 1:  # the global batch's loss: the replicas' mean
+            dist.all_reduce(loss)
+            loss /= data_parallel
+        losses.append(loss.item())
+    return losses, seconds

@@ -25,7 +25,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -63,8 +62,7 @@ def load(kind: str, path: str):
 
 def worker(kind: str, args) -> None:
     import torch
-    import torch.distributed as dist
-    from measure import peak_rss_bytes
+    from measure import peak_rss_bytes, timed_training_steps
     from pipeline import checkpoint
 
     model = load(kind, checkpoint(args.model))
@@ -80,25 +78,7 @@ def worker(kind: str, args) -> None:
     ids = torch.randint(3, model.config.vocab_size, (args.rows, args.seq), generator=torch.Generator().manual_seed(0))
     rows = args.rows // data_parallel
     mine = ids[(rank % data_parallel) * rows : (rank % data_parallel + 1) * rows]
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
-    losses, seconds = [], []
-    for step in range(1 + args.steps):
-        if dist.is_initialized():
-            dist.barrier()
-        start = time.perf_counter()
-        loss = model(input_ids=mine, labels=mine).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        if dist.is_initialized():
-            dist.barrier()
-        if step:  # the first step is the warm-up
-            seconds.append(time.perf_counter() - start)
-        loss = loss.detach()
-        if data_parallel > 1:  # the global batch's loss: the replicas' mean
-            dist.all_reduce(loss)
-            loss /= data_parallel
-        losses.append(loss.item())
+    losses, seconds = timed_training_steps(model, mine, args.steps, data_parallel)
     result = {"step_s": sum(seconds) / len(seconds), "peak_rss": peak_rss_bytes(), "losses": losses}
     with open(os.path.join(args.out, f"training-{kind.replace(' ', '_')}-rank{rank}.json"), "w") as f:
         json.dump(result, f)

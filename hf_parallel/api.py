@@ -30,6 +30,8 @@ from .state import ParallelState, attach, parallel_state
 from .tensor.gradients import GradientSums
 from .quant.kept import hold_quantized
 from .tensor.parallelize import install
+from .tensor.token_exchange import count_expert_tokens as count_expert_tokens_of
+from .tensor.token_exchange import refuse_local_router_loss
 from .distributed.fsdp import fsdp_policies, return_freed_blocks_to_the_os, shard_data_parallel
 from .training.fused_head import vocab_rows
 from .training.trainer import from_distributed_config, install_trainer_seams
@@ -51,6 +53,7 @@ def from_pretrained(
     fsdp_size: int = 1,
     dp_replicate_size: int = 1,
     cp_size: int = 1,
+    ep_size: int = 1,
     distributed_config=None,
     device_map=None,
     allow_pickle: bool = False,
@@ -61,6 +64,7 @@ def from_pretrained(
     tiled_loss: bool | int = False,
     offload_checkpoints: bool = False,
     kv_cache_memory_bytes: int | None = None,
+    count_expert_tokens: bool = False,
     **config_kwargs,
 ):
     """Load the checkpoint at ``path`` split over the ranks: each rank reads only its own slices.
@@ -95,6 +99,12 @@ def from_pretrained(
     :param dp_replicate_size: (int, default 1) copies of the FSDP group (HSDP), gradients all-reduced.
     :param cp_size: (int, default 1) SP groups in a ring (context parallelism): each holds two zigzag
         chunks of the sequence, key/value blocks travel around the ring.
+    :param ep_size: (int, default 1) ranks holding distinct experts, tokens travelling to them by all-to-all
+        (transformers' ``ep_size``): ``tp_size`` times a divisor of ``dp_replicate_size x fsdp_size x cp_size x
+        sp_size``, the EP group borrowed from the data (and sequence) ranks, so attention and dense layers are
+        data-parallel over it and each rank routes only its own tokens. Experts are spread unevenly where they do
+        not divide; each FSDP-sharded over the ranks holding the same ones. 1: no token exchange
+        (``ep_plan="auto"`` still spreads experts over the TP group, each rank on the group's whole batch).
     :param distributed_config: (transformers ``DistributedConfig`` | None, default None) the sizes and
         plans as transformers asks for them, instead of the keywords above.
     :param device_map: must be None: each shard is placed on its own rank.
@@ -125,6 +135,9 @@ def from_pretrained(
         (``generate_batch``, ``init_continuous_batching``, ``hf-parallel serve``): the paged cache of its own
         KV heads and the batch's buffers; None: transformers' share of the free memory, divided among the ranks
         sharing this rank's device (its host, or a GPU several ranks share).
+    :param count_expert_tokens: (bool, default False) under ``ep_size``: count the tokens routed to each expert,
+        on the device without a host read in the step; ``parallel_state(model).tokens_per_expert()`` reads the
+        world's counts since the last read.
     :param config_kwargs: config attributes that override the checkpoint's (as in transformers).
     :returns: the ordinary transformers model, its parameters this rank's shards: ``generate`` works as
         is, and its ``save_pretrained`` gathers the shards back (or writes each rank's: ``distributed=True``).
@@ -141,12 +154,15 @@ def from_pretrained(
     path = local_checkpoint(path, allow_pickle)
     config = _read_config(path, device_map, config_kwargs)
     sizes = dict(tp_size=tp_size, sp_size=sp_size, pp_size=pp_size, stage_tp_sizes=stage_tp_sizes,
-                 fsdp_size=fsdp_size, dp_replicate_size=dp_replicate_size, cp_size=cp_size)  # fmt: skip
+                 fsdp_size=fsdp_size, dp_replicate_size=dp_replicate_size, cp_size=cp_size,
+                 ep_size=ep_size)  # fmt: skip
     if distributed_config is not None:
         sizes, tp_plan, ep_plan, policies = from_distributed_config(distributed_config, sizes, tp_plan, ep_plan)
         mixed_precision = mixed_precision or policies["mixed_precision"]
         fsdp_cpu_offload = fsdp_cpu_offload or policies["fsdp_cpu_offload"]
     compute_dtype = _compute_dtype(mixed_precision, dtype, keep_quantized)
+    if count_expert_tokens and sizes.get("ep_size", 1) == 1:
+        raise ValueError("count_expert_tokens=True without ep_size: the tokens are counted as they are exchanged")
     mesh = get_mesh(**sizes)  # every process group, created once
     dtype = torch.float32 if compute_dtype is not None else resolve_dtype(dtype, config)  # mixed: fp32 masters
     policies = _fsdp_policies(mesh, compute_dtype, fsdp_cpu_offload)
@@ -177,7 +193,8 @@ def from_pretrained(
     stage_forward = None
     if sharded:
         gradients.reduce_dtype = torch.float32 if compute_dtype is not None else None
-        stage_forward = shard_data_parallel(model, mesh, gradients, sequence, stage is not None, policies)
+        experts = [model.get_submodule(path) for path in built.layout.exchanging_experts()]
+        stage_forward = shard_data_parallel(model, mesh, gradients, sequence, stage is not None, policies, experts)
         materialise_shards(model, torch.device("cpu") if fsdp_cpu_offload else mesh.device)
         source_keys = load(into_shards=True)
         move_module_state(model, mesh.device)  # the buffers the checkpoint held, read on the host
@@ -194,6 +211,10 @@ def from_pretrained(
     model.eval()
     state = ParallelState(mesh, built.layout, source_keys, runtime, gradients, hooks, Adapters(), keep_quantized,
                           kept or {}, built.quantization_config, compute_dtype)  # fmt: skip
+    if count_expert_tokens:
+        state.expert_tokens = count_expert_tokens_of(model, built.layout.exchanging_experts(), mesh.device)
+    if mesh.shape.ep > 1:
+        refuse_local_router_loss(model)
     attach(model, state)
     model.save_pretrained = functools.partial(save_pretrained, model)
     # 8. adapters (peft) and the Trainer's seams, each installed when its library is first imported
@@ -260,6 +281,11 @@ def _keep_quantized(path: str, built, mesh) -> dict:
     if built.quantization is None:
         raise ValueError(f"keep_quantized=True: {path} is not a quantized checkpoint (its config has no "
                          "quantization_config)")  # fmt: skip
+    if mesh.shape.ep > 1:
+        raise ValueError(
+            f"keep_quantized=True with ep_size={mesh.shape.ep}: kept experts are spread over the TP group only; "
+            "load with ep_plan='auto' instead of ep_size"
+        )
     if mesh.shape.dp > 1:
         raise ValueError(
             f"keep_quantized=True with fsdp_size / dp_replicate_size ({mesh.shape}): FSDP shards and trains "
@@ -282,8 +308,9 @@ def _read_config(path: str, device_map, config_kwargs: dict):
             f"from_pretrained() got keyword argument(s) that hf_parallel does not take and {type(config).__name__} "
             f"does not define: {', '.join(sorted(unknown))}. hf_parallel takes tp_plan, ep_plan, dtype, tp_size, "
             "sp_size, pp_size, stage_tp_sizes, stage_layers, micro_batches, fsdp_size, dp_replicate_size, "
-            "cp_size, distributed_config, device_map, allow_pickle, keep_quantized, mixed_precision, "
-            "fsdp_cpu_offload, tiled_mlp, tiled_loss, offload_checkpoints and kv_cache_memory_bytes; any other "
+            "cp_size, ep_size, distributed_config, device_map, allow_pickle, keep_quantized, mixed_precision, "
+            "fsdp_cpu_offload, tiled_mlp, tiled_loss, offload_checkpoints, kv_cache_memory_bytes and "
+            "count_expert_tokens; any other "
             "keyword must be a config attribute (it overrides the checkpoint's)"
         )
     return config

@@ -121,6 +121,11 @@ def build_rank_model(
     quantization = read_quantization(config)  # others refused by name; the config left without it
     if getattr(config, "is_encoder_decoder", False):
         check_encoder_decoder(config, mesh)
+    if mesh.shape.ep > 1 and getattr(config.get_text_config(), "output_router_logits", False):
+        raise ValueError(
+            f"ep_size={mesh.shape.ep} with output_router_logits=True: the router's auxiliary loss would count only "
+            "this rank's tokens per expert, not the global batch's; load with output_router_logits=False"
+        )
     model = build_empty(auto_class, config, dtype)
     if mesh.sp.size > 1:
         check_sequence_parallel(model, mesh.shape.ulysses, mesh.shape.cp)
@@ -142,5 +147,6 @@ def build_rank_model(
             built.ignore_keys = keys_held_elsewhere(model, built.split, mesh.stage, stored)
         built.cut = cut_to_stage(model, built.split, mesh.stage)
     held_elsewhere = built.cut.held_elsewhere if built.cut is not None else frozenset()
-    built.layout = model_layout(model, resolve_plan(model, tp_plan, ep_plan), mesh, held_elsewhere)
+    plan = resolve_plan(model, tp_plan, ep_plan, exchange_tokens=mesh.shape.ep > 1)
+    built.layout = model_layout(model, plan, mesh, held_elsewhere)
     return built

@@ -19,7 +19,7 @@ import torch
 from .compat.torch import fsdp_row_range
 from .core.dtypes import nbytes
 from .core.layers import find_layer_list
-from .distributed.fsdp import ends_of_their_own
+from .distributed.fsdp import ends_of_their_own, expert_shard_dim
 
 
 def held_bytes(tensors: Iterable[torch.Tensor]) -> int:
@@ -57,11 +57,15 @@ def footprint(layout, dtype: torch.dtype, mesh=None) -> Footprint:
     mesh = mesh if mesh is not None else layout.mesh
     share = largest = 0
     for entry in layout.unique_params():
-        shape = tuple(entry.layout.local_shape(entry.full_shape, mesh.tp.rank))
+        over = mesh[entry.layout.over]  # (experts under ep_size: its EP rank's, FSDP-sharded over their replicas)
+        shape = tuple(entry.layout.local_shape(entry.full_shape, over.rank))
         largest = max(largest, nbytes(shape, dtype))
         if mesh.shape.dp > 1 and shape:
-            start, stop = fsdp_row_range(shape[0], mesh.fsdp.rank, mesh.fsdp.size)
-            shape = (stop - start, *shape[1:])
+            experts = entry.layout.over == "ep"
+            fsdp = mesh["ep_replicas" if experts else "fsdp"]
+            dim = expert_shard_dim(shape[0], fsdp.size) if experts else 0
+            start, stop = fsdp_row_range(shape[dim], fsdp.rank, fsdp.size)
+            shape = (*shape[:dim], stop - start, *shape[dim + 1 :])
         share += nbytes(shape, dtype)
     return Footprint(share, largest)
 
@@ -123,7 +127,7 @@ def gathered_unit(model, layout, dtype: torch.dtype, mesh=None) -> tuple[str, in
     sizes = dict.fromkeys([*units, ROOT_UNIT], 0)
     for entry in layout.unique_params():
         unit = next((unit for unit in units if entry.name.startswith(unit + ".")), ROOT_UNIT)
-        sizes[unit] += nbytes(tuple(entry.layout.local_shape(entry.full_shape, mesh.tp.rank)), dtype)
+        sizes[unit] += nbytes(tuple(entry.layout.local_shape(entry.full_shape, mesh[entry.layout.over].rank)), dtype)
     return max(sizes.items(), key=lambda item: item[1])
 
 

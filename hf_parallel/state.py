@@ -12,7 +12,10 @@ import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import torch
 from torch import nn
+
+from .distributed import comm
 
 if TYPE_CHECKING:
     from .adapters.placement import Adapters
@@ -41,6 +44,20 @@ class ParallelState:
     kept: dict[str, KeptWeight] = field(default_factory=dict)  # this rank's of them (a stage may hold none)
     quantization_config: object = None  # the checkpoint's, saved back with the kept weights
     compute_dtype: object = None  # mixed precision's (a torch dtype): the parameters are float32 masters
+    expert_tokens: dict = field(default_factory=dict)  # experts path -> this rank's tokens per expert since read
+
+    def tokens_per_expert(self, reset: bool = True) -> dict[str, list[int]]:
+        """``from_pretrained(ep_size=N, count_expert_tokens=True)``: per experts module, the tokens every rank
+        routed to each expert since the last read (each token once: the world's sum of each rank's own), read
+        after a step with one collective over the world and one host read; ``reset``: counting starts again."""
+        if not self.expert_tokens:
+            raise ValueError("tokens_per_expert: load with ep_size=N and count_expert_tokens=True to count them")
+        paths = list(self.expert_tokens)
+        table = comm.all_reduce(torch.stack([self.expert_tokens[path] for path in paths]), self.mesh.world.group)
+        if reset:
+            for counts in self.expert_tokens.values():
+                counts.zero_()
+        return dict(zip(paths, table.cpu().tolist()))
 
     def entry(self, name: str) -> ShardedParam | None:
         """The layout and full shape of the parameter called ``name`` (as loaded, or an adapter

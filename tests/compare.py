@@ -63,7 +63,8 @@ def gaps(model, state, want: dict, rank: int, what: str = "grad") -> dict[str, R
     out = {}
     for entry in state.layout.unique_params():
         got = getattr(model.get_parameter(entry.name), what)
-        record = piece_gap(got, want[entry.name], entry.layout, rank)
+        at = rank if entry.layout.over == "tp" else state.mesh[entry.layout.over].rank  # (experts under ep_size)
+        record = piece_gap(got, want[entry.name], entry.layout, at)
         if record is not None:
             out[entry.name] = record
     return out

@@ -117,6 +117,24 @@ def test_training_benchmark_runs_every_configuration(tiny_paths, tmp_path):
     assert "per-rank peak RSS, hf_parallel FSDP=2 / one process" in done.stdout
 
 
+def test_experts_benchmark_runs_every_configuration(tmp_path):
+    """benchmarks/experts.py at EP=2 on a tiny MoE: one process, ``ep_size`` under FSDP and the TP-group EP train and
+    decode, the same losses as one process, each EP rank holding half the experts at compute time."""
+    command = [sys.executable, os.path.join(ROOT, "benchmarks", "experts.py"), "--layers", "2", "--hidden", "32"]
+    command += ["--experts", "4", "--rows", "4", "--seq", "8", "--steps", "1", "--decode", "2", "--sizes", "2"]
+    kinds = ["one process", "hf_parallel ep_size=2 fsdp", "hf_parallel TP-group EP=2"]  # (each run launches ranks)
+    done = subprocess.run([*command, "--only", *kinds, "--out", str(tmp_path)], capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "HF_PARALLEL_CACHE": str(tmp_path / "cache")})  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    table = json.loads((tmp_path / "experts.json").read_text())["table"]
+    assert set(table) == set(kinds)
+    for name, row in table.items():
+        assert row["train_tokens_per_s"] > 0 and row["decode_tokens_per_s"] > 0, (name, row)
+        assert row["loss_error"] < 1e-5, (name, row)
+        assert row["expert_bytes_fraction"] == (1.0 if name == "one process" else 0.5), (name, row)
+    assert "train_tokens_per_s ep_size=2 fsdp / TP-group EP" in done.stdout
+
+
 def test_decode_benchmark_runs_eager_and_compiled_side_by_side(tiny_paths, tmp_path):
     """benchmarks/decode.py: one process and hf_parallel TP=2, each eager and compiled (static cache,
     fullgraph), every run's greedy tokens one process's."""

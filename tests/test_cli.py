@@ -139,3 +139,33 @@ def test_the_generate_example_prints_once_what_one_process_generates(smollm2):
     assert done.returncode == 0, done.stderr[-3000:]
     want = reference_text(smollm2, 8).strip()
     assert done.stdout.count(want) == 1 and done.stdout.strip().startswith(want), done.stdout
+
+
+def test_generate_with_expert_parallel_replicas_prints_every_prompt_as_one_process(smollm2, tmp_path):
+    """``generate --dp 2 --ep 2`` on a tiny random Qwen3-MoE with SmolLM2's tokenizer: each replica generates its
+    share of three prompts (the second replica's second call steps along with a copy), tokens travel to the
+    experts' ranks; rank 0 prints every prompt's greedy text as one process generates it, in prompt order."""
+    import transformers
+
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=49152, hidden_size=48, intermediate_size=80, moe_intermediate_size=32, num_experts=4,
+        num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=2, head_dim=8,
+        tie_word_embeddings=True,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(smollm2, padding_side="left")
+    model.save_pretrained(tmp_path / "moe")
+    tokenizer.save_pretrained(tmp_path / "moe")
+    prompts = ["Name three colours.", "What is 2 + 2?", "Write one short sentence about the sea."]
+    (tmp_path / "prompts.txt").write_text("\n".join(prompts) + "\n")
+    args = ["--prompts-file", str(tmp_path / "prompts.txt"), "--batch-size", "1", "--max-new-tokens", "6"]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    stdout = run(torchrun, str(tmp_path / "moe"), [*args, "--dp", "2", "--ep", "2", "--no-chat-template"])
+    for number, prompt in enumerate(prompts, start=1):
+        ids = tokenizer(prompt, return_tensors="pt")
+        out = model.generate(**ids, max_new_tokens=6, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+        want = tokenizer.decode(out[0, ids["input_ids"].shape[1] :], skip_special_tokens=True)
+        block = stdout.split(f"### prompt {number}: {prompt}\n", 1)[1]
+        assert block.split("\n\n")[0].split("\n[")[0].strip() == want.strip(), (number, want, stdout)
+    assert stdout.count("(ep=2)]") == 2, stdout  # one summary per call, from rank 0 only

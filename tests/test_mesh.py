@@ -69,6 +69,10 @@ def test_every_rank_sits_once_in_each_dimension_at_its_position(shape):
             "world size 8 is not a multiple of dp_replicate_size x fsdp_size x pp_size x sp_size = 1 x 3 x 1 x 1",
         ),
         (4, dict(fsdp_size=0), "fsdp_size=0: every mesh dimension needs a whole number of ranks"),
+        (4, dict(tp_size=2, fsdp_size=2, ep_size=3), r"ep_size must be tp_size \(2\) times a divisor of the ranks "),
+        (8, dict(tp_size=2, fsdp_size=2, dp_replicate_size=2, ep_size=16), r"\(dp_replicate x fsdp x cp x sp = 4\)"),
+        (4, dict(pp_size=2, fsdp_size=2, ep_size=2), r"ep_size=2 with pp_size / stage_tp_sizes"),
+        (2, dict(sp_size=2, ep_size=2), r"ep_size=2 with sp_size / cp_size and no fsdp_size / dp_replicate_size"),
     ],
 )
 def test_bad_shapes_are_clear_errors(world, sizes, message):
@@ -82,6 +86,30 @@ def test_data_parallel_dimensions_are_outermost_and_print():
     assert shape.groups("tp")[0] == (0, 1) and shape.groups("model")[1] == (4, 5, 6, 7)
     assert shape.groups("fsdp")[0] == (0, 2, 4, 6)  # SP folded into FSDP's shard group
     assert shape.groups("dp_replicate")[0] == (0, 8)
+
+
+@given(st.integers(1, 3), st.integers(1, 3), st.integers(1, 3), st.integers(1, 2), st.data())
+def test_the_ep_group_borrows_data_ranks_and_its_replicas_hold_the_same_experts(tp, fsdp, replicate, sp, data):
+    """``ep_size``: TP ranks times ranks borrowed from the sequence ranks first, then FSDP's, then the replicas;
+    every EP group a partition of the world, each EP index's ranks (``ep_replicas``) the same in every group."""
+    places = fsdp * replicate * sp
+    if sp > 1 and fsdp * replicate == 1:  # (refused: the sequence ranks' sums are FSDP's)
+        return
+    width = data.draw(st.sampled_from([d for d in range(1, places + 1) if places % d == 0]))
+    shape = MeshShape.of(tp * places, tp_size=tp, fsdp_size=fsdp, dp_replicate_size=replicate, sp_size=sp,
+                         ep_size=tp * width)  # fmt: skip
+    if shape.ep == 1:  # no expert parallelism: the EP group is the (one-rank) TP group
+        assert shape.groups("ep") == shape.groups("tp")
+        return
+    for dim in ("ep", "ep_replicas"):
+        assert sorted(r for ranks in shape.groups(dim) for r in ranks) == list(range(shape.world_size)), dim
+    for ranks in shape.groups("ep"):  # tp-adjacent ranks of ``width`` consecutive data places
+        assert len(ranks) == tp * width and list(ranks) == list(range(ranks[0], ranks[0] + len(ranks)))
+    index = {r: i for ranks in shape.groups("ep") for i, r in enumerate(ranks)}
+    for ranks in shape.groups("ep_replicas"):
+        assert len(ranks) == shape.world_size // (tp * width) and len({index[r] for r in ranks}) == 1
+    if width == 1 and tp > 1:  # ep_size == tp_size: the TP groups
+        assert shape.groups("ep") == shape.groups("tp")
 
 
 def test_a_dry_run_mesh_has_sizes_and_no_groups():

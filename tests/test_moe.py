@@ -9,6 +9,7 @@ import pytest
 import torch
 import tp_workers
 from checks import assert_like_one_process, assert_same_checkpoint
+from compare import assert_within
 from conftest import once_per_world_size
 from distributed import run_ranks
 from tiny_models import MOE, make_checkpoint
@@ -120,6 +121,71 @@ def test_expert_parallel_matches_single_process(moe_paths, tiny_root, tmp_path, 
             assert set(r["experts"].values()) == {4 // world_size}, (name, r["experts"])
     for name, path in moe_paths.items():
         assert_same_checkpoint(path, str(tmp_path / "saved" / name))
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_ep_size_exchanges_tokens_like_one_process_for_every_family(moe_paths, tmp_path, world_size):
+    """``ep_size`` over as many data-parallel replicas (each the same batch here: their gradients average to one
+    process's): every family's 4 routed experts 2 + 2 per rank (at 3: 2 + 1 + 1, spread unevenly), shared
+    experts (Qwen2-MoE, DeepSeek-V3) and attention data-parallel, GPT-OSS's expert biases once per routed token;
+    the world's tokens per expert counted; saved back bitwise."""
+    moe_paths = moe_paths if world_size == 2 else {"qwen3_moe": moe_paths["qwen3_moe"]}
+    cases = {name: (path, None) for name, path in moe_paths.items()}
+    sizes = dict(dp_replicate_size=world_size, ep_size=world_size, count_expert_tokens=True)
+    ranks = run_ranks(world_size, tp_workers.compare_ep, cases, str(tmp_path / "saved"), sizes,
+                      out_dir=str(tmp_path / "r"))  # fmt: skip
+    for rank, out in enumerate(ranks):
+        for name, path in moe_paths.items():
+            assert_like_one_process(out[name], rank, 1e-5, name)
+            held = [2, 2] if world_size == 2 else [2, 1, 1]
+            assert set(out[name]["experts"].values()) == {held[rank]}, (name, out[name]["experts"])
+            # the world's tokens per expert in the one forward: every rank routed the same batch
+            want = {p: [world_size * n for n in c] for p, c in tp_workers.routed_per_expert(path).items()}
+            assert out[name]["tokens_per_expert"] == want, name
+    for name, path in moe_paths.items():
+        assert_same_checkpoint(path, str(tmp_path / "saved" / name))
+
+
+@pytest.mark.distributed
+def test_a_rank_whose_experts_receive_no_token_still_joins_the_backward(tmp_path):
+    """The token exchange with every token routed to rank 0's expert: rank 1's receives none, yet both ranks run
+    both exchanges' backward (a rank skipping one would leave the other waiting); values and gradients are one
+    process's (the idle expert's gradient zero, not missing)."""
+    for rank, out in enumerate(run_ranks(2, tp_workers.exchange_with_an_idle_rank, out_dir=str(tmp_path))):
+        assert_within(out, atol=1e-6, rtol=1e-6, where=f"rank {rank}")
+
+
+def test_the_plan_shows_how_ep_size_spreads_the_experts(moe_paths):
+    """``hf-parallel plan --ep``: the EP groups, the experts per EP rank (unevenly where they do not divide), and
+    each rank's bytes at rest with the experts split over EP, not over FSDP's group."""
+    report = plan_report(moe_paths["qwen3_moe"], 1, dp_replicate_size=3, ep_size=3)
+    line = next(line for line in report.splitlines() if line.startswith("experts (ep_size=3"))
+    assert "EP groups [[0, 1, 2]]" in line and "each 4 experts held [2, 1, 1] per EP rank" in line, line
+    report = plan_report(moe_paths["qwen3_moe"], 2, fsdp_size=2, ep_size=4)
+    line = next(line for line in report.splitlines() if line.startswith("model.layers.0.mlp.experts.gate_up_proj"))
+    assert "moe_ep_tokens" in line and "chunks(dim=0, sizes=[1,1,1,1])" in line, line
+    with pytest.raises(ValueError, match=r"ep_size must be tp_size \(2\) times a divisor"):
+        plan_report(moe_paths["qwen3_moe"], 2, fsdp_size=2, ep_size=2 * 4)
+
+
+@pytest.mark.distributed
+def test_ep_size_ranks_generate_their_own_prompts_stepping_together(moe_paths, tmp_path):
+    """Data-parallel attention at inference: each rank its own prompt (of another length, for another number
+    of tokens); the rank done first keeps joining the exchanges until the other is (transformers' synced_gpus);
+    each rank's greedy tokens equal one process's on its prompt."""
+    import transformers
+
+    path = moe_paths["qwen3_moe"]
+    prompts, new_tokens = [[5, 9, 14, 3, 7, 21], [11, 4, 8]], [7, 3]
+    sizes = dict(dp_replicate_size=2, ep_size=2)
+    ranks = run_ranks(2, tp_workers.own_prompts_generated, path, sizes, prompts, new_tokens, out_dir=str(tmp_path))
+    single = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    for got in ranks:
+        ids = torch.tensor([prompts[got["prompt"]]])
+        want = single.generate(ids, max_new_tokens=new_tokens[got["prompt"]], do_sample=False, eos_token_id=None)
+        assert got["tokens"] == want[0].tolist(), got
+    assert sorted(got["prompt"] for got in ranks) == [0, 1]
 
 
 @pytest.mark.distributed

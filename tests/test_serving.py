@@ -56,15 +56,18 @@ def test_continuous_batching_at_tp_equals_one_process(tiny_root, tmp_path):
 
 
 def test_continuous_batching_refused_by_name_where_it_cannot_run(tiny_root, tmp_path):
-    """Sequence parallelism and pipeline stages: refused by name on every rank, never empty outputs."""
+    """Sequence parallelism, pipeline stages and ``ep_size`` (data-parallel attention): refused by name on every
+    rank, never empty outputs."""
     import serving_workers
     from tiny_models import make_checkpoint
 
-    path = make_checkpoint("llama", tiny_root)
-    cases = {"sp": (path, {"sp_size": 2}), "stages": (path, {"pp_size": 2})}
+    path, moe = make_checkpoint("llama", tiny_root), make_checkpoint("qwen3_moe", tiny_root)
+    cases = {"sp": (path, {"sp_size": 2}), "stages": (path, {"pp_size": 2}),
+             "ep": (moe, {"dp_replicate_size": 2, "ep_size": 2})}  # fmt: skip
     for rank, out in enumerate(run_ranks(2, serving_workers.refused, cases, out_dir=str(tmp_path))):
         assert "sequence and context parallelism are not supported" in out["sp"], (rank, out["sp"])
         assert "pipeline stages are not supported" in out["stages"], (rank, out["stages"])
+        assert "ep_size (data-parallel attention, tokens exchanged" in out["ep"], (rank, out["ep"])
 
 
 def test_a_failing_rank_fails_every_ranks_requests(tiny_root, tmp_path):

@@ -18,11 +18,14 @@ from hf_parallel.training.state_tiles import _segments
 
 
 class FsdpShard:
-    """What ``_segments`` reads of FSDP's DTensor: the TP shard's shape, and this rank's rows."""
+    """What ``_segments`` reads of FSDP's DTensor: the TP shard's shape, its placement, and this rank's rows along
+    the placement's dim (0; experts with fewer rows than ranks: 1)."""
 
-    def __init__(self, tp_shard: torch.Tensor, rank: int, size: int):
-        chunk = -(-tp_shard.shape[0] // size)
-        self.shape, self.rows = tp_shard.shape, tp_shard[rank * chunk : (rank + 1) * chunk]
+    def __init__(self, tp_shard: torch.Tensor, rank: int, size: int, dim: int = 0):
+        chunk = -(-tp_shard.shape[dim] // size)
+        self.shape, self.placements = tp_shard.shape, (SimpleNamespace(dim=dim),)
+        start = min(rank * chunk, tp_shard.shape[dim])
+        self.rows = tp_shard.narrow(dim, start, min(chunk, tp_shard.shape[dim] - start))
 
     def to_local(self):
         return self.rows
@@ -46,14 +49,15 @@ def layouts(shape, world_size, data):
 def test_each_ranks_boxes_place_its_local_tensor_in_the_full_one(shape, tp, fsdp, data):
     full = torch.arange(torch.Size(shape).numel()).reshape(shape)
     layout = layouts(shape, tp, data)
+    dim = data.draw(st.integers(0, min(1, len(shape) - 1)))  # the dim FSDP shards along
     for tp_rank in range(tp):
         tp_shard = layout.extract(full, tp_rank)
         for fsdp_rank in range(fsdp):
-            param = FsdpShard(tp_shard, fsdp_rank, fsdp) if fsdp > 1 else tp_shard
+            param = FsdpShard(tp_shard, fsdp_rank, fsdp, dim) if fsdp > 1 else tp_shard
             local = param.to_local() if fsdp > 1 else tp_shard
-            assert local.shape[0] == len(range(*fsdp_rows(tp_shard.shape[0], local.shape[0], fsdp_rank, fsdp)
-                                               .indices(tp_shard.shape[0])))  # fmt: skip
-            mesh = SimpleNamespace(tp=SimpleNamespace(rank=tp_rank), fsdp=SimpleNamespace(rank=fsdp_rank, size=fsdp))
+            assert local.shape[dim] == len(range(*fsdp_rows(tp_shard.shape[dim], local.shape[dim], fsdp_rank, fsdp)
+                                                 .indices(tp_shard.shape[dim])))  # fmt: skip
+            mesh = {"tp": SimpleNamespace(rank=tp_rank), "fsdp": SimpleNamespace(rank=fsdp_rank, size=fsdp)}
             covered = torch.zeros(local.shape, dtype=torch.int64)
             for runs in itertools.product(*_segments(param, SimpleNamespace(layout=layout), mesh)):
                 full_box = tuple((f, f + n) for f, _, n in runs)

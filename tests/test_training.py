@@ -22,16 +22,25 @@ LOOP_CASES = {  # world size -> case -> (checkpoint, layout, loop)
         "fsdp2": ("llama", dict(fsdp_size=2, tp_plan=None), "train_step"),
         "fsdp2_plain_loop": ("llama", dict(fsdp_size=2, tp_plan=None), "plain"),
         "fsdp2_tied": ("llama_tied_kvrep", dict(distributed_config=dict(fsdp_size=2), tp_plan=None), "train_step"),
+        # ep_size: tokens travel to the experts' ranks, attention data-parallel; the experts FSDP-sharded over
+        # the ranks holding the same ones (here none: a one-rank group, still divided by the data size)
+        "fsdp2_ep2": ("qwen2_moe", dict(distributed_config=dict(fsdp_size=2, ep_size=2)), "train_step"),
+        "replicate2_ep2_plain_loop": ("qwen2_moe", dict(dp_replicate_size=2, ep_size=2, tp_plan=None), "plain"),
     },
     4: {
         "fsdp2_tp2": ("llama", dict(fsdp_size=2, tp_size=2), "train_step"),
         "fsdp2_tp2_plain_loop": ("llama", dict(fsdp_size=2, tp_size=2), "plain"),
         "fsdp2_tp2_moe": ("qwen2_moe", dict(fsdp_size=2, tp_size=2), "train_step"),
+        "fsdp2_tp2_ep4": ("qwen2_moe", dict(fsdp_size=2, tp_size=2, ep_size=4), "train_step"),  # TP inside EP
+        # one expert per rank, held by two: FSDP shards each expert's rows (dim 1) between them
+        "replicate2_fsdp2_ep2": ("qwen2_moe_2experts", dict(dp_replicate_size=2, fsdp_size=2, ep_size=2), "train_step"),
         "fsdp2_tp2_tied": ("llama_tied_kvrep", dict(fsdp_size=2, tp_size=2), "train_step"),
         "replicate2_tp2": ("llama", dict(dp_replicate_size=2, tp_size=2), "train_step"),
         "replicate2_fsdp2": ("llama", dict(dp_replicate_size=2, fsdp_size=2, tp_plan=None), "train_step"),
         "sp2_fsdp2": ("llama", dict(sp_size=2, fsdp_size=2, tp_plan=None), "train_step"),
         "sp2_fsdp2_moe": ("qwen2_moe", dict(sp_size=2, fsdp_size=2, tp_plan=None), "train_step"),
+        # the EP group borrowed from the sequence ranks: each holds its part of the sequence and half the experts
+        "sp2_fsdp2_ep2": ("qwen2_moe", dict(sp_size=2, fsdp_size=2, ep_size=2, tp_plan=None), "train_step"),
         "cp2_fsdp2": ("llama", dict(cp_size=2, fsdp_size=2, tp_plan=None), "train_step"),  # the ring in FSDP's fold
         "pp2_fsdp2": ("llama", dict(pp_size=2, fsdp_size=2, tp_plan=None), "train_step"),
         "pp2_fsdp2_tied": ("llama_tied_kvrep", dict(pp_size=2, fsdp_size=2, tp_plan=None), "train_step"),
@@ -41,7 +50,7 @@ LOOP_CASES = {  # world size -> case -> (checkpoint, layout, loop)
 }
 
 
-ARCHS = ("llama", "llama_tied_kvrep", "qwen2_moe")
+ARCHS = ("llama", "llama_tied_kvrep", "qwen2_moe", "qwen2_moe_2experts")
 
 
 @pytest.fixture(scope="module")
@@ -98,12 +107,18 @@ def test_steps_match_one_process(loop_runs, references, world_size, case):
 def test_an_fsdp_load_holds_only_each_ranks_share(loop_runs, world_size, case):
     """Under FSDP the model is sharded while empty and each rank reads only its rows: at every ``fully_shard`` call
     a rank holds no parameter bytes, after the load exactly its share as the layout predicts
-    (``memory.footprint``), and the shards of each FSDP group add up to the TP shard they split, each element once."""
+    (``memory.footprint``), and the shards of each FSDP group add up to the TP shard they split, each element once.
+    Under ``ep_size`` the experts' bytes of each rank are the whole experts' over the EP size and the ranks holding
+    the same ones (``ep_replicas``): 1 / ep of them at rest (the TP-group EP holds 1 / tp of them on every rank)."""
     results, _ = loop_runs(world_size)
     held = [result[case]["held"] for result in results]
     for rank, mine in enumerate(held):
         assert mine["at_sharding"] and set(mine["at_sharding"]) == {0}, (rank, mine["at_sharding"])
         assert mine["after_load"] == mine["share"] == 4 * mine["local_params"], (rank, mine)
+        if mine["experts_whole"]:
+            assert mine["experts"] * mine["expert_holders"] == mine["experts_whole"], (rank, mine)
+    if held[0]["experts_whole"]:  # the rest: each FSDP group's shards are the dense parameters' once
+        return
     for group in {tuple(mine["fsdp_group"]) for mine in held}:
         assert sum(held[r]["after_load"] for r in group) == held[group[0]]["whole"], (group, held)
 
@@ -383,10 +398,46 @@ def test_train_step_state_resumes_from_pipeline_stages_at_tp(resumed, paths):
     assert_log_like(resumed["train_step"], want, "train_step resumed")
 
 
+@pytest.mark.distributed
+def test_the_trainer_trains_an_ep_size_moe_like_one_process(paths, tmp_path):
+    """transformers' Trainer, unchanged, on Qwen2-MoE loaded with ``DistributedConfig(fsdp_size=2, ep_size=2)``
+    (tokens exchanged between the two data-parallel ranks): one process's losses and clipped gradient norms, and
+    its trained weights saved."""
+    import training_workers
+    from distributed import run_ranks
+
+    case = {"fsdp2_ep2": layout(dict(distributed_config=dict(fsdp_size=2, ep_size=2)))}
+    ranks = run_ranks(2, training_workers.trainer_cases, paths["qwen2_moe"], case, GLOBAL_BATCH, str(tmp_path),
+                      out_dir=str(tmp_path / "results"))  # fmt: skip
+    want = training_workers.one_process_trainer(paths["qwen2_moe"], GLOBAL_BATCH, str(tmp_path / "one"))
+    for rank, result in enumerate(ranks):
+        assert_log_like(result["fsdp2_ep2"], want, f"Trainer at ep_size=2, rank {rank}")
+    saved = str(tmp_path / "fsdp2_ep2" / "final")
+    assert_within(training_workers.saved_against(want["weights"], saved), atol=WEIGHT_TOLERANCE,
+                  rtol=WEIGHT_TOLERANCE, where=saved)  # fmt: skip
+
+
+@pytest.mark.distributed
+def test_train_step_state_resumes_at_another_ep_size(paths, tmp_path):
+    """``save_training_state`` at ``tp=2 x fsdp=2, ep_size=4`` (one expert per rank), ``load_training_state`` at
+    ``fsdp=2 x dp_replicate=2, ep_size=2`` (two per rank, FSDP over their copies): the six steps are one
+    process's (Adam's moments of every expert found in the other layout's pieces)."""
+    import training_workers
+    from distributed import run_ranks
+
+    written, resumed = dict(fsdp_size=2, tp_size=2, ep_size=4), dict(dp_replicate_size=2, fsdp_size=2, ep_size=2)
+    ranks = run_ranks(4, training_workers.train_step_layouts, paths["qwen2_moe"], written, resumed, str(tmp_path),
+                      out_dir=str(tmp_path / "results"))  # fmt: skip
+    want = training_workers.one_process(paths["qwen2_moe"], steps=training_workers.RESUME_STEPS, sgd_at=None)
+    for rank, got in enumerate(ranks):
+        assert_log_like(got, want, f"ep_size 4 -> 2, rank {rank}")
+
+
 @pytest.mark.parametrize(
     "given, sizes",
     [
         (dict(tp_size=2, fsdp_size=2), dict(tp_size=2, fsdp_size=2, dp_replicate_size=1, pp_size=1)),
+        (dict(tp_size=2, fsdp_size=2, ep_size=4), dict(tp_size=2, fsdp_size=2, ep_size=4)),  # tokens exchanged
         (dict(fsdp_size=2), dict(tp_size=1, fsdp_size=2, dp_replicate_size=1, pp_size=1)),
         (dict(tp_size=2, dp_replicate_size=2), dict(tp_size=2, fsdp_size=1, dp_replicate_size=2, pp_size=1)),
     ],
@@ -408,7 +459,8 @@ def test_transformers_distributed_config_gives_the_mesh_sizes(given, sizes):
     [
         (dict(tp_size=2, enable_sequence_parallel=True), {}, "use sp_size=N"),
         (dict(fsdp_size=2), dict(tp_size=2), r"distributed_config=..., tp_size=...\): give the sizes once"),
-        (dict(tp_size=2, fsdp_size=2, ep_size=4), {}, "ep_size must equal tp_size"),
+        (dict(tp_size=2, fsdp_size=2, ep_size=4, ep_implementation="all_reduce"), {}, "ep_size must equal tp_size"),
+        (dict(tp_size=2, ep_size=2, ep_implementation="deepgemm_megamoe"), {}, "hf_parallel implements 'auto'"),
     ],
 )
 def test_what_hf_parallel_cannot_honour_in_a_distributed_config_is_refused(given, sizes, message):

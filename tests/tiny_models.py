@@ -66,6 +66,9 @@ PIPELINE = {  # more layers than stages, uneven over 2 and 3 stages; one tied em
     "pp_qwen2_moe": ("Qwen2MoeConfig", dict(MOE["qwen2_moe"][1], num_hidden_layers=4)),
     "pp_tied": ("LlamaConfig", dict(ARCHS["llama_tied_kvrep"][1], num_hidden_layers=4)),
 }
+FEW_EXPERTS = {  # fewer experts per rank than ranks holding the same ones (ep_size): FSDP shards each expert's rows
+    "qwen2_moe_2experts": ("Qwen2MoeConfig", dict(MOE["qwen2_moe"][1], num_experts=2, num_experts_per_tok=1)),
+}
 # Hybrids: recurrent mixers (Mamba-1/2, Gated DeltaNet, short convolutions) beside attention. Group regimes:
 # B/C groups (Mamba-2) or key heads (DeltaNet) whole per rank, one group shared by all ranks (n_groups=1: its
 # norm's sum of squares summed), and shared by some (2 groups at TP=3: subgroups); heads uneven at TP=3.
@@ -464,7 +467,8 @@ def make_checkpoint(name: str, root: str) -> str:
     path = os.path.join(root, name)
     if os.path.isfile(os.path.join(path, "config.json")):
         return path
-    every = {**ARCHS, **MOE, **ENCODERS, **TRAPS, **PIPELINE, **FP8, **FP8_PRODUCTS, **MXFP4, **HYBRIDS}
+    every = {**ARCHS, **MOE, **ENCODERS, **TRAPS, **PIPELINE, **FEW_EXPERTS, **FP8, **FP8_PRODUCTS, **MXFP4,
+             **HYBRIDS}
     class_name, overrides = every[name]
     config = getattr(transformers, class_name)(**{**COMMON, **overrides})
     torch.manual_seed(sum(map(ord, name)))

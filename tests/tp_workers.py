@@ -98,29 +98,68 @@ def compare_tp(
     return results
 
 
-def compare_ep(rank: int, world_size: int, cases: dict, save_root: str) -> dict:
-    """compare_tp for expert parallelism (``ep_plan="auto"``, with or without tensor parallelism):
-    outputs and gradients vs one process, experts held per rank, and a save."""
+def compare_ep(rank: int, world_size: int, cases: dict, save_root: str, sizes: dict | None = None) -> dict:
+    """compare_tp for expert parallelism (``ep_plan="auto"``, with or without tensor parallelism; ``sizes``
+    with ``ep_size``: tokens exchanged, every data-parallel rank on the same batch): outputs and gradients vs
+    one process, experts held per rank, and a save."""
     import hf_parallel
 
     results = {}
     for name, (path, tp_plan) in cases.items():
         ref_output, ref_grads = reference(path)
-        model = hf_parallel.AutoModelForCausalLM.from_pretrained(
-            path, tp_plan=tp_plan, ep_plan="auto", dtype=torch.float32
-        )
+        how = dict(sizes) if sizes else dict(ep_plan="auto")
+        model = hf_parallel.AutoModelForCausalLM.from_pretrained(path, tp_plan=tp_plan, dtype=torch.float32, **how)
         output, loss = _output_and_loss(model, False)
         loss.backward()
         state = hf_parallel.parallel_state(model)
+        rank = state.mesh.tp.rank
+        counted = state.tokens_per_expert() if how.get("count_expert_tokens") else None
         experts = {
             entry.name: model.get_parameter(entry.name).shape[0]
             for entry in state.layout.unique_params()
             if entry.name.endswith("experts.gate_up_proj")
         }
         results[name] = {"logits": gap(output, ref_output), "grads": gaps(model, state, ref_grads, rank),
-                         "experts": experts}  # fmt: skip
+                         "experts": experts, "tokens_per_expert": counted}  # fmt: skip
         model.save_pretrained(os.path.join(save_root, name))
     return results
+
+
+def routed_per_expert(path: str) -> dict[str, list[int]]:
+    """One process's tokens per expert in one forward of ``INPUT_IDS``, by experts module, as its router
+    hands them to the experts."""
+    import transformers
+
+    from hf_parallel.tensor.token_exchange import expert_args
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    counts = {}
+
+    def count(path, module):
+        def hook(_, args, kwargs):
+            ids = expert_args(args, kwargs)[1]
+            counts[path] = torch.bincount(ids.reshape(-1), minlength=module.num_experts).tolist()
+
+        return hook
+
+    for name, module in model.named_modules():
+        if type(module).__name__.endswith("Experts"):
+            module.register_forward_pre_hook(count(name, module), with_kwargs=True)
+    with torch.no_grad():
+        model(INPUT_IDS)
+    return counts
+
+
+def own_prompts_generated(rank: int, world_size: int, path: str, sizes: dict, prompts: list, new_tokens: list) -> dict:
+    """Each data-parallel rank generates its own prompt (``prompts[dp rank]``, ``new_tokens[dp rank]`` greedy
+    tokens): the ranks of different lengths stepping together, their tokens exchanged with the experts' ranks."""
+    import hf_parallel
+
+    model = hf_parallel.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **sizes)
+    mine = hf_parallel.parallel_state(model).mesh.dp.rank
+    ids = torch.tensor([prompts[mine]])
+    out = model.generate(ids, max_new_tokens=new_tokens[mine], do_sample=False, eos_token_id=None)
+    return {"prompt": mine, "tokens": out[0].tolist()}
 
 
 def generate_tokens(rank: int, world_size: int, path: str, max_new_tokens: int, save_dir: str | None) -> dict:
@@ -245,3 +284,46 @@ def quantized_logits(rank: int, world_size: int, paths: dict, save_root: str, si
             model.save_pretrained(os.path.join(save_root, name + "_per_rank"), distributed=True)
         model.save_pretrained(os.path.join(save_root, name))
     return out
+
+
+class TinyExperts(torch.nn.Module):
+    """transformers' experts forward in miniature: ``weight[e]`` per expert, weighted outputs summed per token."""
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        self.weight = torch.nn.Parameter(weight.clone())
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        out = torch.zeros_like(hidden_states)  # as transformers': only the experts hit compute (none: no graph)
+        for expert in top_k_index.unique().tolist():
+            token, k = torch.where(top_k_index == expert)
+            product = hidden_states[token] @ self.weight[expert] * top_k_weights[token, k, None]
+            out = out.index_add(0, token, product)
+        return out
+
+
+def exchange_with_an_idle_rank(rank: int, world_size: int) -> dict:
+    """Two ranks, one expert each; every token of both routed to expert 0, so rank 1's expert receives nothing: the
+    forward and backward still finish on both ranks, each rank's outputs and input gradients are one process's on
+    its tokens, expert 0's gradient the sum over both ranks' tokens and expert 1's zero."""
+    from hf_parallel.distributed.mesh import get_mesh
+    from hf_parallel.tensor.token_exchange import TokenExchange
+
+    torch.manual_seed(0)
+    weight = torch.randn(2, 4, 4)
+    hidden = [torch.randn(3, 4) for _ in range(world_size)]
+    ids = torch.zeros(3, 1, dtype=torch.int64)
+    routing = [torch.rand(3, 1) for _ in range(world_size)]
+    mesh = get_mesh(dp_replicate_size=2, ep_size=2)
+    local = TinyExperts(weight[mesh.ep.rank : mesh.ep.rank + 1])
+    exchange = TokenExchange(local, mesh.ep, mesh.tp, [0, 1], 2)
+    x, w = hidden[rank].clone().requires_grad_(), routing[rank].clone().requires_grad_()
+    out = exchange(local.forward, (x, ids, w), {})
+    out.square().sum().backward()
+    whole = TinyExperts(weight)
+    xs = [h.clone().requires_grad_() for h in hidden]
+    ws = [r.clone().requires_grad_() for r in routing]
+    want = [whole(a, ids, b) for a, b in zip(xs, ws)]
+    sum(o.square().sum() for o in want).backward()
+    return {"out": gap(out, want[rank]), "x_grad": gap(x.grad, xs[rank].grad), "w_grad": gap(w.grad, ws[rank].grad),
+            "expert_grad": gap(local.weight.grad, whole.weight.grad[mesh.ep.rank : mesh.ep.rank + 1])}

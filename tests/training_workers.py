@@ -4,6 +4,7 @@ of a spawned gloo group (``distributed.run_ranks``); the reference runs in one p
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 
 import torch
@@ -114,9 +115,13 @@ def held_after_load(model, state, at_sharding: list) -> dict:
     predicted = footprint(state.layout, torch.float32)
     whole = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
     shards = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
+    experts = [e for e in state.layout.unique_params() if e.layout.over == "ep"]  # (under ep_size)
     return {"after_load": held_bytes(model.parameters()), "share": predicted.share,
             "at_sharding": at_sharding, "local_params": sum(s.numel() for s in shards), "whole": whole,
-            "fsdp_group": list(state.mesh.fsdp.ranks)}  # fmt: skip
+            "fsdp_group": list(state.mesh.fsdp.ranks),
+            "experts": held_bytes(model.get_parameter(e.name) for e in experts),
+            "experts_whole": sum(4 * math.prod(e.full_shape) for e in experts),
+            "expert_holders": state.mesh.shape.ep * state.mesh["ep_replicas"].size}  # fmt: skip
 
 
 def train(rank: int, world_size: int, cases: dict, save_root: str) -> dict:

@@ -50,6 +50,11 @@ def save_distributed(model, state, out_dir: str) -> None:
     rank 0's manifest; a pipeline stage's files follow the previous stage's. Weights kept quantized
     are written as their stored parts, each rank its pieces (``kept_saves.saved_pieces``)."""
     mesh = state.mesh
+    if mesh.shape.ep > 1:  # before anything is written
+        raise ValueError(
+            f"save_pretrained(distributed=True) with ep_size={mesh.shape.ep}: per-rank files are written per TP "
+            "rank, and experts are spread over ranks of the data dimensions; save without distributed=True"
+        )
     entries = {_manifest_key(state.source_keys[e.name], e.name): e for e in saved_entries(model, state)
                if e.name not in state.kept}  # fmt: skip
     save_id = _save_id(mesh)

@@ -34,7 +34,7 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 from tqdm.auto import tqdm
 
-from ..compat.torch import fsdp_rows
+from ..compat.torch import fsdp_rows, fsdp_shard_dim
 from ..compat.transformers import unexpected_key_patterns
 from ..distributed.devices import host_staging, pinned_ring
 from ..quant.kept import KeptWeight, placeholder
@@ -142,8 +142,9 @@ def checkpoint_files(path: str, allow_pickle: bool = False) -> dict[str, str]:
 class ShardReader:
     """Reads this rank's shard of each tensor; keeps one mapping per file for zero-copy views."""
 
-    def __init__(self, rank: int, device: torch.device):
-        self.rank, self.device = rank, device
+    def __init__(self, ranks: dict[str, int], device: torch.device):
+        self.ranks, self.device = ranks, device  # this rank's index in each dimension a layout is written over
+        self.rank = ranks["tp"]
         self._stack = ExitStack()
         self._handles = {}
 
@@ -183,11 +184,12 @@ class ShardReader:
         handle = self._shared(file)
         tensor_slice = handle.get_slice(key)
         full_shape = tuple(tensor_slice.get_shape())
-        index = layout.index(full_shape, self.rank)
+        index = layout.index(full_shape, self.ranks[layout.over])
         if isinstance(handle, PickleFile):  # always copied: a view would keep the whole pickle mapped
             return self._copy(key, layout, tensor_slice, full_shape, dtype)
         if isinstance(handle, DistributedCheckpoint):  # saved at this world size: the rank's own file
-            return self.read_tiled(tensor_slice, key, layout, dtype, own=tensor_slice.saved_as(layout, self.rank))
+            own = tensor_slice.saved_as(layout, self.ranks[layout.over])
+            return self.read_tiled(tensor_slice, key, layout, dtype, own=own)
         if len(index) == 1 and self.device.type == "cpu" and self._as_is(key, view := tensor_slice[index[0]], dtype):
             return view
         with safe_open(file, framework="pt") as handle:  # its own mapping: released on return
@@ -197,7 +199,7 @@ class ShardReader:
         """This rank's shard of a tensor stored as tiles: a single contiguous piece as is (a view of
         its file), else the pieces copied into one owned tensor."""
         full_shape = tuple(tiled.get_shape())
-        index = layout.index(full_shape, self.rank)
+        index = layout.index(full_shape, self.ranks[layout.over])
         if isinstance(tiled, Dequantized):
             tiled = tiled.on(self.device)
         piece = own if own is not None else tiled[index[0]] if len(index) == 1 else None
@@ -250,7 +252,7 @@ class ShardReader:
         an accelerator the pieces cross pinned host memory in the file's dtype (on CUDA a few reused
         chunks: ``devices.PinnedRing``), copied without waiting and cast there; a quantized weight's come
         dequantized on the device already."""
-        shape = layout.local_shape(full_shape, self.rank)
+        shape = layout.local_shape(full_shape, self.ranks[layout.over])
         found = piece.dtype if piece is not None else torch_dtype(source.get_dtype())
         BYTES_READ[key] += nbytes(shape, found)
         out = hugepages.empty(shape, dtype or found, self.device)
@@ -259,13 +261,14 @@ class ShardReader:
         if ring is not None:
             if piece is not None:
                 return ring.copy_(out, piece)
-            return ring.load(out, found, lambda into: layout.extract(source, self.rank, shape=full_shape, out=into))
+            rank = self.ranks[layout.over]
+            return ring.load(out, found, lambda into: layout.extract(source, rank, shape=full_shape, out=into))
         staged = None if on_device else host_staging(shape, found, self.device)  # (dequantized there: no staging)
         into = out if staged is None else staged
         if piece is not None:
             into.copy_(piece)
         else:
-            layout.extract(source, self.rank, shape=full_shape, out=into)
+            layout.extract(source, self.ranks[layout.over], shape=full_shape, out=into)
         return out if staged is None else out.copy_(staged, non_blocking=True)
 
 
@@ -321,10 +324,9 @@ def shard_shapes_on_meta(model: nn.Module, layout: ModelLayout, dtype: torch.dty
     """Every parameter replaced by an empty (meta) one of this rank's TP shape, in the dtype the load
     reads: the model FSDP shards before any weight is read (``load_weights(into_shards=True)`` fills it).
     Tied names keep sharing one parameter. Returns None: no checkpoint key is read yet."""
-    rank = layout.mesh.tp.rank
     for entry in layout.unique_params():
         old = model.get_parameter(entry.name)
-        shape = entry.layout.local_shape(entry.full_shape, rank)
+        shape = entry.layout.local_shape(entry.full_shape, layout.mesh[entry.layout.over].rank)
         held = dtype if old.is_floating_point() else old.dtype  # (as the load reads: floats in ``dtype``)
         param = nn.Parameter(torch.empty(shape, dtype=held, device="meta"), requires_grad=old.requires_grad)
         for alias in entry.aliases:
@@ -339,14 +341,17 @@ def materialise_shards(model: nn.Module, device: torch.device) -> None:
 
 def _fill_shard(param: nn.Parameter, local: torch.Tensor, fsdp) -> None:
     """Copy the rows of ``local`` (this rank's TP slice, on the host) that FSDP keeps on this rank into
-    ``param``'s shard (its DTensor's local tensor, on the device)."""
+    ``param``'s shard (its DTensor's local tensor, on the device; rows along the dim FSDP shards it on)."""
     shard = param.to_local() if hasattr(param, "to_local") else param
-    rows = fsdp_rows(local.shape[0], shard.shape[0], fsdp.rank, fsdp.size) if shard is not param else slice(None)
+    if shard is not param:
+        dim = fsdp_shard_dim(param)
+        rows = fsdp_rows(local.shape[dim], shard.shape[dim], fsdp.rank, fsdp.size)
+        local = local.narrow(dim, rows.start, rows.stop - rows.start)
     ring = pinned_ring(shard.device)  # (on CUDA: through the reused pinned chunks)
     if ring is not None:
-        ring.copy_(shard, local[rows])
+        ring.copy_(shard, local)
     else:
-        shard.copy_(local[rows])
+        shard.copy_(local)
 
 
 def load_weights(
@@ -377,7 +382,8 @@ def load_weights(
     check_same_checkpoint(path, files, layout.mesh)
     rank = layout.mesh.tp.rank
     sources, buffers, companions = _sources(model, path, layout, files, ignore_keys, quantization)
-    with ShardReader(rank, torch.device("cpu") if into_shards else layout.mesh.device) as reader:
+    ranks = {over: layout.mesh[over].rank for over in ("tp", "ep")}
+    with ShardReader(ranks, torch.device("cpu") if into_shards else layout.mesh.device) as reader:
         saved_as, manifest = sources, os.path.join(path, MANIFEST_FILE)
         if os.path.isfile(manifest):  # a distributed save records the per-expert form it came from
             fused_from = reader._shared(manifest).fused
@@ -400,7 +406,7 @@ def load_weights(
                 local = reader.read(files[source], source, entry.layout, dtype)
             if into_shards:
                 with torch.no_grad():
-                    _fill_shard(old, local, layout.mesh.fsdp)
+                    _fill_shard(old, local, layout.mesh["ep_replicas" if entry.layout.over == "ep" else "fsdp"])
                 continue
             param = local if entry.name in (kept or ()) else nn.Parameter(local, requires_grad=old.requires_grad)
             for alias in entry.aliases:

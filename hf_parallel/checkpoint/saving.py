@@ -237,13 +237,19 @@ def received_blocks(spec, source: int, key: str, wire: Scratch, group):
         yield buffer
 
 
-def gathered(model, mesh, targets: dict, specs: dict, owners: dict, keys, unsharding=None):
+def gathered(model, mesh, targets: dict, specs: dict, owners: dict, keys, unsharding=None, only_experts=False):
     """Per key, its row blocks as rank 0 gathers them (an iterator consumed block by block); the
     other ranks send their parts here, in the same order, and yield None. ``targets``: key ->
     (sharded parameter, box); ``owners``: key -> the pipeline stage that holds it; ``unsharding``: FSDP's
-    modules made whole one at a time (``LayerwiseUnshard``), asked for each parameter before it is read."""
+    modules made whole one at a time (``LayerwiseUnshard``), asked for each parameter before it is read.
+    ``only_experts``: a data-parallel copy in rank 0's EP group sends its experts (written over ``ep``) alone."""
     scratch = (Scratch(), Scratch(mesh.wire))  # (the block, assembled on the host; what arrives)
     for key in keys:
+        if only_experts and (isinstance(targets[key][0], KeptWeight) or targets[key][0].layout.over != "ep"):
+            if unsharding is not None and not isinstance(targets[key][0], KeptWeight):
+                unsharding.need(targets[key][0].name)
+            yield None
+            continue
         if owners[key] != mesh.stage:
             leader = mesh.stage_ranks(owners[key])[0]
             yield received_blocks(specs[key], leader, key, scratch[1], mesh.world.group) if mesh.is_main else None
@@ -258,7 +264,7 @@ def gathered(model, mesh, targets: dict, specs: dict, owners: dict, keys, unshar
                 unsharding.need(entry.name)
             local = unsharding.tensor(entry.name) if unsharding is not None else tensor_of(model, entry.name)
             blocks = (
-                gather_block(local, entry.layout, block, mesh.tp, entry.name, scratch)
+                gather_block(local, entry.layout, block, mesh[entry.layout.over], entry.name, scratch)
                 for block in row_blocks(entry.full_shape, box, local.dtype)
             )
         if mesh.is_main:
@@ -305,6 +311,12 @@ def _save_sharded(model, state, out_dir: str, max_shard_size, unsharding) -> Non
     owners = dict.fromkeys(specs, mesh.stage)
     if mesh.num_stages > 1:  # collective over the world: before the sequence-parallel replicas leave
         owners, specs = stage_owners(mesh, specs)
+    if mesh.holds_copy and mesh.holds_experts_of_main:  # a copy of the rest, but its own experts: sent to rank 0
+        for keys in plan_files(specs, max_shard_size)[0].values():  # write_standard's order
+            for _ in gathered(model, mesh, targets, specs, owners, keys, unsharding, only_experts=True):
+                pass
+        mesh.barrier()
+        return
     if mesh.holds_copy:  # sequence-parallel and data-parallel copies of the shards the first replica saves
         for keys in plan_files(specs, max_shard_size)[0].values():  # write_standard's order
             for key in keys:

@@ -56,8 +56,9 @@ def cmd_generate(args) -> None:
     start = time.perf_counter()
     kept = dict(keep_quantized=args.keep_quantized) if args.keep_quantized else {}
     sequence = {name: size for name, size in (("sp_size", args.sp), ("cp_size", args.cp)) if size > 1}
+    data = {name: size for name, size in (("dp_replicate_size", args.dp), ("ep_size", args.ep)) if size > 1}
     model = AutoModelForCausalLM.from_pretrained(path, tp_plan="auto", dtype=args.dtype, **pipeline_kwargs(args),
-                                                 **sequence, **kept)  # fmt: skip
+                                                 **sequence, **data, **kept)  # fmt: skip
     load_seconds = time.perf_counter() - start
     mesh = parallel_state(model).mesh
     ways = ", ".join(f"{n} {way}" for way, n in sorted(kept_products(model).items())) if args.keep_quantized else ""
@@ -73,10 +74,10 @@ def cmd_generate(args) -> None:
         else dict(do_sample=False)
     )
     prompts = read_prompts(args)
-    stream = main and args.prompts_file is None  # --prompt streams; a file's batches print once done
+    replicas = ReplicaShare(prompts, mesh.dp, args.batch_size)  # (--dp: each replica its share of the prompts)
+    stream = main and args.prompts_file is None and mesh.dp.size == 1  # --prompt streams; batches print once done
     torch.manual_seed(args.seed)  # same seed on every rank: sampling picks the same token everywhere
-    for first in range(0, len(prompts), args.batch_size):
-        batch = prompts[first : first + args.batch_size]
+    for numbers, batch in replicas.batches():
         inputs = {name: tensor.to(mesh.device) for name, tensor in encode(tokenizer, batch, chat).items()}
         streamer = transformers.TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True) if stream else None
         start = time.perf_counter()
@@ -89,14 +90,16 @@ def cmd_generate(args) -> None:
             **sampling,
         )
         seconds = time.perf_counter() - start
-        if not main:
-            continue
         new_tokens = out[:, inputs["input_ids"].shape[1] :]
         lengths = generated_lengths(new_tokens, eos_ids)
+        texts = [tokenizer.decode(row[:length], skip_special_tokens=True) for row, length in zip(new_tokens, lengths)]
+        done = replicas.gathered(list(zip(numbers, texts, lengths)), mesh)  # every replica's, on rank 0
+        if not main:
+            continue
         if not stream:
-            for number, (prompt, row, length) in enumerate(zip(batch, new_tokens, lengths), start=first + 1):
-                text = tokenizer.decode(row[:length], skip_special_tokens=True)
-                print(f"### prompt {number}: {prompt}\n{text}\n", flush=True)
+            for number, text, _ in done:
+                print(f"### prompt {number + 1}: {prompts[number]}\n{text}\n", flush=True)
+        lengths, batch = [length for _, _, length in done], [prompts[number] for number, _, _ in done]
         total = sum(lengths)
         what = f"{total} tokens" if stream else f"{total} tokens for {len(batch)} prompt{'s' * (len(batch) > 1)}"
         print(
@@ -104,6 +107,34 @@ def cmd_generate(args) -> None:
             flush=True,
         )
     shutdown()
+
+
+class ReplicaShare:
+    """``generate --dp N``: each data-parallel replica generates its own share of the prompts (every N-th), in
+    batches, all replicas the same number of calls (one left without prompts repeats the first, its output
+    dropped: under ``--ep`` every forward exchanges tokens with the other replicas)."""
+
+    def __init__(self, prompts: list[str], dp, batch_size: int):
+        self.prompts, self.dp, self.batch_size = prompts, dp, batch_size
+        self.mine = list(range(dp.rank, len(prompts), dp.size))
+
+    def batches(self):
+        """(prompt numbers, prompts) of each call; numbers empty where this replica only steps along."""
+        calls = -(-(-(-len(self.prompts) // self.dp.size)) // self.batch_size)
+        for call in range(calls):
+            numbers = self.mine[call * self.batch_size : (call + 1) * self.batch_size]
+            yield numbers, [self.prompts[n] for n in numbers] or self.prompts[:1]
+
+    def gathered(self, outputs: list[tuple], mesh) -> list[tuple]:
+        """Every replica's ``(number, ...)`` outputs of one call, in prompt order, on rank 0 (this rank's
+        alone without replicas); a replica only stepping along gives none."""
+        import torch.distributed as dist
+
+        if self.dp.size == 1:
+            return outputs
+        everyone = [None] * mesh.world_size
+        dist.all_gather_object(everyone, outputs if mesh.tp.rank == 0 else [], group=mesh.world.group)
+        return sorted(item for part in everyone for item in part)
 
 
 def int_list(value: str) -> list[int]:
@@ -149,7 +180,7 @@ def cmd_plan(args) -> None:
 
     sizes = dict(tp_plan=tp_plan_arg(args.tp_plan), sp=args.sp, cp=args.cp, seq=args.seq, fsdp_size=args.fsdp,
                  dp_replicate_size=args.dp_replicate, nproc_per_node=args.nproc_per_node,
-                 lora=parse_lora(args.lora) if args.lora else None, batch=args.batch)  # fmt: skip
+                 lora=parse_lora(args.lora) if args.lora else None, batch=args.batch, ep_size=args.ep)  # fmt: skip
     stages = pipeline_kwargs(args)
     if args.html and (stages.get("pp_size", 1) > 1 or stages.get("stage_tp_sizes")):
         raise SystemExit("hf-parallel plan --html draws one replica without pipeline stages; drop --pp/--stage-tp "
@@ -287,6 +318,10 @@ def _add_generate(sub) -> None:
                      "dequantized module by module, FP8 through the package's kernel on a GPU; 'fp8': besides, "
                      "W8A8 products on Hopper (torch._scaled_mm); 'int4': GPTQ / AWQ / W4A16 through torch's int4 "
                      "kernel")  # fmt: skip
+    gen.add_argument("--dp", type=int, default=1, help="data-parallel replicas, each generating its share of the "
+                     "prompts (--prompts-file), the ranks stepping together")
+    gen.add_argument("--ep", type=int, default=1, help="expert-parallel size (from_pretrained's ep_size): the "
+                     "experts spread over tp x ranks of the --dp replicas, tokens travelling to them")
     gen.add_argument("--sp", type=int, default=1, help="sequence-parallel size (Ulysses): the prompt split over "
                      "the ranks, the KV cache kept split, each new token attending to every rank's share")
     gen.add_argument("--cp", type=int, default=1, help="context-parallel size: a ring of --sp groups (zigzag "
@@ -332,6 +367,8 @@ def _add_plan(sub) -> None:
     plan.add_argument("--tp-plan", default="auto", help="auto, discover, a model_type, or a TOML/JSON file of rules")
     plan.add_argument("--fsdp", type=int, default=1, help="FSDP size: data-parallel replicas sharding the model")
     plan.add_argument("--dp-replicate", type=int, default=1, help="HSDP replicas of the FSDP group")
+    plan.add_argument("--ep", type=int, default=1, help="expert-parallel size (from_pretrained's ep_size): tokens "
+                      "travel to the experts' ranks, tp x ranks borrowed from --fsdp / --dp-replicate")  # fmt: skip
     plan.add_argument("--nproc-per-node", type=int, help="ranks per node: flag TP or SP groups that span nodes")
     plan.add_argument("--lora", help="r=N,target=name[,name...]: each LoRA adapter's split and bytes per rank")
     plan.add_argument("--html", metavar="OUT", help="also write the plan as one self-contained HTML page (no network)")

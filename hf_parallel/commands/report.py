@@ -101,6 +101,7 @@ def plan_report(
     nproc_per_node: int | None = None,
     lora: dict | None = None,
     batch: int = 1,
+    ep_size: int = 1,
 ) -> str:
     """The dry run's text: every parameter's rule, layout, local shape and bytes per rank, then the
     heads, the sequence split, the data-parallel sizes and the adapters asked for, and the memory per
@@ -109,12 +110,12 @@ def plan_report(
     if stage_tp_sizes is None and pp_size == 1:
         facts = plan_facts(path, tp, tp_plan=tp_plan, dtype=dtype, auto_class=auto_class, sp=sp, seq=seq, cp=cp,
                            fsdp_size=fsdp_size, dp_replicate_size=dp_replicate_size, nproc_per_node=nproc_per_node,
-                           lora=lora, batch=batch)  # fmt: skip
+                           lora=lora, batch=batch, ep_size=ep_size)  # fmt: skip
         return "\n".join(facts.lines())
     config = transformers.AutoConfig.from_pretrained(path)
     shape = MeshShape.requested(
         tp_size=None if stage_tp_sizes else tp, sp_size=sp, pp_size=pp_size, stage_tp_sizes=stage_tp_sizes,
-        fsdp_size=fsdp_size, dp_replicate_size=dp_replicate_size, cp_size=cp,
+        fsdp_size=fsdp_size, dp_replicate_size=dp_replicate_size, cp_size=cp, ep_size=ep_size,
     )  # fmt: skip
     report = pipeline_report(path, config, resolve_dtype(dtype, config), auto_class or default_auto_class(config),
                              tp_plan, shape, stage_layers)  # fmt: skip
@@ -135,14 +136,17 @@ def plan_facts(
     nproc_per_node: int | None = None,
     lora: dict | None = None,
     batch: int = 1,
+    ep_size: int = 1,
 ) -> PlanFacts:
-    """The dry run of one model replica without pipeline stages, as facts."""
+    """The dry run of one model replica without pipeline stages, as facts. ``ep_size``: the rows show the
+    ranks of the first data-parallel place (EP ranks 0 .. tp-1), and a line says how the experts spread."""
     config = transformers.AutoConfig.from_pretrained(path)
     auto_class = auto_class or default_auto_class(config)
     dtype = resolve_dtype(dtype, config)
+    data = dict(fsdp_size=fsdp_size, dp_replicate_size=dp_replicate_size, ep_size=ep_size) if ep_size > 1 else {}
     shape = MeshShape.requested(tp_size=tp, sp_size=sp, fsdp_size=fsdp_size, dp_replicate_size=dp_replicate_size,
-                                cp_size=cp)  # fmt: skip
-    mesh = Mesh.dry_run(tp_size=tp, sp_size=sp, cp_size=cp)
+                                cp_size=cp, ep_size=ep_size)  # fmt: skip
+    mesh = Mesh.dry_run(tp_size=tp, sp_size=sp, cp_size=cp, **data)
     built = build_rank_model(auto_class, config, dtype, mesh, tp_plan=tp_plan)
     model, shard = built.model, built.layout
     check_mixers_under_fsdp(model, tp, shape.dp_shard)  # the dry run's mesh has no data-parallel sizes
@@ -168,11 +172,16 @@ def plan_facts(
         details += lora_lines(model, shard, tp, lora, dtype)
     if sp * cp > 1:
         details += sequence_lines(model, shard, tp, sp, seq, cp)
+    if ep_size > 1:
+        details += expert_lines(shard, shape, itemsize)
     totals = [sum(row.nbytes[r] for row in rows) for r in range(tp)]
     full_bytes = sum(math.prod(e.full_shape) for e in shard.unique_params()) * itemsize
     fsdp = shape.dp_shard * shape.sp
     at_rest = [math.ceil(t / fsdp) for t in totals] if shape.dp > 1 else None
-    sizes = dict(tp_size=tp, sp_size=sp, cp_size=cp, fsdp_size=fsdp_size, dp_replicate_size=dp_replicate_size)
+    sizes = dict(tp_size=tp, sp_size=sp, cp_size=cp, fsdp_size=fsdp_size, dp_replicate_size=dp_replicate_size,
+                 ep_size=ep_size)  # fmt: skip
+    if ep_size > 1:  # the experts are split over the ranks holding the same ones, not over FSDP's group
+        at_rest = [footprint(shard, dtype, Mesh.dry_run(rank, **sizes)).share for rank in range(tp)]
     memory = memory_lines(model, shard, dtype, sizes, batch, seq or TRAINING_SEQ)
     return PlanFacts(path, config.model_type, tp, shard.plan.source, shape, mesh_lines(shape, nproc_per_node),
                      heads, rows, details, totals, full_bytes, at_rest, fsdp, memory)  # fmt: skip
@@ -367,6 +376,27 @@ def lora_lines(model, shard, tp: int, lora: dict, dtype) -> list[str]:
         raise ValueError(f"--lora: no module of the model is named {', '.join(targets)} (peft would refuse it too)")
     lines.append(f"  {count} adapter pairs, bytes per rank {totals}; AdamW adds twice that, gradients once")
     return lines
+
+
+def expert_lines(shard, shape: MeshShape, itemsize: int) -> list[str]:
+    """Under ``ep_size``: the EP groups, how many experts each EP rank holds and their bytes there (before FSDP
+    shards them over the ranks holding the same ones), and how tokens reach them."""
+    paths = shard.exchanging_experts()
+    if not paths:
+        return []
+    held = shard.layouts[paths[0]]
+    layout = next(iter(held.values()))
+    per_rank = [layout.local_size(r) for r in range(layout.world_size)]
+    nbytes = [sum(math.prod(lay.local_shape(shard.params[f"{paths[0]}.{attr}"].full_shape, r)) * itemsize
+                  for attr, lay in held.items()) for r in range(layout.world_size)]  # fmt: skip
+    groups = shape.groups("ep")
+    return [
+        f"experts (ep_size={shape.ep} = tp {shape.stage_tp_sizes[0]} x {shape.ep_data} data-parallel ranks; EP "
+        f"groups {[list(g) for g in groups[:4]]}{' ...' if len(groups) > 4 else ''}): {len(paths)} experts "
+        f"modules, each {layout.ranges[-1][0][1]} experts held {per_rank} per EP rank ({nbytes} bytes per EP rank "
+        f"and module), FSDP-sharded over the {shape.world_size // shape.ep} rank(s) holding the same ones; each "
+        "rank routes its own tokens, sent to their experts' ranks and back by all-to-all"
+    ]
 
 
 def mesh_lines(shape: MeshShape, nproc_per_node: int | None) -> list[str]:

@@ -68,6 +68,11 @@ def fsdp_row_range(rows: int, index: int, size: int) -> tuple[int, int]:
     return fsdp_rows(rows, 0, index, size).start, fsdp_rows(rows, 0, index + 1, size).start
 
 
+def fsdp_shard_dim(param) -> int:
+    """The dim FSDP2 shards ``param`` (its sharded DTensor) along: 0, unless placed otherwise (experts)."""
+    return next((p.dim for p in reversed(param.placements) if hasattr(p, "dim")), 0)
+
+
 def fsdp_rows(full_rows: int, shard_rows: int, index: int, size: int) -> slice:
     """The dim-0 rows FSDP2 gives shard ``index`` of ``size`` (``torch.chunk``'s split)."""
     FSDP_CHUNKS.get()

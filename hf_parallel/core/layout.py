@@ -34,6 +34,7 @@ class Layout:
     dim: int | None
     ranges: tuple[tuple[Range, ...], ...]  # ranges[rank] -> ranges held by that rank, in local order
     kind: str = "chunks"
+    over: str = "tp"  # the mesh dimension whose ranks ``ranges`` lists: "tp", or "ep" (experts exchanging tokens)
 
     @property
     def world_size(self) -> int:
@@ -135,12 +136,14 @@ class Layout:
             "dim": self.dim,
             "ranges": [[list(piece) for piece in pieces] for pieces in self.ranges],
             "kind": self.kind,
+            **({"over": self.over} if self.over != "tp" else {}),  # (files written before it: "tp")
         }
 
     @classmethod
     def from_json(cls, data: dict) -> "Layout":
         ranges = tuple(tuple((int(start), int(stop)) for start, stop in pieces) for pieces in data["ranges"])
-        return cls(None if data["dim"] is None else int(data["dim"]), ranges, str(data["kind"]))
+        dim = None if data["dim"] is None else int(data["dim"])
+        return cls(dim, ranges, str(data["kind"]), str(data.get("over", "tp")))
 
     def describe(self) -> str:
         if self.dim is None:

@@ -207,33 +207,40 @@ class _ScatterTo(torch.autograd.Function):
 
 class _AllToAll(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, split_dim, cat_dim, split_sizes, cat_sizes, group):
-        ctx.args = (cat_dim, split_dim, cat_sizes, split_sizes, group)
-        return all_to_all_raw(x, split_dim, cat_dim, split_sizes, cat_sizes, group)
+    def forward(ctx, x, split_dim, cat_dim, split_sizes, cat_sizes, group, peak):
+        ctx.args = (cat_dim, split_dim, cat_sizes, split_sizes, group, peak)
+        return all_to_all_raw(x, split_dim, cat_dim, split_sizes, cat_sizes, group, peak)
 
     @staticmethod
     def backward(ctx, grad):
-        return all_to_all_raw(grad, *ctx.args), None, None, None, None, None
+        return all_to_all_raw(grad.contiguous(), *ctx.args), None, None, None, None, None, None
 
 
-def all_to_all_raw(x, split_dim: int, cat_dim: int, split_sizes, cat_sizes, group) -> torch.Tensor:
+def all_to_all_raw(x, split_dim: int, cat_dim: int, split_sizes, cat_sizes, group, peak=None) -> torch.Tensor:
     if _compiling():
+        if split_dim == cat_dim:
+            raise RuntimeError("hf_parallel: a compiled all-to-all exchanges along two dims (Ulysses), not rows")
         return torch.ops.hf_parallel.all_to_all(
             x, split_dim, cat_dim, list(split_sizes), list(cat_sizes), _rank(group), group.group_name
         )
-    return all_to_all_now(x, split_dim, cat_dim, split_sizes, cat_sizes, group)
+    return all_to_all_now(x, split_dim, cat_dim, split_sizes, cat_sizes, group, peak)
 
 
-def all_to_all_now(x, split_dim: int, cat_dim: int, split_sizes, cat_sizes, group) -> torch.Tensor:
-    """``all_to_all``'s eager transport (the op's implementation)."""
+def all_to_all_now(x, split_dim: int, cat_dim: int, split_sizes, cat_sizes, group, peak=None) -> torch.Tensor:
+    """``all_to_all``'s eager transport (the op's implementation). ``peak``: an exchange of rows
+    (``split_dim == cat_dim``) whose sizes differ per pair of ranks gives the most rows any rank sends
+    any other, the same on every rank (each rank alone knows only its own sends and receives)."""
     rank = _rank(group)
     channel = channel_for(group) if x.device.type == "cpu" else None
     if channel is not None:  # straight from x's pieces into the output's, through shared memory
         out = x.new_empty(exchanged_shape(x.shape, split_dim, cat_dim, split_sizes[rank], sum(cat_sizes)))
         sends = list(x.split(list(split_sizes), split_dim))
         _count("all_to_all", x)
-        row = x.element_size() * math.prod(x.shape) // (x.shape[split_dim] * x.shape[cat_dim] or 1)
-        largest = row * max(split_sizes) * max(cat_sizes)  # the largest piece between any two ranks
+        if split_dim % x.dim() == cat_dim % x.dim():  # rows: the largest piece is ``peak`` rows
+            largest = x.element_size() * math.prod(x.shape[1:]) * peak
+        else:
+            row = x.element_size() * math.prod(x.shape) // (x.shape[split_dim] * x.shape[cat_dim] or 1)
+            largest = row * max(split_sizes) * max(cat_sizes)  # the largest piece between any two ranks
         channel.all_to_all(sends, list(out.split(list(cat_sizes), cat_dim)), largest)
         return out
     # The split dim first: each rank's piece is then one run of the buffer, sent as it lies (a copy
@@ -306,15 +313,18 @@ def scatter_to(x, dim, sizes, group, grad_scale: float = 1.0):
     return split(x, dim, sizes, group) if _direct(x) else _ScatterTo.apply(x, dim, tuple(sizes), group, grad_scale)
 
 
-def all_to_all(x, split_dim: int, cat_dim: int, split_sizes, cat_sizes, group):
+def all_to_all(x, split_dim: int, cat_dim: int, split_sizes, cat_sizes, group, peak: int | None = None):
     """Y = cat_i(piece of X_i for this rank) along cat_dim, where X_i is split along split_dim by
     ``split_sizes`` (one piece per rank) and ``cat_sizes[i]`` is X_i's extent along cat_dim.
-    dX = the same exchange of dY with the dims and sizes swapped (the exact inverse)."""
+    dX = the same exchange of dY with the dims and sizes swapped (the exact inverse). An exchange of
+    rows (``split_dim == cat_dim``, sizes per pair of ranks) gives ``peak`` (``all_to_all_now``)."""
     if _world(group) == 1:
         return x
+    if (split_dim == cat_dim) != (peak is not None):
+        raise ValueError("all_to_all: an exchange of rows (split_dim == cat_dim), and only one, gives its peak")
     if _direct(x):
-        return all_to_all_raw(x, split_dim, cat_dim, split_sizes, cat_sizes, group)
-    return _AllToAll.apply(x, split_dim, cat_dim, tuple(split_sizes), tuple(cat_sizes), group)
+        return all_to_all_raw(x, split_dim, cat_dim, split_sizes, cat_sizes, group, peak)
+    return _AllToAll.apply(x, split_dim, cat_dim, tuple(split_sizes), tuple(cat_sizes), group, peak)
 
 
 def gather_to_use(x, dim, sizes, group):

@@ -88,14 +88,46 @@ def fsdp_policies(mesh, compute_dtype: torch.dtype | None, cpu_offload: bool) ->
     return policies
 
 
-def shard_data_parallel(model: nn.Module, mesh, gradients, sequence, keep_unsharded: bool, policies: dict):
+def expert_shard_dim(local_experts: int, holders: int) -> int:
+    """The dim FSDP shards a rank's experts along over the ``holders`` ranks holding the same ones: the experts'
+    own (dim 0), unless fewer than the holders, where some would hold none (and another a whole expert): then
+    dim 1, each expert's rows (torchtitan's placement for the same case)."""
+    return 0 if local_experts >= holders else 1
+
+
+def shard_experts(experts: list[nn.Module], mesh, policies: dict) -> None:
+    """Experts under ``ep_size`` (each rank's whole experts) sharded by FSDP2 over the ranks holding the same
+    ones (``ep_replicas``, along ``expert_shard_dim``), before their layers are: each layer's own group then
+    leaves them out. Their gradients are summed there and divided by the data-parallel size, as the dense layers'
+    are (each saw the tokens of its whole EP group, each rank's loss a mean over its own batch), reduced in
+    float32 (in float16, torch 2.13 would divide a one-rank group's twice)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.tensor import Shard
+
+    holders = mesh["ep_replicas"].size
+    policies = {"mp_policy": MixedPrecisionPolicy(reduce_dtype=torch.float32), **policies}
+    for module in experts:
+        dim = expert_shard_dim(next(module.parameters()).shape[0], holders)
+        fully_shard(module, mesh=mesh.expert_device_mesh(), shard_placement_fn=lambda _, dim=dim: Shard(dim),
+                    **policies)  # fmt: skip
+        module.set_gradient_divide_factor(float(mesh.shape.dp))
+        # a factor is a PREMUL_SUM, which gloo lacks: SUM, then divide (on one rank torch 2.13 runs no
+        # collective and divides by the factor itself, and would divide twice if forced)
+        if mesh.device.type == "cpu" and holders > 1:
+            module.set_force_sum_reduction_for_comms(True)
+
+
+def shard_data_parallel(model: nn.Module, mesh, gradients, sequence, keep_unsharded: bool, policies: dict,
+                        experts: list[nn.Module] = ()):  # fmt: skip
     """FSDP2 over the mesh's data dimensions, then every gradient sum recorded so far registered on
     the parameters FSDP computes with (the sequence group's left to FSDP's reduce-scatter).
     ``keep_unsharded``: pipeline stages run several micro-batches per step through their own forward,
-    which is returned with FSDP's root hooks on it (else None). ``policies``: ``fsdp_policies``'."""
+    which is returned with FSDP's root hooks on it (else None). ``policies``: ``fsdp_policies``'.
+    ``experts``: the experts modules of ``ep_size`` (``shard_experts``)."""
     from torch.distributed.fsdp import fully_shard
 
     layer_list = layers_to_shard(model, mesh)
+    shard_experts(list(experts), mesh, policies)
     names = {id(param): name for name, param in model.named_parameters()}
     device_mesh = mesh.device_mesh()
     wrapped = [layer for layer in layer_list if any(True for _ in layer.parameters())]

@@ -1,8 +1,9 @@
 """One mesh for every dimension: the process groups of pipeline stages, sequence and tensor parallelism.
 
 The mesh's shape (``shape.py``: ``dp_replicate x dp_shard x pp x cp x sp x tp``, a TP size per stage)
-says which ranks each group holds; this module creates the groups. Expert parallelism spreads
-experts over the ranks of the TP group, so ``ep`` is that group. ``model`` is one model replica's
+says which ranks each group holds; this module creates the groups. ``ep`` holds the ranks of distinct
+experts: with ``ep_size``, TP ranks times ranks borrowed from the data dimensions, exchanging tokens
+(``ep_replicas``: the ranks holding the same experts); without, the TP group. ``model`` is one model replica's
 ranks; ``fsdp`` and ``dp_replicate`` are what FSDP2 shards and replicates over (``device_mesh``).
 
 Every process group is created here, once per mesh shape, in the same order on every rank
@@ -29,9 +30,9 @@ from .faults import collective, group_timeout_seconds
 from .shape import MeshShape, asked
 from .shm import attach, attach_pipes, channel_for
 
-DIMS = ("pp", "tp", "sp", "model", "dp", "dp_shard", "dp_replicate", "fsdp", "ulysses", "cp")  # creation order
-FSDP_DIMS = ("dp_replicate", "fsdp")  # HSDP's two mesh dimensions: created even with one rank
-SHM_DIMS = ("tp", "sp", "model", "ulysses")  # groups that carry activations or logits: shared memory on one host
+DIMS = ("pp", "tp", "sp", "model", "dp", "dp_shard", "dp_replicate", "fsdp", "ulysses", "cp", "ep", "ep_replicas")
+FSDP_DIMS = ("dp_replicate", "fsdp", "ep_replicas")  # what FSDP2 shards over: created even with one rank
+SHM_DIMS = ("tp", "sp", "model", "ulysses", "ep")  # groups that carry activations or logits: shared memory on one host
 
 
 @dataclass(frozen=True)
@@ -62,7 +63,7 @@ class Mesh:
         self.backend = device_backend.backend
         self._groups = groups  # ranks -> process group (only the groups this rank belongs to)
         self._subgroups: dict = {}
-        self._device_mesh = None
+        self._device_mesh = self._expert_device_mesh = None
         self.pipes: dict = {}  # (sender, receiver) -> ShmPipe between adjacent stages' first ranks on one host
         self.dims = {dim: self._dim(dim, shape.groups(dim)) for dim in ("world", *DIMS)}
 
@@ -76,10 +77,8 @@ class Mesh:
         return cls(MeshShape.requested(**sizes), rank, DeviceBackend(torch.device("cpu"), "gloo"), {})
 
     def __getitem__(self, name: str) -> Dim:
-        if name == "ep":
-            return self.dims["tp"]
         if name not in self.dims:
-            raise KeyError(f"unknown mesh dimension {name!r}; the mesh has {', '.join([*self.dims, 'ep'])}")
+            raise KeyError(f"unknown mesh dimension {name!r}; the mesh has {', '.join(self.dims)}")
         return self.dims[name]
 
     tp = property(lambda self: self["tp"])
@@ -104,6 +103,12 @@ class Mesh:
         shards as this one, so that saving leaves this rank out."""
         return self.sp.rank != 0 or self.dp.rank != 0
 
+    @property
+    def holds_experts_of_main(self) -> bool:
+        """Whether this rank is in rank 0's EP group under ``ep_size``: its experts are ones the save gathers,
+        even where the rest of its shards are a data-parallel copy (``holds_copy``)."""
+        return self.shape.ep > 1 and 0 in self.ep.ranks
+
     def device_mesh(self):
         """The ``torch.distributed`` DeviceMesh FSDP2 shards over: ``fsdp`` (1-D), or
         ``(dp_replicate, fsdp)`` for HSDP; built from the mesh's own groups."""
@@ -123,6 +128,16 @@ class Mesh:
                     mesh_dim_names=("dp_replicate", "fsdp"),
                 )  # fmt: skip
         return self._device_mesh
+
+    def expert_device_mesh(self):
+        """The 1-D DeviceMesh FSDP2 shards experts over under ``ep_size``: the ranks holding the same experts
+        (torchtitan's ``dp_shard_mod_ep``, here every data rank outside the EP group)."""
+        from torch.distributed.device_mesh import DeviceMesh
+
+        if self._expert_device_mesh is None:
+            group = self._groups[self["ep_replicas"].ranks]
+            self._expert_device_mesh = DeviceMesh.from_group(group, self.device.type, mesh_dim_names=("ep_replicas",))
+        return self._expert_device_mesh
 
     @property
     def world_size(self) -> int:
@@ -247,6 +262,7 @@ def get_mesh(
     fsdp_size: int = 1,
     dp_replicate_size: int = 1,
     cp_size: int = 1,
+    ep_size: int = 1,
     timeout: datetime.timedelta | None = None,
 ) -> Mesh:
     """The mesh of this shape over torchrun's ranks, joining (or creating) the default process
@@ -255,7 +271,8 @@ def get_mesh(
     groups are created on the first call. One process (no torchrun) computes on the accelerator too,
     when there is one (``HF_PARALLEL_DEVICE=cpu`` keeps it on the host)."""
     sizes = dict(tp_size=tp_size, sp_size=sp_size, pp_size=pp_size, stage_tp_sizes=stage_tp_sizes,
-                 fsdp_size=fsdp_size, dp_replicate_size=dp_replicate_size, cp_size=cp_size)  # fmt: skip
+                 fsdp_size=fsdp_size, dp_replicate_size=dp_replicate_size, cp_size=cp_size,
+                 ep_size=ep_size)  # fmt: skip
     if not dist.is_initialized():
         if int(os.environ.get("WORLD_SIZE", "1")) == 1:
             if MeshShape.requested(**sizes).world_size != 1:  # malformed sizes: the same errors as under torchrun
@@ -308,7 +325,8 @@ def _create(shape: MeshShape, timeout: datetime.timedelta | None) -> Mesh:
     with collective(f"creating the process groups of the mesh on rank {rank}"):
         for dim in ("world", *DIMS):  # the same order on every rank: new_group is collective over the world
             for ranks in shape.groups(dim):
-                if ranks in groups or (len(ranks) < 2 and not (shape.dp > 1 and dim in FSDP_DIMS)):
+                fsdp = shape.dp > 1 and dim in FSDP_DIMS and (dim != "ep_replicas" or shape.ep > 1)
+                if ranks in groups or (len(ranks) < 2 and not fsdp):
                     continue
                 group = _new_group(ranks, shape.world_size, timeout, device_backend.backend)
                 if rank in ranks:

@@ -26,20 +26,22 @@ class MeshShape:
     dp_shard: int = 1  # FSDP: replicas whose parameters, gradients and optimizer state are sharded between them
     dp_replicate: int = 1  # HSDP: copies of the FSDP group, gradients all-reduced between them
     cp: int = 1  # context parallelism: groups of sp / cp adjacent Ulysses ranks, in a ring
+    ep: int = 1  # expert parallelism exchanging tokens: ranks holding distinct experts (tp x ranks of the data)
 
     @classmethod
     def of(
         cls, world_size: int | None, tp_size=None, sp_size=1, pp_size=1, stage_tp_sizes=None, fsdp_size=1,
-        dp_replicate_size=1, cp_size=1,
+        dp_replicate_size=1, cp_size=1, ep_size=1,
     ) -> MeshShape:  # fmt: skip
         """The shape the user asked for, checked against ``world_size``; ``tp_size=None`` takes
         whatever the other dimensions leave of the world (``world_size=None``: no world to fill,
         ``tp_size=None`` counts as 1)."""
         sizes = dict(tp_size=tp_size, sp_size=sp_size, pp_size=pp_size, stage_tp_sizes=stage_tp_sizes,
-                     fsdp_size=fsdp_size, dp_replicate_size=dp_replicate_size, cp_size=cp_size)  # fmt: skip
+                     fsdp_size=fsdp_size, dp_replicate_size=dp_replicate_size, cp_size=cp_size,
+                     ep_size=ep_size)  # fmt: skip
         for name, value in (
             ("tp_size", tp_size), ("sp_size", sp_size), ("pp_size", pp_size), ("fsdp_size", fsdp_size),
-            ("dp_replicate_size", dp_replicate_size), ("cp_size", cp_size),
+            ("dp_replicate_size", dp_replicate_size), ("cp_size", cp_size), ("ep_size", ep_size),
         ):  # fmt: skip
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name}={value!r}: every mesh dimension needs a whole number of ranks, at least 1")
@@ -67,7 +69,8 @@ class MeshShape:
                     raise ValueError(f"world size {world_size} is not a multiple of {names} = {values}")
                 tp_size = world_size // others
             stages = (tp_size,) * pp_size
-        shape = cls(stages, sp_size * cp_size, fsdp_size, dp_replicate_size, cp_size)
+        shape = cls(stages, sp_size * cp_size, fsdp_size, dp_replicate_size, cp_size, ep_size)
+        shape._check_expert_parallel()
         if world_size is not None and shape.world_size != world_size:
             names, values = (
                 ("sp_size x sum(stage_tp_sizes)", f"{sp_size} x {sum(stages)}")
@@ -92,6 +95,36 @@ class MeshShape:
     def requested(cls, **sizes) -> MeshShape:
         """The shape these sizes ask for, before any process exists (``tp_size=None`` counts as 1)."""
         return cls.of(None, **sizes)
+
+    def _check_expert_parallel(self) -> None:
+        """``ep_size`` as transformers defines it (a multiple of ``tp_size`` dividing ``fsdp_size x tp_size``),
+        extended to ``dp_replicate`` and the sequence ranks: the EP group is ``tp`` times ``ep_size / tp_size``
+        ranks borrowed from the data (the sequence ranks first, then FSDP's, then the replicas)."""
+        if self.ep == 1:
+            return
+        tp, data = self.stage_tp_sizes[0], self.dp * self.sp
+        if self.num_stages > 1:
+            raise ValueError(
+                f"ep_size={self.ep} with pp_size / stage_tp_sizes ({self}): expert parallelism exchanging tokens "
+                "runs over one stage's ranks; load without ep_size (ep_plan='auto' spreads experts over the TP "
+                "group) or without pipeline stages"
+            )
+        if self.sp > 1 and self.dp == 1:
+            raise ValueError(
+                f"ep_size={self.ep} with sp_size / cp_size and no fsdp_size / dp_replicate_size ({self}): the "
+                "sequence ranks' gradient sums are FSDP's here, and an expert's must skip the ranks holding others; "
+                "add fsdp_size or dp_replicate_size"
+            )
+        if self.ep % tp or data % (self.ep // tp):
+            raise ValueError(
+                f"ep_size={self.ep} with {self}: ep_size must be tp_size ({tp}) times a divisor of the ranks that see "
+                f"distinct tokens (dp_replicate x fsdp x cp x sp = {data}); e.g. ep_size={tp * data}"
+            )
+
+    @property
+    def ep_data(self) -> int:
+        """Ranks of the data (and sequence) dimensions one EP group borrows."""
+        return self.ep // self.stage_tp_sizes[0]
 
     @property
     def ulysses(self) -> int:
@@ -123,7 +156,8 @@ class MeshShape:
         text += f" x sp={self.ulysses}" if self.ulysses > 1 else ""
         text += f" x cp={self.cp}" if self.cp > 1 else ""
         text += f" x fsdp={self.dp_shard}" if self.dp_shard > 1 else ""
-        return text + (f" x dp_replicate={self.dp_replicate}" if self.dp_replicate > 1 else "")
+        text += f" x dp_replicate={self.dp_replicate}" if self.dp_replicate > 1 else ""
+        return text + (f" (ep={self.ep})" if self.ep > 1 else "")
 
     def _first(self, stage: int) -> int:
         return self.sp * sum(self.stage_tp_sizes[:stage])
@@ -177,10 +211,29 @@ class MeshShape:
             return self._sequence_part_groups(dim)
         if dim in ("dp", "dp_shard", "dp_replicate", "fsdp"):
             return self._data_parallel_groups(dim)
+        if dim in ("ep", "ep_replicas"):
+            return self._expert_groups(dim)
         raise ValueError(
             f"unknown mesh dimension {dim!r}; the mesh has world, model, pp, tp, sp, ulysses, cp, dp, dp_shard, "
-            "dp_replicate, fsdp and ep"
+            "dp_replicate, fsdp, ep and ep_replicas"
         )
+
+    def _expert_groups(self, dim: str) -> list[tuple[int, ...]]:
+        """``ep``: the ranks holding distinct experts (``ep_size``), a rank's EP index ``data x tp + tp
+        index``, borrowing ``ep_data`` consecutive data places (a data place: replica x sequence index, the
+        sequence index fastest); without ``ep_size``, the TP groups (experts spread over the TP group).
+        ``ep_replicas``: the ranks holding the same experts, which FSDP shards them over."""
+        if self.ep == 1:
+            return self._replica_groups("tp") if dim == "ep" else [(r,) for r in range(self.world_size)]
+        tp, width, places = self.stage_tp_sizes[0], self.ep_data, self.dp * self.sp
+
+        def rank(place: int, t: int) -> int:
+            return self.global_rank(0, place % self.sp, t, place // self.sp)
+
+        if dim == "ep":
+            return [tuple(rank(first + i, t) for i in range(width) for t in range(tp))
+                    for first in range(0, places, width)]  # fmt: skip
+        return [tuple(rank(place, t) for place in range(i, places, width)) for i in range(width) for t in range(tp)]
 
     def _replica_groups(self, dim: str) -> list[tuple[int, ...]]:
         """The groups inside each model replica: ``model`` (all of it), ``tp``, ``sp`` and ``pp``."""

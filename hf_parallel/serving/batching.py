@@ -69,6 +69,9 @@ def _refusal(mesh, stage) -> str | None:
     if mesh.sp.size > 1:
         return f"{where}: sequence and context parallelism are not supported (a decode step's single token " \
                "cannot be split); load without sp_size / cp_size"  # fmt: skip
+    if mesh.shape.ep > 1:
+        return f"{where}: ep_size (data-parallel attention, tokens exchanged between the experts' ranks) is " \
+               "not supported: the manager schedules one batch for the TP group; load with ep_plan='auto'"  # fmt: skip
     if mesh.shape.dp > 1:
         return f"{where}: FSDP and data replicas are not supported (FSDP gathers parameters per forward; each " \
                "replica would schedule its own copy of the requests); load with tp_size only"  # fmt: skip

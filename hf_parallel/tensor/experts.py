@@ -7,12 +7,15 @@ of routed tokens; both styles keep that call and sum the ranks' partial outputs 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from ..compat.torch import parameters_replaced
 from ..compat.transformers import mark_expert_parallel
 from ..core.expert_args import rewrite_expert_args
 from ..distributed import comm
 from ..core.layout import chunks, even_sizes
 from .styles import Hooks, ParallelStyle
+from .token_exchange import EXCHANGE_ATTR, TokenExchange
 
 def _counted_once(module, attrs: list[str], rank: int):
     """Whole parameters added inside a split computation (GPT-OSS's down_proj_bias, inside each
@@ -94,3 +97,27 @@ class MoEEPExperts(MoETPExperts):
             return index.masked_fill((index < 0) | (index >= local), local)
 
         return remap
+
+
+class MoETokenExchange(ParallelStyle):
+    """Expert parallelism under ``ep_size``: each EP rank holds its experts whole (``E / ep``, some ranks one
+    more where that does not divide), its layouts written over the mesh's ``ep`` dimension; tokens travel
+    to them and back (``token_exchange.py``). Each rank routes only its own tokens, so attention and the
+    dense layers are data-parallel over the EP group; no gradient sum: each expert saw every token routed
+    to it, and the data dimensions (FSDP over ``ep_replicas``) do the rest."""
+
+    def layouts(self, module, ctx, name):
+        ep = ctx.mesh.ep
+        return {
+            attr: replace(chunks(0, even_sizes(param.shape[0], ep.size)), over="ep")
+            for attr, param in module.named_parameters(recurse=False)
+        }
+
+    def prepare(self, module, ctx, layouts):
+        layout = next(iter(layouts.values()))
+        first = [pieces[0][0] for pieces in layout.ranges]
+        num_experts = layout.ranges[-1][0][1]
+        mark_expert_parallel(module, layout.local_size(ctx.mesh.ep.rank))
+        exchange = TokenExchange(module, ctx.mesh.ep, ctx.mesh.tp, first, num_experts)
+        setattr(module, EXCHANGE_ATTR, exchange)  # (``count_expert_tokens`` finds it there)
+        return Hooks(around=lambda forward, *args, **kwargs: exchange(forward, args, kwargs))

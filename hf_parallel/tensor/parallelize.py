@@ -50,6 +50,10 @@ class ModelLayout:
         """Where the plan's rules came from (a plans/ file, transformers, discovery, the user)."""
         return self.plan.source
 
+    def exchanging_experts(self) -> list[str]:
+        """The experts modules whose parameters are written over the mesh's ``ep`` dimension (``ep_size``)."""
+        return [path for path, held in self.layouts.items() if any(lay.over == "ep" for lay in held.values())]
+
     def unique_params(self) -> list[ShardedParam]:
         seen, out = set(), []
         for entry in self.params.values():

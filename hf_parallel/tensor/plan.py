@@ -71,13 +71,15 @@ def curated_plan_for(model_type: str):
     return _curated().get(model_type)
 
 
-def resolve_plan(model: nn.Module, tp_plan, ep_plan=None) -> Plan:
+def resolve_plan(model: nn.Module, tp_plan, ep_plan=None, exchange_tokens: bool = False) -> Plan:
     """Turn ``tp_plan`` ("auto", "discover", a registered model_type name, a dict, a TOML/JSON file of rules
     as the CLI's ``--tp-plan`` takes, or None: no rules, every parameter replicated) into validated rules. ``ep_plan="auto"``: experts spread
     whole over the ranks (``with_expert_parallel``), their rules taken from the model's plan even
-    when ``tp_plan`` is None (which then keeps the rest replicated)."""
-    if ep_plan == "auto":
-        return with_expert_parallel(resolve_plan(model, tp_plan or "auto"), keep_tensor_parallel=bool(tp_plan))
+    when ``tp_plan`` is None (which then keeps the rest replicated). ``exchange_tokens`` (``ep_size``): over
+    the mesh's EP group, tokens travelling to them (``ep_plan`` None counts as "auto")."""
+    if ep_plan == "auto" or (exchange_tokens and ep_plan is None):
+        plan = resolve_plan(model, tp_plan or "auto")
+        return with_expert_parallel(plan, keep_tensor_parallel=bool(tp_plan), exchange_tokens=exchange_tokens)
     if ep_plan is not None:
         raise ValueError(f"ep_plan must be 'auto' (experts spread over the ranks) or None, got {ep_plan!r}")
     prefix = getattr(model, "base_model_prefix", "") or ""
@@ -117,20 +119,24 @@ def resolve_plan(model: nn.Module, tp_plan, ep_plan=None) -> Plan:
     return Plan(rules, source, prefix, notes=notes, optional=_OPTIONAL.get(source, frozenset()))
 
 
-def with_expert_parallel(plan: Plan, keep_tensor_parallel: bool) -> Plan:
+def with_expert_parallel(plan: Plan, keep_tensor_parallel: bool, exchange_tokens: bool = False) -> Plan:
     """``ep_plan="auto"``: experts spread whole over the ranks instead of split inside each one.
     Every ``moe_tp_experts`` rule becomes ``moe_ep_experts`` and the parameter rules under it
     ``grouped_gemm``; the other rules stay (attention and dense layers tensor-parallel) or, without
-    a tensor-parallel plan, are dropped (replicated)."""
+    a tensor-parallel plan, are dropped (replicated). ``exchange_tokens``: ``moe_ep_tokens`` instead, which
+    places every parameter of the experts module itself (the parameter rules under it dropped)."""
     experts = [rule.pattern for rule in plan.rules if rule.style_name == "moe_tp_experts"]
     if not experts:
-        raise ValueError(f"ep_plan: the plan ({plan.source}) has no moe_tp_experts rule, so no experts to spread")
+        asked = "ep_size" if exchange_tokens else "ep_plan"
+        raise ValueError(f"{asked}: the plan ({plan.source}) has no moe_tp_experts rule, so no experts to spread")
+    style = "moe_ep_tokens" if exchange_tokens else "moe_ep_experts"
     rules = []
     for rule in plan.rules:
         if rule.style_name == "moe_tp_experts":
-            rules.append(Rule(rule.pattern, "moe_ep_experts", rule.source + ", expert parallel"))
+            rules.append(Rule(rule.pattern, style, rule.source + ", expert parallel"))
         elif any(rule.pattern.startswith(pattern + ".") for pattern in experts):
-            rules.append(Rule(rule.pattern, "grouped_gemm", rule.source + ", expert parallel"))
+            if not exchange_tokens:
+                rules.append(Rule(rule.pattern, "grouped_gemm", rule.source + ", expert parallel"))
         elif keep_tensor_parallel:
             rules.append(rule)
     return Plan(rules, plan.source + " + expert parallel", plan.base_prefix, notes=plan.notes)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .experts import GroupedGemm, MoEEPExperts, MoETPExperts
+from .experts import GroupedGemm, MoEEPExperts, MoETokenExchange, MoETPExperts
 from .mixers import GatedDeltaNet, Mamba1Mixer, Mamba2Mixer, ShortConv
 from .styles import (
     Colwise,
@@ -34,6 +34,7 @@ STYLES: dict[str, ParallelStyle] = {
     "packed_rowwise": PackedRowwise(),
     "moe_tp_experts": MoETPExperts(),
     "moe_ep_experts": MoEEPExperts(),
+    "moe_ep_tokens": MoETokenExchange(),  # ep_size: tokens travel to the experts (all-to-all)
     "grouped_gemm": GroupedGemm(),
     "embedding_rowwise": EmbeddingRowwise(),
     "embedding_colwise": EmbeddingColwise(),

@@ -66,6 +66,9 @@ def grad_norm_squares(model, state) -> torch.Tensor:
         if param.grad is None:
             continue
         grad = local_tensor(param.grad)
+        if entry is not None and entry.layout.over == "ep":  # experts under ep_size: one holder in the world
+            total += squares(grad)
+            continue
         sharded = hasattr(param, "to_local")  # FSDP's slice of this rank's TP shard
         # FSDP's slices are copied on the HSDP replicas; anything else (an adapter) on every replica
         weight = 1.0 / (mesh.shape.dp_replicate if sharded else mesh.dp.size)

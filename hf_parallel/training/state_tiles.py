@@ -38,7 +38,7 @@ from ..checkpoint.training_state import (
 )
 from ..core.tiles import Tile
 from ..core.dtypes import SAFETENSORS_TO_TORCH
-from ..compat.torch import fsdp_rows
+from ..compat.torch import fsdp_rows, fsdp_shard_dim
 from ..state import parallel_model, parallel_state
 from ..core.layout import Box, as_slices
 from .clipping import local_tensor
@@ -48,18 +48,20 @@ def _segments(param, entry, mesh) -> list[list[tuple[int, int, int]]]:
     shape = tuple(param.shape)  # FSDP's DTensor: the TP shard's shape
     segments = [[(0, 0, n)] for n in shape]
     layout = entry.layout if entry is not None else None
+    over = layout.over if layout is not None else "tp"  # (experts under ep_size: their EP rank's)
     if layout is not None and not layout.is_replicated:
-        offsets = itertools.accumulate((stop - start for start, stop in layout.ranges[mesh.tp.rank]), initial=0)
-        segments[layout.dim] = [(start, at, stop - start) for (start, stop), at in zip(layout.ranges[mesh.tp.rank],
-                                                                                        offsets)]  # fmt: skip
-    if hasattr(param, "to_local") and shape:  # FSDP's rows of the TP shard
-        rows = fsdp_rows(shape[0], local_tensor(param).shape[0], mesh.fsdp.rank, mesh.fsdp.size)
+        ranges = layout.ranges[mesh[over].rank]
+        offsets = itertools.accumulate((stop - start for start, stop in ranges), initial=0)
+        segments[layout.dim] = [(start, at, stop - start) for (start, stop), at in zip(ranges, offsets)]
+    if hasattr(param, "to_local") and shape:  # FSDP's rows of the TP shard (of the EP shard over its replicas)
+        fsdp, dim = mesh["ep_replicas" if over == "ep" else "fsdp"], fsdp_shard_dim(param)
+        rows = fsdp_rows(shape[dim], local_tensor(param).shape[dim], fsdp.rank, fsdp.size)
         clipped = []
-        for full, at, length in segments[0]:
+        for full, at, length in segments[dim]:
             low, high = max(at, rows.start), min(at + length, rows.stop)
             if low < high:
                 clipped.append((full + low - at, low - rows.start, high - low))
-        segments[0] = clipped
+        segments[dim] = clipped
     return segments
 
 

@@ -84,6 +84,9 @@ _UNSUPPORTED = {
 }
 
 
+EP_IMPLEMENTATIONS = ("auto", "all_to_all", "all_reduce")  # DistributedConfig's names hf_parallel implements
+
+
 def from_distributed_config(config, sizes: dict, tp_plan, ep_plan):
     """The mesh sizes, the plans and FSDP's policies (``from_pretrained``'s ``mixed_precision`` and
     ``fsdp_cpu_offload``, as transformers applies them: bf16 compute, fp32 reductions) of transformers'
@@ -99,17 +102,31 @@ def from_distributed_config(config, sizes: dict, tp_plan, ep_plan):
             raise ValueError(f"DistributedConfig({field}={getattr(config, field)!r}) is not supported: {why}")
     tp = config.tp_size or None
     ep = getattr(config, "ep_size", None) or 1
-    if ep not in (1, tp or 1):
+    implementation = getattr(config, "ep_implementation", "auto")
+    if implementation not in EP_IMPLEMENTATIONS:
         raise ValueError(
-            f"DistributedConfig(ep_size={ep}, tp_size={tp}): hf_parallel spreads experts over the TP group, so "
-            "ep_size must equal tp_size"
+            f"DistributedConfig(ep_implementation={implementation!r}): hf_parallel implements "
+            f"{', '.join(map(repr, EP_IMPLEMENTATIONS))} ('auto': 'all_reduce' where the EP group is the TP group, "
+            "which shares one batch, else 'all_to_all', as transformers picks)"
+        )
+    # 'all_reduce': experts over the TP group, each rank on the group's batch (ep_plan="auto")
+    whole_batch = implementation == "all_reduce" or (implementation == "auto" and ep == (tp or 1))
+    if whole_batch and ep not in (1, tp or 1):
+        raise ValueError(
+            f"DistributedConfig(ep_size={ep}, tp_size={tp}, ep_implementation='all_reduce'): the experts run on "
+            "the batch the TP group shares, so ep_size must equal tp_size; 'all_to_all' exchanges tokens"
         )
     sizes = dict(sizes, tp_size=tp, pp_size=config.pp_size or 1, fsdp_size=config.fsdp_size or 1,
-                 dp_replicate_size=config.dp_replicate_size or 1)  # fmt: skip
+                 dp_replicate_size=config.dp_replicate_size or 1, ep_size=1 if whole_batch else ep)  # fmt: skip
     if config.tp_plan not in (None, "auto"):
         tp_plan = config.tp_plan
-    if ep > 1:
+    if ep > 1 and whole_batch:
         ep_plan = config.ep_plan or "auto"
+    elif ep > 1 and config.ep_plan:
+        raise ValueError(
+            f"DistributedConfig(ep_plan={config.ep_plan!r}) with ep_size={ep}: hf_parallel takes the experts' rule "
+            "from the model's plan (its moe_tp_experts rule); leave ep_plan unset"
+        )
     policies = dict(mixed_precision="bf16" if config.fsdp_mixed_precision else None,
                     fsdp_cpu_offload=bool(config.fsdp_cpu_offload))  # fmt: skip
     return sizes, tp_plan, ep_plan, policies

@@ -1,0 +1,245 @@
+"""Expert parallelism: a training step and greedy decode of a wide tiny MoE at EP=2 and EP=4, hf_parallel's
+``ep_size`` (tokens travel to the experts, attention data-parallel: dense layers copied on every rank, or FSDP-sharded
+with ``fsdp``) beside its TP-group EP (``ep_plan="auto"``:
+every rank on the whole batch, outputs all-reduced), transformers' own ``DistributedConfig(ep_size=N,
+ep_implementation="all_to_all")`` and one process, on the same cores.
+
+    python benchmarks/experts.py [--layers 4] [--hidden 256] [--experts 16] [--rows 8] [--seq 64] [--steps 2]
+                                 [--decode 8] [--sizes 2 4]
+
+The model: a random Qwen3-MoE (``--experts`` experts of intermediate size 2 x ``--hidden``, top-2, float32) built
+into the cache once. Every configuration trains on the same global batch of ``rows`` x ``seq`` random tokens
+(data-parallel ranks each take their rows; the TP group shares them) with AdamW, one warm-up step then
+``--steps`` timed, and decodes ``--decode`` greedy tokens for ``rows`` prompts of 16 tokens (each data-parallel
+rank its rows, stepping together). Per configuration: tokens/s of both, the losses against one process's, and
+each rank's expert bytes at compute time (``memory.held_bytes`` of every experts module's parameters as its
+forward starts, FSDP's unsharded ones included) over the whole experts'. Writes ``experts.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.dirname(HERE)]  # this checkout's hf_parallel, not an installed copy
+
+PROMPT_TOKENS = 16
+
+
+def kinds(sizes: list[int]) -> dict[str, int]:
+    """configuration -> ranks"""
+    out = {"one process": 1}
+    for n in sizes:
+        for kind in ("hf_parallel ep_size={}", "hf_parallel ep_size={} fsdp", "hf_parallel TP-group EP={}",
+                     "transformers ep_size={}"):  # fmt: skip
+            out[kind.format(n)] = n
+    return out
+
+
+def checkpoint(args) -> str:
+    """The random MoE of these sizes, built once into the cache."""
+    import torch
+    import transformers
+
+    from hf_parallel.commands.default_model import cache_root
+
+    name = f"qwen3moe-l{args.layers}-h{args.hidden}-e{args.experts}"
+    path = os.path.join(cache_root(), "benchmarks", name)
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        config = transformers.Qwen3MoeConfig(
+            vocab_size=1024, hidden_size=args.hidden, intermediate_size=2 * args.hidden, num_hidden_layers=args.layers,
+            moe_intermediate_size=2 * args.hidden, num_experts=args.experts, num_experts_per_tok=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=args.hidden // 4, tie_word_embeddings=False,
+        )  # fmt: skip
+        torch.manual_seed(0)
+        transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
+    return path
+
+
+def load(kind: str, path: str, ranks: int):
+    import torch
+    import transformers
+
+    import hf_parallel
+
+    if kind == "one process":
+        return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), 1
+    if kind.startswith("transformers"):
+        from transformers.distributed import DistributedConfig
+
+        config = DistributedConfig(fsdp_size=ranks, ep_size=ranks, ep_implementation="all_to_all")
+        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, distributed_config=config)
+        return model, ranks
+    if "TP-group" in kind:
+        return hf_parallel.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, ep_plan="auto"), 1
+    data = dict(fsdp_size=ranks) if kind.endswith("fsdp") else dict(dp_replicate_size=ranks)  # dense: FSDP or copies
+    sizes = dict(ep_size=ranks, tp_plan=None, **data)
+    return hf_parallel.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **sizes), ranks
+
+
+def expert_bytes_at_compute(model) -> list:
+    """Every experts module's parameter bytes held as its forward starts (the largest seen), filled in by hooks."""
+    from hf_parallel.memory import held_bytes
+
+    seen = [0]
+
+    def hook(module, *_):
+        seen[0] = max(seen[0], held_bytes(module.parameters()))
+
+    for name, module in model.named_modules():
+        if name.endswith("mlp.experts"):
+            module.register_forward_pre_hook(hook)
+    return seen
+
+
+def worker(kind: str, args) -> None:
+    import torch
+    import torch.distributed as dist
+
+    ranks = int(os.environ.get("WORLD_SIZE", 1))
+    rank = int(os.environ.get("RANK", 0))
+    model, data_parallel = load(kind, checkpoint(args), ranks)
+    experts_whole = sum(p.numel() * 4 for n, p in _whole_experts(args).items())
+    held = expert_bytes_at_compute(model)
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, model.config.vocab_size, (args.rows, args.seq), generator=generator)
+    rows = args.rows // data_parallel
+    mine = ids[(rank % data_parallel) * rows : (rank % data_parallel + 1) * rows]
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    losses, seconds = [], []
+    for step in range(1 + args.steps):
+        if dist.is_initialized():
+            dist.barrier()
+        start = time.perf_counter()
+        loss = model(input_ids=mine, labels=mine).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if dist.is_initialized():
+            dist.barrier()
+        if step:  # the first step is the warm-up
+            seconds.append(time.perf_counter() - start)
+        loss = loss.detach()
+        if data_parallel > 1:  # the global batch's loss: the replicas' mean
+            dist.all_reduce(loss)
+            loss /= data_parallel
+        losses.append(loss.item())
+    model.eval()
+    prompts = ids[:, :PROMPT_TOKENS][(rank % data_parallel) * rows : (rank % data_parallel + 1) * rows]
+    with torch.no_grad():
+        model.generate(prompts, max_new_tokens=2, do_sample=False, eos_token_id=None)  # warm-up
+        if dist.is_initialized():
+            dist.barrier()
+        start = time.perf_counter()
+        model.generate(prompts, max_new_tokens=args.decode, do_sample=False, eos_token_id=None)
+        if dist.is_initialized():
+            dist.barrier()
+        decode_s = time.perf_counter() - start
+    result = {"step_s": sum(seconds) / len(seconds), "decode_s": decode_s, "losses": losses,
+              "expert_bytes": held[0], "experts_whole": experts_whole}  # fmt: skip
+    with open(os.path.join(args.out, f"experts-{kind.replace(' ', '_')}-rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def _whole_experts(args) -> dict:
+    """One experts module's parameters at full size (names -> meta tensors), for the whole experts' bytes."""
+    import torch
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(checkpoint(args))
+    with torch.device("meta"):
+        experts = transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeExperts(config)
+    return dict(experts.named_parameters())
+
+
+def launch(kind: str, ranks: int, args) -> list[dict] | str:
+    threads = max(1, (os.cpu_count() or 1) // ranks)
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": os.pathsep.join([HERE, os.path.dirname(HERE)])}
+    worker_args = [os.path.abspath(__file__), "--worker", kind, "--out", args.out]
+    for flag in ("layers", "hidden", "experts", "rows", "seq", "steps", "decode"):
+        worker_args += [f"--{flag}", str(getattr(args, flag))]
+    command = [sys.executable, *worker_args]
+    if ranks > 1:
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
+                   *worker_args]  # fmt: skip
+    print(f"  {kind} x{ranks} ({threads} thread(s) each) ...", flush=True)
+    done = subprocess.run(command, env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        errors = [line for line in done.stderr.splitlines() if "Error:" in line and "ChildFailedError" not in line]
+        return (errors[-1] if errors else f"exit {done.returncode}").strip()[:300]
+    name = kind.replace(" ", "_")
+    return [json.load(open(os.path.join(args.out, f"experts-{name}-rank{r}.json"))) for r in range(ranks)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--experts", type=int, default=16)
+    parser.add_argument("--rows", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--decode", type=int, default=8)
+    parser.add_argument("--sizes", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--only", nargs="+", help=argparse.SUPPRESS)  # configurations to run (the tests' smoke run)
+    parser.add_argument("--out", default=os.path.join(HERE, "results"))
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    if args.worker:
+        return worker(args.worker, args)
+    checkpoint(args)  # built once, before any timing
+    runs = {kind: launch(kind, ranks, args) for kind, ranks in kinds(args.sizes).items()
+            if not args.only or kind in args.only}  # fmt: skip
+    single = runs.get("one process", "not run")
+    table = {}
+    for kind, ranks in runs.items():
+        if isinstance(ranks, str):
+            table[kind] = {"failed": ranks}
+            continue
+        table[kind] = {
+            "train_tokens_per_s": args.rows * args.seq / max(r["step_s"] for r in ranks),
+            "decode_tokens_per_s": args.rows * args.decode / max(r["decode_s"] for r in ranks),
+            "expert_bytes_fraction": max(r["expert_bytes"] for r in ranks) / ranks[0]["experts_whole"],
+            "loss_error": None if isinstance(single, str)
+            else max(abs(a - b) for r in ranks for a, b in zip(r["losses"], single[0]["losses"])),
+        }  # fmt: skip
+    print(f"\nMoE {args.layers} layers, hidden {args.hidden}, {args.experts} experts (top-2), fp32; training step "
+          f"{args.rows} x {args.seq} tokens + AdamW, decode {args.decode} tokens x {args.rows} prompts; "
+          f"{os.cpu_count()} cores")  # fmt: skip
+    print(f"{'configuration':<30} {'train tok/s':>11} {'decode tok/s':>12} {'experts held':>12} {'loss - 1 proc':>13}")
+    for kind, row in table.items():
+        if "failed" in row:
+            print(f"{kind:<30} failed: {row['failed']}")
+            continue
+        error = "-" if row["loss_error"] is None else f"{row['loss_error']:.1e}"
+        print(f"{kind:<30} {row['train_tokens_per_s']:>11.1f} {row['decode_tokens_per_s']:>12.1f} "
+              f"{row['expert_bytes_fraction']:>12.3f} {error:>13}")  # fmt: skip
+    ratios = {}
+    for n in args.sizes:
+        others = {"TP-group EP": f"hf_parallel TP-group EP={n}", "transformers": f"transformers ep_size={n}",
+                  "one process": "one process"}  # fmt: skip
+        for ours in (f"hf_parallel ep_size={n}", f"hf_parallel ep_size={n} fsdp"):
+            for key in ("train_tokens_per_s", "decode_tokens_per_s"):
+                for name, other in others.items():
+                    a, b = table.get(ours, {"failed": 1}), table.get(other, {"failed": 1})
+                    if "failed" not in a and "failed" not in b:
+                        ratios[f"{key} {ours.removeprefix('hf_parallel ')} / {name}"] = a[key] / b[key]
+    print()
+    for text, value in ratios.items():
+        print(f"{text}: {value:.2f}")
+    with open(os.path.join(args.out, "experts.json"), "w") as f:
+        json.dump({"args": vars(args), "table": table, "ratios": ratios}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
