@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 
@@ -100,6 +99,7 @@ def expert_bytes_at_compute(model) -> list:
 def worker(kind: str, args) -> None:
     import torch
     import torch.distributed as dist
+    from measure import timed_training_steps
 
     ranks = int(os.environ.get("WORLD_SIZE", 1))
     rank = int(os.environ.get("RANK", 0))
@@ -111,25 +111,7 @@ def worker(kind: str, args) -> None:
     rows = args.rows // data_parallel
     mine = ids[(rank % data_parallel) * rows : (rank % data_parallel + 1) * rows]
     model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
-    losses, seconds = [], []
-    for step in range(1 + args.steps):
-        if dist.is_initialized():
-            dist.barrier()
-        start = time.perf_counter()
-        loss = model(input_ids=mine, labels=mine).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        if dist.is_initialized():
-            dist.barrier()
-        if step:  # the first step is the warm-up
-            seconds.append(time.perf_counter() - start)
-        loss = loss.detach()
-        if data_parallel > 1:  # the global batch's loss: the replicas' mean
-            dist.all_reduce(loss)
-            loss /= data_parallel
-        losses.append(loss.item())
+    losses, seconds = timed_training_steps(model, mine, args.steps, data_parallel)
     model.eval()
     prompts = ids[:, :PROMPT_TOKENS][(rank % data_parallel) * rows : (rank % data_parallel + 1) * rows]
     with torch.no_grad():
@@ -162,22 +144,11 @@ def _whole_experts(args) -> dict:
 
 
 def launch(kind: str, ranks: int, args) -> list[dict] | str:
-    threads = max(1, (os.cpu_count() or 1) // ranks)
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": os.pathsep.join([HERE, os.path.dirname(HERE)])}
-    worker_args = [os.path.abspath(__file__), "--worker", kind, "--out", args.out]
-    for flag in ("layers", "hidden", "experts", "rows", "seq", "steps", "decode"):
-        worker_args += [f"--{flag}", str(getattr(args, flag))]
-    command = [sys.executable, *worker_args]
-    if ranks > 1:
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
-                   *worker_args]  # fmt: skip
-    print(f"  {kind} x{ranks} ({threads} thread(s) each) ...", flush=True)
-    done = subprocess.run(command, env=env, capture_output=True, text=True)
-    if done.returncode != 0:
-        errors = [line for line in done.stderr.splitlines() if "Error:" in line and "ChildFailedError" not in line]
-        return (errors[-1] if errors else f"exit {done.returncode}").strip()[:300]
-    name = kind.replace(" ", "_")
-    return [json.load(open(os.path.join(args.out, f"experts-{name}-rank{r}.json"))) for r in range(ranks)]
+    from measure import run_worker
+
+    flags = [f"--{flag}={getattr(args, flag)}" for flag in ("layers", "hidden", "experts", "rows", "seq", "steps",
+                                                              "decode")]  # fmt: skip
+    return run_worker(__file__, kind, ranks, flags, args.out, os.pathsep.join([HERE, os.path.dirname(HERE)]))
 
 
 def main() -> None:

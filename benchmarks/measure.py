@@ -97,3 +97,26 @@ def timed_training_steps(model, rows: torch.Tensor, steps: int, data_parallel: i
             loss /= data_parallel
         losses.append(loss.item())
     return losses, seconds
+
+
+def run_worker(script: str, kind: str, ranks: int, flags: list[str], out: str, pythonpath: str) -> list[dict] | str:
+    """``script --worker KIND --out OUT FLAGS`` run as ``ranks`` ranks under torchrun (one process without), the
+    cores shared among them: every rank's results (``{script's stem}-{kind}-rank{r}.json`` in ``out``), or what
+    failed (the last error line of its output)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    threads = max(1, (os.cpu_count() or 1) // ranks)
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": pythonpath}
+    command = [sys.executable, os.path.abspath(script), "--worker", kind, "--out", out, *flags]
+    if ranks > 1:
+        command[1:1] = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
+    print(f"  {kind} x{ranks} ({threads} thread(s) each) ...", flush=True)
+    done = subprocess.run(command, env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        errors = [line for line in done.stderr.splitlines() if "Error:" in line and "ChildFailedError" not in line]
+        return (errors[-1] if errors else f"exit {done.returncode}").strip()[:300]
+    stem, name = os.path.splitext(os.path.basename(script))[0], kind.replace(" ", "_")
+    return [json.load(open(os.path.join(out, f"{stem}-{name}-rank{r}.json"))) for r in range(ranks)]

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -88,29 +87,11 @@ def worker(kind: str, args) -> None:
 
 
 def launch(kind: str, args) -> list[dict] | str:
-    nproc = KINDS[kind]
-    threads = max(1, (os.cpu_count() or 1) // nproc)
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": HERE}
-    worker_args = [os.path.abspath(__file__), "--worker", kind, "--out", args.out, "--model", args.model]
-    worker_args += ["--rows", str(args.rows), "--seq", str(args.seq), "--steps", str(args.steps)]
-    worker_args += ["--lora", str(args.lora)] if args.lora else []
-    command = [sys.executable, *worker_args]
-    if nproc > 1:
-        command = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc-per-node={nproc}",
-            *worker_args,
-        ]
-    print(f"  {kind} x{nproc} ({threads} thread(s) each) ...", flush=True)
-    done = subprocess.run(command, env=env, capture_output=True, text=True)
-    if done.returncode != 0:
-        errors = [line for line in done.stderr.splitlines() if "Error:" in line and "ChildFailedError" not in line]
-        return (errors[-1] if errors else f"exit {done.returncode}").strip()[:300]
-    name = kind.replace(" ", "_")
-    return [json.load(open(os.path.join(args.out, f"training-{name}-rank{r}.json"))) for r in range(nproc)]
+    from measure import run_worker
+
+    flags = ["--model", args.model, "--rows", str(args.rows), "--seq", str(args.seq), "--steps", str(args.steps)]
+    flags += ["--lora", str(args.lora)] if args.lora else []
+    return run_worker(__file__, kind, KINDS[kind], flags, args.out, HERE)
 
 
 def main() -> None:

@@ -52,11 +52,16 @@ class TokenExchange:
     def __init__(self, module, ep, tp, first_experts: list[int], num_experts: int):
         self.module, self.ep, self.tp, self.num_experts = module, ep, tp, num_experts
         self.counts: torch.Tensor | None = None
+        # the split sizes are read on the host: in a compiled model the exchange runs eagerly (made here, not
+        # at import: the compiler's modules are heavy, and a consolidation never builds a model)
+        self._exchange = torch.compiler.disable(self._exchange)
         self.first = list(first_experts) + [num_experts]
         self.local = self.first[ep.rank + 1] - self.first[ep.rank]
 
-    @torch.compiler.disable  # the split sizes are read on the host: the exchange runs eagerly in a compiled model
     def __call__(self, forward, args: tuple, kwargs: dict) -> torch.Tensor:
+        return self._exchange(forward, args, kwargs)
+
+    def _exchange(self, forward, args: tuple, kwargs: dict) -> torch.Tensor:
         hidden, expert_ids, weights = expert_args(args, kwargs)
         rows = even_sizes(hidden.shape[0], self.tp.size)  # each TP rank's share of the tokens
         mine = comm.scatter_to(hidden, 0, rows, self.tp.group)
