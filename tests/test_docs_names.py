@@ -104,3 +104,16 @@ def test_the_architecture_tree_names_every_module_and_only_those():
     assert not {n for n in modules if mentions[n] < modules.count(n)}, "modules the architecture page leaves out"
     named = set(re.findall(r"\b([a-z_0-9]+\.py)\b", architecture)) - {"__init__.py", "__main__.py"}
     assert named <= {path.name for path in _sources(ROOT)}, named - set(modules)
+
+
+def _measured(page: Path) -> list[str]:
+    """The rows of a page's table of measurements (headed ``| what | where | compared with | result |``)."""
+    text = page.read_text()
+    table = text[text.index("| what | where | compared with | result |") :].split("\n\n", 1)[0]
+    return [line.strip() for line in table.splitlines()]
+
+
+def test_the_benchmarks_page_opens_with_the_readmes_measurements():
+    """The summary at the top of the benchmarks page and the README's "Measured" table are the same rows."""
+    rows = _measured(ROOT / "README.md")
+    assert len(rows) > 3 and rows == _measured(ROOT / "docs" / "benchmarks.md")
