@@ -119,6 +119,7 @@ def sequence_comm_properties(rank: int, world_size: int, transport: str = "shm")
     from hypothesis import strategies as st
 
     from hf_parallel.distributed import comm, shm
+    from hf_parallel.distributed.batch import broadcast_batch
     from hf_parallel.distributed.mesh import get_mesh
     from hf_parallel.core.layout import even_sizes, sizes_to_ranges
 
@@ -163,7 +164,7 @@ def sequence_comm_properties(rank: int, world_size: int, transport: str = "shm")
         "m": (torch.tensor([True]),),
     }
     other = {"ids": torch.zeros(1), "rest": [], "m": ()}
-    got = comm.broadcast_batch(mine if rank == 0 else other, group, torch.device("cpu"))
+    got = broadcast_batch(mine if rank == 0 else other, group, torch.device("cpu"))
     worst["broadcast"] = (
         got["ids"].tolist() == [[0, 1, 2], [3, 4, 5]]
         and got["rest"][0].dtype == torch.bfloat16
@@ -249,6 +250,7 @@ def collective_buffers(rank: int, world_size: int) -> dict:
 
     from hf_parallel.checkpoint.saving import Scratch, gather_block
     from hf_parallel.distributed import comm
+    from hf_parallel.distributed.batch import broadcast_batch
     from hf_parallel.distributed.mesh import get_mesh
     from hf_parallel.pipeline.p2p import StageLink
     from hf_parallel.pipeline.tied import full_tensor
@@ -288,7 +290,7 @@ def collective_buffers(rank: int, world_size: int) -> dict:
             == (1, [2, 1][rank], 3)
         ),
         "broadcast_batch": lambda: (
-            comm.broadcast_batch(
+            broadcast_batch(
                 {"ids": torch.arange(4, device=cpu).view(2, 2) if rank == 0 else None}, tp.tp.group, cpu
             )["ids"].tolist()
             == [[0, 1], [2, 3]]

@@ -14,8 +14,7 @@ op is the identity, so the same model code runs as TP=1 in a plain process.
 
 ``scatter_to`` takes a gradient scale: a split of an input every rank computed alike, whose
 parameters' gradients are then summed over the group, passes back ``1/p`` of the gathered gradient.
-``broadcast_batch`` sends a nested batch from the group's first rank (shapes and dtypes first; in
-shared memory, one step each, when the group has a channel).
+A nested batch goes from a group's first rank to the others in ``batch.py``.
 
 Splits and gathers take per-rank ``sizes`` so uneven shards (vocab 49152 over 5 ranks, 9 heads
 over 2) need no padding in the caller. Collectives are counted in ``COUNTS`` so tests and
@@ -26,13 +25,11 @@ of one host the payload travels through shared memory (``shm.py``), otherwise th
 from __future__ import annotations
 
 import math
-import pickle
 from collections import Counter
 from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
-from torch.utils._pytree import tree_map_only
 
 from .devices import metadata_device
 from .faults import collective
@@ -332,72 +329,6 @@ def gather_to_use(x, dim, sizes, group):
     if _world(group) == 1:
         return x
     return all_gather(x, dim, sizes, group) if _direct(x) else _GatherToUse.apply(x, dim, tuple(sizes), group)
-
-
-def _describe(value, leaves: list):
-    """The batch's structure, each tensor in it as its shape and dtype (the tensors appended to
-    ``leaves`` in order): what other ranks need to receive the tensors into buffers of their own."""
-    if isinstance(value, torch.Tensor):
-        leaves.append(value)
-        return ("tensor", tuple(value.shape), value.dtype)
-    if isinstance(value, dict):
-        return ("dict", {key: _describe(item, leaves) for key, item in value.items()})
-    if isinstance(value, (list, tuple)):
-        return (type(value).__name__, [_describe(item, leaves) for item in value])
-    return ("value", value)
-
-
-def broadcast_batch(batch, group, device: torch.device):
-    """``batch`` (tensors in dicts, lists and tuples, of any dtype and shape) as the group's first
-    rank holds it, on every rank of the group, on ``device`` (the group's): the structure, shapes
-    and dtypes go first, as an object (vLLM's ``broadcast_tensor_dict``), then each tensor,
-    received into a buffer on ``device``. Non-tensor leaves travel with the structure."""
-    if _world(group) == 1:
-        return batch
-    if _compiling():  # one op per tensor, the first rank's values in each rank's shapes (checked); the
-        name = group.group_name  # structure and non-tensor arguments are each rank's own, as its graph was traced
-        return tree_map_only(torch.Tensor, lambda t: torch.ops.hf_parallel.broadcast(t.to(device), name), batch)
-    leaves = []
-    first = dist.get_global_rank(group, 0)
-    mine = _rank(group) == 0
-    channel = channel_for(group) if device.type == "cpu" else None
-
-    def shared(tensor: torch.Tensor | None, what: str) -> torch.Tensor | None:
-        """Through shared memory in one step, when the group has it and the tensor fits a slot."""
-        return None if channel is None else channel.broadcast(tensor, 0, what)
-
-    what = "broadcasting the batch's structure over the sequence-parallel group"
-    layout = _describe(batch, leaves)
-    pickled = shared(torch.frombuffer(bytearray(pickle.dumps(layout)), dtype=torch.uint8) if mine else None, what)
-    if pickled is not None:
-        layout = layout if mine else pickle.loads(pickled.numpy().tobytes())
-    else:
-        boxed = [layout]
-        with collective(what):
-            dist.broadcast_object_list(boxed, src=first, group=group)
-        layout = boxed[0]
-
-    def build(spec):
-        kind, *rest = spec
-        if kind == "tensor":
-            shape, dtype = rest
-            what = f"broadcasting a batch tensor of {shape}"
-            tensor = leaves.pop(0).to(device).contiguous() if mine else None
-            received = shared(tensor, what)
-            if received is not None:
-                return received
-            tensor = tensor if mine else torch.empty(shape, dtype=dtype, device=device)
-            with collective(what):
-                dist.broadcast(tensor, src=first, group=group)
-            return tensor
-        if kind == "dict":
-            return {key: build(item) for key, item in rest[0].items()}
-        if kind in ("list", "tuple"):
-            items = [build(item) for item in rest[0]]
-            return items if kind == "list" else tuple(items)
-        return rest[0]
-
-    return build(layout)
 
 
 def broadcast_now(x: torch.Tensor, group) -> torch.Tensor:

@@ -45,6 +45,7 @@ from ..compat.transformers import (
 )
 from ..core.context import SequenceCall, current_call, keeping_the_call
 from ..distributed import comm
+from ..distributed.batch import broadcast_batch
 from ..core.layers import repeated_layers
 from ..tensor import attention
 from ..tensor.gradients import GradientSums
@@ -252,7 +253,7 @@ def sequence_inputs(split: SequenceSplit, inputs: dict, warned: list, can_cache:
     without labels, or a cache given: ``generate``). ``can_cache``: False on pipeline stages, which keep
     none."""
     given = inputs.pop("past_key_values", None)  # each rank's own object: not broadcast
-    inputs = comm.broadcast_batch(inputs, split.group, split.device)
+    inputs = broadcast_batch(inputs, split.group, split.device)
     if not can_cache:
         if given is not None:
             raise ValueError(
