@@ -130,7 +130,7 @@ def routed_per_expert(path: str) -> dict[str, list[int]]:
     hands them to the experts."""
     import transformers
 
-    from hf_parallel.tensor.token_exchange import expert_args
+    from hf_parallel.core.expert_args import expert_args
 
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     counts = {}

@@ -13,3 +13,21 @@ def rewrite_expert_args(args: tuple, kwargs: dict, rewrite) -> tuple[tuple, dict
     args = tuple(rewrite(role, value) if role < 3 else value for role, value in enumerate(args))
     kwargs = {key: rewrite(EXPERT_ARG_ROLES[key], v) if key in EXPERT_ARG_ROLES else v for key, v in kwargs.items()}
     return args, kwargs
+
+
+EXPERT_ROLES = ("hidden_states", "expert ids", "routing weights")
+
+
+def expert_args(args: tuple, kwargs: dict) -> list:
+    """The experts forward's three arguments by role (hidden states, expert ids, routing weights)."""
+    found = [None, None, None]
+
+    def read(role, value):
+        found[role] = value
+        return value
+
+    rewrite_expert_args(args, kwargs, read)
+    missing = [EXPERT_ROLES[role] for role, value in enumerate(found) if value is None]
+    if missing:
+        raise RuntimeError(f"hf_parallel: an experts forward called without its {', '.join(missing)}")
+    return found

@@ -45,7 +45,7 @@ from torch import nn
 from .base import Kept
 from ..compat.torch import MODULE_PARAMETERS, parameters_replaced
 from .kernels import fp8_weight_only, int4_torch
-from ..core.expert_args import EXPERT_ARG_ROLES, rewrite_expert_args
+from ..core.expert_args import EXPERT_ARG_ROLES, expert_args, rewrite_expert_args
 from .kept_linear import rows_in_order
 
 
@@ -229,7 +229,7 @@ class KeptExperts(nn.Module):
         self.kernel_products = _takes_kernel_products(self)
 
     def forward(self, *args, **kwargs):
-        hidden, ids, routing = (_argument(args, kwargs, role) for role in range(3))
+        hidden, ids, routing = expert_args(args, kwargs)
         experts, pairs = self.num_experts, ids.numel()
         if pairs == 0 or pairs > experts or any(rows is None for rows in self.kept_rows.values()):
             whole = {attr: weight.dequantize() for attr, weight in self.kept_weights.items()}
@@ -267,11 +267,6 @@ class KeptExperts(nn.Module):
                 return super().forward(*args, **kwargs)
             finally:
                 self.num_experts = held
-
-
-def _argument(args: tuple, kwargs: dict, role: int):
-    """The experts forward's hidden states (0), expert ids (1) or routing weights (2), by position or name."""
-    return args[role] if len(args) > role else next(v for k, v in kwargs.items() if EXPERT_ARG_ROLES.get(k) == role)
 
 
 def gated_experts(module) -> bool:

@@ -19,27 +19,11 @@ from __future__ import annotations
 import torch
 
 from ..compat.torch import current_backward
-from ..core.expert_args import rewrite_expert_args
+from ..core.expert_args import expert_args, rewrite_expert_args
 from ..core.layout import even_sizes
 from ..distributed import comm
 
-EXPERT_ROLES = ("hidden_states", "expert ids", "routing weights")
 EXCHANGE_ATTR = "_hf_parallel_token_exchange"  # an experts module's ``TokenExchange``, set by its style
-
-
-def expert_args(args: tuple, kwargs: dict) -> list:
-    """The experts forward's three arguments by role, however the model passed them."""
-    found = [None, None, None]
-
-    def read(role, value):
-        found[role] = value
-        return value
-
-    rewrite_expert_args(args, kwargs, read)
-    missing = [EXPERT_ROLES[role] for role, value in enumerate(found) if value is None]
-    if missing:
-        raise RuntimeError(f"hf_parallel: an experts forward called without its {', '.join(missing)}")
-    return found
 
 
 class TokenExchange:
