@@ -37,21 +37,14 @@ def load(impl: str, path: str, dtype: torch.dtype):
 
 
 def local_param_bytes(model) -> int:
-    """Bytes of this rank's parameters (weights kept quantized: as held, not their placeholders, and the copies
-    repacked for torch's int4 kernel beside them)."""
-    seen, total = set(), 0
+    """Bytes of this rank's weights (``hf_parallel.memory.weights_held``: kept quantized weights as held); a run
+    of transformers alone counts its parameters without importing hf_parallel."""
     if "hf_parallel" in sys.modules:
-        from hf_parallel.quant.kept import int4_copy_nbytes
+        from hf_parallel.memory import weights_held
 
-        total = sum(w.nbytes for w in sys.modules["hf_parallel"].parallel_state(model).kept.values())
-        total += int4_copy_nbytes(model)
-    for param in model.parameters():
-        if id(param) in seen or param.device.type == "meta":
-            continue
-        seen.add(id(param))
-        local = param.to_local() if hasattr(param, "to_local") else param
-        total += local.numel() * local.element_size()
-    return total
+        return weights_held(model)
+    locals_ = (param.to_local() if hasattr(param, "to_local") else param for param in model.parameters())
+    return sum(local.nbytes for local in locals_ if local.device.type != "meta")  # transformers' TP: DTensors
 
 
 def timed(fn):

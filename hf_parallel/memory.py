@@ -20,6 +20,8 @@ from .compat.torch import fsdp_row_range
 from .core.dtypes import nbytes
 from .core.layers import find_layer_list
 from .distributed.fsdp import ends_of_their_own, expert_shard_dim
+from .quant.kept import int4_copy_nbytes
+from .state import is_parallel, parallel_state
 
 
 def held_bytes(tensors: Iterable[torch.Tensor]) -> int:
@@ -33,6 +35,17 @@ def held_bytes(tensors: Iterable[torch.Tensor]) -> int:
         local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
         if not local.is_meta:
             total += local.numel() * local.element_size()
+    return total
+
+
+def weights_held(model: torch.nn.Module) -> int:
+    """Bytes this rank holds of ``model``'s weights: each parameter's local shard (``held_bytes``), and a
+    checkpoint's weights kept quantized as stored (``keep_quantized``: their parts, not the placeholders in
+    their slots, and the copies repacked for torch's int4 kernel beside them). Any model: transformers' own
+    counts its parameters."""
+    total = held_bytes(model.parameters())
+    if is_parallel(model):
+        total += sum(weight.nbytes for weight in parallel_state(model).kept.values()) + int4_copy_nbytes(model)
     return total
 
 

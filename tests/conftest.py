@@ -105,3 +105,11 @@ def pytest_collection_modifyitems(items):
     for item in items:
         if item.get_closest_marker("slow") or "interpreted" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.distributed)
+
+
+@pytest.fixture(scope="session")
+def tiny_smollm2(tiny_root, smollm2):
+    """SmolLM2's tokenizer around a random 2-layer model: what the cookbook's scripts run on in the tests."""
+    from tiny_models import make_tiny_smollm2
+
+    return make_tiny_smollm2(tiny_root, smollm2)

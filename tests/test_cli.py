@@ -129,18 +129,6 @@ def test_generate_keeps_a_real_quantized_model_quantized(smollm2, tmp_path, form
     assert f"; rank 0's kept modules: {7 * 30} {way}]" in stdout, stdout  # 30 layers' seven linears
 
 
-def test_the_generate_example_prints_once_what_one_process_generates(smollm2):
-    """examples/generate.py at TP=2: rank 0 alone prints the greedy text plain transformers generates."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MODEL": smollm2, "PROMPT": PROMPT, "NEW_TOKENS": "8"}
-    done = subprocess.run([*torchrun, os.path.join(root, "examples", "generate.py")], capture_output=True, text=True,
-                          timeout=600, env=env, cwd="/tmp")  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    want = reference_text(smollm2, 8).strip()
-    assert done.stdout.count(want) == 1 and done.stdout.strip().startswith(want), done.stdout
-
-
 def test_generate_with_expert_parallel_replicas_prints_every_prompt_as_one_process(smollm2, tmp_path):
     """``generate --dp 2 --ep 2`` on a tiny random Qwen3-MoE with SmolLM2's tokenizer: each replica generates its
     share of three prompts (the second replica's second call steps along with a copy), tokens travel to the

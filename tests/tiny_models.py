@@ -515,3 +515,25 @@ def variant_plans() -> dict[str, tuple[str, dict]]:
         ),
         "llama_replicated": ("llama", None),  # tp_plan=None: no tensor parallelism, the whole model everywhere
     }
+
+
+def make_tiny_smollm2(root: str, smollm2: str) -> str:
+    """SmolLM2's config, tokenizer and chat template around a random model of 2 layers x 144 wide (its 9 / 3
+    heads kept, 16 a head): the cookbook's scripts (``examples/``) run on it as written, at tiny size."""
+    import json
+    import shutil
+
+    import transformers
+
+    path = os.path.join(root, "tiny_smollm2")
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return path
+    shutil.copytree(smollm2, path, ignore=shutil.ignore_patterns("*.safetensors*", "config.json", "benchmarks"))
+    with open(os.path.join(smollm2, "config.json")) as f:
+        config = json.load(f)
+    config.update(num_hidden_layers=2, hidden_size=144, intermediate_size=192, head_dim=16)
+    config.update(initializer_range=0.1)  # (at 0.02 greedy decoding repeats the last token: the test would be weak)
+    model_config = transformers.LlamaConfig(**{k: v for k, v in config.items() if not k.startswith("_")})
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(model_config, dtype=torch.float32).save_pretrained(path)
+    return path
