@@ -32,7 +32,8 @@ def _text(page: Path) -> str:
 def test_the_site_builds_strict_with_its_reference_generated_from_the_code(site):
     """Every guide and reference page is there; the CLI page carries every subcommand's flags (from the
     parser), the styles and plans pages every registered style and shipped plan file, the errors page a
-    message as its source writes it, the API page the docstrings, the benchmarks page a plot per table."""
+    message as its source writes it, the API page the docstrings, the benchmarks page a plot per table, the layout
+    page the mesh pictures, the cookbook every example script."""
     from hf_parallel.commands.cli import build_parser
     from hf_parallel.tensor.registry import STYLES
 
@@ -52,6 +53,12 @@ def test_the_site_builds_strict_with_its_reference_generated_from_the_code(site)
     assert 'ep_plan="auto"' in _text(site / "reference" / "api" / "index.html")
     plots = sorted((site / "img").glob("benchmark-*.png"))  # one under each benchmark table, from the table
     assert len(plots) >= 8 and all(plot.name in (site / "benchmarks" / "index.html").read_text() for plot in plots)
+    layout = (site / "guides" / "choosing-a-layout" / "index.html").read_text()  # the mesh pictures, drawn at build
+    drawn = sorted(path.name for path in (site / "img").glob("mesh-*.svg"))
+    assert len(drawn) == 6 and all(f"img/{name}" in layout for name in drawn), drawn
+    cookbook = re.sub(r"\s", "", _text(site / "cookbook" / "index.html"))  # each script shown whole (highlighted:
+    for script in sorted((ROOT / "examples").glob("*.py")):  # compared without the spaces its markup adds)
+        assert re.sub(r"\s", "", script.read_text().splitlines()[-1]) in cookbook, script.name
     for guide in ("inference", "serving", "tensor-parallel", "moe", "sequence-and-context", "pipeline", "training",
                   "fine-tuning", "quantized", "checkpoints", "compiling", "gpus", "multi-node", "hybrids"):
         assert (site / "guides" / guide / "index.html").is_file(), guide
@@ -92,3 +99,30 @@ def test_the_getting_started_commands_run_as_written(tmp_path):
     assert "tokens in" in generated, generated
     assert "bytes per rank" in planned and "memory per rank" in planned and (tmp_path / "plan.html").is_file(), planned
     assert "PASS" in verified, verified
+
+
+def test_the_mesh_pictures_show_the_meshs_groups_and_the_zigzag():
+    """The pictures drawn at site build (``docs/gen_mesh_pictures.py``, from the mesh code): at TP=2 x FSDP=2 the
+    TP row's colours pair ranks (0, 1) and (2, 3), the FSDP row's (0, 2) and (1, 3); at TP=2 x SP=2 x FSDP=2, FSDP
+    shards over the SP ranks too (4 ranks a group); under CP=2 rank 0 holds the first and last quarter."""
+    import importlib.util
+    from collections import defaultdict
+
+    spec = importlib.util.spec_from_file_location("gen_mesh_pictures", ROOT / "docs" / "gen_mesh_pictures.py")
+    pictures = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pictures)
+
+    def rows(svg: str) -> list[list[tuple[int, ...]]]:
+        cells = defaultdict(lambda: defaultdict(list))  # row's y -> colour -> ranks
+        for x, y, colour in re.findall(r'<rect x="([\d.]+)" y="(\d+)" width="[\d.]+" height="\d+" rx="5" '
+                                       r'fill="(#\w+)"/>', svg):  # fmt: skip
+            cells[int(y)][colour].append((float(x) - pictures.LABEL - 2) // pictures.CELL)
+        return [sorted(tuple(int(r) for r in ranks) for ranks in row.values()) for _, row in sorted(cells.items())]
+
+    assert rows(pictures.mesh_svg(dict(tp_size=2, fsdp_size=2))) == [[(0, 1), (2, 3)], [(0, 2), (1, 3)]]
+    tp, sp, fsdp = rows(pictures.mesh_svg(dict(tp_size=2, sp_size=2, fsdp_size=2)))
+    assert tp == [(0, 1), (2, 3), (4, 5), (6, 7)] and sp == [(0, 2), (1, 3), (4, 6), (5, 7)]
+    assert fsdp == [(0, 2, 4, 6), (1, 3, 5, 7)]
+    assert pictures.token_owners(dict(cp_size=2), 16) == [0] * 4 + [1] * 8 + [0] * 4
+    assert pictures.token_owners(dict(sp_size=2, cp_size=2), 16) == [0] * 4 + [2] * 4 + [3] * 4 + [1] * 4
+    assert set(pictures.pictures()) == {f"mesh-{name}.svg" for name in [*pictures.LAYOUTS, *pictures.ZIGZAGS]}
