@@ -50,7 +50,9 @@ def mesh_svg(sizes: dict) -> str:
     row (ranks of one colour form one group of it) and reads ``index/size``, its place in the group."""
     shape = MeshShape.requested(**sizes)
     world = shape.world_size
-    dims = [dim for dim in ROWS if len(shape.groups(dim)[0]) > 1]
+    drawn = {dim: len(shape.groups(dim)[0]) > 1 for dim in ROWS}
+    drawn["fsdp"] &= shape.dp_shard > 1  # (its groups hold the sequence ranks even where nothing is sharded)
+    dims = [dim for dim in ROWS if drawn[dim]]
     body = [_text(8, 20, f"{_title(sizes)}: {world} GPUs", 15),
             _text(8, 40, "ranks of one colour in a row form one group of that dimension", 12, colour="#555")]
     for column in range(world):

@@ -1,8 +1,11 @@
 """Train a mixture-of-experts model with its experts spread over ranks and tokens sent to them (expert parallelism).
 
-    MODEL=Qwen3-30B-A3B torchrun --nproc-per-node 4 examples/expert_parallel.py        # FSDP=4, EP=4
-    EP=2 MODEL=... torchrun --nproc-per-node 4 examples/expert_parallel.py              # EP=2: each expert on 2 ranks
-    EP=1 FSDP=1 MODEL=... python examples/expert_parallel.py                            # one process, the same losses
+    MODEL=allenai/OLMoE-1B-7B-0924 torchrun --nproc-per-node 4 examples/expert_parallel.py   # FSDP=4, EP=4
+    EP=2 MODEL=... torchrun --nproc-per-node 4 examples/expert_parallel.py        # EP=2: each expert on 2 ranks
+    EP=1 FSDP=1 CUDA_VISIBLE_DEVICES=0 MODEL=... python examples/expert_parallel.py   # one process (if it fits)
+
+(float32 weights and AdamW: 16 bytes a parameter, so a 7B MoE takes about 28 GB a rank at FSDP=4, before
+activations.)
 
 Each rank holds 1/EP of the experts (FSDP-sharded over the ranks holding the same ones) and its FSDP share of
 everything else; attention and the router run on each rank's own rows; each (token, expert) pair travels by
@@ -26,7 +29,7 @@ model = AutoModelForCausalLM.from_pretrained(
 )
 tokenizer = transformers.AutoTokenizer.from_pretrained(path)
 texts = ["Experts are spread over ranks.", "Each token goes to the ranks holding its experts and comes back."] * 2
-batch = tokenizer(texts, return_tensors="pt", padding=True)  # the same 4 rows on every rank
+batch = tokenizer(texts, return_tensors="pt", padding=True).to(parallel_state(model).mesh.device)  # 4 rows, every rank
 labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)  # no loss on padding
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
 

@@ -1,9 +1,9 @@
 """A long prompt split over the sequence dimension: each rank holds its share of the tokens and of the KV cache.
 
-    SP=2 torchrun --nproc-per-node 2 examples/long_context.py             # Ulysses: heads exchanged, up to heads
+    SP=2 CP=1 torchrun --nproc-per-node 2 examples/long_context.py        # Ulysses: heads exchanged, up to heads
     CP=2 torchrun --nproc-per-node 2 examples/long_context.py             # a ring: past the head count
     SP=2 CP=2 torchrun --nproc-per-node 4 examples/long_context.py        # a ring of Ulysses pairs
-    SP=1 CP=1 LENGTH=4096 python examples/long_context.py                  # one process, the same tokens
+    SP=1 CP=1 python examples/long_context.py                              # one process, the same tokens
 
 Which layout for which length (per device: the weights, then the KV cache and the attention's activations):
 
@@ -48,7 +48,8 @@ held = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
 config, prompt = model.config, inputs["input_ids"].shape[1]
 head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 padded = prompt if cp == 1 else 2 * cp * math.ceil(prompt / (2 * cp))  # the ring's zigzag: 2 x cp equal chunks
-share = math.ceil(padded / (sp * cp)) + math.ceil((new_tokens - 1) / (sp * cp))  # rank 0's (the last token: none)
+generated = out.sequences.shape[1] - prompt  # (fewer than new_tokens where the model ended its answer)
+share = math.ceil(padded / (sp * cp)) + math.ceil((generated - 1) / (sp * cp))  # rank 0's (the last token: none)
 predicted = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * share * dtype.itemsize
 mesh = parallel_state(model).mesh
 if mesh.is_main:

@@ -24,7 +24,7 @@ batch = tokenizer(
     ["Pipeline stages hold runs of layers.", "Each stage may have its own tensor-parallel size."] * 2,
     return_tensors="pt",
     padding=True,
-)
+).to(hf_parallel.parallel_state(model).mesh.device)  # this rank's device (a later stage's embedding is not here)
 labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)  # no loss on padding
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
 

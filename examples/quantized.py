@@ -1,9 +1,9 @@
 """Load a quantized checkpoint (FP8 block scales, compressed-tensors, MXFP4, GPTQ, AWQ) at TP=N and generate.
 
-    MODEL=Qwen3-8B-FP8 torchrun --nproc-per-node 2 examples/quantized.py                 # dequantized as read
-    MODE=kept MODEL=Qwen3-8B-FP8 torchrun --nproc-per-node 2 examples/quantized.py       # the stored bytes held
-    MODE=int4 MODEL=Qwen3-8B-AWQ torchrun --nproc-per-node 2 examples/quantized.py       # torch's int4 kernel
-    MODE=fp8 MODEL=Qwen3-8B-FP8 torchrun --nproc-per-node 2 examples/quantized.py        # W8A8 on Hopper, bf16
+    MODEL=Qwen/Qwen3-8B-FP8 torchrun --nproc-per-node 2 examples/quantized.py                 # dequantized as read
+    MODE=kept MODEL=Qwen/Qwen3-8B-FP8 torchrun --nproc-per-node 2 examples/quantized.py       # the stored bytes held
+    MODE=int4 MODEL=Qwen/Qwen3-8B-AWQ torchrun --nproc-per-node 2 examples/quantized.py       # torch's int4 kernel
+    MODE=fp8 MODEL=Qwen/Qwen3-8B-FP8 torchrun --nproc-per-node 2 examples/quantized.py        # W8A8 on Hopper, bf16
 
 Each rank reads only its slice of every quantized weight and the scales of the blocks it touches. The mode
 (``keep_quantized``) decides what it then holds:

@@ -25,7 +25,7 @@ batch = tokenizer(
     ["Sequence parallelism splits every sequence over ranks.", "Each rank holds a run of tokens."] * 2,
     return_tensors="pt",
     padding=True,
-)
+).to(parallel_state(model).mesh.device)  # this rank's device
 labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)  # no loss on padding
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
 

@@ -2,12 +2,13 @@
 
     torchrun --nproc-per-node 4 examples/train_lora.py                  # TP=2 x FSDP=2 (the default)
     TP=2 FSDP=1 torchrun --nproc-per-node 2 examples/train_lora.py      # TP=2 alone: the adapter merged too
-    TP=1 FSDP=1 python examples/train_lora.py                           # one process: the same losses
+    TP=1 FSDP=1 CUDA_VISIBLE_DEVICES=0 python examples/train_lora.py    # one process: the same losses
     (pip install "hf_parallel[peft]"; MODEL=dir for another checkpoint than the embedded SmolLM2)
 
 What each dimension does: TP splits every layer (each adapter follows its projection's split: q/k/v/gate/up
 split B's rows, o/down A's columns); FSDP shards the frozen base between layers. The adapters, added after
-the load, stay whole on each data-parallel rank, and their gradients are averaged over those ranks.
+the load, are not FSDP-sharded: each data-parallel rank holds its TP slice of them, their gradients averaged over
+those ranks.
 
 What the batch size counts: ``per_device_train_batch_size`` is the rows each *data-parallel* rank takes a
 step. The TP ranks of one model replica take the same rows, so the global batch is that size times
@@ -15,9 +16,9 @@ step. The TP ranks of one model replica take the same rows, so the global batch 
 
 Saving: ``save_pretrained`` on every rank writes peft's standard adapter once (rank 0, whole), which plain
 peft loads in one process. Merging is refused under FSDP (its shards are DTensors), so merge where the base
-is loaded without ``fsdp_size``, in one process or at TP alone::
+is loaded without ``fsdp_size``, in one process or at TP alone (``path``: the checkpoint trained on)::
 
-    base = transformers.AutoModelForCausalLM.from_pretrained(MODEL)
+    base = transformers.AutoModelForCausalLM.from_pretrained(path)
     peft.PeftModel.from_pretrained(base, "lora_output/adapter").merge_and_unload().save_pretrained("merged")
 """
 

@@ -1,7 +1,7 @@
 """Fine-tune with transformers' own Trainer, unchanged, on a parallel model.
 
     torchrun --nproc-per-node 2 examples/train_with_trainer.py                 # FSDP=2
-    FSDP=1 python examples/train_with_trainer.py                               # one process, the same losses
+    FSDP=1 CUDA_VISIBLE_DEVICES=0 python examples/train_with_trainer.py        # one process, the same losses
     FSDP=1 TP=2 torchrun --nproc-per-node 2 examples/train_with_trainer.py     # TP=2
     FSDP=2 TP=2 torchrun --nproc-per-node 4 examples/train_with_trainer.py     # FSDP=2 x TP=2
 

@@ -112,8 +112,8 @@ def from_pretrained(
     :param keep_quantized: (bool | str, default False) False: a quantized checkpoint is dequantized as read.
         True: each rank keeps its slices as stored, dequantized (or multiplied as stored) module by module
         in the forward; inference only, saved back in the checkpoint's format. ``"fp8"`` / ``"int4"``:
-        besides, FP8 (W8A8) products / torch's int4 kernel. Which kernel runs where:
-        docs/guides/quantized.md, "How a kept weight is multiplied".
+        besides, FP8 (W8A8) products / torch's int4 kernel. Which mode to choose: docs/guides/quantized.md,
+        "Choosing a mode"; which kernel runs where: docs/architecture.md, "Kept quantized weights".
     :param mixed_precision: (str | None, default None) ``"bf16"``: compute in bfloat16 with float32 master
         weights and optimizer state (the load reads float32: pass ``dtype=torch.float32`` or leave it unset);
         under FSDP its policy (parameters gathered in bf16, gradients reduced in float32, TP/SP sums too),

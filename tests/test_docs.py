@@ -120,6 +120,7 @@ def test_the_mesh_pictures_show_the_meshs_groups_and_the_zigzag():
         return [sorted(tuple(int(r) for r in ranks) for ranks in row.values()) for _, row in sorted(cells.items())]
 
     assert rows(pictures.mesh_svg(dict(tp_size=2, fsdp_size=2))) == [[(0, 1), (2, 3)], [(0, 2), (1, 3)]]
+    assert rows(pictures.mesh_svg(dict(tp_size=2, sp_size=2))) == [[(0, 1), (2, 3)], [(0, 2), (1, 3)]]  # no FSDP row
     tp, sp, fsdp = rows(pictures.mesh_svg(dict(tp_size=2, sp_size=2, fsdp_size=2)))
     assert tp == [(0, 1), (2, 3), (4, 5), (6, 7)] and sp == [(0, 2), (1, 3), (4, 6), (5, 7)]
     assert fsdp == [(0, 2, 4, 6), (1, 3, 5, 7)]

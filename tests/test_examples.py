@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_cli import PROMPT
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
 TORCHRUN = ["-m", "torch.distributed.run", "--standalone"]
-PROMPT = "Name three colours."
 
 
 def run_example(script: str, ranks: int, **env) -> str:
@@ -25,17 +25,11 @@ def run_example(script: str, ranks: int, **env) -> str:
     return done.stdout
 
 
-def greedy_text(path: str, new_tokens: int, prompt: str = PROMPT) -> str:
-    """What plain transformers generates greedily in one process from ``path`` (in float32)."""
-    import transformers
+def greedy_text(path: str, new_tokens: int) -> str:
+    """What plain transformers generates greedily in one process from ``path`` (float32), for ``PROMPT``."""
+    from test_cli import reference_text
 
-    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    ids = tokenizer.apply_chat_template(
-        [{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt", return_dict=True
-    )["input_ids"]
-    out = model.generate(ids, max_new_tokens=new_tokens, do_sample=False)
-    return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True).strip()
+    return reference_text(path, new_tokens).strip()
 
 
 def test_every_example_is_run_here_and_shown_in_the_cookbook():
