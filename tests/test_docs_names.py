@@ -1,5 +1,5 @@
-"""The docs name only what exists: every ``HF_PARALLEL_*`` variable, file path, CLI flag and
-``from_pretrained`` keyword a page names is one the code has (a page that drifts from the code fails here,
+"""The docs name only what exists: every ``HF_PARALLEL_*`` variable, file path, dotted ``hf_parallel.*`` name,
+CLI flag and ``from_pretrained`` keyword a page names is one the code has (a page that drifts from the code fails here,
 not in a reader's terminal)."""
 
 import inspect
@@ -117,3 +117,25 @@ def test_the_benchmarks_page_opens_with_the_readmes_measurements():
     """The summary at the top of the benchmarks page and the README's "Measured" table are the same rows."""
     rows = _measured(ROOT / "README.md")
     assert len(rows) > 3 and rows == _measured(ROOT / "docs" / "benchmarks.md")
+
+
+def test_every_dotted_name_under_hf_parallel_exists():
+    """``hf_parallel.memory.weights_held``, ``hf_parallel.clip_grad_norm_``: each dotted name a page gives is a
+    module of the package, a name that module defines, or one the package exports (read from the sources, so
+    nothing is imported)."""
+    package = ROOT / "hf_parallel"
+    exported = set(re.findall(r'^\s+"(\w+)": "\.', (package / "__init__.py").read_text(), re.M))
+    for page, text in _pages_text().items():
+        for dotted in set(re.findall(r"\bhf_parallel(?:\.[A-Za-z_]\w*)+", text)):
+            parts, where = dotted.split(".")[1:], package
+            while parts and ((where / parts[0]).is_dir() or (where / f"{parts[0]}.py").is_file()):
+                where = where / parts.pop(0)
+            if not parts:
+                continue  # a module or a package
+            assert len(parts) == 1, f"{page.relative_to(ROOT)} names {dotted}: no module {'.'.join(parts[:-1])}"
+            if where == package:
+                assert parts[0] in exported, f"{page.relative_to(ROOT)} names {dotted}, which hf_parallel lacks"
+                continue
+            source = where / "__init__.py" if where.is_dir() else where.with_suffix(".py")
+            defined = rf"^(?:def|class) {parts[0]}\b|^{parts[0]}\s*[:=]"
+            assert re.search(defined, source.read_text(), re.M), f"{page.relative_to(ROOT)} names {dotted}: not defined"
