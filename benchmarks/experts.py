@@ -171,19 +171,13 @@ def main() -> None:
     checkpoint(args)  # built once, before any timing
     runs = {kind: launch(kind, ranks, args) for kind, ranks in kinds(args.sizes).items()
             if not args.only or kind in args.only}  # fmt: skip
-    single = runs.get("one process", "not run")
-    table = {}
-    for kind, ranks in runs.items():
-        if isinstance(ranks, str):
-            table[kind] = {"failed": ranks}
-            continue
-        table[kind] = {
-            "train_tokens_per_s": args.rows * args.seq / max(r["step_s"] for r in ranks),
-            "decode_tokens_per_s": args.rows * args.decode / max(r["decode_s"] for r in ranks),
-            "expert_bytes_fraction": max(r["expert_bytes"] for r in ranks) / ranks[0]["experts_whole"],
-            "loss_error": None if isinstance(single, str)
-            else max(abs(a - b) for r in ranks for a, b in zip(r["losses"], single[0]["losses"])),
-        }  # fmt: skip
+    from measure import result_rows
+
+    table = result_rows(runs, lambda ranks: {
+        "train_tokens_per_s": args.rows * args.seq / max(r["step_s"] for r in ranks),
+        "decode_tokens_per_s": args.rows * args.decode / max(r["decode_s"] for r in ranks),
+        "expert_bytes_fraction": max(r["expert_bytes"] for r in ranks) / ranks[0]["experts_whole"],
+    })  # fmt: skip
     print(f"\nMoE {args.layers} layers, hidden {args.hidden}, {args.experts} experts (top-2), fp32; training step "
           f"{args.rows} x {args.seq} tokens + AdamW, decode {args.decode} tokens x {args.rows} prompts; "
           f"{os.cpu_count()} cores")  # fmt: skip

@@ -120,3 +120,19 @@ def run_worker(script: str, kind: str, ranks: int, flags: list[str], out: str, p
         return (errors[-1] if errors else f"exit {done.returncode}").strip()[:300]
     stem, name = os.path.splitext(os.path.basename(script))[0], kind.replace(" ", "_")
     return [json.load(open(os.path.join(out, f"{stem}-{name}-rank{r}.json"))) for r in range(ranks)]
+
+
+def result_rows(runs: dict, row_of) -> dict:
+    """Each configuration's row of a results table: ``row_of(ranks)`` and ``loss_error`` (the largest difference
+    from the one-process run's losses, None without one) where it ran, ``{"failed": why}`` where it did not."""
+    single = runs.get("one process")
+    table = {}
+    for kind, ranks in runs.items():
+        if isinstance(ranks, str):
+            table[kind] = {"failed": ranks}
+            continue
+        error = None if not isinstance(single, list) else max(
+            abs(a - b) for r in ranks for a, b in zip(r["losses"], single[0]["losses"])
+        )  # fmt: skip
+        table[kind] = {**row_of(ranks), "loss_error": error}
+    return table

@@ -112,20 +112,13 @@ def main() -> None:
 
     checkpoint(args.model)  # build it once, before any timing
     runs = {kind: launch(kind, args) for kind in (args.only or (LORA_KINDS if args.lora else KINDS))}
-    single = runs.get("one process")
-    table = {}
-    for kind, ranks in runs.items():
-        if isinstance(ranks, str):
-            table[kind] = {"failed": ranks}
-            continue
-        table[kind] = {
-            "tokens_per_s": args.rows * args.seq / max(r["step_s"] for r in ranks),
-            "peak_rss_mib": max(r["peak_rss"] for r in ranks) / MiB,
-            "losses": ranks[0]["losses"],
-            "loss_error": None
-            if not isinstance(single, list)
-            else max(abs(a - b) for r in ranks for a, b in zip(r["losses"], single[0]["losses"])),
-        }
+    from measure import result_rows
+
+    table = result_rows(runs, lambda ranks: {
+        "tokens_per_s": args.rows * args.seq / max(r["step_s"] for r in ranks),
+        "peak_rss_mib": max(r["peak_rss"] for r in ranks) / MiB,
+        "losses": ranks[0]["losses"],
+    })  # fmt: skip
     what = f"LoRA r={args.lora} step" if args.lora else "training step"
     print(f"\n{what}, {args.rows} x {args.seq} tokens, {args.model} in fp32 + AdamW, {os.cpu_count()} cores")
     print(f"{'configuration':<22} {'tokens/s':>9} {'peak RSS/rank MiB':>18} {'loss - 1 process':>17}")
