@@ -34,6 +34,7 @@ from .tensor.token_exchange import count_expert_tokens as count_expert_tokens_of
 from .tensor.token_exchange import refuse_local_router_loss
 from .distributed.fsdp import fsdp_policies, return_freed_blocks_to_the_os, shard_data_parallel
 from .training.fused_head import vocab_rows
+from .training.clipping import route_torch_clipping
 from .training.trainer import from_distributed_config, install_trainer_seams
 
 
@@ -220,6 +221,8 @@ def from_pretrained(
     # 8. adapters (peft) and the Trainer's seams, each installed when its library is first imported
     watch(model, state)
     install_trainer_seams(model, state)
+    if mesh.world.group is not None:  # torch's clipping by the global norm (one process: torch's own is that)
+        route_torch_clipping()
     check_on_device(model, mesh.device, parameters=not fsdp_cpu_offload)  # (offloaded: on the host)
     return model
 

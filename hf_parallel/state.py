@@ -110,6 +110,11 @@ def parallel_model(model: nn.Module) -> nn.Module:
     )
 
 
+def parallel_models() -> list[nn.Module]:
+    """Every model ``hf_parallel.from_pretrained`` loaded in this process that is still alive."""
+    return list(_STATES.keys())
+
+
 def is_parallel(model: nn.Module) -> bool:
     """Whether ``model`` (or the model a peft wrapper holds) was loaded by hf_parallel."""
     try:

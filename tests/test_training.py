@@ -21,6 +21,7 @@ LOOP_CASES = {  # world size -> case -> (checkpoint, layout, loop)
     2: {
         "fsdp2": ("llama", dict(fsdp_size=2, tp_plan=None), "train_step"),
         "fsdp2_plain_loop": ("llama", dict(fsdp_size=2, tp_plan=None), "plain"),
+        "tp2_plain_loop": ("llama", dict(tp_size=2), "plain"),  # torch's clip_grad_norm_ on TP shards
         "fsdp2_tied": ("llama_tied_kvrep", dict(distributed_config=dict(fsdp_size=2), tp_plan=None), "train_step"),
         # ep_size: tokens travel to the experts' ranks, attention data-parallel; the experts FSDP-sharded over
         # the ranks holding the same ones (here none: a one-rank group, still divided by the data size)
@@ -175,6 +176,20 @@ def test_a_batch_the_replicas_cannot_share_is_refused(loop_runs):
     for rank, result in enumerate(results):
         error = result["fsdp2"]["uneven"]
         assert error is not None and "3 rows" in error and "2 data-parallel replicas" in error, (rank, error)
+
+
+@pytest.mark.distributed
+def test_torch_clipping_a_part_of_a_split_model_is_refused(loop_runs):
+    """torch.nn.utils.clip_grad_norm_ over two of a split model's gradients: refused by name on every rank (the
+    whole model's, in the plain loops, is the global norm: ``test_steps_match_one_process``)."""
+    for world_size in LOOP_CASES:
+        results, _ = loop_runs(world_size)
+        for case, (_, _, loop) in LOOP_CASES[world_size].items():
+            if loop == "plain":
+                for rank, result in enumerate(results):
+                    error = result[case]["part_refused"]
+                    assert error is not None and "was given 2 of the" in error, (world_size, case, rank, error)
+                    assert "hf_parallel.clip_grad_norm_(model, max_norm)" in error, error
 
 
 TRAINER_CASES = {  # world size -> case -> layout (transformers' Trainer, unchanged)

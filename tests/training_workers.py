@@ -124,10 +124,20 @@ def held_after_load(model, state, at_sharding: list) -> dict:
             "expert_holders": state.mesh.shape.ep * state.mesh["ep_replicas"].size}  # fmt: skip
 
 
+def refusal(run) -> str | None:
+    """The ValueError ``run()`` raises, or None."""
+    try:
+        run()
+    except ValueError as error:
+        return str(error)
+    return None
+
+
 def train(rank: int, world_size: int, cases: dict, save_root: str) -> dict:
     """For each case (checkpoint, layout, loop): the same steps on a parallel model (``loop``:
     ``train_step`` on the global batch, or a plain ``loss.backward()`` on this data-parallel
-    replica's rows), clipped with ``hf_parallel.clip_grad_norm_``; the trained model saved. Every gradient this
+    replica's rows), clipped with ``hf_parallel.clip_grad_norm_`` after ``train_step`` and with torch's own
+    ``torch.nn.utils.clip_grad_norm_`` (what most scripts call) after the plain loop; the trained model saved. Every gradient this
     rank holds (its FSDP slice of its TP shard) after the first backward, against one process's."""
     from compare import gaps
 
@@ -161,12 +171,20 @@ def train(rank: int, world_size: int, cases: dict, save_root: str) -> dict:
                     loss /= dp.size
             if step == 0:  # where the sums happen: before clipping and any step
                 first_grads = gaps(model, state, first_gradients(path), state.mesh.tp.rank)
-            norms.append(hf_parallel.clip_grad_norm_(model, MAX_NORM).item())
+            if loop == "train_step":
+                norms.append(hf_parallel.clip_grad_norm_(model, MAX_NORM).item())
+            else:  # what most scripts call: torch's own, routed to the global norm for a split model
+                if step == 0:  # a part of the model: refused, on every rank alike (nothing summed)
+                    part = [p for p in model.parameters() if p.grad is not None][:2]
+                    refused = refusal(lambda: torch.nn.utils.clip_grad_norm_(part, MAX_NORM))
+                norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM).item())
             step_with(step)
             model.zero_grad()
             losses.append(loss.item())
         model.save_pretrained(os.path.join(save_root, name))
         results[name] = {"losses": losses, "norms": norms, "first_grads": first_grads, "held": held}
+        if loop != "train_step":
+            results[name]["part_refused"] = refused
         if dp.size > 1 and loop == "train_step":  # rows the replicas cannot share: refused before any forward
             try:
                 hf_parallel.train_step(model, **training_batch(model.config.vocab_size, 0, rows=dp.size + 1))

@@ -14,10 +14,13 @@
 - Which backward a gradient hook runs in, a callback at that backward's end, and the hooks a parameter
   carries: the bucketed gradient sums (``tensor/gradients.py``) are waited at the end of each backward,
   and a parameter someone else hooks after them is summed in its own hook, so theirs see the sum.
+- The two steps of ``torch.nn.utils.clip_grad_norm_``, found by name in its module when it runs (the norm,
+  the scaling): on a split model the norm is the global one (``training/clipping.py``), whoever calls it.
 """
 
 from __future__ import annotations
 
+import functools
 from contextlib import contextmanager
 
 from . import Seam
@@ -135,3 +138,43 @@ def will_accumulate(accumulator) -> bool:
         if "autograd.grad" in str(error):
             return False
         raise
+
+
+# torch's clip_grad_norm_ finds these two by name in its module when it runs: replacing them there reaches
+# every caller of torch's function, one that bound it by ``from torch.nn.utils import clip_grad_norm_`` too
+TOTAL_NORM = Seam("torch", "torch.nn.utils.clip_grad:_get_total_norm", "(the gradient norm torch's clipping uses)",
+                  parameters=("tensors", "norm_type", "error_if_nonfinite", "foreach"))  # fmt: skip
+CLIP_WITH_NORM = Seam("torch", "torch.nn.utils.clip_grad:_clip_grads_with_norm_", "(how torch's clipping scales)",
+                      parameters=("parameters", "max_norm", "total_norm", "foreach"))  # fmt: skip
+CLIP_GRAD_NORM = Seam("torch", "torch.nn.utils.clip_grad:clip_grad_norm_", "(torch's clipping, made global)",
+                      reads=("_get_total_norm", "_clip_grads_with_norm_"))  # fmt: skip
+
+
+def route_gradient_clipping(total_norm, clip_with_norm) -> None:
+    """``torch.nn.utils.clip_grad_norm_`` (and ``get_total_norm``, ``clip_grads_with_norm_``) ask
+    ``total_norm(grads, norm_type, error_if_nonfinite)`` and ``clip_with_norm(parameters, max_norm, norm)``
+    first; each returns ``NotImplemented`` for tensors that are none of its business, and torch's own runs.
+    Installed once; a second call changes nothing."""
+    import torch
+    import torch.nn.utils as utils
+    from torch.nn.utils import clip_grad
+
+    CLIP_GRAD_NORM.get()
+    own_norm, own_clip = TOTAL_NORM.get(), CLIP_WITH_NORM.get()
+    if getattr(clip_grad._get_total_norm, "__wrapped__", None) is own_norm:
+        return
+
+    @functools.wraps(own_norm)
+    def routed_norm(tensors, norm_type=2.0, error_if_nonfinite=False, foreach=None):
+        norm = total_norm([tensors] if isinstance(tensors, torch.Tensor) else list(tensors), norm_type,
+                          error_if_nonfinite)  # fmt: skip
+        return own_norm(tensors, norm_type, error_if_nonfinite, foreach) if norm is NotImplemented else norm
+
+    @functools.wraps(own_clip)
+    def routed_clip(parameters, max_norm, total_norm, foreach=None):
+        parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        if clip_with_norm(parameters, max_norm, total_norm) is NotImplemented:
+            own_clip(parameters, max_norm, total_norm, foreach)
+
+    clip_grad._get_total_norm = utils.get_total_norm = routed_norm
+    clip_grad._clip_grads_with_norm_ = utils.clip_grads_with_norm_ = routed_clip

@@ -8,6 +8,9 @@ the local norm is the classic silent error; here every element counts once: each
 its squares by one over the number of ranks holding the same element (a run of elements with one
 count at a time), and the world sums them. Squares add up in float64, a block of a gradient at a
 time: no gradient is ever copied whole.
+
+torch's own ``torch.nn.utils.clip_grad_norm_``, which most training scripts call, is routed here for a split
+model's gradients (``route_torch_clipping``): scripts need not know which function to call.
 """
 
 from __future__ import annotations
@@ -16,9 +19,9 @@ import torch
 import torch.distributed as dist
 
 from ..adapters.seams import named_entries
-from ..compat.torch import fsdp_rows
+from ..compat.torch import fsdp_rows, route_gradient_clipping
 from ..distributed.faults import collective
-from ..state import parallel_model, parallel_state
+from ..state import parallel_model, parallel_models, parallel_state
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
@@ -89,6 +92,24 @@ def grad_norm_squares(model, state) -> torch.Tensor:
     return total
 
 
+def global_grad_norm(model, state) -> torch.Tensor:
+    """The 2-norm of the whole model's gradient (fp32), the same on every rank."""
+    squares = grad_norm_squares(model, state)
+    world = state.mesh.world.group
+    if world is not None:
+        with collective(f"summing the gradient norm over the world (rank {state.mesh.rank})"):
+            dist.all_reduce(squares, group=world)
+    return squares.sqrt().float()
+
+
+def scale_gradients(parameters, max_norm: float, norm: torch.Tensor) -> None:
+    """Every gradient times ``max_norm / norm`` where that is below 1 (torch's coefficient), in place."""
+    coefficient = torch.clamp(max_norm / (local_tensor(norm) + 1e-6), max=1.0)
+    for param in parameters:
+        if param.grad is not None:
+            local_tensor(param.grad).mul_(coefficient.to(param.grad.dtype))
+
+
 def clip_grad_norm_(model, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
     """Clip every gradient of a parallel model so their global 2-norm is at most ``max_norm``;
     returns that global norm before clipping, the same on every rank (what one process's
@@ -96,16 +117,64 @@ def clip_grad_norm_(model, max_norm: float, norm_type: float = 2.0) -> torch.Ten
     if norm_type != 2.0:
         raise ValueError(f"clip_grad_norm_(norm_type={norm_type}): hf_parallel computes the global 2-norm only")
     model = parallel_model(model)
-    state = parallel_state(model)
-    squares = grad_norm_squares(model, state)
-    world = state.mesh.world.group
-    if world is not None:
-        with collective(f"summing the gradient norm over the world (rank {state.mesh.rank})"):
-            dist.all_reduce(squares, group=world)
-    norm = squares.sqrt().float()
+    norm = global_grad_norm(model, parallel_state(model))
     if max_norm != float("inf"):
-        coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        for param in model.parameters():
-            if param.grad is not None:
-                local_tensor(param.grad).mul_(coefficient.to(param.grad.dtype))
+        scale_gradients(model.parameters(), max_norm, norm)
     return norm
+
+
+def _split_model_holding(tensors: list, of_grads: bool):
+    """The split model (one of several processes) whose gradients (``of_grads``) or parameters ``tensors``
+    are, or None; one they are only a part of is refused: a part's norm has no global meaning here."""
+    given = {id(t) for t in tensors}
+    for model in parallel_models():
+        state = parallel_state(model)
+        if state.mesh.world.group is None:  # one process: torch's own norm is the whole model's
+            continue
+        params = list(model.parameters())
+        held = {id(p.grad if of_grads else p) for p in params if p.grad is not None}
+        if not given & held:
+            continue
+        others = given - held - {id(p) for p in params}  # (a parameter without a gradient adds nothing)
+        if not held <= given or others:
+            raise ValueError(
+                f"torch.nn.utils.clip_grad_norm_ was given {len(given & held)} of the {len(held)} gradients of "
+                f"{type(model).__name__}, which hf_parallel split over {state.mesh.shape}"
+                f"{f' and {len(others)} other tensors' if others else ''}: its norm is computed for the whole "
+                "model only. Pass model.parameters(), or call hf_parallel.clip_grad_norm_(model, max_norm)"
+            )
+        return model, state
+    return None
+
+
+def _torch_total_norm(grads: list, norm_type: float, error_if_nonfinite: bool):
+    """torch's ``get_total_norm`` on a split model's gradients: the global norm (see ``route_torch_clipping``)."""
+    found = _split_model_holding(grads, of_grads=True)
+    if found is None:
+        return NotImplemented
+    model, state = found
+    if norm_type != 2.0:
+        raise ValueError(f"torch.nn.utils.clip_grad_norm_(norm_type={norm_type}) on {type(model).__name__}, split "
+                         f"over {state.mesh.shape}: hf_parallel computes the global 2-norm only")  # fmt: skip
+    norm = global_grad_norm(model, state)
+    if error_if_nonfinite and not torch.isfinite(norm):  # torch's own check and words
+        raise RuntimeError(f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, "
+                           "so it cannot be clipped. To disable this error and scale the gradients by the "
+                           "non-finite norm anyway, set `error_if_nonfinite=False`")  # fmt: skip
+    return norm
+
+
+def _torch_clip_with_norm(parameters: list, max_norm: float, norm: torch.Tensor):
+    """torch's ``clip_grads_with_norm_`` on a split model's parameters: each rank scales its own pieces (FSDP's
+    slices included) by the one coefficient."""
+    if _split_model_holding(parameters, of_grads=False) is None:
+        return NotImplemented
+    scale_gradients(parameters, max_norm, norm)
+    return None
+
+
+def route_torch_clipping() -> None:
+    """``torch.nn.utils.clip_grad_norm_`` on a split model clips by the global norm, as
+    ``hf_parallel.clip_grad_norm_`` does (a rank-local norm clipped each rank differently, silently); on
+    any other tensors it is torch's own. Installed when a split model is loaded."""
+    route_gradient_clipping(_torch_total_norm, _torch_clip_with_norm)
