@@ -22,6 +22,13 @@ settings.register_profile("dev", max_examples=40)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 
 
+def pytest_configure(config):
+    if os.environ.get("HF_PARALLEL_TEST_COSTS"):  # each test's time, rank groups and launches (suite_costs.py)
+        import suite_costs
+
+        config.pluginmanager.register(suite_costs, "suite_costs")
+
+
 def once_per_world_size(compute):
     """``get(world_size)``: ``compute(world_size)`` on its first call, the same result after
     (spawning a group of ranks is the slow part, so one group runs every case of a test file)."""
@@ -51,6 +58,19 @@ def interpreted():
         yield importlib.reload(fp8_weight_only)
     importlib.reload(importlib.import_module("hf_parallel.quant.kernels.fp8_triton"))
     importlib.reload(fp8_weight_only)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def one_process_references(tmp_path_factory):
+    """Where one process's results go once a session, read by every rank that compares with them
+    (``references.py``); removed at the end (the real SmolLM2's take gigabytes)."""
+    import shutil
+
+    folder = tmp_path_factory.mktemp("references")
+    os.environ["HF_PARALLEL_TEST_REFERENCES"] = str(folder)
+    yield folder
+    os.environ.pop("HF_PARALLEL_TEST_REFERENCES", None)
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

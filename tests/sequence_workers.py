@@ -56,14 +56,40 @@ def held_positions(seq: int, sp: int, cp: int, index: int) -> list[int]:
     return positions[start : start + sizes[u]]
 
 
+def one_process_sp(path: str, batches) -> dict:
+    """What ``compare_sp`` compares with, from one process: each batch's loss, logits and gradients, greedy
+    tokens, and the weights after one SGD step on the last batch's gradients."""
+    import transformers
+
+    single = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    out = {}
+    for batch_name, batch in sequence_batches(single.config.vocab_size).items():
+        if batches is not None and batch_name not in batches:
+            continue
+        single.zero_grad()
+        want = single(**batch)
+        want.loss.backward()
+        out.update({f"{batch_name}/loss": want.loss.detach(), f"{batch_name}/logits": want.logits.detach()})
+        out.update({f"{batch_name}/grad/{k}": v for k, v in of_model(single).items()})
+    out["generate"] = single.generate(prompt_of(single.config.vocab_size), max_new_tokens=6, do_sample=False)
+    torch.optim.SGD(single.parameters(), lr=0.5).step()
+    out.update({f"step/{k}": v for k, v in of_model(single, "data").items()})
+    return out
+
+
+def prompt_of(vocab: int) -> torch.Tensor:
+    return sequence_batches(vocab)["len37"]["input_ids"][:, :9]
+
+
 def compare_sp(
     rank: int, world_size: int, cases: dict, tp_size: int, sp_size: int, save_root: str, cp_size: int = 1,
     batches=None, load_kwargs=None,
 ) -> dict:  # fmt: skip
     """For each checkpoint: every batch's loss, this rank's logits and every parameter's gradient
-    under tp x sp (x cp) against one process, the whole logits of an inference forward (no labels), greedy
-    generate, a save, and the weights after one SGD step. ``batches``: the names of the batches to run;
-    ``load_kwargs``: more of from_pretrained's keywords."""
+    under tp x sp (x cp) against one process (``one_process_sp``, computed once a session: references.py), the
+    whole logits of an inference forward (no labels), greedy generate, a save, and the weights after one SGD
+    step. ``batches``: the names of the batches to run; ``load_kwargs``: more of from_pretrained's keywords."""
+    import references
     import transformers
 
     import hf_parallel
@@ -72,7 +98,8 @@ def compare_sp(
     results = {}
     sp_rank = get_mesh(tp_size, sp_size=sp_size, cp_size=cp_size).sp.rank
     for name, path in cases.items():
-        single = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        key = f"compare_sp {path} {sorted(batches) if batches is not None else 'every batch'}"
+        single = references.one_process(key, lambda: one_process_sp(path, batches))
         model = hf_parallel.AutoModelForCausalLM.from_pretrained(
             path, tp_plan="auto" if tp_size > 1 else None, tp_size=tp_size, sp_size=sp_size, cp_size=cp_size,
             dtype=torch.float32, **(load_kwargs or {}),
@@ -82,40 +109,37 @@ def compare_sp(
         model.model.layers[0].register_forward_pre_hook(
             lambda module, args, kwargs: masks.append(kwargs.get("attention_mask")), with_kwargs=True
         )
-        for batch_name, batch in sequence_batches(single.config.vocab_size).items():
+        vocab = transformers.AutoConfig.from_pretrained(path).vocab_size
+        for batch_name, batch in sequence_batches(vocab).items():
             if batches is not None and batch_name not in batches:
                 continue
             masks.clear()
-            single.zero_grad()
             model.zero_grad()
-            want = single(**batch)
-            want.loss.backward()
+            want_loss, want_logits = single[f"{batch_name}/loss"], single[f"{batch_name}/logits"]
             got = model(**batch)
             got.loss.backward()
             seq = batch["input_ids"].shape[1]
             held = torch.tensor(held_positions(seq, sp_size, cp_size, sp_rank))
             real = batch.get("attention_mask", torch.ones_like(batch["input_ids"])).bool().unsqueeze(-1)
             extra = (0, 0, 0, max(0, int(held.max()) + 1 - seq))  # padding tokens are compared nowhere
-            local_logits = torch.nn.functional.pad(want.logits, extra)[:, held]
+            local_logits = torch.nn.functional.pad(want_logits, extra)[:, held]
             local_real = torch.nn.functional.pad(real, extra)[:, held]
             with torch.no_grad():
                 whole = model(**{k: v for k, v in batch.items() if k != "labels"}).logits
             results[f"{name}/{batch_name}"] = {
-                "loss": gap(got.loss, want.loss),
+                "loss": gap(got.loss, want_loss),
                 "logits": gap(got.logits.masked_fill(~local_real, 0), local_logits.masked_fill(~local_real, 0)),
                 "local_tokens": got.logits.shape[1],
-                "whole_logits": gap(whole.masked_fill(~real, 0), want.logits.masked_fill(~real, 0)),
-                "grads": gaps(model, state, of_model(single), state.mesh.tp.rank),
+                "whole_logits": gap(whole.masked_fill(~real, 0), want_logits.masked_fill(~real, 0)),
+                "grads": gaps(model, state, single.under(f"{batch_name}/grad/"), state.mesh.tp.rank),
                 "mask_elements": max((m.numel() for m in masks if isinstance(m, torch.Tensor)), default=0),
                 "masks_described": sum(type(m).__name__ == "MaskDescription" for m in masks),
             }
-        prompt = sequence_batches(single.config.vocab_size)["len37"]["input_ids"][:, :9]
-        want_tokens = single.generate(prompt, max_new_tokens=6, do_sample=False)
-        results[f"{name}/generate"] = model.generate(prompt, max_new_tokens=6, do_sample=False).equal(want_tokens)
+        generated = model.generate(prompt_of(vocab), max_new_tokens=6, do_sample=False)
+        results[f"{name}/generate"] = generated.equal(single["generate"])
         model.save_pretrained(os.path.join(save_root, name))
-        for opt_model in (single, model):
-            torch.optim.SGD(opt_model.parameters(), lr=0.5).step()
-        results[f"{name}/step"] = gaps(model, state, of_model(single, "data"), state.mesh.tp.rank, "data")
+        torch.optim.SGD(model.parameters(), lr=0.5).step()
+        results[f"{name}/step"] = gaps(model, state, single.under("step/"), state.mesh.tp.rank, "data")
     return results
 
 

@@ -21,10 +21,13 @@ def _pages_text() -> dict[Path, str]:
 
 
 def test_every_environment_variable_named_is_read_by_the_code():
+    """The package's variables by the package (or scripts/), the suite's own (``HF_PARALLEL_TEST_*``) by tests/."""
     code = "\n".join(path.read_text(errors="ignore") for path in SOURCES if path.is_file())
+    suite = "\n".join(path.read_text() for path in sorted((ROOT / "tests").glob("*.py")) if path != Path(__file__))
     for page, text in _pages_text().items():
         for name in set(re.findall(r"HF_PARALLEL_[A-Z0-9_]*[A-Z0-9]", text)):
-            assert name in code, f"{page.relative_to(ROOT)} names {name}, which nothing reads"
+            where = suite if name.startswith("HF_PARALLEL_TEST_") else code
+            assert name in where, f"{page.relative_to(ROOT)} names {name}, which nothing reads"
 
 
 def test_every_file_named_exists():
