@@ -110,6 +110,45 @@ def peer_fails_during(rank: int, world_size: int, phase: str, how: str, path: st
     return {**result, "seconds": time.monotonic() - start}
 
 
+def peer_dies_mid(rank: int, world_size: int, phase: str, path: str, out: str) -> dict:
+    """Rank 1's process exits inside ``phase`` ("generate": at its third token's forward; "step": in the
+    backward of a training step), the TP sums on shared memory; rank 0, under a timeout far longer than the
+    test allows, reports the error it got and how long after its peer's last collective."""
+    import json
+    import time
+
+    import torch.distributed as dist
+
+    import hf_parallel
+    from hf_parallel.distributed import shm
+
+    os.environ["HF_PARALLEL_TIMEOUT"] = "300"
+    model = hf_parallel.AutoModelForCausalLM.from_pretrained(path, tp_plan="auto")
+    calls = []
+
+    def die(*_):
+        calls.append(1)
+        if rank == 1 and (phase == "step" or len(calls) == 3):
+            with open(os.path.join(out, "rank1.json"), "w") as f:
+                json.dump({}, f)
+            os._exit(0)
+
+    start = time.monotonic()
+    try:
+        if phase == "generate":
+            model.model.layers[1].register_forward_hook(die)
+            model.generate(INPUT_IDS, max_new_tokens=6, do_sample=False)
+        else:
+            model.model.layers[1].register_full_backward_hook(die)
+            model(INPUT_IDS, labels=INPUT_IDS).loss.backward()
+        result = {"type": None}
+    except Exception as error:  # noqa: BLE001 - the test asserts the type by name
+        result = {"type": type(error).__name__, "message": str(error)}
+    on_shm = shm.channel_for(hf_parallel.parallel_state(model).mesh.tp.group) is not None
+    dist.destroy_process_group()  # the group is broken: no teardown barrier
+    return {**result, "seconds": time.monotonic() - start, "shm": on_shm}
+
+
 def sequence_comm_properties(rank: int, world_size: int, transport: str = "shm") -> dict:
     """The sequence-parallel collectives on random uneven shapes (hypothesis, derandomized so every
     rank draws the same examples in the same order; errors are returned, not raised, so no rank

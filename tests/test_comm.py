@@ -1,4 +1,5 @@
-"""Collectives: the shared-memory transport agrees with gloo, falls back to it, and times out clearly."""
+"""Collectives: the shared-memory transport agrees with gloo, falls back to it, names a peer that exited and
+times out clearly."""
 
 import os
 
@@ -74,6 +75,17 @@ def test_a_rank_that_dies_or_hangs_fails_the_others_clearly_and_in_bounded_time(
     assert rank0["seconds"] < timeout + 5
     saved = tmp_path / "saved"  # a failed save writes nothing final, and leaves nothing behind
     assert not saved.exists() or os.listdir(saved) == [], os.listdir(saved)
+
+
+@pytest.mark.parametrize("phase", ["generate", "step"])
+def test_a_peer_that_exits_mid_generate_or_step_is_named_within_seconds(tiny_paths, tmp_path, phase):
+    """Shared memory's sums spin on a flag a dead peer never sets: the wait looks at its peers' processes and
+    names the one that exited within seconds, not at HF_PARALLEL_TIMEOUT (300 s here)."""
+    rank0, _ = run_ranks(2, comm_workers.peer_dies_mid, phase, tiny_paths["llama"], str(tmp_path),
+                         out_dir=str(tmp_path))  # fmt: skip
+    assert rank0["shm"] and rank0["type"] == "RankFailure", rank0
+    assert "rank(s) [1] exited (process " in rank0["message"] and "did not reach collective" in rank0["message"], rank0
+    assert rank0["seconds"] < 15, rank0  # two tokens or a forward before the exit, then half a second
 
 
 @pytest.mark.parametrize(

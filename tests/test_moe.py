@@ -5,6 +5,8 @@ transposed experts with interleaved gate/up, expert biases and per-head attentio
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import tp_workers
@@ -162,9 +164,20 @@ def test_the_plan_shows_how_ep_size_spreads_the_experts(moe_paths):
     report = plan_report(moe_paths["qwen3_moe"], 1, dp_replicate_size=3, ep_size=3)
     line = next(line for line in report.splitlines() if line.startswith("experts (ep_size=3"))
     assert "EP groups [[0, 1, 2]]" in line and "each 4 experts held [2, 1, 1] per EP rank" in line, line
+    # every rank's own: the experts' rows, the bytes, those at rest and the largest rank's memory (rank 0 holds
+    # two experts of each module, ranks 1 and 2 one)
+    row = next(line for line in report.splitlines() if line.startswith("model.layers.0.mlp.experts.gate_up_proj"))
+    assert "2x64x48 1x64x48 1x64x48 / [24576, 12288, 12288]" in row, row
+    totals = next(line for line in report.splitlines() if line.startswith("bytes per rank: "))
+    first, second, third = json.loads(totals.removeprefix("bytes per rank: ").partition(" (")[0])
+    assert first - second == 2 * (12288 + 6144) and second == third, totals  # an expert more in each of 2 layers
+    assert "(formula, rank 0, the largest)" in report
     report = plan_report(moe_paths["qwen3_moe"], 2, fsdp_size=2, ep_size=4)
     line = next(line for line in report.splitlines() if line.startswith("model.layers.0.mlp.experts.gate_up_proj"))
     assert "moe_ep_tokens" in line and "chunks(dim=0, sizes=[1,1,1,1])" in line, line
+    assert "1x64x48 1x64x48 1x64x48 1x64x48 / [12288, 12288, 12288, 12288]" in line, line  # EP ranks 0-3
+    rest = next(line for line in report.splitlines() if line.startswith("at rest under FSDP2"))
+    assert rest.count(",") >= 3 and "(every rank: each EP rank holds its own experts)" in rest, rest
     with pytest.raises(ValueError, match=r"ep_size must be tp_size \(2\) times a divisor"):
         plan_report(moe_paths["qwen3_moe"], 2, fsdp_size=2, ep_size=2 * 4)
 

@@ -77,9 +77,10 @@ class PlanFacts:
         out += self.details
         out.append(f"bytes per rank: {self.totals} (full model {self.full_bytes})")
         if self.at_rest is not None:
+            every = " (every rank: each EP rank holds its own experts)" if len(self.at_rest) > self.tp else ""
             out.append(
                 f"at rest under FSDP2 (each TP shard split over fsdp x cp x sp = {self.fsdp} ranks): about "
-                f"{self.at_rest} bytes per rank, the same again for gradients, twice for AdamW"
+                f"{self.at_rest} bytes per rank{every}, the same again for gradients, twice for AdamW"
             )
         return out + self.memory
 
@@ -156,10 +157,16 @@ def plan_facts(
         h = shard.heads
         heads = (f"heads: q per rank {[h.local_q(r) for r in range(tp)]}, kv per rank "
                  f"{[h.local_kv(r) for r in range(tp)]}, head_dim {h.head_dim}")  # fmt: skip
+    sizes = dict(tp_size=tp, sp_size=sp, cp_size=cp, fsdp_size=fsdp_size, dp_replicate_size=dp_replicate_size,
+                 ep_size=ep_size)  # fmt: skip
+    # the TP ranks of one replica (every other replica holds the same), or under ep_size every rank: each EP
+    # rank holds its own experts
+    views = [Mesh.dry_run(rank, **sizes) for rank in range(shape.world_size if ep_size > 1 else tp)]
     rows = []
     for entry in shard.unique_params():
         rule = entry.rule
-        shapes = [tuple(entry.layout.local_shape(entry.full_shape, r)) for r in range(tp)]
+        shapes = [tuple(entry.layout.local_shape(entry.full_shape, view[entry.layout.over].rank if ep_size > 1
+                                                 else view.rank)) for view in views]  # fmt: skip
         rows.append(ParamRow(
             entry.name + (f" (= {', '.join(entry.aliases[1:])})" if len(entry.aliases) > 1 else ""),
             f"{rule.pattern} [{rule.source}]" if rule else "-", rule.style_name if rule else "replicated",
@@ -174,15 +181,13 @@ def plan_facts(
         details += sequence_lines(model, shard, tp, sp, seq, cp)
     if ep_size > 1:
         details += expert_lines(shard, shape, itemsize)
-    totals = [sum(row.nbytes[r] for row in rows) for r in range(tp)]
+    totals = [sum(row.nbytes[r] for row in rows) for r in range(len(views))]
     full_bytes = sum(math.prod(e.full_shape) for e in shard.unique_params()) * itemsize
     fsdp = shape.dp_shard * shape.sp
     at_rest = [math.ceil(t / fsdp) for t in totals] if shape.dp > 1 else None
-    sizes = dict(tp_size=tp, sp_size=sp, cp_size=cp, fsdp_size=fsdp_size, dp_replicate_size=dp_replicate_size,
-                 ep_size=ep_size)  # fmt: skip
     if ep_size > 1:  # the experts are split over the ranks holding the same ones, not over FSDP's group
-        at_rest = [footprint(shard, dtype, Mesh.dry_run(rank, **sizes)).share for rank in range(tp)]
-    memory = memory_lines(model, shard, dtype, sizes, batch, seq or TRAINING_SEQ)
+        at_rest = [footprint(shard, dtype, view).share for view in views]
+    memory = memory_lines(model, shard, dtype, views, batch, seq or TRAINING_SEQ)
     return PlanFacts(path, config.model_type, tp, shard.plan.source, shape, mesh_lines(shape, nproc_per_node),
                      heads, rows, details, totals, full_bytes, at_rest, fsdp, memory)  # fmt: skip
 
@@ -190,11 +195,10 @@ def plan_facts(
 TRAINING_SEQ = 2048  # tokens per row of the training step the plan's memory line assumes, unless --seq is given
 
 
-def memory_lines(model, shard, dtype, sizes: dict, batch: int, seq: int) -> list[str]:
-    """``memory.py``'s formulas for the rank that needs the most (of the TP ranks; FSDP's first rank holds
-    the most rows): its weights, the load's peak, and a training step's at ``batch`` x ``seq`` tokens. The
-    layout was built on a mesh without the data-parallel sizes; each rank's mesh here has them."""
-    meshes = [Mesh.dry_run(rank, **sizes) for rank in range(sizes["tp_size"])]
+def memory_lines(model, shard, dtype, meshes: list, batch: int, seq: int) -> list[str]:
+    """``memory.py``'s formulas for the rank of ``meshes`` (their views) that needs the most (FSDP's first rank
+    holds the most rows): its weights, the load's peak, and a training step's at ``batch`` x ``seq`` tokens.
+    The layout was built on a mesh without the data-parallel sizes; each rank's view here has them."""
     try:
         figures = [(footprint(shard, dtype, m), step_memory(model, shard, dtype, batch, seq, m)) for m in meshes]
     except ValueError as error:  # no list of layers for FSDP to gather one by one (the load refuses it too)
@@ -202,7 +206,7 @@ def memory_lines(model, shard, dtype, sizes: dict, batch: int, seq: int) -> list
     rank, (load, step) = max(enumerate(figures), key=lambda item: item[1][1].total)
     gathered = f" + one gathered unit {_mib(step.gathered)} ({step.gathered_unit})" if step.gathered_unit else ""
     return [
-        f"memory per rank (formula{f', tp rank {rank}, the largest' if len(meshes) > 1 else ''}): weights "
+        f"memory per rank (formula{f', rank {rank}, the largest' if len(meshes) > 1 else ''}): weights "
         f"{_mib(load.share)} MiB, load peak {_mib(load.load_peak)} MiB (share + largest TP slice "
         f"{_mib(load.largest_slice)} MiB), training step ~ {_mib(step.total)} MiB (params {_mib(step.params)} + "
         f"grads {_mib(step.grads)} + AdamW {_mib(step.optimizer)}{gathered} + activations {_mib(step.activations)} "

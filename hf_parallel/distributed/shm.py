@@ -32,17 +32,21 @@ import torch
 import torch.distributed as dist
 
 from .faults import RankFailure
+from .liveness import exit_message, identity, watchable
 from .headers import DTYPES, HEADER_LENGTH, MAX_DIMS, empty_from, header_of
 
 FLAG_STRIDE = 8  # int64s per flag: one 64-byte cache line each
 SLOT_BYTES = int(os.environ.get("HF_PARALLEL_SHM_SLOT_MB", "8")) << 20
+LIVENESS_S = 0.5  # how often a wait looks whether its peers' processes still run
 PIPE_SLOT_BYTES = 1 << 20  # a pipe's ring: 8 slots of 1 MiB (a larger message streams through it)
 _CHANNELS: dict = {}  # process group -> ShmChannel
 
 
 class ShmChannel:
-    def __init__(self, path: str, rank: int, world_size: int, timeout: float, slot_bytes: int = SLOT_BYTES):
+    def __init__(self, path: str, rank: int, world_size: int, timeout: float, slot_bytes: int = SLOT_BYTES,
+                 peers: list | None = None):  # fmt: skip
         self.rank, self.world_size, self.timeout, self.slot_bytes = rank, world_size, timeout, slot_bytes
+        self.peers = watchable(dict(enumerate(peers))) if peers else None  # each rank's process (liveness.py)
         self.header = world_size * FLAG_STRIDE * 8
         self.memory = torch.from_file(path, shared=True, size=self.size(world_size, slot_bytes), dtype=torch.uint8)
         self.flags = np.frombuffer(self.memory[: self.header].numpy(), dtype=np.int64)[::FLAG_STRIDE]
@@ -62,11 +66,14 @@ class ShmChannel:
         return self.memory[start : start + self.slot_bytes]
 
     def _wait(self, seq: int, what: str = "") -> None:
-        def late() -> str:
-            ranks = [r for r in range(self.world_size) if self.flags[r] < seq]
-            return f"rank(s) {ranks} did not reach collective #{seq}" + (f" ({what})" if what else "")
+        def missing() -> list[int]:
+            return [r for r in range(self.world_size) if self.flags[r] < seq]
 
-        wait_until(lambda: self.flags.min() >= seq, self.timeout, late, spin_only=True)
+        def late() -> str:
+            return f"rank(s) {missing()} did not reach collective #{seq}" + (f" ({what})" if what else "")
+
+        gone = lambda: exit_message(self.peers, missing())  # noqa: E731
+        wait_until(lambda: self.flags.min() >= seq, self.timeout, late, spin_only=True, gone=gone)
 
     def _round(self, write, what: str = "") -> list[torch.Tensor]:
         """One step of the protocol: ``write(my slot)``, publish, wait for every rank; every rank's
@@ -180,18 +187,22 @@ class ShmChannel:
         return [part.view(x.dtype).view(x.shape) for part in parts]
 
 
-def wait_until(ready, timeout: float, late, spin_only: bool = False) -> None:
+def wait_until(ready, timeout: float, late, spin_only: bool = False, gone=None) -> None:
     """Spin until ``ready()``, yielding the core (oversubscribed cores: let the rank we wait for
     run); past a millisecond, nap between looks unless ``spin_only`` (a pipeline stage may wait a
-    whole stage's forward). Past ``timeout`` seconds: RankFailure with ``late()``'s account."""
-    spins, start = 0, None
+    whole stage's forward). Past ``timeout`` seconds: RankFailure with ``late()``'s account. ``gone()``,
+    looked at every ``LIVENESS_S`` of waiting: why the wait can never end (a peer's process exited), or None;
+    a RankFailure names it then, not at the timeout."""
+    spins, start, looked = 0, None, 0.0
     while not ready():
         spins += 1
         if spins % 256 == 0:
             os.sched_yield()
             now = time.monotonic()
             if start is None:
-                start = now
+                start = looked = now
+            elif gone is not None and now - looked > LIVENESS_S and (why := gone()):
+                raise RankFailure(f"hf_parallel: {late()}: {why}, so it never will (the others wait no longer)")
             elif now - start > timeout:
                 raise RankFailure(
                     f"hf_parallel: {late()} within {timeout:.0f}s (a rank died, hangs, or ranks issued different "
@@ -199,6 +210,8 @@ def wait_until(ready, timeout: float, late, spin_only: bool = False) -> None:
                 )
             elif not spin_only and now - start > 1e-3:
                 time.sleep(50e-6)
+            if gone is not None and now - looked > LIVENESS_S:
+                looked = now
 
 
 def usable() -> bool:
@@ -226,8 +239,8 @@ def host_id() -> str:
 def attach(group, rank: int, world_size: int, timeout: float, slot_bytes: int = SLOT_BYTES) -> ShmChannel | None:
     """Collective over ``group``: map a shared-memory channel if every rank can, else None (gloo)."""
     hosts = [None] * world_size
-    dist.all_gather_object(hosts, (usable(), host_id()), group=group)
-    if not one_host(hosts):
+    dist.all_gather_object(hosts, (usable(), host_id(), identity()), group=group)
+    if not one_host([host[:2] for host in hosts]):
         return None
     names = [f"/dev/shm/hf_parallel-{os.getpid()}-{uuid.uuid4().hex}" if rank == 0 else None]
     dist.broadcast_object_list(names, src=dist.get_global_rank(group, 0), group=group)
@@ -242,7 +255,7 @@ def attach(group, rank: int, world_size: int, timeout: float, slot_bytes: int = 
     dist.all_gather_object(created, path is not None, group=group)  # also a barrier: the file exists
     if created[0]:
         try:
-            channel = ShmChannel(path, rank, world_size, timeout, slot_bytes)
+            channel = ShmChannel(path, rank, world_size, timeout, slot_bytes, peers=[host[2] for host in hosts])
         except (OSError, RuntimeError):  # e.g. /dev/shm too small: every rank falls back to gloo
             channel = None
     mapped = [None] * world_size
@@ -268,8 +281,10 @@ class ShmPipe:
     whenever this rank waits on a pipe. So two stages sending to each other never wait on each
     other's full rings (1F1B's forwards one way, gradients the other)."""
 
-    def __init__(self, path: str, timeout: float, slots: int = 8, slot_bytes: int = PIPE_SLOT_BYTES):
+    def __init__(self, path: str, timeout: float, slots: int = 8, slot_bytes: int = PIPE_SLOT_BYTES,
+                 peer: dict | None = None):  # fmt: skip
         self.timeout, self.slots, self.slot_bytes = timeout, slots, slot_bytes
+        self.peer = watchable(peer) if peer else None  # {rank: identity} of the other end (liveness.py)
         self.memory = torch.from_file(path, shared=True, size=self.size(slots, slot_bytes), dtype=torch.uint8)
         self.counters = np.frombuffer(self.memory[: 2 * FLAG_STRIDE * 8].numpy(), dtype=np.int64)[::FLAG_STRIDE]
         self.written = self.taken = 0  # this end's own count (the other end's is read from memory)
@@ -312,7 +327,8 @@ class ShmPipe:
             return self.counters[0] > self.taken
 
         for piece in self._pieces(out.reshape(-1).view(torch.uint8)):
-            wait_until(arrived, self.timeout, lambda: f"{what}: nothing arrived")
+            wait_until(arrived, self.timeout, lambda: f"{what}: nothing arrived",
+                       gone=lambda: exit_message(self.peer, list(self.peer or ())))  # fmt: skip
             piece.copy_(self._slot(self.taken)[: piece.numel()])
             self.taken += 1
             self.counters[1] = self.taken
@@ -329,7 +345,10 @@ def push_all() -> bool:
 
 def drain(timeout: float, what: str) -> None:
     """Wait until every piece this process sent is in its ring (the messages may change after)."""
-    wait_until(lambda: not push_all(), timeout, lambda: f"{what}: the receiving stage took nothing")
+    def gone() -> str | None:
+        return next(filter(None, (exit_message(pipe.peer, list(pipe.peer or ())) for pipe in _SENDING)), None)
+
+    wait_until(lambda: not push_all(), timeout, lambda: f"{what}: the receiving stage took nothing", gone=gone)
 
 
 def attach_pipes(links: list[tuple[int, int]], rank: int, world_size: int, timeout: float, **ring) -> dict:
@@ -337,7 +356,7 @@ def attach_pipes(links: list[tuple[int, int]], rank: int, world_size: int, timeo
     on every rank) whose two ranks share a host; this rank's, by link. The sender creates the file,
     the receiver maps it, then the name goes (the mappings outlive it). ``ring``: ShmPipe's sizes."""
     everyone = [None] * world_size
-    dist.all_gather_object(everyone, (usable(), host_id(), uuid.uuid4().hex))
+    dist.all_gather_object(everyone, (usable(), host_id(), uuid.uuid4().hex, identity()))
     token = everyone[0][2]
     shared = [(a, b) for a, b in links if one_host([everyone[a][:2], everyone[b][:2]])]
     path = {link: f"/dev/shm/hf_parallel-{token}-{link[0]}-{link[1]}" for link in shared}
@@ -347,7 +366,7 @@ def attach_pipes(links: list[tuple[int, int]], rank: int, world_size: int, timeo
         try:
             with open(path[link], "wb") as f:
                 f.truncate(ShmPipe.size(**ring))
-            pipes[link] = ShmPipe(path[link], timeout, **ring)
+            pipes[link] = ShmPipe(path[link], timeout, **ring, peer={link[1]: everyone[link[1]][3]})
         except (OSError, RuntimeError):  # e.g. /dev/shm full: this link stays on gloo
             pass
     dist.all_gather_object(created, sorted(pipes))
@@ -355,7 +374,7 @@ def attach_pipes(links: list[tuple[int, int]], rank: int, world_size: int, timeo
     for link in shared:
         if link[1] == rank and link in made:
             try:
-                pipes[link] = ShmPipe(path[link], timeout, **ring)
+                pipes[link] = ShmPipe(path[link], timeout, **ring, peer={link[0]: everyone[link[0]][3]})
             except (OSError, RuntimeError):
                 pass
     dist.all_gather_object(mapped, sorted(pipes))
