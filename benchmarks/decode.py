@@ -15,7 +15,9 @@ baseline): a quantized checkpoint's ``hf_parallel`` (dequantized as read) agains
 (``keep_quantized=True``: the package's FP8 kernel on a card that runs it, else dequantized per module),
 ``hf_parallel_kept_fp8`` (``keep_quantized="fp8"``: FP8 products where the card has them) and
 ``hf_parallel_kept_int4`` (``keep_quantized="int4"``: torch's int4 kernel for GPTQ / AWQ); with the weights each
-rank holds (MB).
+rank holds (MB). ``hf_parallel_fsdp`` is FSDP2 at ``--tp`` ranks instead (eager): each rank generates the prompt,
+gathering each layer once per ``generate`` (``distributed/fsdp.py``), and ``hf_parallel_fsdp_per_token`` the same
+with FSDP's own hooks alone, which gather each layer at every token.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 KEPT = {"hf_parallel": False, "hf_parallel_kept": True, "hf_parallel_kept_fp8": "fp8", "hf_parallel_kept_int4": "int4"}
+FSDP = "hf_parallel_fsdp"  # FSDP=N in place of TP=N: every rank generates the prompt, each layer gathered once a call
+FSDP_PER_TOKEN = "hf_parallel_fsdp_per_token"  # the same with FSDP's own hooks alone: each layer gathered per token
 
 
 
@@ -39,7 +43,14 @@ def worker(args) -> None:
 
     rank = int(os.environ.get("RANK", 0))
     dtype = getattr(torch, args.dtype)
-    if args.impl.startswith("hf_parallel"):
+    if args.impl in (FSDP, FSDP_PER_TOKEN):
+        import hf_parallel
+
+        world = int(os.environ["WORLD_SIZE"])
+        model = hf_parallel.AutoModelForCausalLM.from_pretrained(args.model, tp_plan=None, fsdp_size=world, dtype=dtype)
+        if args.impl == FSDP_PER_TOKEN:
+            del model.generate  # transformers' own again, without the gather once per call
+    elif args.impl.startswith("hf_parallel"):
         import hf_parallel
 
         kept = KEPT[args.impl]
@@ -142,10 +153,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--modes", nargs="+", default=["eager", "compiled"],
                         choices=["eager", "compiled", "reduce-overhead"])
-    parser.add_argument("--impls", nargs="+", default=["single", "hf_parallel"], choices=["single", *KEPT],
+    parser.add_argument("--impls", nargs="+", default=["single", "hf_parallel"],
+                        choices=["single", *KEPT, FSDP, FSDP_PER_TOKEN],
                         help="hf_parallel_kept: keep_quantized=True (FP8 kernel on a GPU, else dequantized per "
                         "module); hf_parallel_kept_fp8: keep_quantized='fp8' (FP8 products where the card has them); "
-                        "hf_parallel_kept_int4: keep_quantized='int4' (torch's int4 kernel); the first is the baseline")
+                        "hf_parallel_kept_int4: keep_quantized='int4' (torch's int4 kernel); hf_parallel_fsdp: "
+                        "fsdp_size=--tp instead of TP (eager only), hf_parallel_fsdp_per_token: the same gathering "
+                        "each layer per token (FSDP's hooks alone); the first is the baseline")
     parser.add_argument("--transformers-tp", action="store_true", help="also transformers' own TP (where it splits)")
     parser.add_argument("--out", default=os.path.join(HERE, "results"))
     parser.add_argument("--timeout", type=int, default=1800)
@@ -164,7 +178,7 @@ def main() -> None:
         rows: dict = {}
         for _ in range(args.rounds):  # rounds interleave the implementations: a noisy spell hits all of them
             for impl, nproc in runs:
-                for mode in args.modes:
+                for mode in args.modes if "fsdp" not in impl else [m for m in args.modes if m == "eager"]:
                     rows.setdefault(f"{impl} {mode}", []).append(launch(impl, mode, nproc, path, args))
         report[name] = {key: summarize(results) for key, results in rows.items()}
         print(table(name, report[name], args.tp, args.dtype))

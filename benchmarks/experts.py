@@ -13,7 +13,9 @@ into the cache once. Every configuration trains on the same global batch of ``ro
 ``--steps`` timed, and decodes ``--decode`` greedy tokens for ``rows`` prompts of 16 tokens (each data-parallel
 rank its rows, stepping together). Per configuration: tokens/s of both, the losses against one process's, and
 each rank's expert bytes at compute time (``memory.held_bytes`` of every experts module's parameters as its
-forward starts, FSDP's unsharded ones included) over the whole experts'. Writes ``experts.json``.
+forward starts, FSDP's unsharded ones included) over the whole experts'. Under ``ep_size`` also one more step's
+peak tensor memory (torch's ``MemTracker``) against ``memory.step_memory``'s formula, with and without the (token,
+expert) pairs that may arrive, and the pairs that did arrive against the formula's bound. Writes ``experts.json``.
 """
 
 from __future__ import annotations
@@ -77,7 +79,7 @@ def load(kind: str, path: str, ranks: int):
     if "TP-group" in kind:
         return hf_parallel.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, ep_plan="auto"), 1
     data = dict(fsdp_size=ranks) if kind.endswith("fsdp") else dict(dp_replicate_size=ranks)  # dense: FSDP or copies
-    sizes = dict(ep_size=ranks, tp_plan=None, **data)
+    sizes = dict(ep_size=ranks, tp_plan=None, count_expert_tokens=True, **data)  # (the pairs each rank receives)
     return hf_parallel.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **sizes), ranks
 
 
@@ -96,6 +98,47 @@ def expert_bytes_at_compute(model) -> list:
     return seen
 
 
+def step_memory_measured(model, rows) -> dict:
+    """Under ``ep_size``: one more training step's peak tensor memory on this rank (torch's ``MemTracker``, after a
+    warm-up step, so AdamW's states exist) against ``memory.step_memory``'s formula for this rank, and that formula
+    without the pairs arriving (the activations of the rank's own tokens alone); the pairs that arrived at this
+    rank per experts layer (the most of any layer) against the formula's bound."""
+    import torch
+    from memory import categories, peak_tracker
+
+    import hf_parallel
+    from hf_parallel.memory import activation_bytes, step_memory
+    from hf_parallel.tensor.token_exchange import EXCHANGE_ATTR
+
+    state = hf_parallel.parallel_state(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+
+    def step():
+        model(input_ids=rows, labels=rows).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    step()
+    state.tokens_per_expert()  # counted from here: the tracked step's routing
+    tracker = peak_tracker()
+    tracker.track_external(model, optimizer, rows)
+    with tracker:
+        step()
+    by_category = categories(tracker.get_tracker_snapshot("peak"))
+    measured = by_category.get("Total", 0)
+    routed = state.tokens_per_expert()  # each expert's tokens over the world: the data replicas are the EP ranks
+    arrived = 0
+    for path, counts in routed.items():
+        exchange = getattr(model.get_submodule(path), EXCHANGE_ATTR)
+        mine = exchange.first[exchange.ep.rank]
+        arrived = max(arrived, sum(counts[mine : mine + exchange.local]))
+    formula = step_memory(model, state.layout, torch.float32, rows.shape[0], rows.shape[1])
+    own = activation_bytes(model, state.mesh.tp.size, rows.numel(), rows.shape[1], torch.float32)
+    return {"measured": measured, "formula": formula.total, "without_pairs": formula.total - formula.activations + own,
+            "pairs_arrived": arrived, "pairs_bound": formula.expert_pairs, "peak_at": tracker.where,
+            "by_category": by_category, "formula_terms": vars(formula)}  # fmt: skip
+
+
 def worker(kind: str, args) -> None:
     import torch
     import torch.distributed as dist
@@ -112,6 +155,7 @@ def worker(kind: str, args) -> None:
     mine = ids[(rank % data_parallel) * rows : (rank % data_parallel + 1) * rows]
     model.train()
     losses, seconds = timed_training_steps(model, mine, args.steps, data_parallel)
+    step_memory = step_memory_measured(model, mine) if "ep_size" in kind and "hf_parallel" in kind else None
     model.eval()
     prompts = ids[:, :PROMPT_TOKENS][(rank % data_parallel) * rows : (rank % data_parallel + 1) * rows]
     with torch.no_grad():
@@ -124,7 +168,7 @@ def worker(kind: str, args) -> None:
             dist.barrier()
         decode_s = time.perf_counter() - start
     result = {"step_s": sum(seconds) / len(seconds), "decode_s": decode_s, "losses": losses,
-              "expert_bytes": held[0], "experts_whole": experts_whole}  # fmt: skip
+              "expert_bytes": held[0], "experts_whole": experts_whole, "step_memory": step_memory}  # fmt: skip
     with open(os.path.join(args.out, f"experts-{kind.replace(' ', '_')}-rank{rank}.json"), "w") as f:
         json.dump(result, f)
     if dist.is_initialized():
@@ -141,6 +185,17 @@ def _whole_experts(args) -> dict:
     with torch.device("meta"):
         experts = transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeExperts(config)
     return dict(experts.named_parameters())
+
+
+def step_memory_row(ranks: list[dict]) -> dict:
+    """The step-memory columns (the largest rank's each, MiB) where the ranks measured them (``ep_size``)."""
+    measured = [r["step_memory"] for r in ranks if r.get("step_memory")]
+    if not measured:
+        return {}
+    top = lambda key: max(m[key] for m in measured)  # noqa: E731
+    return {"step_peak_mib": top("measured") / 2**20, "step_formula_mib": top("formula") / 2**20,
+            "formula_without_pairs_mib": top("without_pairs") / 2**20, "pairs_arrived": top("pairs_arrived"),
+            "pairs_bound": top("pairs_bound")}  # fmt: skip
 
 
 def launch(kind: str, ranks: int, args) -> list[dict] | str:
@@ -177,6 +232,7 @@ def main() -> None:
         "train_tokens_per_s": args.rows * args.seq / max(r["step_s"] for r in ranks),
         "decode_tokens_per_s": args.rows * args.decode / max(r["decode_s"] for r in ranks),
         "expert_bytes_fraction": max(r["expert_bytes"] for r in ranks) / ranks[0]["experts_whole"],
+        **step_memory_row(ranks),
     })  # fmt: skip
     print(f"\nMoE {args.layers} layers, hidden {args.hidden}, {args.experts} experts (top-2), fp32; training step "
           f"{args.rows} x {args.seq} tokens + AdamW, decode {args.decode} tokens x {args.rows} prompts; "
@@ -189,6 +245,13 @@ def main() -> None:
         error = "-" if row["loss_error"] is None else f"{row['loss_error']:.1e}"
         print(f"{kind:<30} {row['train_tokens_per_s']:>11.1f} {row['decode_tokens_per_s']:>12.1f} "
               f"{row['expert_bytes_fraction']:>12.3f} {error:>13}")  # fmt: skip
+    memory = {kind: row for kind, row in table.items() if "step_peak_mib" in row}
+    if memory:
+        print(f"\n{'step memory, the largest rank':<30} {'peak MiB':>9} {'formula':>9} {'w/o pairs':>9} "
+              f"{'pairs arrived':>13} {'bound':>7}")  # fmt: skip
+    for kind, row in memory.items():
+        print(f"{kind:<30} {row['step_peak_mib']:>9.2f} {row['step_formula_mib']:>9.2f} "
+              f"{row['formula_without_pairs_mib']:>9.2f} {row['pairs_arrived']:>13} {row['pairs_bound']:>7}")
     ratios = {}
     for n in args.sizes:
         others = {"TP-group EP": f"hf_parallel TP-group EP={n}", "transformers": f"transformers ep_size={n}",

@@ -1,5 +1,6 @@
 """Train a mixture-of-experts model with its experts spread over ranks and tokens sent to them (expert parallelism).
 
+    MODEL=allenai/OLMoE-1B-7B-0924 torchrun --nproc-per-node 8 examples/expert_parallel.py   # FSDP=8, EP=8
     MODEL=allenai/OLMoE-1B-7B-0924 torchrun --nproc-per-node 4 examples/expert_parallel.py   # FSDP=4, EP=4
     EP=2 MODEL=... torchrun --nproc-per-node 4 examples/expert_parallel.py        # EP=2: each expert on 2 ranks
     EP=1 FSDP=1 CUDA_VISIBLE_DEVICES=0 MODEL=... python examples/expert_parallel.py   # one process (if it fits)
@@ -28,8 +29,12 @@ model = AutoModelForCausalLM.from_pretrained(
     path, tp_plan=None, fsdp_size=fsdp, ep_size=ep, count_expert_tokens=ep > 1, dtype=torch.float32
 )
 tokenizer = transformers.AutoTokenizer.from_pretrained(path)
-texts = ["Experts are spread over ranks.", "Each token goes to the ranks holding its experts and comes back."] * 2
-batch = tokenizer(texts, return_tensors="pt", padding=True).to(parallel_state(model).mesh.device)  # 4 rows, every rank
+if tokenizer.pad_token is None:  # (Llama 3's has none) the batch is padded to its longest row
+    tokenizer.pad_token = tokenizer.eos_token
+# 8 rows, the same global batch on every rank and at every world size that divides it (1, 2, 4, 8 ranks): each
+# data-parallel rank computes its rows
+texts = ["Experts are spread over ranks.", "Each token goes to the ranks holding its experts and comes back."] * 4
+batch = tokenizer(texts, return_tensors="pt", padding=True).to(parallel_state(model).mesh.device)
 labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)  # no loss on padding
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
 

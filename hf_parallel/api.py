@@ -15,6 +15,7 @@ from .adapters.placement import Adapters
 from .adapters.seams import watch
 from .build import build_rank_model, resolve_dtype
 from .checkpoint.distributed_save import save_distributed
+from .checkpoint.files import MAX_SHARD_SIZE
 from .checkpoint.hub import local_checkpoint
 from .checkpoint.loading import checkpoint_files, load_weights, materialise_shards, shard_shapes_on_meta
 from .checkpoint.saving import save_sharded
@@ -341,7 +342,7 @@ def save_pretrained(
     model,
     save_directory: str,
     *,
-    max_shard_size="50GB",
+    max_shard_size=MAX_SHARD_SIZE,
     distributed: bool = False,
     is_main_process: bool = True,
     safe_serialization: bool = True,

@@ -88,6 +88,7 @@ def footprint(layout, dtype: torch.dtype, mesh=None) -> Footprint:
 # 34 without tensor parallelism, of which 10 stay whole on every TP rank and 24 are split over them;
 # an attention computed unfused keeps 5 bytes per score besides (its scores, softmax and dropout mask).
 LAYER_WHOLE, LAYER_SPLIT, SCORES = 10, 24, 5
+MLP_SPLIT = 16  # of the 24 split: the MLP's two 4 x hidden wide tensors, which an experts layer's pairs replace
 FUSED_ATTENTION = ("sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")  # keep no scores
 
 
@@ -105,6 +106,7 @@ class StepMemory:
     activations: int
     batch: int
     seq: int
+    expert_pairs: int = 0  # under ep_size: the (token, expert) pairs that may arrive per experts layer, at most
 
     @property
     def total(self) -> int:
@@ -124,8 +126,45 @@ def step_memory(model, layout, dtype: torch.dtype, batch: int = 1, seq: int = 20
     share = footprint(layout, dtype, mesh).share
     unit, gathered = gathered_unit(model, layout, dtype, mesh) if mesh.shape.dp > 1 else (None, 0)
     tokens = -(-batch * seq // mesh.sp.size)  # each rank of the sequence group holds its tokens
-    activations = activation_bytes(model, mesh.tp.size, tokens, seq, dtype)
-    return StepMemory(share, share, 2 * share, 2 * gathered, unit, activations, batch, seq)
+    exchange = token_exchange(model, layout, mesh, tokens)
+    activations = activation_bytes(model, mesh.tp.size, tokens, seq, dtype, exchange)
+    pairs = exchange.arriving if exchange else 0
+    return StepMemory(share, share, 2 * share, 2 * gathered, unit, activations, batch, seq, pairs)
+
+
+@dataclass(frozen=True)
+class TokenExchangeCount:
+    """Per experts layer under ``ep_size`` (``tensor/token_exchange.py``), on one rank: the (token, expert) pairs
+    it sends (its share of its TP group's tokens, ``top_k`` each) and those that may arrive (every EP rank's
+    share, each token at most ``min(top_k, local experts)`` pairs here: dropless routing bounds nothing
+    lower), the experts' intermediate size, and that of the shared experts every token also goes through
+    (Qwen2-MoE's ``shared_expert``, DeepSeek's ``n_shared_experts``; 0 without), split over TP."""
+
+    layers: int
+    sent: int
+    arriving: int
+    intermediate: int
+    shared_intermediate: int = 0
+
+
+def token_exchange(model, layout, mesh, tokens: int) -> TokenExchangeCount | None:
+    """The token exchange of ``layout``'s experts on ``mesh``'s rank, ``tokens`` its tokens; None without
+    ``ep_size`` (experts split over the TP group compute on the rank's own tokens)."""
+    experts = [entry for entry in layout.unique_params() if entry.layout.over == "ep"]
+    if not experts:
+        return None
+    text = model.config.get_text_config()
+    top_k = text.num_experts_per_tok
+    local = experts[0].layout.local_shape(experts[0].full_shape, mesh.ep.rank)[0]  # this rank's experts
+    share = -(-tokens // mesh.tp.size)  # the TP ranks of an EP group split their tokens (token_exchange.py)
+    intermediate = getattr(text, "moe_intermediate_size", None) or text.intermediate_size
+    if hasattr(text, "shared_expert_intermediate_size"):  # Qwen2-MoE: one shared expert of its own width
+        shared = text.shared_expert_intermediate_size or 0
+    else:  # DeepSeek: n_shared_experts of the routed experts' width
+        shared = (getattr(text, "n_shared_experts", None) or 0) * intermediate
+    layers = len({entry.name.rpartition(".")[0] for entry in experts})
+    arriving = mesh.ep.size * share * min(top_k, local)
+    return TokenExchangeCount(layers, share * top_k, arriving, intermediate, shared)
 
 
 def gathered_unit(model, layout, dtype: torch.dtype, mesh=None) -> tuple[str, int]:
@@ -147,18 +186,31 @@ def gathered_unit(model, layout, dtype: torch.dtype, mesh=None) -> tuple[str, in
 ROOT_UNIT = "the root"  # what no layer or end of its own holds: the final norm, a tied embedding with its head
 
 
-def activation_bytes(model, tp: int, tokens: int, seq: int, dtype: torch.dtype) -> int:
+def activation_bytes(model, tp: int, tokens: int, seq: int, dtype: torch.dtype,
+                     exchange: TokenExchangeCount | None = None) -> int:
     """One micro-batch's activations kept for its backward on one rank, ``tokens`` of it on this rank (its
     rows x ``seq`` over the sequence group). Per decoder layer the standard estimate (Korthikanti et al.
     2022), scaled from 16-bit to ``dtype``: ``tokens x hidden x (10 + 24 / tp)``, plus the attention scores
     ``5 x heads / tp x seq x tokens`` when the attention is not fused (eager). Then the logits, whole on
     every TP rank (gathered for the loss): in ``dtype``, and twice in float32 for the loss (the
     log-probabilities cross-entropy keeps, and their gradient). An estimate: it counts GPT's layer, and a
-    model's own norms, gates and rotary tables keep somewhat more or less."""
+    model's own norms, gates and rotary tables keep somewhat more or less.
+
+    Under ``ep_size`` (``exchange``) an experts layer computes on the pairs that arrive, not on the rank's tokens:
+    its MLP's split part (``16 / tp``) is replaced by each arriving pair's input row and its gated MLP's four
+    intermediate-wide tensors (gate, up, the activation, their product: ``hidden + 4 x intermediate``) and each
+    sent pair's output row, kept for the routing weight's product (``hidden``); arriving at their bound. Shared
+    experts keep their four tensors per token, over TP."""
     text = model.config.get_text_config()
     itemsize = torch.empty((), dtype=dtype).element_size()
     layer = tokens * text.hidden_size * (LAYER_WHOLE + LAYER_SPLIT / tp)
     if getattr(model.config, "_attn_implementation", None) not in FUSED_ATTENTION:
         layer += SCORES * getattr(text, "num_attention_heads", 0) / tp * seq * tokens
     logits = tokens * text.vocab_size * (itemsize + 2 * 4) if model.get_output_embeddings() is not None else 0
-    return int(text.num_hidden_layers * layer * itemsize / 2) + logits
+    total = int(text.num_hidden_layers * layer * itemsize / 2) + logits
+    if exchange is not None:
+        dense_mlp = tokens * text.hidden_size * MLP_SPLIT / tp * itemsize / 2
+        pairs = exchange.arriving * (text.hidden_size + 4 * exchange.intermediate) + exchange.sent * text.hidden_size
+        shared = tokens * 4 * exchange.shared_intermediate / tp
+        total += int(exchange.layers * ((pairs + shared) * itemsize - dense_mlp))
+    return total

@@ -30,7 +30,7 @@ import torch.multiprocessing as mp
 
 # variables torch, triton, transformers/huggingface_hub or the package read when a module is imported
 IMPORT_TIME = ("TRITON_", "TORCH", "PYTORCH_", "CUDA_", "OMP_", "MKL_", "HF_HUB_", "HF_HOME", "TRANSFORMERS_",
-               "HF_PARALLEL_SHM_SLOT_MB")  # fmt: skip
+               "XDG_CACHE_HOME", "HF_PARALLEL_SHM_SLOT_MB")  # fmt: skip
 # ... but not these, which torch writes into os.environ itself as it runs (inductor's first compile in the
 # parent sets its cache folder) and reads at each use: a case's ranks get them from its environment
 RUN_TIME = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "TORCHELASTIC_")
@@ -106,7 +106,9 @@ def _entry(rank: int, world_size: int, port: int, fn, args, out_dir: str, env: d
     import torch
 
     torch.set_num_threads(1)
-    torch.manual_seed(torch.initial_seed())  # the generator as a new interpreter starts it, whatever forked it
+    torch.seed()  # a seed of its own from fresh entropy, as a new interpreter draws one (a fork copies the server's)
+    if "numpy" in sys.modules:  # numpy's global generator likewise (Python's random reseeds itself at a fork)
+        sys.modules["numpy"].random.seed()
     result = fn(rank, world_size, *args)
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
@@ -131,6 +133,7 @@ def _join(context, fn, world_size: int) -> None:
             for process in context.processes:
                 if process.is_alive():
                     process.kill()
+                process.join(5)  # (reaped: no zombie left for the rest of the session)
             raise TimeoutError(
                 f"{fn.__module__}.{fn.__qualname__} on {world_size} ranks ran past {CASE_TIMEOUT_S:.0f} s "
                 "(HF_PARALLEL_TEST_CASE_TIMEOUT); its ranks were killed"

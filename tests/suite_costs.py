@@ -3,7 +3,8 @@
 ``HF_PARALLEL_TEST_COSTS=costs.jsonl pytest tests`` (tests/conftest.py registers this plugin when it is set)
 appends one JSON line per test to that file: its wall time (setup, call and teardown), the rank groups it ran through
 ``distributed.run_ranks`` (their world sizes), and the child interpreters it started (a torchrun counted with
-its ranks). ``python tests/suite_costs.py FILE.jsonl`` prints the per-file and per-world-size tables.
+its ranks). ``python tests/suite_costs.py FILE.jsonl [--before LOG]`` prints the per-file and per-world-size
+tables; ``LOG``, the output of an earlier ``pytest --durations=0`` run, adds each file's minutes then.
 Nothing here changes what a test runs: it reads ``distributed.GROUPS`` and counts ``subprocess.Popen``s."""
 
 from __future__ import annotations
@@ -65,8 +66,19 @@ def covers(test_file: str) -> str:
     return sentence if len(sentence) <= 160 else sentence[:159].rsplit(" ", 1)[0] + " …"
 
 
-def tables(records: list[dict]) -> str:
-    """Markdown: per file (tests, minutes, rank processes, other interpreters), then per largest world size."""
+def minutes_per_file(durations_log: str) -> dict[str, float]:
+    """Each test file's minutes (setup, call and teardown) in the output of ``pytest --durations=0``."""
+    seconds = collections.defaultdict(float)
+    with open(durations_log) as f:
+        for line in f:
+            if found := re.match(r"([\d.]+)s (?:setup|call|teardown)\s+tests/([^:]+)::", line):
+                seconds[found.group(2)] += float(found.group(1))
+    return {name: total / 60 for name, total in seconds.items()}
+
+
+def tables(records: list[dict], before: dict[str, float] | None = None) -> str:
+    """Markdown: per file (tests, minutes, rank processes, other interpreters; ``before``: each file's minutes in
+    an earlier run), then per largest world size."""
     files = collections.defaultdict(lambda: [0, 0.0, 0, 0])
     worlds = collections.defaultdict(lambda: [0, 0.0])
     for record in records:
@@ -79,18 +91,22 @@ def tables(records: list[dict]) -> str:
         largest = max(record["groups"] + record["launches"], default=0)
         worlds[largest][0] += 1
         worlds[largest][1] += record["seconds"]
-    lines = ["| file | what it covers | tests | minutes | rank processes | other interpreters |",
-             "|---|---|---|---|---|---|"]  # fmt: skip
+    then = (lambda name: f" {before[name]:.2f} |" if name in before else " - |") if before else (lambda name: "")
+    lines = ["| file | what it covers | tests | minutes |" + (" minutes before |" if before else "")
+             + " rank processes | other interpreters |", "|---|---|---|---|" + "---|" * bool(before) + "---|---|"]
     for name, (tests, seconds, ranks, others) in sorted(files.items(), key=lambda item: -item[1][1]):
-        lines.append(f"| {name} | {covers(name)} | {tests} | {seconds / 60:.2f} | {ranks} | {others} |")
+        lines.append(f"| {name} | {covers(name)} | {tests} | {seconds / 60:.2f} |{then(name)} {ranks} | {others} |")
     total = [sum(row[i] for row in files.values()) for i in range(4)]
-    lines.append(f"| **all** | | {total[0]} | {total[1] / 60:.1f} | {total[2]} | {total[3]} |")
+    before_total = f" {sum(before.values()):.1f} |" if before else ""
+    lines.append(f"| **all** | | {total[0]} | {total[1] / 60:.1f} |{before_total} {total[2]} | {total[3]} |")
     lines += ["", "| largest world a test starts | tests | minutes |", "|---|---|---|"]
     for world, (tests, seconds) in sorted(worlds.items()):
-        lines.append(f"| {world or 'none (one process)'} | {tests} | {seconds / 60:.2f} |")
+        lines.append(f"| {world or 'no rank group (one process, or plain programs it starts)'} | {tests} | "
+                     f"{seconds / 60:.2f} |")
     return "\n".join(lines)
 
 
 if __name__ == "__main__":
     with open(sys.argv[1]) as f:
-        print(tables([json.loads(line) for line in f]))
+        records = [json.loads(line) for line in f]
+    print(tables(records, minutes_per_file(sys.argv[3]) if sys.argv[2:3] == ["--before"] else None))

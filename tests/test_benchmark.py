@@ -119,7 +119,8 @@ def test_training_benchmark_runs_every_configuration(tiny_paths, tmp_path):
 
 def test_experts_benchmark_runs_every_configuration(tmp_path):
     """benchmarks/experts.py at EP=2 on a tiny MoE: one process, ``ep_size`` under FSDP and the TP-group EP train and
-    decode, the same losses as one process, each EP rank holding half the experts at compute time."""
+    decode, the same losses as one process, each EP rank holding half the experts at compute time; under ``ep_size`` a
+    step's peak measured beside ``step_memory``'s formula, the pairs that arrived within its bound."""
     command = [sys.executable, os.path.join(ROOT, "benchmarks", "experts.py"), "--layers", "2", "--hidden", "32"]
     command += ["--experts", "4", "--rows", "4", "--seq", "8", "--steps", "1", "--decode", "2", "--sizes", "2"]
     kinds = ["one process", "hf_parallel ep_size=2 fsdp", "hf_parallel TP-group EP=2"]  # (each run launches ranks)
@@ -132,18 +133,23 @@ def test_experts_benchmark_runs_every_configuration(tmp_path):
         assert row["train_tokens_per_s"] > 0 and row["decode_tokens_per_s"] > 0, (name, row)
         assert row["loss_error"] < 1e-5, (name, row)
         assert row["expert_bytes_fraction"] == (1.0 if name == "one process" else 0.5), (name, row)
-    assert "train_tokens_per_s ep_size=2 fsdp / TP-group EP" in done.stdout
+    memory = table["hf_parallel ep_size=2 fsdp"]  # the step's peak measured beside the formula, pairs and all
+    assert 0 < memory["pairs_arrived"] <= memory["pairs_bound"] == 2 * 2 * 8 * 2, memory  # 2 EP ranks x 2 rows x 8 x 2
+    assert memory["step_formula_mib"] > memory["formula_without_pairs_mib"] and memory["step_peak_mib"] > 0, memory
+    assert "train_tokens_per_s ep_size=2 fsdp / TP-group EP" in done.stdout and "step memory" in done.stdout
 
 
 def test_decode_benchmark_runs_eager_and_compiled_side_by_side(tiny_paths, tmp_path):
     """benchmarks/decode.py: one process and hf_parallel TP=2, each eager and compiled (static cache,
-    fullgraph), every run's greedy tokens one process's."""
+    fullgraph), and FSDP=2 eager, every run's greedy tokens one process's."""
     command = [sys.executable, os.path.join(ROOT, "benchmarks", "decode.py"), "--models", tiny_paths["llama"]]
     command += ["--dtype", "float32", "--new-tokens", "4", "--prompt-len", "5", "--repeats", "1", "--out", str(tmp_path)]
+    command += ["--impls", "single", "hf_parallel", "hf_parallel_fsdp"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     rows = json.loads((tmp_path / "decode.json").read_text())[tiny_paths["llama"]]
-    assert set(rows) == {f"{impl} {mode}" for impl in ("single", "hf_parallel") for mode in ("eager", "compiled")}
+    want = {f"{impl} {mode}" for impl in ("single", "hf_parallel") for mode in ("eager", "compiled")}
+    assert set(rows) == want | {"hf_parallel_fsdp eager"}
     for key, row in rows.items():
         assert "error" not in row, (key, row.get("error"))
         assert row["tokens"] == rows["single eager"]["tokens"] and row["s_per_token"] > 0, (key, row)

@@ -51,24 +51,41 @@ def test_the_generate_example_prints_once_what_one_process_generates(tiny_smollm
     assert len(want) > 10 and stdout.count(want) == 1 and stdout.strip().startswith(want), stdout
 
 
+def without_pad_token(path: str, root: Path) -> str:
+    """A copy of the checkpoint at ``path`` whose tokenizer has no pad token (as Llama 3's has none)."""
+    import json
+    import shutil
+
+    copy = root / "no_pad_token"
+    shutil.copytree(path, copy)
+    config = json.loads((copy / "tokenizer_config.json").read_text())
+    config.pop("pad_token", None)
+    (copy / "tokenizer_config.json").write_text(json.dumps(config))
+    return str(copy)
+
+
 @pytest.mark.distributed
 def test_the_lora_example_at_tp_and_fsdp_logs_one_processs_losses_and_saves_its_adapter(tiny_smollm2, tmp_path):
-    """examples/train_lora.py at TP=2 x FSDP=2 under the Trainer: rank 0 alone logs the losses the same script
-    logs in one process (a global batch of 4 rows either way); the adapter saved unmerged is one process's,
-    and plain peft loads it onto plain transformers' model."""
+    """examples/train_lora.py as written on one 8-GPU node (8 ranks: TP=2 x FSDP=4, its default there) under the
+    Trainer, with a tokenizer that has no pad token: rank 0 alone logs the losses the same script logs in one
+    process (a global batch of 8 rows either way, padding left out of the loss); the adapter saved unmerged is one
+    process's, and plain peft loads it onto plain transformers' model."""
     import peft
     import transformers
     from compare import assert_close
     from safetensors.torch import load_file
 
+    path = without_pad_token(tiny_smollm2, tmp_path)
+    assert transformers.AutoTokenizer.from_pretrained(path).pad_token is None
     runs = {}
-    for name, ranks, tp, fsdp in (("one", 1, "1", "1"), ("tp2_fsdp2", 4, "2", "2")):
-        stdout = run_example("train_lora.py", ranks, MODEL=tiny_smollm2, TP=tp, FSDP=fsdp, OUT=str(tmp_path / name))
+    for name, ranks in (("one", 1), ("tp2_fsdp4", 8)):
+        stdout = run_example("train_lora.py", ranks, MODEL=path, OUT=str(tmp_path / name))
         runs[name] = [[float(x) for x in found.split(",")] for found in re.findall(r"losses \[([-\d., ]+)\]", stdout)]
         assert len(runs[name]) == 1 and len(runs[name][0]) == 3, stdout  # printed once, 3 steps
-    assert_close(runs["tp2_fsdp2"][0], runs["one"][0], atol=1e-4, rtol=0, what="TP=2 x FSDP=2 losses")
-    one, parallel = (tmp_path / "one" / "adapter", tmp_path / "tp2_fsdp2" / "adapter")
-    assert not (tmp_path / "tp2_fsdp2" / "merged").exists() and (tmp_path / "one" / "merged").is_dir()
+    assert "rank 0: pp 0/1, tp 0/2, sp 0/1, dp 0/4: losses" in stdout, stdout  # the layout chosen: TP=2 x FSDP=4
+    assert_close(runs["tp2_fsdp4"][0], runs["one"][0], atol=1e-4, rtol=0, what="TP=2 x FSDP=4 losses")
+    one, parallel = (tmp_path / "one" / "adapter", tmp_path / "tp2_fsdp4" / "adapter")
+    assert not (tmp_path / "tp2_fsdp4" / "merged").exists() and (tmp_path / "one" / "merged").is_dir()
     want, got = (load_file(path / "adapter_model.safetensors") for path in (one, parallel))
     assert sorted(got) == sorted(want) and len(want) == 2 * 7 * 2  # 2 layers x 7 targets x (A, B)
     for key in want:
@@ -141,9 +158,10 @@ def test_the_long_context_example_splits_the_cache_as_its_formula_says(tiny_smol
 
 @pytest.mark.distributed
 def test_the_expert_parallel_example_logs_one_processs_losses(tiny_smollm2, tmp_path):
-    """examples/expert_parallel.py at FSDP=4 x EP=4 on a tiny random Qwen3-MoE (8 experts, 2 a token) with
-    SmolLM2's tokenizer: rank 0 logs the losses the same script logs in one process, and the first layer's
-    tokens per expert count every (token, expert) pair of the run once."""
+    """examples/expert_parallel.py as written on 8 ranks (FSDP=8 x EP=8: one expert a rank, one row of its 8 each)
+    on a tiny random Qwen3-MoE (8 experts, 2 a token) with SmolLM2's tokenizer: rank 0 logs the losses the same
+    script logs in one process, and the first layer's tokens per expert count every (token, expert) pair of the
+    run once."""
     import transformers
     from compare import assert_close
 
@@ -156,14 +174,14 @@ def test_the_expert_parallel_example_logs_one_processs_losses(tiny_smollm2, tmp_
     transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(tmp_path / "moe")
     transformers.AutoTokenizer.from_pretrained(tiny_smollm2).save_pretrained(tmp_path / "moe")
     losses = {}
-    for name, ranks, size in (("one", 1, "1"), ("ep4", 4, "4")):
-        stdout = run_example("expert_parallel.py", ranks, MODEL=str(tmp_path / "moe"), FSDP=size, EP=size)
+    for name, ranks in (("one", 1), ("ep8", 8)):
+        stdout = run_example("expert_parallel.py", ranks, MODEL=str(tmp_path / "moe"))
         (found,) = re.findall(r"losses \[([-\d., ]+)\]", stdout)
         losses[name] = [float(x) for x in found.split(",")]
-    assert_close(losses["ep4"], losses["one"], atol=1e-4, rtol=0, what="FSDP=4 x EP=4 losses")
+    assert_close(losses["ep8"], losses["one"], atol=1e-4, rtol=0, what="FSDP=8 x EP=8 losses")
     (counts,) = re.findall(r"tokens per expert in model.layers.0.mlp.experts: \[([\d, ]+)\]", stdout)
     tokens = transformers.AutoTokenizer.from_pretrained(tiny_smollm2)(
-        ["Experts are spread over ranks.", "Each token goes to the ranks holding its experts and comes back."] * 2,
+        ["Experts are spread over ranks.", "Each token goes to the ranks holding its experts and comes back."] * 4,
         padding=True,
     )["input_ids"]  # fmt: skip
     pairs = 3 * len(tokens) * len(tokens[0]) * 2  # 3 steps x every token, padding too, routed to 2 experts

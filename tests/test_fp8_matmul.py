@@ -1,4 +1,4 @@
-"""Kept FP8 weights multiplied in FP8 (``tensor/fp8_matmul.py``), what a CPU can check: the activations'
+"""Kept FP8 weights multiplied in FP8 (``quant/kernels/fp8_scaled_mm.py``), what a CPU can check: the activations'
 quantization, the scales laid out as torch's block-scaled product reads them, and which modules take the
 product. CPU torch has no block-scaled ``_scaled_mm``: here it is ``block_scaled_mm``, torch's layout checks
 (``ScaledBlas.cpp``: ``is_blockwise_1x128_scaling``, ``is_blockwise_128x128_scaling``, both of its stride rules)

@@ -1,4 +1,4 @@
-"""Kept GPTQ / AWQ int4 weights multiplied by torch's own int4 kernel (``tensor/int4_kernel.py``), on CPU
+"""Kept GPTQ / AWQ int4 weights multiplied by torch's own int4 kernel (``quant/kernels/int4_torch.py``), on CPU
 (``_weight_int4pack_mm_for_cpu``): the repacked form's products against the format's definition (groups in
 place, act-order inputs spread to their groups' slots, a last group half full, outputs padded to 16), the
 load-time check refusing a kernel that computes otherwise, and which linears take it in a model, whose

@@ -1,4 +1,4 @@
-"""Kept fused experts dequantize only the experts a call's tokens go to (``tensor/kept_experts.py``): in one
+"""Kept fused experts dequantize only the experts a call's tokens go to (``quant/kept_experts.py``): in one
 process, against the same checkpoint dequantized as read, for per-expert FP8 and pack-quantized keys (stacked
 at load, the pieces keeping views of the stack) and MXFP4's one box of every expert; compiled whole. Under TP,
 EP (sentinels for other ranks' experts) and PP, a one-token step is checked against plain transformers in

@@ -177,9 +177,35 @@ def test_the_plan_shows_how_ep_size_spreads_the_experts(moe_paths):
     assert "moe_ep_tokens" in line and "chunks(dim=0, sizes=[1,1,1,1])" in line, line
     assert "1x64x48 1x64x48 1x64x48 1x64x48 / [12288, 12288, 12288, 12288]" in line, line  # EP ranks 0-3
     rest = next(line for line in report.splitlines() if line.startswith("at rest under FSDP2"))
-    assert rest.count(",") >= 3 and "(every rank: each EP rank holds its own experts)" in rest, rest
+    assert rest.count(",") >= 3 and "(rank 0's EP group: each EP rank holds its own experts)" in rest, rest
     with pytest.raises(ValueError, match=r"ep_size must be tp_size \(2\) times a divisor"):
         plan_report(moe_paths["qwen3_moe"], 2, fsdp_size=2, ep_size=2 * 4)
+    report = plan_report(moe_paths["qwen3_moe"], 1, dp_replicate_size=4, ep_size=2)  # two EP groups of 2
+    line = next(line for line in report.splitlines() if line.startswith("model.layers.0.mlp.experts.gate_up_proj"))
+    assert line.endswith("2x64x48 2x64x48 / [24576, 24576]"), line  # rank 0's EP group: the other holds the same
+
+
+@pytest.mark.parametrize("model, tp, ep, local, shared", [("qwen3_moe", 1, 2, 2, 0), ("qwen3_moe", 2, 4, 1, 0),
+                                                           ("qwen2_moe", 1, 2, 2, 40)])  # fmt: skip
+def test_the_step_formula_counts_the_pairs_arriving_under_ep_size(moe_paths, model, tp, ep, local, shared):
+    """A training step's activations under ``ep_size`` (``memory.step_memory``, the plan's memory line), counted by
+    hand for the tiny Qwen3-MoE and Qwen2-MoE (hidden 48, 2 layers of 4 experts of 32, top-2, vocabulary 101;
+    Qwen2-MoE's shared expert 40 wide; float32, sdpa) at 1 x 2048 tokens: GPT's layer (34 bytes per token and hidden
+    unit in 16-bit, 24 of them over TP) and the logits, less each experts layer's dense MLP part (16 over TP), plus
+    per experts layer the pairs that may arrive (every EP rank's TP share of its tokens, ``min(top_k, experts
+    here)`` pairs each: 2 at EP=2, 1 at EP=4) with their input row and four intermediate-wide tensors, the pairs
+    this rank sends (``top_k`` a token) with their output row, and a shared expert's four tensors per token."""
+    hidden, inner, vocab, layers, tokens, top_k = 48, 32, 101, 2, 2048, 2
+    share = tokens // tp
+    arriving, sent = ep * share * min(top_k, local), share * top_k
+    dense = layers * tokens * hidden * (10 + 24 // tp) * 2 + tokens * vocab * (4 + 2 * 4)
+    pairs = arriving * (hidden + 4 * inner) + sent * hidden + tokens * 4 * shared // tp
+    experts = layers * (pairs * 4 - tokens * hidden * 16 // tp * 2)
+    line = plan_report(moe_paths[model], tp, dp_replicate_size=ep // tp, ep_size=ep).splitlines()[-1]
+    assert line.endswith(
+        f"activations {(dense + experts) / 2**20:,.2f} at batch 1 x seq 2048, up to {arriving:,} (token, expert) pairs "
+        "arriving per experts layer; hf_parallel/memory.py)"
+    ), line
 
 
 @pytest.mark.distributed

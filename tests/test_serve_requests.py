@@ -98,3 +98,16 @@ def test_each_rank_gives_the_cache_its_budget_or_its_share_of_free_memory():
                          torch.device("cpu"), mesh, 1024**2)  # fmt: skip
     with pytest.raises(ValueError, match="bytes free"):
         batching._budget(serving.continuous_batching_config(), torch.device("cpu"), mesh, 10**18)
+
+
+def test_serve_names_the_missing_serving_packages_before_loading(monkeypatch):
+    """Without the ``serving`` extra, ``serve`` stops before a model loads, naming what is missing and the extra."""
+    import importlib.util
+
+    from hf_parallel.serving import server
+
+    server.check_serving_packages()  # installed here: nothing to say
+    found = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "uvicorn" else found(name, *a))
+    with pytest.raises(SystemExit, match=r"hf-parallel serve needs uvicorn: pip install 'hf_parallel\[serving\]'"):
+        server.check_serving_packages()

@@ -540,6 +540,35 @@ def test_a_model_without_repeated_layers_is_refused_for_fsdp():
         layers_to_shard(nn.Linear(2, 2), Mesh.dry_run(fsdp_size=2))
 
 
+@pytest.mark.distributed
+@pytest.mark.parametrize("short_rank", [None, 1], ids=["kept_whole", "one_rank_short_of_memory"])
+def test_generate_under_fsdp_gathers_each_layer_once_per_call(paths, tmp_path, short_rank):
+    """``generate`` at FSDP=2, each rank its own prompt (7 and 3 new tokens: the ranks step together): each FSDP
+    module is gathered once for the whole call, not again at every token (FSDP's own hooks would), and every
+    parameter is sharded again after; where one rank lacks the memory to keep the layers whole, neither rank keeps
+    them (both gather per token, in step). The tokens are one process's either way."""
+    import training_workers
+    import transformers
+    from distributed import run_ranks
+
+    path = paths["llama"]
+    prompts, new_tokens = [[5, 9, 14, 3, 7, 21], [11, 4, 8]], [7, 3]
+    sizes = dict(fsdp_size=2, tp_plan=None)
+    ranks = run_ranks(2, training_workers.generated_under_fsdp, path, sizes, prompts, new_tokens, short_rank,
+                      out_dir=str(tmp_path))  # fmt: skip
+    single = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    for got in ranks:
+        ids = torch.tensor([prompts[got["prompt"]]])
+        want = single.generate(ids, max_new_tokens=new_tokens[got["prompt"]], do_sample=False, eos_token_id=None)
+        assert got["tokens"] == want[0].tolist(), got
+        assert got["forwards"] == max(new_tokens) and got["sharded_after"], got  # (the shorter one keeps stepping)
+        if short_rank is None:
+            assert got["gathers"] == got["fsdp_modules"] == 5, got  # 2 layers, embedding, head, the root
+        else:
+            assert got["gathers"] > got["forwards"], got  # a module gathered again at each token
+    assert sorted(got["prompt"] for got in ranks) == [0, 1]
+
+
 def test_the_plan_prints_the_memory_formula_for_a_rank(paths):
     """``hf-parallel plan`` at fsdp_size=2 prints the tiny Llama's memory per rank (float32) as counted by hand:
     rank 0 holds the first half of every tensor's rows (the odd ones' larger half), the load reads the largest

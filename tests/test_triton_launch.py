@@ -1,4 +1,4 @@
-"""``tensor/triton_launch.py``: which launches reuse the kernel a key's first launch returned. A kernel stands in
+"""``quant/kernels/triton_launch.py``: which launches reuse the kernel a key's first launch returned. A kernel stands in
 for Triton's (no card here: Triton's interpreter returns no compiled kernel); what it records is what each
 launch passed. The card's launches run in the cuda tier (``test_cuda.py``), the kernels' load-time checks
 launching each key twice. And what a compiled step captures of the FP8 kernels' launches (traced, not run)."""

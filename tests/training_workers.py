@@ -457,3 +457,39 @@ def mixed_step(rank: int, world_size: int, cases: dict, save_root: str) -> dict:
         model.save_pretrained(os.path.join(save_root, name))  # after a forward: the masters, not the bf16 copies
         results[name] = {"updates": updates, "dtypes": dtypes, "computed": str(computed)}
     return results
+
+
+def generated_under_fsdp(rank: int, world_size: int, path: str, sizes: dict, prompts: list, new_tokens: list,
+                         short_rank: int | None) -> dict:  # fmt: skip
+    """Each data-parallel rank generates its own prompt under FSDP, the ranks stepping together: its greedy tokens,
+    the all-gathers FSDP ran meanwhile (``dist.all_gather_single``, counted on the way: the gathers still run), the
+    forwards and the FSDP modules, and whether every parameter is sharded again after. ``short_rank``: that rank's
+    free memory read as none, so it cannot keep the layers whole (and no rank may)."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    import hf_parallel
+    import hf_parallel.distributed.fsdp as fsdp
+
+    model = hf_parallel.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **sizes)
+    if rank == short_rank:
+        fsdp.free_bytes = lambda device: 0
+    mine = hf_parallel.parallel_state(model).mesh.dp.rank
+    counted = {"gathers": 0, "forwards": 0}
+    gather = dist.all_gather_single
+
+    def counting(*args, **kwargs):
+        counted["gathers"] += 1
+        return gather(*args, **kwargs)
+
+    model.register_forward_pre_hook(lambda *_: counted.__setitem__("forwards", counted["forwards"] + 1))
+    dist.all_gather_single = counting
+    try:
+        out = model.generate(torch.tensor([prompts[mine]]), max_new_tokens=new_tokens[mine], do_sample=False,
+                             eos_token_id=None)  # fmt: skip
+    finally:
+        dist.all_gather_single = gather
+    modules = sum(isinstance(module, FSDPModule) for module in model.modules())
+    sharded = all(isinstance(param, DTensor) for param in model.parameters())
+    return {"prompt": mine, "tokens": out[0].tolist(), **counted, "fsdp_modules": modules, "sharded_after": sharded}

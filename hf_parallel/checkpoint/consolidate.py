@@ -17,7 +17,7 @@ import time
 from tqdm.auto import tqdm
 
 from ..core.layout import box_shape
-from .files import MANIFEST_FILE, TEMP_SUFFIX, TRAINING_STATE_PREFIX, is_weight_file
+from .files import MANIFEST_FILE, MAX_SHARD_SIZE, TEMP_SUFFIX, TRAINING_STATE_PREFIX, is_weight_file
 from .keys import expert_shape
 from .manifest import DistributedCheckpoint
 from .saving import Scratch, as_written, row_blocks, write_standard
@@ -26,7 +26,7 @@ from .training_state import OPTIMIZER_FILE, write_full_optimizer, written_layout
 from ..core.dtypes import nbytes
 
 
-def consolidate(src: str, out: str, max_shard_size="50GB", progress: bool = True) -> dict:
+def consolidate(src: str, out: str, max_shard_size=MAX_SHARD_SIZE, progress: bool = True) -> dict:
     """Write the standard checkpoint; returns ``{"bytes": …, "seconds": …}`` of tensor data. A Trainer
     checkpoint's per-rank training state becomes transformers' ``optimizer.pt`` (whole tensors)."""
     manifest = os.path.join(src, MANIFEST_FILE)

@@ -8,6 +8,7 @@ INDEX_FILE = "model.safetensors.index.json"
 PICKLE_FILE = "pytorch_model.bin"
 PICKLE_INDEX_FILE = "pytorch_model.bin.index.json"
 MANIFEST_FILE = "hf_parallel_manifest.json"  # a distributed save's index of its per-rank files
+MAX_SHARD_SIZE = "50GB"  # where a standard checkpoint's files are split: transformers 5's save_pretrained default
 TEMP_SUFFIX = ".tmp"  # a staged file: ".<final name>.<random>.tmp" until the save commits
 
 

@@ -29,7 +29,7 @@ from .kept_saves import gathered_part
 from ..core.layout import Box, Layout, as_slices, box_shape, replicated
 from ..tensor.parallelize import ShardedParam
 from ..distributed.fsdp import LayerwiseUnshard
-from .files import INDEX_FILE
+from .files import INDEX_FILE, MAX_SHARD_SIZE
 from .keys import FusedSource, expert_shape
 from .staging import Staging, remove_stale
 from ..core.dtypes import nbytes
@@ -295,7 +295,7 @@ def gathered_tensors(model, state, entries: list[ShardedParam]) -> dict[str, tor
     return full if mesh.is_main else None
 
 
-def save_sharded(model, state, out_dir: str, max_shard_size="50GB") -> None:
+def save_sharded(model, state, out_dir: str, max_shard_size=MAX_SHARD_SIZE) -> None:
     """Gather every parameter of ``model`` (split as its parallel ``state`` says) under its
     checkpoint name and write a standard HF checkpoint. Each pipeline stage gathers its own tensors
     on its first rank, which sends them on to rank 0. Under FSDP each layer is whole only while its

@@ -272,9 +272,10 @@ def cmd_serve(args) -> int:
     import transformers
 
     from ..api import AutoModelForCausalLM
-    from ..serving.server import serve
+    from ..serving.server import check_serving_packages, serve
     from .default_model import default_checkpoint
 
+    check_serving_packages()
     if args.model_path and args.model and args.model_path != args.model:
         raise SystemExit(f"hf-parallel serve: two models named ({args.model_path} and --model {args.model})")
     path = args.model_path or args.model or default_checkpoint()
@@ -400,6 +401,8 @@ def _add_verify(sub) -> None:
 
 def _add_consolidate(sub) -> None:
     """``hf-parallel consolidate``: a distributed save or a Trainer's per-rank state into standard files."""
+    from ..checkpoint.files import MAX_SHARD_SIZE  # (names only: no torch)
+
     merge = sub.add_parser(
         "consolidate",
         help="a distributed save (save_pretrained(distributed=True)) to a standard checkpoint; a parallel "
@@ -407,7 +410,8 @@ def _add_consolidate(sub) -> None:
     )
     merge.add_argument("dir")
     merge.add_argument("out")
-    merge.add_argument("--max-shard-size", default="5GB")
+    merge.add_argument("--max-shard-size", default=MAX_SHARD_SIZE,
+                       help="split the files at this size, as transformers' save_pretrained (default: %(default)s)")
     merge.set_defaults(func=cmd_consolidate)
 
 

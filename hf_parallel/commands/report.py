@@ -77,7 +77,7 @@ class PlanFacts:
         out += self.details
         out.append(f"bytes per rank: {self.totals} (full model {self.full_bytes})")
         if self.at_rest is not None:
-            every = " (every rank: each EP rank holds its own experts)" if len(self.at_rest) > self.tp else ""
+            every = " (rank 0's EP group: each EP rank holds its own experts)" if len(self.at_rest) > self.tp else ""
             out.append(
                 f"at rest under FSDP2 (each TP shard split over fsdp x cp x sp = {self.fsdp} ranks): about "
                 f"{self.at_rest} bytes per rank{every}, the same again for gradients, twice for AdamW"
@@ -139,8 +139,9 @@ def plan_facts(
     batch: int = 1,
     ep_size: int = 1,
 ) -> PlanFacts:
-    """The dry run of one model replica without pipeline stages, as facts. ``ep_size``: the rows show the
-    ranks of the first data-parallel place (EP ranks 0 .. tp-1), and a line says how the experts spread."""
+    """The dry run of one model replica without pipeline stages, as facts. ``ep_size``: the rows show every rank
+    of rank 0's EP group (each holds its own experts; every other EP group the same), and a line says how the
+    experts spread."""
     config = transformers.AutoConfig.from_pretrained(path)
     auto_class = auto_class or default_auto_class(config)
     dtype = resolve_dtype(dtype, config)
@@ -159,9 +160,10 @@ def plan_facts(
                  f"{[h.local_kv(r) for r in range(tp)]}, head_dim {h.head_dim}")  # fmt: skip
     sizes = dict(tp_size=tp, sp_size=sp, cp_size=cp, fsdp_size=fsdp_size, dp_replicate_size=dp_replicate_size,
                  ep_size=ep_size)  # fmt: skip
-    # the TP ranks of one replica (every other replica holds the same), or under ep_size every rank: each EP
-    # rank holds its own experts
-    views = [Mesh.dry_run(rank, **sizes) for rank in range(shape.world_size if ep_size > 1 else tp)]
+    # the TP ranks of one replica (every other replica holds the same), or under ep_size the ranks of rank 0's EP
+    # group: each holds its own experts, and every other EP group holds the same ones
+    ranks = Mesh.dry_run(0, **sizes).ep.ranks if ep_size > 1 else range(tp)
+    views = [Mesh.dry_run(rank, **sizes) for rank in ranks]
     rows = []
     for entry in shard.unique_params():
         rule = entry.rule
@@ -205,12 +207,15 @@ def memory_lines(model, shard, dtype, meshes: list, batch: int, seq: int) -> lis
         return [f"memory per rank (formula): not estimated under FSDP: {error}"]
     rank, (load, step) = max(enumerate(figures), key=lambda item: item[1][1].total)
     gathered = f" + one gathered unit {_mib(step.gathered)} ({step.gathered_unit})" if step.gathered_unit else ""
+    pairs = ""
+    if step.expert_pairs:  # under ep_size
+        pairs = f", up to {step.expert_pairs:,} (token, expert) pairs arriving per experts layer"
     return [
         f"memory per rank (formula{f', rank {rank}, the largest' if len(meshes) > 1 else ''}): weights "
         f"{_mib(load.share)} MiB, load peak {_mib(load.load_peak)} MiB (share + largest TP slice "
         f"{_mib(load.largest_slice)} MiB), training step ~ {_mib(step.total)} MiB (params {_mib(step.params)} + "
         f"grads {_mib(step.grads)} + AdamW {_mib(step.optimizer)}{gathered} + activations {_mib(step.activations)} "
-        f"at batch {step.batch} x seq {step.seq}; hf_parallel/memory.py)"
+        f"at batch {step.batch} x seq {step.seq}{pairs}; hf_parallel/memory.py)"
     ]
 
 

@@ -228,11 +228,11 @@ def dequantized_copy(path: str, out_dir: str) -> str:
 
 def default_reference_memory(path: str) -> int | None:
     """Stream the reference from disk when its weights would take more than half the memory free now."""
+    from ..distributed.devices import free_bytes
+
     weights = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f.endswith(".safetensors"))
-    try:
-        with open("/proc/meminfo") as f:
-            available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration):
+    available = free_bytes(torch.device("cpu"))
+    if available is None:
         return None
     return available // 2 if weights > available // 2 else None
 

@@ -66,6 +66,20 @@ def check_fsdp_reuses_unsharded_parameters() -> None:
     FSDP_UNSHARDED_PARAM.get()
 
 
+FSDP_RESHARD_SETTING = Seam("torch",
+                            "torch.distributed.fsdp._fully_shard._fully_shard:FSDPModule.set_reshard_after_forward",
+                            "(whether a module reshards after its forward, read where torch's own setter writes it: "
+                            "generate keeps the layers whole for a call, then puts each back as it was)",
+                            reads=("_get_fsdp_state", "_fsdp_param_groups", "post_forward_mesh_info"))  # fmt: skip
+
+
+def reshards_after_forward(module) -> bool:
+    """Whether the FSDP2 module ``module`` frees its gathered parameters after each forward (``fully_shard``'s
+    ``reshard_after_forward``, as ``set_reshard_after_forward`` last set it)."""
+    FSDP_RESHARD_SETTING.get()
+    return any(group.post_forward_mesh_info is not None for group in module._get_fsdp_state()._fsdp_param_groups)
+
+
 def fsdp_row_range(rows: int, index: int, size: int) -> tuple[int, int]:
     """The rows ``[start, stop)`` FSDP2 gives shard ``index`` of ``size`` of a tensor with ``rows`` rows."""
     return fsdp_rows(rows, 0, index, size).start, fsdp_rows(rows, 0, index + 1, size).start

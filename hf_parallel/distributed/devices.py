@@ -28,6 +28,7 @@ process holds is the ring's, whatever the size of the tensors (``chunk_plan``, p
 
 from __future__ import annotations
 
+import hashlib
 import os
 import socket
 from dataclasses import dataclass
@@ -131,6 +132,26 @@ def this_device() -> torch.device:
         device_count=torch.accelerator.device_count() if accelerator is not None else 0,
         local_rank=int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0"))),
     )
+
+
+def free_bytes(device: torch.device) -> int | None:
+    """Memory that could be allocated on ``device`` now: the accelerator's free bytes and what its caching
+    allocator holds unused, or the host's available bytes (``MemAvailable``); None where it cannot be read."""
+    try:
+        if device.type != "cpu":
+            module = torch.get_device_module(device.type)
+            return module.mem_get_info(device)[0] + module.memory_reserved(device) - module.memory_allocated(device)
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, RuntimeError, AttributeError):
+        return None
+
+
+def memory_id(device: torch.device) -> float:
+    """A number naming the memory ``device``'s tensors take, the same for every rank sharing it: the host's for
+    the CPU, the accelerator's own otherwise (48 bits of a hash: exact in a float64)."""
+    name = socket.gethostname() if device.type == "cpu" else device_identity(device)
+    return float(int.from_bytes(hashlib.blake2b(name.encode(), digest_size=6).digest(), "big"))
 
 
 def activate(device: torch.device) -> None:

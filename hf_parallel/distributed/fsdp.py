@@ -17,12 +17,16 @@ Pipeline stages keep parameters unsharded between micro-batches (``reshard_after
 from __future__ import annotations
 
 import ctypes
+import functools
 import sys
 
 import torch
 from torch import nn
 
+from ..compat.torch import reshards_after_forward
 from ..core.layers import find_layer_list
+from . import comm
+from .devices import free_bytes, memory_id
 
 
 def layers_to_shard(model: nn.Module, mesh) -> nn.ModuleList:
@@ -139,6 +143,8 @@ def shard_data_parallel(model: nn.Module, mesh, gradients, sequence, keep_unshar
         reshard = not keep_unsharded and id(layer) not in last
         fully_shard(layer, mesh=device_mesh, reshard_after_forward=reshard, **policies)
     fully_shard(model, mesh=device_mesh, reshard_after_forward=not keep_unsharded, **policies)
+    if not keep_unsharded:  # (a pipeline stage's modules stay whole anyway)
+        gathered_through_generate(model, mesh, [layer for layer in wrapped if id(layer) in last])
     for module in (*wrapped, model):
         if mesh.sp.size > 1:  # FSDP would divide by its groups' sizes, SP's included: SP is a sum
             # (not set otherwise: with a one-rank shard group, torch 2.13 divides a set factor twice)
@@ -164,6 +170,67 @@ def reshard_all(model: nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.reshard()
+
+
+WHOLE_WHILE_GENERATING = 0.8  # of the memory free as a generate starts, what its layers kept whole may take
+
+
+def gathered_through_generate(model: nn.Module, mesh, whole_after_forward: list[nn.Module]) -> None:
+    """``model.generate`` under FSDP gathers each module's parameters once per call. FSDP's hooks would gather
+    each module again at every token's forward and free it after (every parameter copied per token, even where
+    a shard group has one rank); for the call, the modules that reshard after their forward do not, so the
+    first forward gathers each and the later ones find them whole. The call's end puts each setting back and
+    shards those modules again, and ``whole_after_forward``, which ``fully_shard`` keeps whole after a forward
+    for the backward (the last layer, an untied head) that generate does not run; any other module its user set
+    to stay whole stays so. A rank holds its TP shard of every layer whole while generating, as TRL and
+    DeepSpeed gather a model for generation; where the ranks sharing one memory (a host's, or one accelerator's)
+    would need more than ``WHOLE_WHILE_GENERATING`` of what is free there, or a rank cannot tell, every rank
+    gathers per token as FSDP does: the ranks of a shard group must all keep or all gather, or their gathers
+    would not pair up, so each call decides from every rank's figures, the same on all."""
+    from torch.distributed.fsdp import FSDPModule
+
+    generate, depth = model.generate, [0]
+    modules = [module for module in model.modules() if isinstance(module, FSDPModule)]
+
+    @functools.wraps(generate)
+    def generate_gathered_once(*args, **kwargs):
+        if depth[0]:  # a generate inside one (an assistant's, a custom loop's): the outer call's setting holds
+            return generate(*args, **kwargs)
+        changed = [module for module in modules if reshards_after_forward(module)] if _fits(model, mesh) else []
+        for module in changed:
+            module.set_reshard_after_forward(False, recurse=False)
+        depth[0] += 1
+        try:
+            return generate(*args, **kwargs)
+        finally:
+            depth[0] -= 1
+            for module in changed:
+                module.set_reshard_after_forward(True, recurse=False)
+            for module in (*changed, *whole_after_forward):  # the rank holds its shards again
+                module.reshard()
+
+    model.generate = generate_gathered_once
+
+
+def _fits(model: nn.Module, mesh) -> bool:
+    """Whether every memory the ranks compute in holds what its ranks keep whole through a generate: each rank's
+    parameters at their unsharded size (as stored: an upper bound under mixed precision). One all-gather of
+    (memory, free bytes, bytes needed) over the world, so every rank decides alike."""
+    needed = sum(param.numel() * param.element_size() for param in model.parameters())
+    free = free_bytes(mesh.device)
+    mine = torch.tensor([[memory_id(mesh.device), -1.0 if free is None else free, needed]], dtype=torch.float64,
+                        device=mesh.device)  # fmt: skip
+    if mesh.world.group is None:
+        everyone = mine
+    else:
+        everyone = comm.all_gather_now(mine, 0, [1] * mesh.world.size, mesh.world.group)
+    homes: dict = {}
+    for home, free, needed in everyone.tolist():  # (one host read a call)
+        if free < 0:
+            return False  # a rank that cannot tell: FSDP's own per-token gathers, which need nothing more
+        known, total = homes.get(home, (free, 0.0))
+        homes[home] = (min(known, free), total + needed)
+    return all(total <= WHOLE_WHILE_GENERATING * free for free, total in homes.values())
 
 
 class LayerwiseUnshard:

@@ -32,8 +32,8 @@ import torch
 import torch.distributed as dist
 
 from .faults import RankFailure
-from .liveness import exit_message, identity, watchable
 from .headers import DTYPES, HEADER_LENGTH, MAX_DIMS, empty_from, header_of
+from .liveness import exit_message, identity, watchable
 
 FLAG_STRIDE = 8  # int64s per flag: one 64-byte cache line each
 SLOT_BYTES = int(os.environ.get("HF_PARALLEL_SHM_SLOT_MB", "8")) << 20

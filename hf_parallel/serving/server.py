@@ -20,6 +20,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import hmac
+import importlib.util
 import logging
 import os
 import signal
@@ -95,6 +96,17 @@ def serve(model, tokenizer, name: str, *, host: str = "127.0.0.1", port: int = 8
         logging.shutdown()
         os._exit(code or 1)
     return code
+
+
+SERVING_PACKAGES = ("fastapi", "uvicorn", "openai")  # transformers serve's app, its server, the types it imports
+
+
+def check_serving_packages() -> None:
+    """Refuse ``serve`` before a model loads where the ``serving`` extra is not installed, naming what is missing
+    (rank 0 would fail only once its app starts, the others waiting on it)."""
+    missing = [name for name in SERVING_PACKAGES if importlib.util.find_spec(name) is None]
+    if missing:
+        raise SystemExit(f"hf-parallel serve needs {', '.join(missing)}: pip install 'hf_parallel[serving]'")
 
 
 def _generation_config(model, temperature: float):
