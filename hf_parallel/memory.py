@@ -150,19 +150,19 @@ class TokenExchangeCount:
 def token_exchange(model, layout, mesh, tokens: int) -> TokenExchangeCount | None:
     """The token exchange of ``layout``'s experts on ``mesh``'s rank, ``tokens`` its tokens; None without
     ``ep_size`` (experts split over the TP group compute on the rank's own tokens)."""
-    experts = [entry for entry in layout.unique_params() if entry.layout.over == "ep"]
-    if not experts:
+    layers = len(layout.exchanging_experts())
+    if not layers:
         return None
     text = model.config.get_text_config()
     top_k = text.num_experts_per_tok
-    local = experts[0].layout.local_shape(experts[0].full_shape, mesh.ep.rank)[0]  # this rank's experts
+    first = next(entry for entry in layout.unique_params() if entry.layout.over == "ep")
+    local = first.layout.local_shape(first.full_shape, mesh.ep.rank)[0]  # this rank's experts
     share = -(-tokens // mesh.tp.size)  # the TP ranks of an EP group split their tokens (token_exchange.py)
     intermediate = getattr(text, "moe_intermediate_size", None) or text.intermediate_size
     if hasattr(text, "shared_expert_intermediate_size"):  # Qwen2-MoE: one shared expert of its own width
         shared = text.shared_expert_intermediate_size or 0
     else:  # DeepSeek: n_shared_experts of the routed experts' width
         shared = (getattr(text, "n_shared_experts", None) or 0) * intermediate
-    layers = len({entry.name.rpartition(".")[0] for entry in experts})
     arriving = mesh.ep.size * share * min(top_k, local)
     return TokenExchangeCount(layers, share * top_k, arriving, intermediate, shared)
 

@@ -91,14 +91,18 @@ def tables(records: list[dict], before: dict[str, float] | None = None) -> str:
         largest = max(record["groups"] + record["launches"], default=0)
         worlds[largest][0] += 1
         worlds[largest][1] += record["seconds"]
-    then = (lambda name: f" {before[name]:.2f} |" if name in before else " - |") if before else (lambda name: "")
-    lines = ["| file | what it covers | tests | minutes |" + (" minutes before |" if before else "")
-             + " rank processes | other interpreters |", "|---|---|---|---|" + "---|" * bool(before) + "---|---|"]
+    def line(*cells) -> str:
+        return "| " + " | ".join(map(str, cells)) + " |"
+
+    header = ["file", "what it covers", "tests", "minutes", *(["minutes before"] if before else []), "rank processes",
+              "other interpreters"]  # fmt: skip
+    lines = [line(*header), line(*["---"] * len(header)).replace(" ", "")]
     for name, (tests, seconds, ranks, others) in sorted(files.items(), key=lambda item: -item[1][1]):
-        lines.append(f"| {name} | {covers(name)} | {tests} | {seconds / 60:.2f} |{then(name)} {ranks} | {others} |")
+        then = [f"{before[name]:.2f}" if name in before else "-"] if before else []
+        lines.append(line(name, covers(name), tests, f"{seconds / 60:.2f}", *then, ranks, others))
     total = [sum(row[i] for row in files.values()) for i in range(4)]
-    before_total = f" {sum(before.values()):.1f} |" if before else ""
-    lines.append(f"| **all** | | {total[0]} | {total[1] / 60:.1f} |{before_total} {total[2]} | {total[3]} |")
+    then = [f"{sum(before.values()):.1f}"] if before else []
+    lines.append(line("**all**", "", total[0], f"{total[1] / 60:.1f}", *then, total[2], total[3]))
     lines += ["", "| largest world a test starts | tests | minutes |", "|---|---|---|"]
     for world, (tests, seconds) in sorted(worlds.items()):
         lines.append(f"| {world or 'no rank group (one process, or plain programs it starts)'} | {tests} | "
