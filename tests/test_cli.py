@@ -26,11 +26,17 @@ def reference_text(path: str, new_tokens: int) -> str:
     return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
 
 
-def run(launcher: list[str], path: str, args: list[str]) -> str:
+def launch(launcher: list[str], path: str, args: list[str]) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     command = launcher + ["-m", "hf_parallel", "generate", "--model", path, *args]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env, cwd="/tmp")
+    return subprocess.run(command, capture_output=True, text=True, timeout=600, env=env, cwd="/tmp")
+
+
+def run(launcher: list[str], path: str, args: list[str]) -> str:
+    """rank 0's stdout, after checking it announced the resolved layout once (on stderr)"""
+    done = launch(launcher, path, args)
     assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stderr.count("hf-parallel generate: ") == 1, done.stderr[-3000:]
     return done.stdout
 
 
@@ -40,12 +46,21 @@ def test_generate_under_torchrun_and_accelerate(smollm2):
     accelerate = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes=2"]
     accelerate += ["--num_machines=1", "--mixed_precision=no", "--dynamo_backend=no"]
     for launcher in (torchrun, accelerate):
-        stdout = run(launcher, smollm2, ["--prompt", PROMPT, "--max-new-tokens", "12"])
+        done = launch(launcher, smollm2, ["--prompt", PROMPT, "--max-new-tokens", "12"])
+        stdout, stderr = done.stdout, done.stderr
+        assert done.returncode == 0 and f"hf-parallel generate: {smollm2} on 2 ranks as tp=2 (cpu" in stderr, stderr
         assert stdout.count("tp=2]") == 1, stdout  # one summary line: only rank 0 prints
         assert stdout.split("[12 tokens in")[0].strip() == want.strip(), stdout
     # the prompt split over a ring of two, the KV cache kept split, each token attending to both shares
     stdout = run(torchrun, smollm2, ["--prompt", PROMPT, "--max-new-tokens", "12", "--cp", "2"])
     assert stdout.count("tp=1 x cp=2]") == 1 and stdout.split("[12 tokens in")[0].strip() == want.strip(), stdout
+    # a layout the world cannot hold: one line from rank 0, no traceback from the ranks
+    done = launch(torchrun, smollm2, ["--sp", "3"])
+    ours = [line for line in done.stderr.splitlines() if line.startswith("hf-parallel generate")]
+    assert done.returncode != 0 and ours == ["hf-parallel generate: world size 2 is not a multiple of pp_size x "
+                                             "sp_size = 1 x 3"], done.stderr  # fmt: skip
+    frames = [line for line in done.stderr.splitlines() if 'File "' in line and "torch/distributed" not in line]
+    assert not [f for f in frames if "runpy" not in f], done.stderr  # (torchrun's own traceback aside)
 
 
 def test_prompts_file_is_generated_in_batches_and_sampling_follows_the_seed(smollm2, tmp_path):
@@ -130,9 +145,9 @@ def test_generate_keeps_a_real_quantized_model_quantized(smollm2, tmp_path, form
 
 
 def test_generate_with_expert_parallel_replicas_prints_every_prompt_as_one_process(smollm2, tmp_path):
-    """``generate --dp 2 --ep 2`` on a tiny random Qwen3-MoE with SmolLM2's tokenizer: each replica generates its
-    share of three prompts (the second replica's second call steps along with a copy), tokens travel to the
-    experts' ranks; rank 0 prints every prompt's greedy text as one process generates it, in prompt order."""
+    """``generate --dp-replicate 2 --ep 2`` on a tiny random Qwen3-MoE with SmolLM2's tokenizer: each replica
+    generates its share of three prompts (the second replica's second call steps along with a copy), tokens travel
+    to the experts' ranks; rank 0 prints every prompt's greedy text as one process generates it, in prompt order."""
     import transformers
 
     config = transformers.Qwen3MoeConfig(
@@ -149,11 +164,15 @@ def test_generate_with_expert_parallel_replicas_prints_every_prompt_as_one_proce
     (tmp_path / "prompts.txt").write_text("\n".join(prompts) + "\n")
     args = ["--prompts-file", str(tmp_path / "prompts.txt"), "--batch-size", "1", "--max-new-tokens", "6"]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-    stdout = run(torchrun, str(tmp_path / "moe"), [*args, "--dp", "2", "--ep", "2", "--no-chat-template"])
-    for number, prompt in enumerate(prompts, start=1):
+    wants = []
+    for prompt in prompts:
         ids = tokenizer(prompt, return_tensors="pt")
         out = model.generate(**ids, max_new_tokens=6, do_sample=False, pad_token_id=tokenizer.pad_token_id)
-        want = tokenizer.decode(out[0, ids["input_ids"].shape[1] :], skip_special_tokens=True)
-        block = stdout.split(f"### prompt {number}: {prompt}\n", 1)[1]
-        assert block.split("\n\n")[0].split("\n[")[0].strip() == want.strip(), (number, want, stdout)
-    assert stdout.count("(ep=2)]") == 2, stdout  # one summary per call, from rank 0 only
+        wants.append(tokenizer.decode(out[0, ids["input_ids"].shape[1] :], skip_special_tokens=True))
+    # the same prompts sharded over FSDP replicas (each layer gathered once per call): the same texts
+    for layout, summary in ((["--dp-replicate", "2", "--ep", "2"], "(ep=2)]"), (["--fsdp", "2"], "x fsdp=2]")):
+        stdout = run(torchrun, str(tmp_path / "moe"), [*args, *layout, "--no-chat-template"])
+        for number, (prompt, want) in enumerate(zip(prompts, wants), start=1):
+            block = stdout.split(f"### prompt {number}: {prompt}\n", 1)[1]
+            assert block.split("\n\n")[0].split("\n[")[0].strip() == want.strip(), (layout, number, want, stdout)
+        assert stdout.count(summary) == 2, stdout  # one summary per call, from rank 0 only

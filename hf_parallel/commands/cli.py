@@ -9,6 +9,10 @@ import subprocess
 import sys
 import time
 
+from .flags import (KEEP_QUANTIZED_HELP, KEPT_MODES, DefaultsShown, KeepQuantized, add_layout_flags, byte_size,
+                    layout_kwargs, pipeline_kwargs, tp_plan_arg)  # fmt: skip
+from .refusals import answered_once
+
 
 def read_prompts(args) -> list[str]:
     if args.prompts_file is None:
@@ -16,7 +20,7 @@ def read_prompts(args) -> list[str]:
     with open(args.prompts_file) as f:
         prompts = [line.rstrip("\n") for line in f if line.strip()]
     if not prompts:
-        raise SystemExit(f"{args.prompts_file}: no prompts in it (one per line)")
+        raise ValueError(f"{args.prompts_file}: no prompts in it (one per line)")
     return prompts
 
 
@@ -55,12 +59,12 @@ def cmd_generate(args) -> None:
     path = args.model or default_checkpoint()
     start = time.perf_counter()
     kept = dict(keep_quantized=args.keep_quantized) if args.keep_quantized else {}
-    sequence = {name: size for name, size in (("sp_size", args.sp), ("cp_size", args.cp)) if size > 1}
-    data = {name: size for name, size in (("dp_replicate_size", args.dp), ("ep_size", args.ep)) if size > 1}
-    model = AutoModelForCausalLM.from_pretrained(path, tp_plan="auto", dtype=args.dtype, **pipeline_kwargs(args),
-                                                 **sequence, **data, **kept)  # fmt: skip
+    layout_asked = layout_kwargs(args)
+    model = AutoModelForCausalLM.from_pretrained(path, tp_plan=tp_plan_arg(args.tp_plan), dtype=args.dtype,
+                                                 **layout_asked, **kept)  # fmt: skip
     load_seconds = time.perf_counter() - start
     mesh = parallel_state(model).mesh
+    announce("generate", path, model)
     ways = ", ".join(f"{n} {way}" for way, n in sorted(kept_products(model).items())) if args.keep_quantized else ""
     how = f"; rank 0's kept modules: {ways}" if ways else ""  # which took a kernel, which dequantize
     main, layout = mesh.is_main, str(mesh.shape)
@@ -74,7 +78,7 @@ def cmd_generate(args) -> None:
         else dict(do_sample=False)
     )
     prompts = read_prompts(args)
-    replicas = ReplicaShare(prompts, mesh.dp, args.batch_size)  # (--dp: each replica its share of the prompts)
+    replicas = ReplicaShare(prompts, mesh.dp, args.batch_size)  # each data-parallel replica its share of the prompts
     stream = main and args.prompts_file is None and mesh.dp.size == 1  # --prompt streams; batches print once done
     torch.manual_seed(args.seed)  # same seed on every rank: sampling picks the same token everywhere
     for numbers, batch in replicas.batches():
@@ -85,7 +89,7 @@ def cmd_generate(args) -> None:
             **inputs,
             max_new_tokens=args.max_new_tokens,
             streamer=streamer,
-            **(dict(cache_implementation="dynamic") if sequence else {}),  # the cache split over the sequence group
+            **(dict(cache_implementation="dynamic") if mesh.sp.size > 1 else {}),  # the cache split over the SP group
             pad_token_id=tokenizer.pad_token_id,
             **sampling,
         )
@@ -110,9 +114,9 @@ def cmd_generate(args) -> None:
 
 
 class ReplicaShare:
-    """``generate --dp N``: each data-parallel replica generates its own share of the prompts (every N-th), in
-    batches, all replicas the same number of calls (one left without prompts repeats the first, its output
-    dropped: under ``--ep`` every forward exchanges tokens with the other replicas)."""
+    """``generate --dp-replicate N`` (or ``--fsdp N``): each data-parallel replica generates its own share of the
+    prompts (every N-th), in batches, all replicas the same number of calls (one left without prompts repeats the
+    first, its output dropped: under ``--ep`` or ``--fsdp`` every forward exchanges with the other replicas)."""
 
     def __init__(self, prompts: list[str], dp, batch_size: int):
         self.prompts, self.dp, self.batch_size = prompts, dp, batch_size
@@ -137,42 +141,16 @@ class ReplicaShare:
         return sorted(item for part in everyone for item in part)
 
 
-def int_list(value: str) -> list[int]:
-    """``2,1`` -> [2, 1]"""
-    try:
-        return [int(part) for part in value.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{value!r}: give whole numbers separated by commas, e.g. 2,1") from None
+def announce(command: str, path: str, model) -> None:
+    """Rank 0 says, once loaded, the layout the sizes resolved to (the ranks an unset --tp took among them)."""
+    from ..state import parallel_state
 
-
-def pipeline_kwargs(args) -> dict:
-    """from_pretrained's pipeline keywords from --pp / --stage-tp / --stage-layers / --micro-batches."""
-    out = {}
-    if args.stage_tp is not None:
-        out["stage_tp_sizes"] = args.stage_tp
-    elif args.pp > 1:
-        out["pp_size"] = args.pp
-    if args.stage_layers is not None:
-        out["stage_layers"] = args.stage_layers
-    if getattr(args, "micro_batches", None) is not None:
-        out["micro_batches"] = args.micro_batches
-    return out
-
-
-def add_pipeline_args(parser) -> None:
-    parser.add_argument("--pp", type=int, default=1, help="pipeline stages (each at the same TP size)")
-    parser.add_argument("--stage-tp", type=int_list, help="TP size per stage, e.g. 2,1 (sets the stages)")
-    parser.add_argument("--stage-layers", type=int_list, help="layers per stage, e.g. 18,12 (default: balanced)")
-
-
-def tp_plan_arg(value: str):
-    """``auto``, ``discover``, a model_type with a plan, or a TOML/JSON file of rules (pattern = style): a
-    ``.toml`` or ``.json`` path, as ``from_pretrained(tp_plan=...)`` reads it."""
-    if not value.endswith((".toml", ".json")):
-        return value
-    from ..tensor.plan import read_plan_file
-
-    return read_plan_file(value)
+    state = parallel_state(model)
+    mesh = state.mesh
+    if mesh.is_main:
+        dtype = str(model.dtype).removeprefix("torch.")
+        print(f"hf-parallel {command}: {path} on {mesh.world_size} rank{'s' * (mesh.world_size > 1)} as {mesh.shape} "
+              f"({mesh.device.type}, {dtype}; plan: {state.layout.source})", file=sys.stderr, flush=True)  # fmt: skip
 
 
 def cmd_plan(args) -> None:
@@ -181,6 +159,8 @@ def cmd_plan(args) -> None:
     sizes = dict(tp_plan=tp_plan_arg(args.tp_plan), sp=args.sp, cp=args.cp, seq=args.seq, fsdp_size=args.fsdp,
                  dp_replicate_size=args.dp_replicate, nproc_per_node=args.nproc_per_node,
                  lora=parse_lora(args.lora) if args.lora else None, batch=args.batch, ep_size=args.ep)  # fmt: skip
+    if args.ep_plan:
+        sizes["ep_plan"] = args.ep_plan
     stages = pipeline_kwargs(args)
     if args.html and (stages.get("pp_size", 1) > 1 or stages.get("stage_tp_sizes")):
         raise SystemExit("hf-parallel plan --html draws one replica without pipeline stages; drop --pp/--stage-tp "
@@ -225,35 +205,22 @@ def start_ranks(world_size: int, command: list[str]) -> int:
 
 
 def cmd_verify(args) -> int:
-    """Under torchrun: the comparison itself. Otherwise: start the layout's ranks (``--tp`` x
-    ``--sp``, times ``--pp`` or with ``--stage-tp``'s sum) running this same command, and pass on
-    their exit status."""
+    """Under torchrun: the comparison itself (a layout or plan that cannot split the model refused before any
+    weight is read). Otherwise: start the layout's ranks (``--tp`` x ``--sp``, times ``--pp`` or with
+    ``--stage-tp``'s sum) running this same command, and pass on their exit status."""
     from ..distributed.shape import MeshShape
 
     stages = pipeline_kwargs(args)
     sizes = {key: value for key, value in stages.items() if key in ("pp_size", "stage_tp_sizes")}
-    try:
-        world = MeshShape.requested(
-            tp_size=None if args.stage_tp else args.tp, sp_size=args.sp, cp_size=args.cp, **sizes
-        ).world_size
-    except ValueError as error:
-        print(f"hf-parallel verify: {error}", file=sys.stderr, flush=True)
-        return 1
+    world = MeshShape.requested(tp_size=None if args.stage_tp else args.tp, sp_size=args.sp, cp_size=args.cp,
+                                **sizes).world_size  # fmt: skip
     if "WORLD_SIZE" not in os.environ and world > 1:
         return start_ranks(world, [sys.executable, "-m", "hf_parallel", *sys.argv[1:]])
     from ..distributed.mesh import shutdown
     from .verify import verify
 
-    try:
-        memory = None if args.reference_memory_gb is None else int(args.reference_memory_gb * 2**30)
-        report = verify(
-            args.path, tp_plan_arg(args.tp_plan), args.dtype, args.tolerance, args.tp, args.sp, reference_memory=memory,
-            cp_size=args.cp, **stages,
-        )  # fmt: skip
-    except ValueError as error:  # the plan cannot split this model: said before any weight is read
-        if os.environ.get("RANK", "0") == "0":
-            print(f"hf-parallel verify: {error}", file=sys.stderr, flush=True)
-        return 1
+    report = verify(args.path, tp_plan_arg(args.tp_plan), args.dtype, args.tolerance, args.tp, args.sp,
+                    reference_memory=args.reference_memory, cp_size=args.cp, **stages)  # fmt: skip
     if report is not None:
         print(report, flush=True)
     shutdown()
@@ -277,11 +244,13 @@ def cmd_serve(args) -> int:
 
     check_serving_packages()
     if args.model_path and args.model and args.model_path != args.model:
-        raise SystemExit(f"hf-parallel serve: two models named ({args.model_path} and --model {args.model})")
+        raise ValueError(f"two models named ({args.model_path} and --model {args.model})")
     path = args.model_path or args.model or default_checkpoint()
     kept = dict(keep_quantized=args.keep_quantized) if args.keep_quantized else {}
-    budget = dict(kv_cache_memory_bytes=args.kv_cache_memory_bytes) if args.kv_cache_memory_bytes else {}
-    model = AutoModelForCausalLM.from_pretrained(path, tp_plan="auto", dtype=args.dtype, **kept, **budget)
+    budget = dict(kv_cache_memory_bytes=args.kv_cache_memory) if args.kv_cache_memory else {}
+    model = AutoModelForCausalLM.from_pretrained(path, tp_plan=tp_plan_arg(args.tp_plan), dtype=args.dtype,
+                                                 **layout_kwargs(args), **kept, **budget)  # fmt: skip
+    announce("serve", path, model)
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)
     name = args.served_model_name or os.path.basename(os.path.normpath(path))
     return serve(model, tokenizer, name, host=args.host, port=args.port, api_key=args.api_key,
@@ -290,112 +259,102 @@ def cmd_serve(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """Every command and flag (the docs' CLI reference is generated from it)."""
-    parser = argparse.ArgumentParser(prog="hf-parallel", description=__doc__)
+    parser = argparse.ArgumentParser(prog="hf-parallel", description=__doc__, formatter_class=DefaultsShown)
     sub = parser.add_subparsers(dest="command", required=True)
-    _add_generate(sub)
-    _add_serve(sub)
-    _add_plan(sub)
-    _add_verify(sub)
-    _add_consolidate(sub)
+    for add in (_add_generate, _add_serve, _add_plan, _add_verify, _add_consolidate):
+        add(sub)
     return parser
 
 
+def _command(sub, name: str, help: str):
+    return sub.add_parser(name, help=help, description=help, formatter_class=DefaultsShown)
+
+
+DTYPE_HELP = "auto (the checkpoint's, as from_pretrained takes it), float32, bfloat16, float16"
+
+
 def _add_generate(sub) -> None:
-    """``hf-parallel generate``: the sampling flags, the quantized load's, the pipeline's."""
-    gen = sub.add_parser("generate", help="generate text (run under torchrun for tensor parallelism)")
-    gen.add_argument("--model", help="checkpoint directory or hub id (default: the embedded SmolLM2-135M-Instruct)")
-    gen.add_argument("--prompt", default="What is tensor parallelism? Answer in one sentence.")
-    gen.add_argument("--prompts-file", help="one prompt per line, generated in left-padded batches")
+    """``hf-parallel generate``: the sampling flags, the quantized load's, the layout's."""
+    gen = _command(sub, "generate", "generate text (run under torchrun: every rank holds its shard)")
+    gen.add_argument("--model", help="checkpoint directory or hub id (unset: the embedded SmolLM2-135M-Instruct)")
+    gen.add_argument("--prompt", default="What is tensor parallelism? Answer in one sentence.",
+                     help="one prompt, streamed by rank 0 as it is generated")  # fmt: skip
+    gen.add_argument("--prompts-file", help="one prompt per line, generated in left-padded batches (instead of "
+                     "--prompt)")  # fmt: skip
     gen.add_argument("--batch-size", type=int, default=8, help="prompts of --prompts-file per generate call")
-    gen.add_argument("--max-new-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 means greedy")
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--seed", type=int, default=0)
-    gen.add_argument("--dtype", default="auto", help="auto (the checkpoint's, as from_pretrained), float32, "
-                     "bfloat16, float16")
-    gen.add_argument("--no-chat-template", action="store_true")
-    gen.add_argument("--keep-quantized", nargs="?", const=True, default=False, choices=["fp8", "int4"],
-                     help="a quantized checkpoint's weights held as stored (from_pretrained's keep_quantized): "
-                     "dequantized module by module, FP8 through the package's kernel on a GPU; 'fp8': besides, "
-                     "W8A8 products on Hopper (torch._scaled_mm); 'int4': GPTQ / AWQ / W4A16 through torch's int4 "
-                     "kernel")  # fmt: skip
-    gen.add_argument("--dp", type=int, default=1, help="data-parallel replicas, each generating its share of the "
-                     "prompts (--prompts-file), the ranks stepping together")
-    gen.add_argument("--ep", type=int, default=1, help="expert-parallel size (from_pretrained's ep_size): the "
-                     "experts spread over tp x ranks of the --dp replicas, tokens travelling to them")
-    gen.add_argument("--sp", type=int, default=1, help="sequence-parallel size (Ulysses): the prompt split over "
-                     "the ranks, the KV cache kept split, each new token attending to every rank's share")
-    gen.add_argument("--cp", type=int, default=1, help="context-parallel size: a ring of --sp groups (zigzag "
-                     "chunks of the prompt), the KV cache split the same way")  # fmt: skip
-    add_pipeline_args(gen)
-    gen.add_argument(
-        "--micro-batches", type=int, help="with --pp/--stage-tp: micro-batches per forward (default: stages)"
-    )
+    gen.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per prompt at most")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0: greedy; above: sampling at it")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling's mass (with --temperature)")
+    gen.add_argument("--seed", type=int, default=0, help="the sampling seed, the same on every rank")
+    gen.add_argument("--dtype", default="auto", help=DTYPE_HELP)
+    gen.add_argument("--no-chat-template", action="store_true", help="the prompt as text, not as a user turn of "
+                     "the tokenizer's chat template")  # fmt: skip
+    gen.add_argument("--keep-quantized", action=KeepQuantized, help=KEEP_QUANTIZED_HELP)
+    add_layout_flags(gen, "tp tp_plan ep_plan sp cp fsdp dp_replicate ep pp stage_tp stage_layers")
+    gen.add_argument("--dp", type=int, dest="dp_replicate", default=argparse.SUPPRESS,
+                     help=argparse.SUPPRESS)  # the earlier name
+    gen.add_argument("--micro-batches", type=int, help="with --pp/--stage-tp: micro-batches per forward (unset: "
+                     "one per stage)")  # fmt: skip
     gen.set_defaults(func=cmd_generate)
 
 
 def _add_serve(sub) -> None:
     """``hf-parallel serve``: transformers serve's OpenAI-compatible app over continuous batching at TP."""
-    srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (run under torchrun: TP over every rank)")
+    srv = _command(sub, "serve", "OpenAI-compatible HTTP server (run under torchrun: TP over every rank)")
     srv.add_argument("model_path", nargs="?", metavar="MODEL",
-                     help="checkpoint directory or hub id (default: the embedded SmolLM2-135M-Instruct)")  # fmt: skip
+                     help="checkpoint directory or hub id (unset: the embedded SmolLM2-135M-Instruct)")  # fmt: skip
     srv.add_argument("--model", help="the same as MODEL")
-    srv.add_argument("--served-model-name", help="the name clients ask for (default: the directory's name)")
-    srv.add_argument("--host", default="127.0.0.1")
-    srv.add_argument("--port", type=int, default=8000)
-    srv.add_argument("--dtype", default="auto", help="auto (the checkpoint's), float32, bfloat16, float16")
-    srv.add_argument("--keep-quantized", nargs="?", const=True, default=False, choices=["fp8", "int4"],
-                     help="a quantized checkpoint's weights held as stored, as generate's flag")  # fmt: skip
-    srv.add_argument("--api-key", help="clients must send 'Authorization: Bearer <key>' to /v1 routes")
+    srv.add_argument("--served-model-name", help="the name clients ask for (unset: the directory's name)")
+    srv.add_argument("--host", default="127.0.0.1", help="the address rank 0 listens on")
+    srv.add_argument("--port", type=int, default=8000, help="the port rank 0 listens on")
+    srv.add_argument("--dtype", default="auto", help=DTYPE_HELP)
+    srv.add_argument("--keep-quantized", action=KeepQuantized, help=KEEP_QUANTIZED_HELP)
+    add_layout_flags(srv, "tp tp_plan ep_plan")
+    srv.add_argument("--api-key", help="clients must send 'Authorization: Bearer <key>' to /v1 routes (unset: "
+                     "no key asked)")  # fmt: skip
     srv.add_argument("--temperature", type=float, default=0.0, help="0: greedy; above: every request samples "
                      "at it (one setting for the continuous batch; a request asking another is refused)")
-    srv.add_argument("--kv-cache-memory-bytes", type=int, help="memory each rank gives the paged cache and the "
-                     "batch (default: transformers' share of free memory, divided among the ranks sharing a device)")
-    srv.add_argument("--max-batch-tokens", type=int, help="tokens one step of the batch holds (default: 8192)")
+    srv.add_argument("--kv-cache-memory", type=byte_size, metavar="SIZE", help="memory each rank gives the paged "
+                     "cache and the batch, e.g. 20GiB (unset: transformers' share of free memory, divided among "
+                     "the ranks sharing a device)")  # fmt: skip
+    srv.add_argument("--kv-cache-memory-bytes", type=byte_size, dest="kv_cache_memory", default=argparse.SUPPRESS,
+                     help=argparse.SUPPRESS)  # the earlier name
+    srv.add_argument("--max-batch-tokens", type=int, help="tokens one step of the batch holds (unset: 8192)")
     srv.set_defaults(func=cmd_serve)
 
 
 def _add_plan(sub) -> None:
     """``hf-parallel plan``: the layout's sizes and the extras a dry run can show (tokens, LoRA, HTML)."""
-    plan = sub.add_parser("plan", help="dry run: every parameter's rule, style, layout and bytes per rank")
-    plan.add_argument("path")
-    plan.add_argument("--tp", type=int, default=1, help="TP size (of every stage, with --pp)")
-    plan.add_argument("--sp", type=int, default=1, help="sequence-parallel size: heads before/after the all-to-all")
-    plan.add_argument("--cp", type=int, default=1, help="context-parallel size: a ring of SP groups (zigzag chunks)")
+    plan = _command(sub, "plan", "dry run: every parameter's rule, style, layout and bytes per rank")
+    plan.add_argument("path", help="checkpoint directory or hub id (its config is enough: no weights are read)")
+    add_layout_flags(plan, "tp tp_plan ep_plan sp cp fsdp dp_replicate ep pp stage_tp stage_layers",
+                     tp=dict(default=1, help="tensor-parallel size (of every stage, with --pp)"))  # fmt: skip
     plan.add_argument("--seq", type=int, help="a sequence length: the tokens each rank holds under --sp/--cp, and "
-                      "the training step of the memory line (2048 unless given)")
+                      "the training step of the memory line (unset: 2048)")
     plan.add_argument("--batch", type=int, default=1, help="rows of the training step the memory line assumes")
-    plan.add_argument("--tp-plan", default="auto", help="auto, discover, a model_type, or a TOML/JSON file of rules")
-    plan.add_argument("--fsdp", type=int, default=1, help="FSDP size: data-parallel replicas sharding the model")
-    plan.add_argument("--dp-replicate", type=int, default=1, help="HSDP replicas of the FSDP group")
-    plan.add_argument("--ep", type=int, default=1, help="expert-parallel size (from_pretrained's ep_size): tokens "
-                      "travel to the experts' ranks, tp x ranks borrowed from --fsdp / --dp-replicate")  # fmt: skip
-    plan.add_argument("--nproc-per-node", type=int, help="ranks per node: flag TP or SP groups that span nodes")
+    plan.add_argument("--nproc-per-node", type=int, help="ranks per node: flag TP or SP groups that span nodes "
+                      "(unset: not checked)")  # fmt: skip
     plan.add_argument("--lora", help="r=N,target=name[,name...]: each LoRA adapter's split and bytes per rank")
     plan.add_argument("--html", metavar="OUT", help="also write the plan as one self-contained HTML page (no network)")
-    add_pipeline_args(plan)
     plan.set_defaults(func=cmd_plan)
 
 
 def _add_verify(sub) -> None:
     """``hf-parallel verify``: the layout to compare against one process, and the comparison's tolerance."""
-    check = sub.add_parser(
-        "verify", help="load PATH parallel and in one process, compare every layer's output on a probe batch"
-    )
-    check.add_argument("path")
-    check.add_argument("--tp", type=int, default=1, help="TP size (of every stage, with --pp)")
-    check.add_argument("--sp", type=int, default=1)
-    check.add_argument("--cp", type=int, default=1, help="context-parallel size (a ring of SP groups)")
-    add_pipeline_args(check)
-    check.add_argument("--dtype", default="float32")
-    check.add_argument("--tp-plan", default="auto", help="auto, discover, a model_type, or a TOML/JSON file of rules")
-    check.add_argument("--tolerance", type=float, help="relative to each output's largest value (default: by dtype)")
-    check.add_argument(
-        "--reference-memory-gb",
-        type=float,
-        help="memory for the one-process reference; the rest streams from disk layer by layer "
-        "(default: half the free memory when the weights need more, else all in memory)",
-    )
+    check = _command(sub, "verify", "load PATH parallel and in one process, compare every layer's output on a "
+                     "probe batch (starts its own ranks, or runs under torchrun)")  # fmt: skip
+    check.add_argument("path", help="checkpoint directory or hub id")
+    add_layout_flags(check, "tp tp_plan sp cp pp stage_tp stage_layers",
+                     tp=dict(default=1, help="tensor-parallel size (of every stage, with --pp)"))  # fmt: skip
+    check.add_argument("--dtype", default="float32", help="float32 unlike generate's auto, so differences show "
+                       "at 1e-4 (bf16's tolerance is 5e-2); auto: the checkpoint's, bfloat16, float16")
+    check.add_argument("--tolerance", type=float, help="relative to each output's largest value (unset: by dtype, "
+                       "fp32 1e-4, fp16 1e-2, bf16 5e-2)")  # fmt: skip
+    check.add_argument("--reference-memory", type=byte_size, metavar="SIZE", help="memory for the one-process "
+                       "reference, e.g. 40GiB; the rest streams from disk layer by layer (unset: half the free "
+                       "memory when the weights need more, else all in memory)")  # fmt: skip
+    check.add_argument("--reference-memory-gb", type=lambda gb: int(float(gb) * 2**30), dest="reference_memory",
+                       default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # the earlier name (GiB)
     check.set_defaults(func=cmd_verify)
 
 
@@ -403,20 +362,30 @@ def _add_consolidate(sub) -> None:
     """``hf-parallel consolidate``: a distributed save or a Trainer's per-rank state into standard files."""
     from ..checkpoint.files import MAX_SHARD_SIZE  # (names only: no torch)
 
-    merge = sub.add_parser(
-        "consolidate",
-        help="a distributed save (save_pretrained(distributed=True)) to a standard checkpoint; a parallel "
-        "Trainer checkpoint's per-rank training state to transformers' optimizer.pt",
-    )
-    merge.add_argument("dir")
-    merge.add_argument("out")
-    merge.add_argument("--max-shard-size", default=MAX_SHARD_SIZE,
-                       help="split the files at this size, as transformers' save_pretrained (default: %(default)s)")
+    merge = _command(sub, "consolidate", "a distributed save (save_pretrained(distributed=True)) to a standard "
+                     "checkpoint; a parallel Trainer checkpoint's per-rank training state to transformers' "
+                     "optimizer.pt (one process, no torchrun)")  # fmt: skip
+    merge.add_argument("dir", help="the distributed save, or the Trainer's checkpoint-N directory")
+    merge.add_argument("out", help="the standard checkpoint's directory (written staged, renamed at the end)")
+    merge.add_argument("--max-shard-size", type=byte_size, default=MAX_SHARD_SIZE, metavar="SIZE",
+                       help="split the files at this size, e.g. 5GB or 4GiB, as transformers' save_pretrained")
     merge.set_defaults(func=cmd_consolidate)
 
 
-def main(argv=None) -> None:
-    args = build_parser().parse_args(argv)
+# the commands that run under torchrun: a refusal there is answered once (refusals.py)
+UNDER_TORCHRUN = {"generate", "serve", "verify"}
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    stray = getattr(args, "after_keep_quantized", None)
+    if stray is not None:
+        if getattr(args, "model_path", "taken") is not None:  # no positional MODEL free to take it
+            parser.error(f"argument --keep-quantized: {stray!r} is not one of {', '.join(KEPT_MODES)}")
+        args.model_path = stray
+    if args.command in UNDER_TORCHRUN:
+        return answered_once(args.command, args.func, args)
     return args.func(args)
 
 

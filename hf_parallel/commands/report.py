@@ -104,6 +104,7 @@ def plan_report(
     lora: dict | None = None,
     batch: int = 1,
     ep_size: int = 1,
+    ep_plan=None,
 ) -> str:
     """The dry run's text: every parameter's rule, layout, local shape and bytes per rank, then the
     heads, the sequence split, the data-parallel sizes and the adapters asked for, and the memory per
@@ -112,8 +113,11 @@ def plan_report(
     if stage_tp_sizes is None and pp_size == 1:
         facts = plan_facts(path, tp, tp_plan=tp_plan, dtype=dtype, auto_class=auto_class, sp=sp, seq=seq, cp=cp,
                            fsdp_size=fsdp_size, dp_replicate_size=dp_replicate_size, nproc_per_node=nproc_per_node,
-                           lora=lora, batch=batch, ep_size=ep_size)  # fmt: skip
+                           lora=lora, batch=batch, ep_size=ep_size, ep_plan=ep_plan)  # fmt: skip
         return "\n".join(facts.lines())
+    if ep_plan is not None:
+        raise ValueError("hf-parallel plan: --ep-plan with pipeline stages is not drawn (each stage's report "
+                         "shows its layers under --tp-plan); drop --pp/--stage-tp or --ep-plan")
     config = transformers.AutoConfig.from_pretrained(path)
     shape = MeshShape.requested(
         tp_size=None if stage_tp_sizes else tp, sp_size=sp, pp_size=pp_size, stage_tp_sizes=stage_tp_sizes,
@@ -139,6 +143,7 @@ def plan_facts(
     lora: dict | None = None,
     batch: int = 1,
     ep_size: int = 1,
+    ep_plan=None,
 ) -> PlanFacts:
     """The dry run of one model replica without pipeline stages, as facts. ``ep_size``: the rows show every rank
     of rank 0's EP group (each holds its own experts; every other EP group the same), and a line says how the
@@ -150,7 +155,7 @@ def plan_facts(
     shape = MeshShape.requested(tp_size=tp, sp_size=sp, fsdp_size=fsdp_size, dp_replicate_size=dp_replicate_size,
                                 cp_size=cp, ep_size=ep_size)  # fmt: skip
     mesh = Mesh.dry_run(tp_size=tp, sp_size=sp, cp_size=cp, **data)
-    built = build_rank_model(auto_class, config, dtype, mesh, tp_plan=tp_plan)
+    built = build_rank_model(auto_class, config, dtype, mesh, tp_plan=tp_plan, ep_plan=ep_plan)
     model, shard = built.model, built.layout
     check_mixers_under_fsdp(model, tp, shape.dp_shard)  # the dry run's mesh has no data-parallel sizes
     itemsize = torch.empty((), dtype=dtype).element_size()

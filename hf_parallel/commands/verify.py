@@ -23,6 +23,8 @@ from dataclasses import dataclass
 import torch
 import transformers
 
+from ..build import resolve_dtype
+
 # relative to each output's largest value: reduction order alone moves fp32 by ~1e-6 and bf16 by
 # a few of its 2**-8 steps over a model's depth
 TOLERANCES = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 5e-2}
@@ -293,7 +295,7 @@ def verify(
             f"{path}: {type(config).__name__} is an encoder-decoder, and verify compares a causal LM's layers with one "
             "process's (tests/test_encoder_decoders.py compares T5, BART and Whisper)"
         )
-    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    dtype = resolve_dtype(dtype, config)
     tolerance = TOLERANCES.get(dtype, 1e-2) if tolerance is None else tolerance
     vtp = stages.get("stage_tp_sizes") is not None
     mesh = get_mesh(

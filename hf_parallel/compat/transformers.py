@@ -13,6 +13,8 @@
 - The KV cache's per-layer tensors, cut into micro-batches' rows on pipeline stages.
 - The Trainer: the flag by which a model says it owns its placement, the replica sizes it reads from
   ``config.distributed_config``, and the private steps ``training/trainer.py`` replaces.
+- The parser of sizes such as ``20GiB`` that ``save_pretrained(max_shard_size=...)`` reads (not exported
+  from ``transformers.utils``): the CLI's byte flags take what transformers takes.
 """
 
 from __future__ import annotations
@@ -398,3 +400,14 @@ def declare_owned_placement(model, replica_sizes, fsdp: bool) -> None:
     if fsdp:
         FSDP_MANAGED.get()
         model._is_fsdp_managed_module = True
+
+
+# -- sizes -----------------------------------------------------------------------------------------
+FILE_SIZE = Seam("transformers", "transformers.utils.hub:convert_file_size_to_int",
+                 "to read sizes such as 20GiB as save_pretrained's max_shard_size does",
+                 parameters=("size",))  # fmt: skip
+
+
+def size_in_bytes(size: str) -> int:
+    """``"20GiB"`` -> 21474836480, ``"500MB"`` -> 500000000, ``"1024"`` -> 1024: transformers' reading."""
+    return int(size) if size.isdigit() else FILE_SIZE.get()(size)
