@@ -25,7 +25,7 @@ from .pipeline.stage import install_stage
 from .runtime import Runtime, forward_under_autocast
 from .serving.batching import install_continuous_batching
 from .sequence.shard import decoder_layers, install_sequence
-from .sequence.tiled_loss import TiledLoss
+from .sequence.tiled_loss import LOSS_CHUNK, TiledLoss
 from .sequence.tiled_mlp import tile_mlps
 from .state import ParallelState, attach, parallel_state
 from .tensor.gradients import GradientSums
@@ -249,7 +249,7 @@ def _tiled_loss(model, tokens, layout, mesh, stage, keep_quantized) -> TiledLoss
         )
     plain_head = mesh.shape.dp == 1 and not keep_quantized
     split = vocab_rows(model, layout.params.get, mesh.tp, "tiled_loss") if plain_head else None
-    return TiledLoss(model, 1024 if tokens is True else int(tokens), split)
+    return TiledLoss(model, LOSS_CHUNK if tokens is True else int(tokens), split)
 
 
 def _fsdp_policies(mesh, compute_dtype, cpu_offload: bool) -> dict:

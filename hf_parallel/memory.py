@@ -21,6 +21,7 @@ from .core.dtypes import nbytes
 from .core.layers import find_layer_list
 from .distributed.fsdp import ends_of_their_own, expert_shard_dim
 from .quant.kept import int4_copy_nbytes
+from .sequence.tiled_loss import LOSS_CHUNK
 from .state import is_parallel, parallel_state
 
 
@@ -93,6 +94,29 @@ FUSED_ATTENTION = ("sdpa", "flash_attention_2", "flash_attention_3", "flex_atten
 
 
 @dataclass(frozen=True)
+class Savings:
+    """What a long-sequence step keeps less of (``plan --checkpointing --offload-checkpoints --tiled-loss N
+    --tiled-mlp N``): ``model.gradient_checkpointing_enable()``, and ``from_pretrained``'s ``offload_checkpoints``,
+    ``tiled_loss`` and ``tiled_mlp``, as that takes them: tokens a tile, or ``True`` for ``LOSS_CHUNK`` and
+    ``hidden_size`` tokens)."""
+
+    checkpointing: bool = False
+    offload: bool = False  # each checkpointed layer's input held in host memory until the backward
+    loss_chunk: bool | int = False  # tokens a chunk of the tiled loss scores at once
+    mlp_tile: bool | int = False  # tokens a tile of the tiled MLP computes at once
+
+    def tiles(self, hidden_size: int) -> tuple[int | None, int | None]:
+        """(loss chunk, MLP tile) in tokens, None where not tiled."""
+        loss = LOSS_CHUNK if self.loss_chunk is True else (self.loss_chunk or None)
+        return loss, hidden_size if self.mlp_tile is True else (self.mlp_tile or None)
+
+    def describe(self) -> str:
+        parts = ["checkpointing"] * self.checkpointing + ["layer inputs offloaded"] * self.offload
+        parts += ["tiled loss"] * bool(self.loss_chunk) + ["tiled MLP"] * bool(self.mlp_tile)
+        return f" ({', '.join(parts)})" if parts else ""
+
+
+@dataclass(frozen=True)
 class StepMemory:
     """One rank's tensors at a training step's peak by ``step_memory``'s formula (bytes): its share of the
     parameters, their gradients and AdamW's two states, one FSDP unit whole (``gathered_unit``: its
@@ -107,13 +131,15 @@ class StepMemory:
     batch: int
     seq: int
     expert_pairs: int = 0  # under ep_size: the (token, expert) pairs that may arrive per experts layer, at most
+    savings: Savings = Savings()
 
     @property
     def total(self) -> int:
         return self.params + self.grads + self.optimizer + self.gathered + self.activations
 
 
-def step_memory(model, layout, dtype: torch.dtype, batch: int = 1, seq: int = 2048, mesh=None) -> StepMemory:
+def step_memory(model, layout, dtype: torch.dtype, batch: int = 1, seq: int = 2048, mesh=None,
+                savings: Savings = Savings(), trainable: int | None = None) -> StepMemory:
     """A training step's peak on ``mesh``'s rank (default: the layout's own), from the layout alone: what a
     layout is chosen by before anything loads. The model states are the ZeRO paper's, each the rank's
     share: parameters, gradients, and AdamW's two states (``torch.optim.AdamW`` makes them ``zeros_like``
@@ -121,15 +147,21 @@ def step_memory(model, layout, dtype: torch.dtype, batch: int = 1, seq: int = 20
     gradients, while it computes; then one micro-batch's activations (``activation_bytes``). Counted all at
     once, an upper estimate: with ``zero_grad(set_to_none=True)`` no gradient exists in the forward. Left
     out: a second unit FSDP holds whole (the next one prefetched in the backward, the last layer kept from
-    the forward), the optimizer's step counts, the allocator's slack."""
+    the forward), the optimizer's step counts, the allocator's slack. ``savings``: what the step recomputes or
+    moves instead (``activation_bytes``); ``trainable``: the bytes of this rank's trainable parameters where not
+    every parameter trains (LoRA's adapters, float32 as peft keeps them): only they have gradients and AdamW's
+    states."""
     mesh = mesh if mesh is not None else layout.mesh
     share = footprint(layout, dtype, mesh).share
     unit, gathered = gathered_unit(model, layout, dtype, mesh) if mesh.shape.dp > 1 else (None, 0)
     tokens = -(-batch * seq // mesh.sp.size)  # each rank of the sequence group holds its tokens
     exchange = token_exchange(model, layout, mesh, tokens)
-    activations = activation_bytes(model, mesh.tp.size, tokens, seq, dtype, exchange)
+    activations = activation_bytes(model, mesh.tp.size, tokens, seq, dtype, exchange, savings)
     pairs = exchange.arriving if exchange else 0
-    return StepMemory(share, share, 2 * share, 2 * gathered, unit, activations, batch, seq, pairs)
+    if trainable is not None:  # the base frozen: its gathered unit's gradients never exist
+        return StepMemory(share + trainable, trainable, 2 * trainable, gathered, unit, activations, batch, seq, pairs,
+                          savings)  # fmt: skip
+    return StepMemory(share, share, 2 * share, 2 * gathered, unit, activations, batch, seq, pairs, savings)
 
 
 @dataclass(frozen=True)
@@ -187,7 +219,7 @@ ROOT_UNIT = "the root"  # what no layer or end of its own holds: the final norm,
 
 
 def activation_bytes(model, tp: int, tokens: int, seq: int, dtype: torch.dtype,
-                     exchange: TokenExchangeCount | None = None) -> int:
+                     exchange: TokenExchangeCount | None = None, savings: Savings = Savings()) -> int:
     """One micro-batch's activations kept for its backward on one rank, ``tokens`` of it on this rank (its
     rows x ``seq`` over the sequence group). Per decoder layer the standard estimate (Korthikanti et al.
     2022), scaled from 16-bit to ``dtype``: ``tokens x hidden x (10 + 24 / tp)``, plus the attention scores
@@ -200,17 +232,31 @@ def activation_bytes(model, tp: int, tokens: int, seq: int, dtype: torch.dtype,
     its MLP's split part (``16 / tp``) is replaced by each arriving pair's input row and its gated MLP's four
     intermediate-wide tensors (gate, up, the activation, their product: ``hidden + 4 x intermediate``) and each
     sent pair's output row, kept for the routing weight's product (``hidden``); arriving at their bound. Shared
-    experts keep their four tensors per token, over TP."""
+    experts keep their four tensors per token, over TP.
+
+    ``savings``: under checkpointing each layer keeps its input alone (``tokens x hidden``; none on the device
+    with ``offload``), and one layer's activations exist at once, while the backward recomputes it; a tiled MLP
+    keeps its 16 split bytes for one tile of tokens; a tiled loss holds one chunk's logits and the final hidden
+    states it scores them from."""
     text = model.config.get_text_config()
     itemsize = torch.empty((), dtype=dtype).element_size()
-    layer = tokens * text.hidden_size * (LAYER_WHOLE + LAYER_SPLIT / tp)
+    loss_chunk, mlp_tile = savings.tiles(text.hidden_size)
+    mlp_share = min(mlp_tile, tokens) / tokens if mlp_tile else 1.0
+    layer = tokens * text.hidden_size * (LAYER_WHOLE + (LAYER_SPLIT - MLP_SPLIT * (1 - mlp_share)) / tp)
     if getattr(model.config, "_attn_implementation", None) not in FUSED_ATTENTION:
         layer += SCORES * getattr(text, "num_attention_heads", 0) / tp * seq * tokens
-    logits = tokens * text.vocab_size * (itemsize + 2 * 4) if model.get_output_embeddings() is not None else 0
-    total = int(text.num_hidden_layers * layer * itemsize / 2) + logits
+    logits = 0
+    if model.get_output_embeddings() is not None:
+        scored = min(loss_chunk, tokens) if loss_chunk else tokens
+        logits = scored * text.vocab_size * (itemsize + 2 * 4)
+        logits += tokens * text.hidden_size * itemsize if loss_chunk else 0
+    computing = 1 if savings.checkpointing else text.num_hidden_layers  # layers whose activations exist at once
+    total = int(computing * layer * itemsize / 2) + logits
+    if savings.checkpointing and not savings.offload:
+        total += text.num_hidden_layers * tokens * text.hidden_size * itemsize  # each layer's input
     if exchange is not None:
-        dense_mlp = tokens * text.hidden_size * MLP_SPLIT / tp * itemsize / 2
+        dense_mlp = tokens * text.hidden_size * MLP_SPLIT * mlp_share / tp * itemsize / 2
         pairs = exchange.arriving * (text.hidden_size + 4 * exchange.intermediate) + exchange.sent * text.hidden_size
         shared = tokens * 4 * exchange.shared_intermediate / tp
-        total += int(exchange.layers * ((pairs + shared) * itemsize - dense_mlp))
+        total += int(min(exchange.layers, computing) * ((pairs + shared) * itemsize - dense_mlp))
     return total

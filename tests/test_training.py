@@ -595,3 +595,30 @@ def test_the_plan_prints_the_memory_formula_for_a_rank(paths):
         f"{mib(share)} + grads {mib(share)} + AdamW {mib(2 * share)} + one gathered unit {mib(gathered)} "
         f"(model.layers.0) + activations {mib(activations)} at batch 1 x seq 2048; hf_parallel/memory.py)"
     ), line
+
+
+def test_the_plan_counts_what_checkpointing_tiling_offload_and_lora_keep_less_of(paths):
+    """``plan --checkpointing --tiled-loss 512 --tiled-mlp 256 [--offload-checkpoints] --lora r=4,...`` on the tiny
+    Llama (float32, one rank, 1 x 2048 tokens), counted by hand: one layer's activations at once (the one the
+    backward recomputes: 10 + 24 bytes per token and hidden unit in 16-bit, of which the MLP's 16 for one tile of
+    256 tokens), each layer's input kept (none with the offload), one chunk of 512 tokens' logits and the final
+    hidden states they are scored from; only LoRA's adapters (float32) have gradients and AdamW's states."""
+    from hf_parallel.commands.report import parse_lora, plan_report
+    from hf_parallel.memory import Savings
+
+    hidden, vocab, layers, tokens, kv = 72, 101, 2, 2048, 3 * 8
+    one_layer = tokens * hidden * (10 + 8 + 16 * 256 / tokens) * 4 / 2
+    logits = 512 * vocab * (4 + 2 * 4) + tokens * hidden * 4
+    adapters = layers * 4 * (4 * hidden + hidden * 4 + 4 * hidden + kv * 4)  # q's A and B, v's A and B
+    lora = parse_lora("r=4,target=q_proj,v_proj")
+
+    def mib(n: float) -> str:
+        return f"{n / 2**20:,.2f}"
+
+    for offload in (False, True):
+        savings = Savings(checkpointing=True, offload=offload, loss_chunk=512, mlp_tile=256)
+        line = plan_report(paths["llama"], 1, lora=lora, savings=savings).splitlines()[-1]
+        inputs = 0 if offload else layers * tokens * hidden * 4
+        assert f"activations {mib(int(one_layer) + logits + inputs)} at batch 1 x seq 2048 (checkpointing" in line, line
+        assert f"grads {mib(adapters)} + AdamW {mib(2 * adapters)} " in line, line
+        assert ("layer inputs offloaded" in line) == offload and "only the adapters have gradients" in line, line

@@ -154,6 +154,7 @@ def announce(command: str, path: str, model) -> None:
 
 
 def cmd_plan(args) -> None:
+    from ..memory import Savings
     from .report import parse_lora, plan_facts, plan_report
 
     sizes = dict(tp_plan=tp_plan_arg(args.tp_plan), sp=args.sp, cp=args.cp, seq=args.seq, fsdp_size=args.fsdp,
@@ -161,6 +162,10 @@ def cmd_plan(args) -> None:
                  lora=parse_lora(args.lora) if args.lora else None, batch=args.batch, ep_size=args.ep)  # fmt: skip
     if args.ep_plan:
         sizes["ep_plan"] = args.ep_plan
+    if args.offload_checkpoints and not args.checkpointing:
+        raise SystemExit("hf-parallel plan: --offload-checkpoints offloads the checkpointed layers' inputs; add "
+                         "--checkpointing (from_pretrained refuses offload_checkpoints without it too)")  # fmt: skip
+    sizes["savings"] = Savings(args.checkpointing, args.offload_checkpoints, args.tiled_loss, args.tiled_mlp)
     stages = pipeline_kwargs(args)
     if args.html and (stages.get("pp_size", 1) > 1 or stages.get("stage_tp_sizes")):
         raise SystemExit("hf-parallel plan --html draws one replica without pipeline stages; drop --pp/--stage-tp "
@@ -332,6 +337,14 @@ def _add_plan(sub) -> None:
     plan.add_argument("--seq", type=int, help="a sequence length: the tokens each rank holds under --sp/--cp, and "
                       "the training step of the memory line (unset: 2048)")
     plan.add_argument("--batch", type=int, default=1, help="rows of the training step the memory line assumes")
+    plan.add_argument("--checkpointing", action="store_true", help="the training step with activation "
+                      "checkpointing (model.gradient_checkpointing_enable()): each layer keeps its input alone")
+    plan.add_argument("--offload-checkpoints", action="store_true", help="with --checkpointing: those inputs in "
+                      "host memory (from_pretrained's offload_checkpoints)")  # fmt: skip
+    plan.add_argument("--tiled-loss", type=int, nargs="?", const=True, default=False, metavar="TOKENS",
+                      help="the loss a chunk of tokens at a time (from_pretrained's tiled_loss; no value: 1024)")
+    plan.add_argument("--tiled-mlp", type=int, nargs="?", const=True, default=False, metavar="TOKENS",
+                      help="each MLP over tiles of tokens (from_pretrained's tiled_mlp; no value: hidden_size)")
     plan.add_argument("--nproc-per-node", type=int, help="ranks per node: flag TP or SP groups that span nodes "
                       "(unset: not checked)")  # fmt: skip
     plan.add_argument("--lora", help="r=N,target=name[,name...]: each LoRA adapter's split and bytes per rank")

@@ -11,7 +11,7 @@ import transformers
 from ..build import build_empty, build_rank_model, check_mixers_under_fsdp, resolve_dtype
 from ..distributed.mesh import Mesh
 from ..distributed.shape import MeshShape
-from ..memory import footprint, step_memory
+from ..memory import Savings, footprint, step_memory
 from ..pipeline.stage import tied_across_stages
 from ..sequence.tokens import token_layout
 from ..sequence.ulysses import head_spread
@@ -105,6 +105,7 @@ def plan_report(
     batch: int = 1,
     ep_size: int = 1,
     ep_plan=None,
+    savings: Savings = Savings(),
 ) -> str:
     """The dry run's text: every parameter's rule, layout, local shape and bytes per rank, then the
     heads, the sequence split, the data-parallel sizes and the adapters asked for, and the memory per
@@ -113,7 +114,7 @@ def plan_report(
     if stage_tp_sizes is None and pp_size == 1:
         facts = plan_facts(path, tp, tp_plan=tp_plan, dtype=dtype, auto_class=auto_class, sp=sp, seq=seq, cp=cp,
                            fsdp_size=fsdp_size, dp_replicate_size=dp_replicate_size, nproc_per_node=nproc_per_node,
-                           lora=lora, batch=batch, ep_size=ep_size, ep_plan=ep_plan)  # fmt: skip
+                           lora=lora, batch=batch, ep_size=ep_size, ep_plan=ep_plan, savings=savings)  # fmt: skip
         return "\n".join(facts.lines())
     if ep_plan is not None:
         raise ValueError("hf-parallel plan: --ep-plan with pipeline stages is not drawn (each stage's report "
@@ -144,6 +145,7 @@ def plan_facts(
     batch: int = 1,
     ep_size: int = 1,
     ep_plan=None,
+    savings: Savings = Savings(),
 ) -> PlanFacts:
     """The dry run of one model replica without pipeline stages, as facts. ``ep_size``: the rows show every rank
     of rank 0's EP group (each holds its own experts; every other EP group the same), and a line says how the
@@ -183,8 +185,10 @@ def plan_facts(
     details = [f"left replicated by discovery: {note}" for note in shard.plan.notes]
     if built.quantization is not None:
         details += quantized_lines(path, model, shard, tp, built.quantization, dtype)
+    adapters = None
     if lora is not None:
-        details += lora_lines(model, shard, tp, lora, dtype)
+        lines, adapters = lora_lines(model, shard, tp, lora, dtype)
+        details += lines
     if sp * cp > 1:
         details += sequence_lines(model, shard, tp, sp, seq, cp)
     if ep_size > 1:
@@ -195,7 +199,7 @@ def plan_facts(
     at_rest = [math.ceil(t / fsdp) for t in totals] if shape.dp > 1 else None
     if ep_size > 1:  # the experts are split over the ranks holding the same ones, not over FSDP's group
         at_rest = [footprint(shard, dtype, view).share for view in views]
-    memory = memory_lines(model, shard, dtype, views, batch, seq or TRAINING_SEQ)
+    memory = memory_lines(model, shard, dtype, views, batch, seq or TRAINING_SEQ, savings, adapters)
     return PlanFacts(path, config.model_type, tp, shard.plan.source, shape, mesh_lines(shape, nproc_per_node),
                      heads, rows, details, totals, full_bytes, at_rest, fsdp, memory)  # fmt: skip
 
@@ -203,12 +207,19 @@ def plan_facts(
 TRAINING_SEQ = 2048  # tokens per row of the training step the plan's memory line assumes, unless --seq is given
 
 
-def memory_lines(model, shard, dtype, meshes: list, batch: int, seq: int) -> list[str]:
+def memory_lines(model, shard, dtype, meshes: list, batch: int, seq: int, savings: Savings = Savings(),
+                 adapters: list[int] | None = None) -> list[str]:
     """``memory.py``'s formulas for the rank of ``meshes`` (their views) that needs the most (FSDP's first rank
-    holds the most rows): its weights, the load's peak, and a training step's at ``batch`` x ``seq`` tokens.
+    holds the most rows): its weights, the load's peak, and a training step's at ``batch`` x ``seq`` tokens with
+    ``savings``; ``adapters`` (LoRA's bytes per TP rank): only they train, sharded as the rest under FSDP.
     The layout was built on a mesh without the data-parallel sizes; each rank's view here has them."""
+
+    def trainable(mesh) -> int | None:
+        return None if adapters is None else -(-adapters[mesh.tp.rank] // (mesh.shape.dp_shard * mesh.shape.sp))
+
     try:
-        figures = [(footprint(shard, dtype, m), step_memory(model, shard, dtype, batch, seq, m)) for m in meshes]
+        figures = [(footprint(shard, dtype, m), step_memory(model, shard, dtype, batch, seq, m, savings, trainable(m)))
+                   for m in meshes]  # fmt: skip
     except ValueError as error:  # no list of layers for FSDP to gather one by one (the load refuses it too)
         return [f"memory per rank (formula): not estimated under FSDP: {error}"]
     rank, (load, step) = max(enumerate(figures), key=lambda item: item[1][1].total)
@@ -221,7 +232,8 @@ def memory_lines(model, shard, dtype, meshes: list, batch: int, seq: int) -> lis
         f"{_mib(load.share)} MiB, load peak {_mib(load.load_peak)} MiB (share + largest TP slice "
         f"{_mib(load.largest_slice)} MiB), training step ~ {_mib(step.total)} MiB (params {_mib(step.params)} + "
         f"grads {_mib(step.grads)} + AdamW {_mib(step.optimizer)}{gathered} + activations {_mib(step.activations)} "
-        f"at batch {step.batch} x seq {step.seq}{pairs}; hf_parallel/memory.py)"
+        f"at batch {step.batch} x seq {step.seq}{savings.describe()}{pairs}"
+        f"{'; LoRA: only the adapters have gradients and AdamW states' if adapters else ''}; hf_parallel/memory.py)"
     ]
 
 
@@ -245,9 +257,9 @@ def parse_lora(text: str) -> dict:
     return {"r": int(spec["r"][0]), "target": spec["target"]}
 
 
-def lora_lines(model, shard, tp: int, lora: dict, dtype) -> list[str]:
+def lora_lines(model, shard, tp: int, lora: dict, dtype) -> tuple[list[str], list[int]]:
     """Each targeted module's adapter pair (peft's name matching: the module's name or its last
-    parts): how A and B split, following the module, and their bytes per rank."""
+    parts): how A and B split, following the module, and their bytes per rank; and those bytes per TP rank."""
     from ..adapters.placement import adapter_layout, site_for
     from ..tensor.splits import in_dim, out_dim
 
@@ -284,7 +296,7 @@ def lora_lines(model, shard, tp: int, lora: dict, dtype) -> list[str]:
     if not count:
         raise ValueError(f"--lora: no module of the model is named {', '.join(targets)} (peft would refuse it too)")
     lines.append(f"  {count} adapter pairs, bytes per rank {totals}; AdamW adds twice that, gradients once")
-    return lines
+    return lines, totals
 
 
 def expert_lines(shard, shape: MeshShape, itemsize: int) -> list[str]:

@@ -36,6 +36,7 @@ from ..tensor.vocab_loss import transformed, vocab_parallel
 from .shard import shifted_labels
 
 IGNORED = -100  # transformers' ignore_index
+LOSS_CHUNK = 1024  # tokens a chunk scores at once under tiled_loss=True
 
 
 class TiledLoss:
