@@ -4,6 +4,13 @@
     FSDP=1 CUDA_VISIBLE_DEVICES=0 python examples/train_with_trainer.py        # one process, the same losses
     FSDP=1 TP=2 torchrun --nproc-per-node 2 examples/train_with_trainer.py     # TP=2
     FSDP=2 TP=2 torchrun --nproc-per-node 4 examples/train_with_trainer.py     # FSDP=2 x TP=2
+    FSDP=4 TP=2 torchrun --nproc-per-node 8 examples/train_with_trainer.py     # one 8-GPU node
+
+Resume at another layout: save every N steps, then pick a checkpoint up at any other TP / FSDP sizes (each
+rank reads its own slices of the model and of every rank's optimizer state):
+
+    FSDP=1 TP=4 STEPS=4 SAVE_EVERY=2 torchrun --nproc-per-node 4 examples/train_with_trainer.py
+    FSDP=2 TP=2 STEPS=4 RESUME=trainer_output/checkpoint-2 torchrun --nproc-per-node 4 examples/train_with_trainer.py
 
 The Trainer hands every data-parallel rank its own rows and the ranks of one model replica the
 same ones, clips with the global gradient norm and saves a standard checkpoint (and, with
@@ -36,12 +43,13 @@ args = transformers.TrainingArguments(
     learning_rate=1e-5,
     max_grad_norm=1.0,
     logging_steps=1,
-    save_strategy="no",
+    save_strategy="steps" if os.environ.get("SAVE_EVERY") else "no",
+    save_steps=int(os.environ.get("SAVE_EVERY", "0")) or 500,
     report_to=[],
     use_cpu=not torch.cuda.is_available(),
 )
 trainer = transformers.Trainer(model=model, args=args, train_dataset=dataset)
-trainer.train()
+trainer.train(resume_from_checkpoint=os.environ.get("RESUME") or None)  # steps after the checkpoint's
 trainer.save_model(os.path.join(args.output_dir, "final"))  # every rank calls; a standard checkpoint
 losses = [round(entry["loss"], 4) for entry in trainer.state.log_history if "loss" in entry]
 print(f"{parallel_state(model).mesh}: losses {losses}")

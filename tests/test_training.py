@@ -7,6 +7,7 @@ step) on a global batch of 4 rows; one process runs the same steps on the same b
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -500,9 +501,10 @@ def test_the_plan_dry_run_shows_the_data_dimensions_and_groups_that_span_nodes(p
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_the_readme_trainer_example_matches_one_process(smollm2, tmp_path):
-    """examples/train_with_trainer.py on the real SmolLM2: FSDP=2 under torchrun logs the losses the
-    same script logs in one process (the same global batch of 4 rows)."""
+def test_the_trainer_example_resumes_at_another_layout_as_one_process_trains(tiny_smollm2, tmp_path):
+    """examples/train_with_trainer.py as its docstring runs it: 4 steps at TP=4 saving every 2, then resumed from
+    checkpoint-2 at TP=2 x FSDP=2 (another layout reading every rank's optimizer state): every rank logs the
+    losses the same script logs in one process, uninterrupted (the same global batch of 4 rows)."""
     import re
     import subprocess
     import sys
@@ -510,24 +512,35 @@ def test_the_readme_trainer_example_matches_one_process(smollm2, tmp_path):
     script = os.path.join(
         os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "train_with_trainer.py"
     )
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MODEL": smollm2, "STEPS": "2"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MODEL": tiny_smollm2, "STEPS": "4"}
+    torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4"]
     runs = {}
-    for name, launcher, fsdp in (
-        ("one", [], "1"),
-        ("fsdp2", ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"], "2"),
+    checkpoint = tmp_path / "tp4" / "checkpoint-2"
+    for name, launcher, sizes in (
+        ("one", [], dict(FSDP="1")),
+        ("tp4", torchrun, dict(FSDP="1", TP="4", SAVE_EVERY="2")),
+        ("resumed", torchrun, dict(FSDP="2", TP="2", RESUME=str(checkpoint))),
     ):
+        if name == "resumed":  # the checkpoint's logged losses marked: a run that starts over would log its own
+            state = json.loads((checkpoint / "trainer_state.json").read_text())
+            for entry in (entry for entry in state["log_history"] if "loss" in entry):
+                entry["loss"] = 99.0
+            (checkpoint / "trainer_state.json").write_text(json.dumps(state))
         done = subprocess.run(
             [sys.executable, *launcher, script], capture_output=True, text=True, timeout=600,
-            env={**env, "FSDP": fsdp, "OUT": str(tmp_path / name)},
+            env={**env, **sizes, "OUT": str(tmp_path / name)},
         )  # fmt: skip
         assert done.returncode == 0, done.stderr[-3000:]
-        runs[name] = re.findall(r"rank \d: [^:]*: losses \[([\d., ]+)\]", done.stdout)
+        runs[name] = [[float(x) for x in found.split(",")]
+                      for found in re.findall(r"rank \d: [^:]*: losses \[([-\d., ]+)\]", done.stdout)]  # fmt: skip
         assert os.path.isfile(tmp_path / name / "final" / "model.safetensors")
-    assert len(runs["fsdp2"]) == 2 and len(set(runs["fsdp2"])) == 1, runs
-    one = [float(x) for x in runs["one"][0].split(",")]
-    parallel = [float(x) for x in runs["fsdp2"][0].split(",")]
-    assert len(one) == 2, runs
-    assert_close(parallel, one, atol=2e-4, rtol=0, what="the example's FSDP=2 losses")
+    (one,) = runs["one"]
+    assert len(one) == 4 and len(runs["tp4"]) == len(runs["resumed"]) == 4, runs
+    for losses in runs["tp4"]:
+        assert_close(losses, one, atol=2e-4, rtol=0, what="the example's losses at TP=4")
+    for losses in runs["resumed"]:  # steps 1-2 read from the checkpoint, 3-4 trained at TP=2 x FSDP=2
+        assert losses[:2] == [99.0, 99.0], runs["resumed"]
+        assert_close(losses[2:], one[2:], atol=2e-4, rtol=0, what="the resumed steps' losses")
 
 
 def test_a_model_without_repeated_layers_is_refused_for_fsdp():
