@@ -32,10 +32,14 @@ model = AutoModelForCausalLM.from_pretrained(
 )
 tokenizer = transformers.AutoTokenizer.from_pretrained(path)
 texts = ["Tensor parallelism splits every layer.", "FSDP shards what each rank keeps between layers."] * 8
+if tokenizer.pad_token is None:  # (Llama 3's has none) rows are padded to one length
+    tokenizer.pad_token = tokenizer.eos_token
 rows = [tokenizer(text, padding="max_length", max_length=16, truncation=True) for text in texts]
 dataset = [
-    {"input_ids": row["input_ids"], "attention_mask": row["attention_mask"], "labels": row["input_ids"]} for row in rows
-]
+    {"input_ids": row["input_ids"], "attention_mask": row["attention_mask"],
+     "labels": [t if keep else -100 for t, keep in zip(row["input_ids"], row["attention_mask"])]}  # no loss on padding
+    for row in rows
+]  # fmt: skip
 args = transformers.TrainingArguments(
     output_dir=os.environ.get("OUT", "trainer_output"),
     per_device_train_batch_size=4 // fsdp,  # a global batch of 4 rows, whatever the layout

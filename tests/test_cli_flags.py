@@ -82,3 +82,20 @@ def test_keep_quantized_takes_a_mode_and_leaves_the_model_path(capsys):
     with pytest.raises(SystemExit):  # serve's MODEL already given: the word is a bad mode
         main(["serve", "/models/a", "--keep-quantized", "/models/b"])
     assert "'/models/b' is not one of fp8, int4" in capsys.readouterr().err
+
+
+def test_a_refusal_is_one_line_naming_the_command(tmp_path, capsys):
+    """A directory with no config, and a quantized checkpoint's config without its files (the plan reads their
+    headers): one line each, the command's name first, exit status 1, no traceback."""
+    import shutil
+    from pathlib import Path
+
+    assert main(["plan", str(tmp_path)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("hf-parallel plan: ") and str(tmp_path) in err and "\n" not in err, err
+    configs = Path(__file__).parent / "model_configs"
+    shutil.copytree(configs / "qwen3-32b-fp8", tmp_path / "fp8")
+    assert main(["plan", str(tmp_path / "fp8"), "--tp", "4"]) == 1
+    err = capsys.readouterr().err.strip()
+    missing = "no model.safetensors or model.safetensors.index.json (nor a pytorch_model.bin)"
+    assert err == f"hf-parallel plan: {tmp_path / 'fp8'}: {missing}", err

@@ -130,3 +130,30 @@ def test_the_mesh_pictures_show_the_meshs_groups_and_the_zigzag():
     assert pictures.token_owners(dict(cp_size=2), 16) == [0] * 4 + [1] * 8 + [0] * 4
     assert pictures.token_owners(dict(sp_size=2, cp_size=2), 16) == [0] * 4 + [2] * 4 + [3] * 4 + [1] * 4
     assert set(pictures.pictures()) == {f"mesh-{name}.svg" for name in [*pictures.LAYOUTS, *pictures.ZIGZAGS]}
+
+
+# the hub ids the recipes name, and the copies of their config.json the suite holds (no hub here)
+RECIPE_CONFIGS = {
+    "meta-llama/Llama-3.1-70B-Instruct": "llama-3.1-70b",
+    "meta-llama/Llama-3.1-8B-Instruct": "llama-3.1-8b",
+    "Qwen/Qwen3-30B-A3B": "qwen3-30b-a3b",
+}
+RECIPE_FIGURE = re.compile(r"`hf-parallel plan (\S+) ([^`]*)` → weights \*\*([\d.]+) GiB\*\*"
+                           r"(?:, a training step \*\*([\d.]+) GiB\*\*)? per GPU")  # fmt: skip
+
+
+@pytest.mark.distributed  # not in the pure tier: seven plans of real-size configs, about a minute
+def test_the_recipes_figures_are_what_plan_prints(capsys):
+    """Each GB figure of the recipes page is what ``hf-parallel plan`` prints for its command, on the model's
+    public config.json (tests/model_configs), rounded as the page rounds it."""
+    from hf_parallel.commands.cli import main
+
+    figures = RECIPE_FIGURE.findall((ROOT / "docs" / "guides" / "recipes.md").read_text())
+    assert len(figures) >= 6, figures
+    for model, flags, weights, step in figures:
+        main(["plan", str(ROOT / "tests" / "model_configs" / RECIPE_CONFIGS[model]), *flags.split()])
+        (line,) = [x for x in capsys.readouterr().out.splitlines() if x.startswith("memory per rank")]
+        mib = {k: float(v.replace(",", "")) for k, v in re.findall(r"(weights|training step ~) ([\d,.]+) MiB", line)}
+        assert f"{mib['weights'] / 1024:.1f}" == weights, (model, flags, line)
+        if step:
+            assert f"{mib['training step ~'] / 1024:.1f}" == step, (model, flags, line)

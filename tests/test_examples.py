@@ -186,3 +186,18 @@ def test_the_expert_parallel_example_logs_one_processs_losses(tiny_smollm2, tmp_
     )["input_ids"]  # fmt: skip
     pairs = 3 * len(tokens) * len(tokens[0]) * 2  # 3 steps x every token, padding too, routed to 2 experts
     assert sum(int(n) for n in counts.split(",")) == pairs and len(counts.split(",")) == 8, counts
+
+
+@pytest.mark.distributed
+def test_the_long_training_example_at_sp_x_cp_x_fsdp_logs_one_processs_losses(tiny_smollm2):
+    """examples/long_training.py on 8 ranks (SP=2 x CP=2 x FSDP=2, checkpointing with offloaded layer inputs,
+    tiled loss and MLP): rank 0 logs the losses the same script logs in one process."""
+    from compare import assert_close
+
+    losses = {}
+    for name, ranks, sp, cp in (("one", 1, "1", "1"), ("sp2cp2fsdp2", 8, "2", "2")):
+        stdout = run_example("long_training.py", ranks, MODEL=tiny_smollm2, SP=sp, CP=cp, SEQ="256")
+        (found,) = re.findall(r"losses \[([-\d., ]+)\]", stdout)
+        losses[name] = [float(x) for x in found.split(",")]
+    assert len(losses["one"]) == 3 and losses["one"][0] > losses["one"][-1], losses
+    assert_close(losses["sp2cp2fsdp2"], losses["one"], atol=1e-3, rtol=0, what="SP=2 x CP=2 x FSDP=2 losses")

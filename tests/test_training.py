@@ -503,8 +503,9 @@ def test_the_plan_dry_run_shows_the_data_dimensions_and_groups_that_span_nodes(p
 @pytest.mark.slow
 def test_the_trainer_example_resumes_at_another_layout_as_one_process_trains(tiny_smollm2, tmp_path):
     """examples/train_with_trainer.py as its docstring runs it: 4 steps at TP=4 saving every 2, then resumed from
-    checkpoint-2 at TP=2 x FSDP=2 (another layout reading every rank's optimizer state): every rank logs the
-    losses the same script logs in one process, uninterrupted (the same global batch of 4 rows)."""
+    checkpoint-2 at TP=2 x FSDP=2 (another layout reading every rank's optimizer state), with a tokenizer that has
+    no pad token: every rank logs the losses the same script logs in one process, uninterrupted (the same global
+    batch of 4 rows)."""
     import re
     import subprocess
     import sys
@@ -512,7 +513,10 @@ def test_the_trainer_example_resumes_at_another_layout_as_one_process_trains(tin
     script = os.path.join(
         os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "train_with_trainer.py"
     )
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MODEL": tiny_smollm2, "STEPS": "4"}
+    from test_examples import without_pad_token
+
+    model = without_pad_token(tiny_smollm2, tmp_path)  # as Llama 3's tokenizer: padded with EOS, out of the loss
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MODEL": model, "STEPS": "4"}
     torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4"]
     runs = {}
     checkpoint = tmp_path / "tp4" / "checkpoint-2"

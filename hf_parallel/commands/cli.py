@@ -157,8 +157,8 @@ def cmd_plan(args) -> None:
     from ..memory import Savings
     from .report import parse_lora, plan_facts, plan_report
 
-    sizes = dict(tp_plan=tp_plan_arg(args.tp_plan), sp=args.sp, cp=args.cp, seq=args.seq, fsdp_size=args.fsdp,
-                 dp_replicate_size=args.dp_replicate, nproc_per_node=args.nproc_per_node,
+    sizes = dict(tp_plan=tp_plan_arg(args.tp_plan), dtype=args.dtype, sp=args.sp, cp=args.cp, seq=args.seq,
+                 fsdp_size=args.fsdp, dp_replicate_size=args.dp_replicate, nproc_per_node=args.nproc_per_node,
                  lora=parse_lora(args.lora) if args.lora else None, batch=args.batch, ep_size=args.ep)  # fmt: skip
     if args.ep_plan:
         sizes["ep_plan"] = args.ep_plan
@@ -334,6 +334,8 @@ def _add_plan(sub) -> None:
     plan.add_argument("path", help="checkpoint directory or hub id (its config is enough: no weights are read)")
     add_layout_flags(plan, "tp tp_plan ep_plan sp cp fsdp dp_replicate ep pp stage_tp stage_layers",
                      tp=dict(default=1, help="tensor-parallel size (of every stage, with --pp)"))  # fmt: skip
+    plan.add_argument("--dtype", default="auto", help=DTYPE_HELP + " (float32 for a run with float32 masters, "
+                      "as mixed_precision='bf16' keeps them)")
     plan.add_argument("--seq", type=int, help="a sequence length: the tokens each rank holds under --sp/--cp, and "
                       "the training step of the memory line (unset: 2048)")
     plan.add_argument("--batch", type=int, default=1, help="rows of the training step the memory line assumes")
@@ -385,10 +387,6 @@ def _add_consolidate(sub) -> None:
     merge.set_defaults(func=cmd_consolidate)
 
 
-# the commands that run under torchrun: a refusal there is answered once (refusals.py)
-UNDER_TORCHRUN = {"generate", "serve", "verify"}
-
-
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -397,9 +395,7 @@ def main(argv=None) -> int:
         if getattr(args, "model_path", "taken") is not None:  # no positional MODEL free to take it
             parser.error(f"argument --keep-quantized: {stray!r} is not one of {', '.join(KEPT_MODES)}")
         args.model_path = stray
-    if args.command in UNDER_TORCHRUN:
-        return answered_once(args.command, args.func, args)
-    return args.func(args)
+    return answered_once(args.command, args.func, args)  # a refusal as one line (from rank 0 under torchrun)
 
 
 if __name__ == "__main__":

@@ -13,8 +13,9 @@ import sys
 import time
 
 # what a refusal raises: ValueError (CheckpointError and the training state's StateError among them), an
-# unsupported combination, a path that is not there
-REFUSALS = (ValueError, NotImplementedError, FileNotFoundError)
+# unsupported combination, a path that is not there or cannot be read (transformers' OSError for a directory
+# without a config, a hub id not found offline)
+REFUSALS = (ValueError, NotImplementedError, OSError)
 GRACE_SECONDS = 3.0  # torchrun checks its ranks every 0.1 s
 
 
