@@ -157,3 +157,101 @@ def test_the_recipes_figures_are_what_plan_prints(capsys):
         assert f"{mib['weights'] / 1024:.1f}" == weights, (model, flags, line)
         if step:
             assert f"{mib['training step ~'] / 1024:.1f}" == step, (model, flags, line)
+
+
+def test_the_parallel_pictures_show_what_the_styles_do():
+    """The pictures of how each style moves data (``docs/gen_parallel_pictures.py``) read back as the code computes
+    it: each lane of the 1F1B and GPipe pictures is that stage's ``schedule.order``, no forward before the previous
+    stage's nor backward before the next's; the colwise / rowwise bands are 9 heads over 2 ranks as ``split_heads``
+    cuts them (5 and 4); the ring's coloured pairs are ``RingPlan.pairs``'s, every causal pair once over the steps;
+    the Ulysses grids split by ``token_sizes`` then ``head_spread``; each dispatched pair goes to its expert's rank."""
+    import importlib.util
+    from collections import defaultdict
+
+    from hf_parallel.core.layout import even_sizes, sizes_to_ranges
+    from hf_parallel.distributed.mesh import Mesh
+    from hf_parallel.pipeline.schedule import order
+    from hf_parallel.sequence.ring import RingPlan
+    from hf_parallel.sequence.tokens import token_layout, token_sizes
+    from hf_parallel.sequence.ulysses import head_spread
+    from hf_parallel.tensor.heads import split_heads
+
+    spec = importlib.util.spec_from_file_location("gen_parallel_pictures", ROOT / "docs" / "gen_parallel_pictures.py")
+    pictures = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pictures)
+    drawn = pictures.pictures()
+
+    def texts(svg: str, words: str) -> list[tuple[float, float, str, tuple[str, ...]]]:
+        """(x, y, colour, the groups of ``words``) of each text that reads ``words``."""
+        found = re.findall(r'<text x="([\d.]+)" y="([\d.]+)"[^>]*fill="(#\w+)">' + words + "</text>", svg)
+        return [(float(x), float(y), colour, tuple(rest)) for x, y, colour, *rest in found]
+
+    def owner(sizes, index: int) -> int:
+        return next(rank for rank, (start, stop) in enumerate(sizes_to_ranges(sizes)) if start <= index < stop)
+
+    stages, count = pictures.SCHEDULE["stages"], pictures.SCHEDULE["count"]
+    for schedule in ("1f1b", "gpipe"):
+        lanes = defaultdict(list)  # y -> (slot, step)
+        for x, y, _, (step, m) in texts(drawn[f"pp-{schedule}.svg"], r"([FB])(\d+)"):
+            lanes[y].append((int((x - pictures.SCHEDULE_LABEL) // pictures.SLOT), (step, int(m))))
+        lanes = [sorted(lane) for _, lane in sorted(lanes.items())]
+        assert [[step for _, step in lane] for lane in lanes] == [order(schedule, s, stages, count)
+                                                                  for s in range(stages)]  # fmt: skip
+        slot = {(stage, step): at for stage, lane in enumerate(lanes) for at, step in lane}
+        for (stage, (step, m)), at in slot.items():
+            waits_for = (stage - 1, ("F", m)) if step == "F" else (stage + 1, ("B", m))
+            assert waits_for not in slot or slot[waits_for] < at, (schedule, stage, step, m)
+    for stage in range(stages):  # 1F1B holds the warm-up and one more; GPipe every micro-batch
+        assert f"stage {stage}: holds at most {min(stages - stage, count)}" in drawn["pp-1f1b.svg"]
+        assert f"stage {stage}: holds at most {count}" in drawn["pp-gpipe.svg"]
+
+    split, bands = pictures.SPLIT, drawn["tp-colwise-rowwise.svg"]
+    heads = split_heads(split["num_heads"], split["num_heads"], split["head_dim"], split["tp"])
+    features = [(stop - start) * split["head_dim"] for start, stop in heads.q_ranges]
+    rects = [tuple(map(float, r)) for r in re.findall(r'<rect x="([\d.]+)" y="[\d.]+" width="([\d.]+)" '
+                                                        r'height="([\d.]+)" rx="0"', bands)]  # fmt: skip
+    colwise = [height / pictures.FEATURE for x, _, height in rects if x == rects[0][0]]
+    rowwise = [width / pictures.FEATURE for x, width, _ in rects if x != rects[0][0]]
+    assert colwise == rowwise == features == [20, 16]
+    assert "chunks(dim=0, sizes=[20,16])" in bands and "chunks(dim=1, sizes=[20,16])" in bands
+
+    cp, tokens = pictures.RING["cp"], pictures.RING["tokens"]
+    layout, computed = token_layout(tokens, 1, cp), defaultdict(set)
+    for x, y, colour, (qi, ki) in texts(drawn["cp-ring-steps.svg"], r"q(\d+) k(\d+)"):
+        rank = int((y - pictures.RING_TOP) // pictures.RING_ROW)
+        step = int((x - pictures.RING_LABEL) // pictures.RING_CELL)
+        if colour == "#fff":  # white on the sending rank's colour: computed; grey: skipped
+            computed[rank, step].add((int(qi), int(ki)))
+    for rank in range(cp):
+        plan = RingPlan(layout, Mesh.dry_run(rank=rank, cp_size=cp).cp, None, 1.0, None, None, 1)
+        for step in range(cp):
+            assert computed[rank, step] == {(qi, ki) for _, qi, _, ki, _ in plan.pairs(step)}, (rank, step)
+        met = sorted(pair for step in range(cp) for pair in computed[rank, step])
+        assert met == sorted((q, k) for q in layout.chunks_of(rank) for k in range(2 * cp) if k <= q)
+
+    u = pictures.ULYSSES
+    width = u["tokens"] * pictures.GRID
+    cells = re.findall(r'<rect x="([\d.]+)" y="([\d.]+)" width="[\d.]+" height="[\d.]+" rx="2" fill="(#\w+)"', drawn[
+        "sp-ulysses-all-to-all.svg"])  # fmt: skip
+    q_sizes = head_spread(u["num_heads"], u["num_kv_heads"], u["sp"]).q_sizes
+    for x, y, colour in cells:
+        after, column = divmod(float(x) - pictures.ULYSSES_LEFT, width + pictures.ULYSSES_GAP)
+        token, head = int(column // pictures.GRID), int((float(y) - pictures.ULYSSES_TOP) // pictures.GRID)
+        rank = owner(q_sizes, head) if after else owner(token_sizes(u["tokens"], u["sp"]), token)
+        assert colour == pictures.COLOURS[rank], (after, token, head)
+    assert len(cells) == 2 * u["tokens"] * u["num_heads"]
+
+    e = pictures.EXPERTS
+    chips = re.findall(r'fill="(#\w+)"/>\n<text[^>]*>t(\d+)→E(\d+)</text>', drawn["ep-token-dispatch.svg"])
+    assert f"chunks(dim=0, sizes=[{','.join(map(str, even_sizes(e['num_experts'], e['ep'])))}])" in drawn[
+        "ep-token-dispatch.svg"]  # fmt: skip
+    for colour, _, expert in chips:
+        assert colour == pictures.COLOURS[owner(even_sizes(e["num_experts"], e["ep"]), int(expert))]
+    sent = [(int(t), int(x)) for _, t, x in chips]
+    assert sent == [pair for routed in pictures.ROUTED
+                    for pair in sorted(((t, x) for t, chosen in enumerate(routed) for x in chosen), key=lambda p: p[1])]
+
+    assert "rank 0: HTTP app + scheduler" in drawn["serve-rank0-followers.svg"]
+    assert all(f"rank {rank}: follows" in drawn["serve-rank0-followers.svg"] for rank in (1, 2, 3))
+    assert set(drawn) == {"pp-1f1b.svg", "pp-gpipe.svg", "tp-colwise-rowwise.svg", "cp-ring-steps.svg",
+                          "sp-ulysses-all-to-all.svg", "ep-token-dispatch.svg", "serve-rank0-followers.svg"}
