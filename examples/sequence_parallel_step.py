@@ -2,6 +2,8 @@
 
     torchrun --nproc-per-node 4 examples/sequence_parallel_step.py        # tp 2 x sp 2
     SP=4 TP=1 torchrun --nproc-per-node 4 examples/sequence_parallel_step.py
+    torchrun --nproc-per-node 8 examples/sequence_parallel_step.py        # tp 2 x sp 4
+    python examples/sequence_parallel_step.py                             # one process: the same loss
 
 Every rank passes the whole batch (it is broadcast from each sequence group's first rank anyway);
 ``out.loss`` is the mean loss one process would compute, ``out.logits`` only this rank's tokens.
@@ -16,7 +18,9 @@ from hf_parallel import AutoModelForCausalLM, parallel_state
 from hf_parallel.commands.default_model import default_checkpoint
 
 path = os.environ.get("MODEL") or default_checkpoint()  # the embedded SmolLM2-135M-Instruct
-tp, sp = int(os.environ.get("TP", "2")), int(os.environ.get("SP", "2"))
+world = int(os.environ.get("WORLD_SIZE", "1"))
+tp = int(os.environ.get("TP", "2" if world >= 4 and world % 2 == 0 else "1"))  # TP=2 from 4 ranks on
+sp = int(os.environ.get("SP", str(world // tp)))  # the sequence split over the rest
 model = AutoModelForCausalLM.from_pretrained(
     path, tp_plan="auto" if tp > 1 else None, tp_size=tp, sp_size=sp, dtype=torch.float32
 )

@@ -1,7 +1,7 @@
 """Fine-tune with transformers' own Trainer, unchanged, on a parallel model.
 
-    torchrun --nproc-per-node 2 examples/train_with_trainer.py                 # FSDP=2
-    FSDP=1 CUDA_VISIBLE_DEVICES=0 python examples/train_with_trainer.py        # one process, the same losses
+    torchrun --nproc-per-node 2 examples/train_with_trainer.py                 # FSDP=2 (FSDP=N on N ranks)
+    CUDA_VISIBLE_DEVICES=0 python examples/train_with_trainer.py               # one process, the same losses
     FSDP=1 TP=2 torchrun --nproc-per-node 2 examples/train_with_trainer.py     # TP=2
     FSDP=2 TP=2 torchrun --nproc-per-node 4 examples/train_with_trainer.py     # FSDP=2 x TP=2
     FSDP=4 TP=2 torchrun --nproc-per-node 8 examples/train_with_trainer.py     # one 8-GPU node
@@ -26,12 +26,17 @@ from hf_parallel import AutoModelForCausalLM, parallel_state
 from hf_parallel.commands.default_model import default_checkpoint
 
 path = os.environ.get("MODEL") or default_checkpoint()  # the embedded SmolLM2-135M-Instruct
-fsdp, tp = int(os.environ.get("FSDP", "2")), int(os.environ.get("TP", "1"))
+world = int(os.environ.get("WORLD_SIZE", "1"))
+tp = int(os.environ.get("TP", "1"))
+fsdp = int(os.environ.get("FSDP", str(world // tp)))  # FSDP over the ranks TP leaves
+global_batch = 8  # rows a step over all data-parallel ranks: 1, 2, 4 or 8 of them divide it
+if global_batch % fsdp:
+    raise SystemExit(f"train_with_trainer.py: FSDP={fsdp} must divide the {global_batch} rows a step")
 model = AutoModelForCausalLM.from_pretrained(
     path, fsdp_size=fsdp, tp_size=tp, tp_plan="auto" if tp > 1 else None, dtype=torch.float32
 )
 tokenizer = transformers.AutoTokenizer.from_pretrained(path)
-texts = ["Tensor parallelism splits every layer.", "FSDP shards what each rank keeps between layers."] * 8
+texts = ["Tensor parallelism splits every layer.", "FSDP shards what each rank keeps between layers."] * 16
 if tokenizer.pad_token is None:  # (Llama 3's has none) rows are padded to one length
     tokenizer.pad_token = tokenizer.eos_token
 rows = [tokenizer(text, padding="max_length", max_length=16, truncation=True) for text in texts]
@@ -42,7 +47,7 @@ dataset = [
 ]  # fmt: skip
 args = transformers.TrainingArguments(
     output_dir=os.environ.get("OUT", "trainer_output"),
-    per_device_train_batch_size=4 // fsdp,  # a global batch of 4 rows, whatever the layout
+    per_device_train_batch_size=global_batch // fsdp,  # the same global batch whatever the layout
     max_steps=int(os.environ.get("STEPS", "3")),
     learning_rate=1e-5,
     max_grad_norm=1.0,

@@ -505,7 +505,7 @@ def test_the_trainer_example_resumes_at_another_layout_as_one_process_trains(tin
     """examples/train_with_trainer.py as its docstring runs it: 4 steps at TP=4 saving every 2, then resumed from
     checkpoint-2 at TP=2 x FSDP=2 (another layout reading every rank's optimizer state), with a tokenizer that has
     no pad token: every rank logs the losses the same script logs in one process, uninterrupted (the same global
-    batch of 4 rows)."""
+    batch of 8 rows)."""
     import re
     import subprocess
     import sys
