@@ -21,6 +21,7 @@ expert) pairs that may arrive, and the pairs that did arrive against the formula
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -136,7 +137,7 @@ def step_memory_measured(model, rows) -> dict:
     own = activation_bytes(model, state.mesh.tp.size, rows.numel(), rows.shape[1], torch.float32)
     return {"measured": measured, "formula": formula.total, "without_pairs": formula.total - formula.activations + own,
             "pairs_arrived": arrived, "pairs_bound": formula.expert_pairs, "peak_at": tracker.where,
-            "by_category": by_category, "formula_terms": vars(formula)}  # fmt: skip
+            "by_category": by_category, "formula_terms": dataclasses.asdict(formula)}  # fmt: skip
 
 
 def worker(kind: str, args) -> None:
