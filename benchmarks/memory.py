@@ -201,7 +201,8 @@ def measure_layout(rank: int, world: int, path: str, sizes: dict, batch: int, se
     return {
         "load": {**load, "after_load": held, "share": predicted.share, "largest_slice": predicted.largest_slice,
                  "load_peak": predicted.load_peak},  # fmt: skip
-        "step": {"measured": measured, "peak_at": tracker.where, "formula": {**dataclasses.asdict(formula), "total": formula.total}},
+        "step": {"measured": measured, "peak_at": tracker.where,
+                 "formula": {**dataclasses.asdict(formula), "total": formula.total}},
     }
 
 

@@ -142,7 +142,7 @@ RECIPE_FIGURE = re.compile(r"`hf-parallel plan (\S+) ([^`]*)` → weights \*\*([
                            r"(?:, a training step \*\*([\d.]+) GiB\*\*)? per GPU")  # fmt: skip
 
 
-@pytest.mark.distributed  # not in the pure tier: seven plans of real-size configs, about a minute
+@pytest.mark.distributed  # not in the pure tier: seven plans of real-size configs, about ten seconds
 def test_the_recipes_figures_are_what_plan_prints(capsys):
     """Each GB figure of the recipes page is what ``hf-parallel plan`` prints for its command, on the model's
     public config.json (tests/model_configs), rounded as the page rounds it."""

@@ -352,16 +352,11 @@ def test_train_step_accumulates_micro_batches_without_a_pipeline(pp_paths, tmp_p
 def test_the_pipeline_example_at_3_and_8_ranks_is_one_processs_step(tiny_smollm2):
     """examples/pipeline_step.py as written, in one process, on 3 ranks (stage 0 at TP=2, stage 1 at TP=1) and on 8
     (two stages at TP=4): every rank prints one process's 1F1B loss and greedy tokens, its stage's layers."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MODEL": tiny_smollm2}
-    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "pipeline_step.py")
+    from test_examples import run_example
+
     pattern = r"rank (\d): pp (\d)/(\d), tp \d/(\d), sp 0/1: layers (\d+)-(\d+), loss ([\d.]+), tokens (\[.*?\])"
-    found = {}
-    for ranks in (1, 3, 8):
-        launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"] if ranks > 1 else []
-        done = subprocess.run([sys.executable, *launcher, script], capture_output=True, text=True, env=env,
-                              timeout=600, cwd="/tmp")  # fmt: skip
-        assert done.returncode == 0, done.stderr[-3000:]
-        found[ranks] = re.findall(pattern, done.stdout)
+    found = {ranks: re.findall(pattern, run_example("pipeline_step.py", ranks, MODEL=tiny_smollm2))
+             for ranks in (1, 3, 8)}  # fmt: skip
     ((_, _, _, _, _, _, loss, tokens),) = found[1]
     for ranks, stage_tp in ((3, {"0": "2", "1": "1"}), (8, {"0": "4", "1": "4"})):
         assert sorted(int(rank) for rank, *_ in found[ranks]) == list(range(ranks)), found[ranks]

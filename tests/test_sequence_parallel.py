@@ -354,21 +354,14 @@ def test_plan_shows_heads_around_the_all_to_all_and_tokens_per_rank(tiny_paths):
 def test_the_training_step_example_at_8_ranks_is_one_processs_step(tiny_smollm2):
     """examples/sequence_parallel_step.py as written, in one process and on 8 ranks (its default there: TP=2 x
     SP=4 over SmolLM2's 9 / 3 heads): every rank holds its quarter of the 8 tokens and prints one process's loss."""
-    import subprocess
-    import sys
+    from test_examples import run_example
 
-    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples",
-                          "sequence_parallel_step.py")  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MODEL": tiny_smollm2}
     found = {}
     for ranks in (1, 8):
-        launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"] if ranks > 1 else []
-        done = subprocess.run([sys.executable, *launcher, script], capture_output=True, text=True, env=env,
-                              timeout=600, cwd="/tmp")  # fmt: skip
-        assert done.returncode == 0, done.stderr[-3000:]
+        stdout = run_example("sequence_parallel_step.py", ranks, MODEL=tiny_smollm2)
         # ranks print at once: their lines may interleave without a newline between them
         found[ranks] = re.findall(r"rank (\d): pp 0/1, tp \d/(\d), sp \d/(\d): loss ([\d.]+), (\d+) of 8 tokens",
-                                  done.stdout)  # fmt: skip
+                                  stdout)  # fmt: skip
     ((_, _, _, one, held),) = found[1]
     assert held == "8", found[1]
     assert sorted(rank for rank, *_ in found[8]) == [str(r) for r in range(8)], found[8]

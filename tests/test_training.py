@@ -507,36 +507,25 @@ def test_the_trainer_example_resumes_at_another_layout_as_one_process_trains(tin
     no pad token: every rank logs the losses the same script logs in one process, uninterrupted (the same global
     batch of 8 rows)."""
     import re
-    import subprocess
-    import sys
 
-    script = os.path.join(
-        os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "train_with_trainer.py"
-    )
-    from test_examples import without_pad_token
+    from test_examples import run_example, without_pad_token
 
     model = without_pad_token(tiny_smollm2, tmp_path)  # as Llama 3's tokenizer: padded with EOS, out of the loss
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MODEL": model, "STEPS": "4"}
-    torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4"]
     runs = {}
     checkpoint = tmp_path / "tp4" / "checkpoint-2"
-    for name, launcher, sizes in (
-        ("one", [], dict(FSDP="1")),
-        ("tp4", torchrun, dict(FSDP="1", TP="4", SAVE_EVERY="2")),
-        ("resumed", torchrun, dict(FSDP="2", TP="2", RESUME=str(checkpoint))),
+    for name, ranks, sizes in (
+        ("one", 1, dict(FSDP="1")),
+        ("tp4", 4, dict(FSDP="1", TP="4", SAVE_EVERY="2")),
+        ("resumed", 4, dict(FSDP="2", TP="2", RESUME=str(checkpoint))),
     ):
         if name == "resumed":  # the checkpoint's logged losses marked: a run that starts over would log its own
             state = json.loads((checkpoint / "trainer_state.json").read_text())
             for entry in (entry for entry in state["log_history"] if "loss" in entry):
                 entry["loss"] = 99.0
             (checkpoint / "trainer_state.json").write_text(json.dumps(state))
-        done = subprocess.run(
-            [sys.executable, *launcher, script], capture_output=True, text=True, timeout=600,
-            env={**env, **sizes, "OUT": str(tmp_path / name)},
-        )  # fmt: skip
-        assert done.returncode == 0, done.stderr[-3000:]
+        stdout = run_example("train_with_trainer.py", ranks, MODEL=model, STEPS="4", OUT=str(tmp_path / name), **sizes)
         runs[name] = [[float(x) for x in found.split(",")]
-                      for found in re.findall(r"rank \d: [^:]*: losses \[([-\d., ]+)\]", done.stdout)]  # fmt: skip
+                      for found in re.findall(r"rank \d: [^:]*: losses \[([-\d., ]+)\]", stdout)]  # fmt: skip
         assert os.path.isfile(tmp_path / name / "final" / "model.safetensors")
     (one,) = runs["one"]
     assert len(one) == 4 and len(runs["tp4"]) == len(runs["resumed"]) == 4, runs
